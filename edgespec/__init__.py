@@ -1,0 +1,31 @@
+"""edgespec: on-device LLM generation made faster by lossless speculative decoding.
+
+    import edgespec
+    with edgespec.Engine("smollm2-135m") as engine:
+        print(engine.generate("The capital of France is", max_tokens=16).text)
+"""
+from .errors import (  # noqa: F401
+    BackendError,
+    ContextOverflowError,
+    EdgespecError,
+    InvalidArgumentError,
+    ModelFetchError,
+    ModelFormatError,
+    ModelNotFoundError,
+    NativeError,
+)
+
+__version__ = "0.1.0"
+
+# The engine pulls in llama.cpp and the compiled C core; import it on first use
+# so that `edgespec models ...` and the registry stay light.
+_LAZY = {"Engine": "engine", "Result": "engine", "GenerationStats": "engine",
+         "SamplingParams": "sampling"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'edgespec' has no attribute {name!r}")

@@ -1,0 +1,19 @@
+"""Raw layer over the C core: ``ffi``/``lib`` from the cffi extension, and the
+one helper that turns a C status code into a typed exception."""
+from __future__ import annotations
+
+from ._core import ffi, lib  # noqa: F401  (re-exported for the wrappers)
+from .errors import NativeError, NativeInvalidArgument, NativeOutOfMemory
+
+_BY_STATUS = {
+    lib.ES_ERR_INVALID_ARG: NativeInvalidArgument,
+    lib.ES_ERR_NO_MEMORY: NativeOutOfMemory,
+}
+
+
+def check(status: int, where: str) -> int:
+    """Return ``status`` when it is ES_OK (or a non-negative count); raise otherwise."""
+    if status >= 0:
+        return status
+    text = ffi.string(lib.es_status_str(status)).decode()
+    raise _BY_STATUS.get(status, NativeError)(status, where, text)

@@ -1,0 +1,57 @@
+"""Inference backends, one module each, found by name: ``edgespec.backends.<name>``.
+
+A backend evaluates tokens into a KV cache and exposes logits rows by address;
+everything above it (sampling, verification, drafting) is backend-agnostic.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import InvalidArgumentError
+
+BACKENDS = ("llama",)
+
+
+def default_threads() -> int:
+    """Physical cores are what matters for decoding; on SMT machines with many
+    logical CPUs use half of them."""
+    n = os.cpu_count() or 1
+    return n if n <= 4 else n // 2
+
+
+class Backend(Protocol):
+    """What the engine needs from a backend.
+
+    Logits are exposed by address: ``decode`` returns where the first row of
+    (n_rows, n_vocab) float32 logits lies, valid until the next ``decode``.
+    """
+
+    name: str
+    n_vocab: int
+    n_ctx: int
+    n_batch: int
+    threads: int
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
+    def piece(self, token: int) -> bytes: ...
+    def is_eog(self, token: int) -> bool: ...
+    def token_text(self, token: int) -> str: ...
+    def metadata(self, key: str) -> str | None: ...
+    bos_token: int
+    eos_token: int
+    def decode(self, tokens: list[int], start: int, *, all_logits: bool = False, seq_id: int = 0) -> int: ...
+    def decode_tree(self, root: int, tokens: list[int], parents: list[int], start: int) -> int: ...
+    def keep_path(self, start: int, path: list[int]) -> None: ...
+    def truncate(self, n_keep: int, seq_id: int = 0) -> None: ...
+    def clear(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def open_backend(name: str, path: Path, **kwargs) -> Backend:
+    if name not in BACKENDS:
+        raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
+    module = importlib.import_module(f"{__name__}.{name}")
+    return module.BACKEND(path, **kwargs)

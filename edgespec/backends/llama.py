@@ -1,0 +1,265 @@
+"""llama.cpp backend, through llama-cpp-python's low-level C API bindings.
+
+Only llama.cpp's own objects are touched here: model, context, KV memory and
+one preallocated batch. Logits stay in llama.cpp's buffer; callers get the
+address of the first output row and hand it to the C core, so no
+vocabulary-sized row is ever copied into Python.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import llama_cpp.llama_cpp as lc
+
+from ..errors import BackendError, ContextOverflowError, ModelFormatError
+from . import default_threads
+
+
+@lc.llama_log_callback
+def _drop_log(level, text, user_data):  # llama.cpp prints nothing unless asked
+    pass
+
+
+@lc.llama_log_callback
+def _stderr_log(level, text, user_data):
+    os.write(2, text)
+
+
+_initialized = False
+
+
+def _init_once(verbose: bool) -> None:
+    global _initialized
+    lc.llama_log_set(_stderr_log if verbose else _drop_log, ctypes.c_void_p(0))
+    if not _initialized:
+        lc.llama_backend_init()
+        _initialized = True
+
+
+class LlamaBackend:
+    name = "llama"
+
+    def __init__(self, path: Path, *, n_ctx: int = 4096, n_batch: int = 512,
+                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
+                 swa_full: bool = True, verbose: bool = False):
+        _init_once(verbose)
+        self._model = self._ctx = None
+        self._batch = None
+        self.path = Path(path)
+
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = gpu_layers
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelFormatError(f"{self.path}: llama.cpp could not load this model "
+                                   "(unsupported architecture or damaged file)")
+        self._vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+
+        threads = threads or default_threads()
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        # A full-size sliding-window cache lets rejected draft positions be
+        # removed again (llama.cpp cannot roll back a trimmed SWA cache).
+        cparams.swa_full = swa_full
+        # Draft-tree branches are sequences sharing the prefix's cells; a unified
+        # cache makes llama_memory_seq_cp a tag on those cells, not a copy.
+        cparams.kv_unified = True
+        self._ctx = lc.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            self.close()
+            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self._mem = lc.llama_get_memory(self._ctx)
+        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        self.n_batch = n_batch
+        self.n_seq = n_seq
+        self.threads = threads
+        self._batch = lc.llama_batch_init(n_batch, 0, n_seq)
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- vocabulary ---------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # a negative count is the size that was needed
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token's text (control tokens render as nothing)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            n = lc.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+                cached = buf.raw[:n]
+            else:
+                cached = self._piece_buf.raw[:n]
+            self._pieces[token] = cached
+        return cached
+
+    def is_eog(self, token: int) -> bool:
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self._vocab, token))
+        return eog
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry as stored (for compatibility checks)."""
+        raw = lc.llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    @property
+    def bos_token(self) -> int:
+        return lc.llama_vocab_bos(self._vocab)
+
+    @property
+    def eos_token(self) -> int:
+        return lc.llama_vocab_eos(self._vocab)
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    # -- evaluation ---------------------------------------------------------
+
+    def decode(self, tokens: list[int], start: int, *, all_logits: bool = False, seq_id: int = 0) -> int:
+        """Evaluate ``tokens`` at positions ``start...`` of sequence ``seq_id``.
+
+        Returns the address of the first logits row, (n_rows, n_vocab) float32
+        in llama.cpp's buffer: one row per token with ``all_logits``, else the
+        last token's row alone. Valid until the next decode.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise BackendError("decode of an empty batch")
+        if start + n > self.n_ctx:
+            raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
+        if all_logits and n > self.n_batch:
+            raise BackendError(f"{n} tokens with all logits do not fit one batch of {self.n_batch}")
+        b = self._batch
+        done = 0
+        while done < n:  # prefill in chunks of n_batch
+            m = min(self.n_batch, n - done)
+            last_chunk = done + m == n
+            for i in range(m):
+                b.token[i] = tokens[done + i]
+                b.pos[i] = start + done + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq_id
+                b.logits[i] = all_logits or (last_chunk and i == m - 1)
+            b.n_tokens = m
+            rc = lc.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise BackendError(f"llama_decode failed with status {rc} "
+                                   f"({'no KV slot: context full' if rc == 1 else 'see llama.cpp log'})")
+            done += m
+        return ctypes.addressof(lc.llama_get_logits(self._ctx).contents)
+
+    def decode_tree(self, root: int, tokens: list[int], parents: list[int], start: int) -> int:
+        """Evaluate the root token at ``start`` and a draft tree below it in one
+        batch. Each leaf's path is its own sequence (ids 0..n_leaves-1) sharing
+        the prefix held by sequence 0. Returns the address of the
+        (n_nodes + 1, n_vocab) logits rows: root first, then node order."""
+        n = len(tokens)
+        children = [0] * n
+        depth = [0] * n
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+            if p >= 0:
+                children[p] += 1
+        leaves = [i for i in range(n) if children[i] == 0]
+        if len(leaves) > self.n_seq:
+            raise BackendError(f"a draft tree with {len(leaves)} leaves needs more than {self.n_seq} sequences")
+        seqs: list[list[int]] = [[] for _ in range(n)]
+        for b, leaf in enumerate(leaves):
+            node = leaf
+            while node >= 0:
+                seqs[node].append(b)
+                node = parents[node]
+        for b in range(1, len(leaves)):
+            lc.llama_memory_seq_cp(self._mem, 0, b, -1, start)
+        if start + 1 + max(depth) > self.n_ctx:
+            raise ContextOverflowError("the draft tree does not fit the context")
+        batch = self._batch
+        all_seqs = range(len(leaves))
+        for i, (tok, pos, ids) in enumerate([(root, start, all_seqs)] +
+                                           [(tokens[j], start + depth[j], seqs[j]) for j in range(n)]):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = len(ids)
+            for k, sid in enumerate(ids):
+                batch.seq_id[i][k] = sid
+            batch.logits[i] = True
+        batch.n_tokens = n + 1
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise BackendError(f"llama_decode of a draft tree failed with status {rc}")
+        self._tree_seqs = (len(leaves), seqs)
+        return ctypes.addressof(lc.llama_get_logits(self._ctx).contents)
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After decode_tree: keep the root and the accepted ``path`` (node ids)
+        in sequence 0 and drop every other branch."""
+        n_leaves, seqs = self._tree_seqs
+        end = start + 1 + len(path)
+        keep = seqs[path[-1]][0] if path else 0
+        if keep != 0:
+            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
+            lc.llama_memory_seq_cp(self._mem, keep, 0, start, end)
+        lc.llama_memory_seq_rm(self._mem, 0, end, -1)
+        for b in range(1, n_leaves):
+            lc.llama_memory_seq_rm(self._mem, b, -1, -1)
+
+    def truncate(self, n_keep: int, seq_id: int = 0) -> None:
+        """Drop positions >= n_keep from the KV cache of ``seq_id``."""
+        if not lc.llama_memory_seq_rm(self._mem, seq_id, n_keep, -1):
+            raise BackendError(f"llama.cpp cannot roll the KV cache back to {n_keep} tokens")
+
+    def clear(self) -> None:
+        lc.llama_memory_clear(self._mem, True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def close(self) -> None:
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+BACKEND = LlamaBackend

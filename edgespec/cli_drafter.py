@@ -1,0 +1,75 @@
+"""`edgespec drafter ngram`: build a static n-gram cache for the cache drafter.
+
+The corpus is tokenized with the target model's own tokenizer, loaded alone:
+llama.cpp reads the vocabulary and skips the weights, so this works for
+models of any size in a fraction of a second. Errors are raised as
+EdgespecError; edgespec.cli.main prints them as one line with exit code 2.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import llama_cpp.llama_cpp as lc
+import typer
+
+from . import registry
+from .backends.llama import _init_once
+from .cli import MODEL_HELP, drafter_app
+from .drafters.cache import N_MAX_LIMIT, build_ngram_cache
+from .errors import ModelFormatError
+
+
+class VocabTokenizer:
+    """The tokenizer of a GGUF model, without its weights (llama.cpp vocab_only)."""
+
+    def __init__(self, path: Path):
+        _init_once(False)  # llama.cpp's backend up and its log silenced, as for a full model
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        self._model = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise ModelFormatError(f"{path}: llama.cpp could not read this model's vocabulary")
+        self._vocab = lc.llama_model_get_vocab(self._model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+
+    def __call__(self, text: str) -> list[int]:
+        """Token ids of ``text`` as running text: no BOS, special tokens kept literal."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, False)
+        if n < 0:  # a negative count is the size that was needed
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, False)
+        return list(buf[:n])
+
+    def close(self) -> None:
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@drafter_app.command("ngram")
+def ngram_cmd(
+    corpus: list[Path] = typer.Argument(..., help="UTF-8 text files whose n-grams to count."),
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    out: Path = typer.Option(..., "--out", "-o", help="The cache file to write (replaced whole, never half-written)."),
+    n_max: int = typer.Option(4, "--n-max", min=1, max=N_MAX_LIMIT,
+                              help=f"Longest context counted, in tokens, [1, {N_MAX_LIMIT}]."),
+) -> None:
+    """Count the n-grams of CORPUS into a cache file for `--drafter cache --ngram-cache FILE`."""
+    path = registry.model_path_checked(model or registry.default_model())
+    t0 = time.perf_counter()
+    with VocabTokenizer(path) as tokenize:
+        stats = build_ngram_cache(tokenize, corpus, out, n_max=n_max)
+    typer.echo(f"wrote {stats['path']}: {stats['contexts']} contexts from {stats['tokens']} tokens "
+               f"in {stats['files']} file(s), n_max {stats['n_max']}, {stats['bytes'] / 1e6:.1f} MB, "
+               f"{time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,101 @@
+"""Drafters: cheap proposers of tokens that the target model verifies.
+
+A drafter is a handful of verbs (see ``Drafter``); each kind lives in its own
+module ``edgespec.drafters.<name>`` exposing ``DRAFTER`` (its class), found by
+name. The heavy data structures (n-gram index and cache, recycling matrix)
+are in the C core; these modules are thin.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from ..errors import InvalidArgumentError
+
+DRAFTERS = ("none", "ngram", "recycle", "cache", "model", "auto")
+
+
+@dataclass
+class Draft:
+    """Proposed tokens: a chain, or a tree when ``parents`` is given."""
+
+    tokens: list[int] = field(default_factory=list)  # (n_nodes)
+    parents: list[int] | None = None  # (n_nodes) parent node, -1 = under the root; None = chain
+    probs: int | None = None  # address of (n_nodes, n_vocab) float32 draft distributions, or None
+    source: str = ""  # the drafter that made it
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        """Longest root-to-leaf path: the most tokens this draft can add."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth, default=0)
+
+
+@dataclass
+class Verified:
+    """What one target step made of a draft; drafters learn from it."""
+
+    draft: Draft
+    n_accepted: int          # draft tokens accepted
+    tokens: list[int]        # tokens appended to the text: accepted, then the target's own
+    logits: int              # address of this step's (n_rows, n_vocab) target logits
+    row_tokens: list[int]    # (n_rows) the token each logits row was computed at
+
+
+@dataclass
+class DrafterConfig:
+    """What a drafter may need to set itself up; each kind reads its own fields."""
+
+    n_vocab: int
+    target: object = None            # the target backend (tokenizer checks, vocabulary)
+    draft_model: str | None = None   # model drafter: built-in name, path or hf: reference
+    ngram_cache: str | None = None   # cache drafter: a file from `edgespec drafter ngram`
+    threads: int | None = None
+    n_ctx: int = 4096
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        """A new generation starts; ``prompt`` is its whole context."""
+
+    def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Propose up to ``max_tokens`` tokens (tree nodes) following ``context``
+        (prompt + output so far; its last token is the root)."""
+
+    def accept(self, step: Verified) -> None:
+        """Learn from a verified step; ``step.tokens`` now extend the context."""
+
+    def stats(self) -> dict:
+        """Drafter-specific counters for the result's stats."""
+
+
+def open_drafter(name: str, config: DrafterConfig) -> Drafter:
+    """The drafter module called ``name`` (not "none" or "auto")."""
+    return importlib.import_module(f"{__name__}.{name}").DRAFTER(config)
+
+
+def auto_members(config: DrafterConfig) -> list[str]:
+    """What "auto" chooses among: the train-free drafters, plus the n-gram cache
+    and the draft model when the user gave them."""
+    names = ["ngram", "recycle"]
+    if config.ngram_cache:
+        names.append("cache")
+    if config.draft_model:
+        names.append("model")
+    return names
+
+
+def check_name(name: str) -> str:
+    if name not in DRAFTERS:
+        raise InvalidArgumentError(f"unknown drafter '{name}' (available: {', '.join(DRAFTERS)})")
+    return name

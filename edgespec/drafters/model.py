@@ -1,0 +1,133 @@
+"""Draft model: a small GGUF model with the target's tokenizer proposes a chain.
+
+Its KV cache persists across steps: each draft only evaluates the tokens the
+text gained since the last one (the common prefix with what the cache holds
+is kept). Under sampling it draws from its own distribution q with the
+target's sampling settings and hands q's rows to verification.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from .. import registry
+from ..backends import open_backend
+from ..errors import IncompatibleDraftModelError, InvalidArgumentError
+from ..sampling import Sampler, SamplingParams
+from . import Draft, DrafterConfig, Verified
+
+DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
+
+# Metadata that must agree between draft and target for token ids to mean the same.
+_SPECIAL = ("bos_token", "eos_token")
+
+
+def check_compatible(target, draft, draft_ref: str) -> None:
+    """Raise IncompatibleDraftModelError naming the first difference."""
+    if draft.n_vocab != target.n_vocab:
+        raise IncompatibleDraftModelError(
+            f"draft model {draft_ref} has a vocabulary of {draft.n_vocab} tokens, the target {target.n_vocab}")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
+        a, b = target.metadata(key), draft.metadata(key)
+        if a != b:
+            raise IncompatibleDraftModelError(f"draft model {draft_ref} has {key} = {b!r}, the target {a!r}")
+    for attr in _SPECIAL:
+        a, b = getattr(target, attr), getattr(draft, attr)
+        if a != b:
+            raise IncompatibleDraftModelError(f"draft model {draft_ref} has {attr} {b}, the target {a}")
+    for t in range(target.n_vocab):
+        a, b = target.token_text(t), draft.token_text(t)
+        if a != b:
+            raise IncompatibleDraftModelError(
+                f"draft model {draft_ref}: token {t} is {b!r} but the target's is {a!r}")
+
+
+class ModelDrafter:
+    name = "model"
+
+    def __init__(self, config: DrafterConfig):
+        if not config.draft_model:
+            raise InvalidArgumentError("the model drafter needs a draft model (--draft-model NAME|PATH)")
+        path = registry.model_path_checked(config.draft_model)
+        self.backend = open_backend(config.target.name, path, n_ctx=config.n_ctx,
+                                    threads=config.threads)
+        try:
+            check_compatible(config.target, self.backend, config.draft_model)
+        except Exception:
+            self.backend.close()
+            raise
+        self.n_vocab = self.backend.n_vocab
+        self._cached: list[int] = []   # tokens whose K/V the draft cache holds, in order
+        self._sampler: Sampler | None = None
+        self._probs = np.empty((0, self.n_vocab), dtype=np.float32)  # (max_draft, n_vocab) q rows
+        self.n_drafts = 0
+        self.n_evaluated = 0
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        """Draft with the target's sampling settings on an RNG stream of its own."""
+        if self._sampler is not None:
+            self._sampler.close()
+        self._sampler = Sampler(replace(params, seed=params.seed ^ DRAFT_SEED_XOR), self.n_vocab)
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def _sync(self, context: Sequence[int]) -> int:
+        """Bring the cache up to ``context``; returns the last row's logits address."""
+        keep = 0
+        limit = min(len(self._cached), len(context) - 1)  # always re-evaluate the last token
+        while keep < limit and self._cached[keep] == context[keep]:
+            keep += 1
+        if keep < len(self._cached):
+            self.backend.truncate(keep)
+            del self._cached[keep:]
+        new = list(context[keep:])
+        self.n_evaluated += len(new)
+        logits = self.backend.decode(new, keep)
+        self._cached.extend(new)
+        return logits
+
+    def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0 or len(context) + max_tokens >= self.backend.n_ctx:
+            return Draft(source=self.name)
+        self.n_drafts += 1
+        greedy = self._sampler.params.greedy
+        if not greedy and self._probs.shape[0] < max_tokens:
+            self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
+        logits = self._sync(context)
+        params = self._sampler.params
+        if params.repeat_penalty != 1.0:
+            # Refill the penalty window with the text's tail (drafts are not text).
+            for t in context[-params.repeat_last_n:]:
+                self._sampler.accept(t)
+        tokens: list[int] = []
+        for i in range(max_tokens):
+            if greedy:
+                tok = self._sampler.sample(logits)
+            else:
+                row = self._probs[i]
+                row[:] = self._sampler.probs(logits)
+                tok = self._sampler.sample(logits)
+            self._sampler.accept(tok)
+            tokens.append(tok)
+            if i + 1 < max_tokens:
+                logits = self.backend.decode([tok], len(self._cached))
+                self._cached.append(tok)
+                self.n_evaluated += 1
+        return Draft(tokens=tokens, probs=None if greedy else self._probs.ctypes.data, source=self.name)
+
+    def accept(self, step: Verified) -> None:
+        pass  # the next draft() syncs the cache with the text it is given
+
+    def stats(self) -> dict:
+        return {"drafts": self.n_drafts, "draft_tokens_evaluated": self.n_evaluated}
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+        self.backend.close()
+
+
+DRAFTER = ModelDrafter

@@ -1,0 +1,342 @@
+"""The public engine: load a model once, generate many times.
+
+    with Engine("smollm2-135m", threads=2) as engine:
+        result = engine.generate("Once upon a time", max_tokens=32)
+        for piece in engine.stream("Tell me a story", max_tokens=64):
+            print(piece, end="", flush=True)
+
+An Engine is not thread-safe: one generation at a time (serve queues requests).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from . import chat as chat_templates
+from . import registry
+from . import drafters as drafting
+from .backends import open_backend
+from .drafters import Draft, DrafterConfig, Verified
+from .errors import ContextOverflowError, InvalidArgumentError
+from .planner import Planner, batch_costs
+from .sampling import Sampler, SamplingParams
+from .text import TextStream
+
+TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
+DEFAULT_DRAFT_MAX = 16  # most draft tokens (tree nodes) per target step
+
+
+@dataclass
+class SpecStats:
+    """What speculation did during one generation."""
+
+    drafted: int = 0          # draft tokens (tree nodes) sent to the target
+    accepted: int = 0         # of those, accepted
+    target_steps: int = 0     # target forward passes after prefill
+    spec_steps: int = 0       # of those, with a draft
+    per_drafter: dict = field(default_factory=dict)   # name -> {steps, drafted, accepted}
+    planner: dict = field(default_factory=dict)
+    drafters: dict = field(default_factory=dict)      # drafter-specific counters
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per target step."""
+        return self.accepted / self.target_steps if self.target_steps else 0.0
+
+    def count(self, name: str, drafted: int, accepted: int) -> None:
+        self.target_steps += 1
+        if drafted:
+            self.spec_steps += 1
+            self.drafted += drafted
+            self.accepted += accepted
+            d = self.per_drafter.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+            d["steps"] += 1
+            d["drafted"] += drafted
+            d["accepted"] += accepted
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted"] = self.mean_accepted
+        return d
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    n_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: str = ""          # "eos", "stop", "length" or "context"
+    seed: int = 0
+    drafter: str = "none"
+    spec: SpecStats | None = None   # None for plain decoding
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens / decode time (prefill excluded)."""
+        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.spec is not None:
+            d["spec"] = self.spec.to_dict()
+        d["tokens_per_s"] = self.tokens_per_s
+        d["prefill_tokens_per_s"] = self.prefill_tokens_per_s
+        return d
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class Engine:
+    """A loaded model and its context.
+
+    ``model``: a built-in name (``edgespec models list``), a GGUF path or
+    ``hf:owner/repo/file.gguf``. ``n_ctx`` is capped at the model's training
+    context. ``gpu_layers`` offloads layers when llama.cpp was built with
+    Metal/CUDA/Vulkan.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, *, backend: str = "llama",
+                 threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
+                 gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
+                 ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+                 verbose: bool = False):
+        if threads is not None and threads <= 0:
+            raise InvalidArgumentError(f"threads must be > 0, got {threads}")
+        if n_ctx <= 0 or n_batch <= 0:
+            raise InvalidArgumentError("n_ctx and n_batch must be > 0")
+        self.model_ref = str(model) if model is not None else registry.default_model()
+        self.model_path: Path = registry.model_path_checked(self.model_ref)
+        if not 1 <= draft_max < min(n_batch, 64):
+            raise InvalidArgumentError(f"draft_max must be in [1, {min(n_batch, 64) - 1}], got {draft_max}")
+        self.drafter = drafting.check_name(drafter)
+        self.draft_max = draft_max
+        self.backend = open_backend(backend, self.model_path, n_ctx=n_ctx, n_batch=n_batch,
+                                    threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
+                                    verbose=verbose)
+        self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
+                                             draft_model=draft_model, ngram_cache=ngram_cache,
+                                             threads=threads, n_ctx=self.backend.n_ctx)
+        self._drafters: dict[str, drafting.Drafter] = {}
+        self._costs: list[float] | None = None
+        self.last_result: Result | None = None
+        if self.drafter != "none":
+            self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
+
+    def _open_drafters(self, name: str) -> list:
+        names = {"none": [], "auto": drafting.auto_members(self._drafter_config)}.get(name, [name])
+        for n in names:
+            if n not in self._drafters:
+                self._drafters[n] = drafting.open_drafter(n, self._drafter_config)
+        return [self._drafters[n] for n in names]
+
+    def batch_costs(self, remeasure: bool = False) -> list[float]:
+        """This machine's target batch cost curve (see edgespec.planner)."""
+        if self._costs is None or remeasure:
+            self._costs = batch_costs(self.backend, remeasure=remeasure)
+        return self._costs
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        for d in self._drafters.values():
+            if hasattr(d, "close"):
+                d.close()
+        self._drafters.clear()
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- text -----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.backend.tokenize(text, add_special=add_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.backend.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.backend.metadata("tokenizer.chat_template")
+
+    def render_chat(self, messages: Sequence[dict], template: str | None = None) -> str:
+        template = template or self.chat_template
+        if not template:
+            raise InvalidArgumentError(f"model {self.model_ref} has no chat template in its metadata; "
+                                       "pass a template file or use plain prompts")
+        b = self.backend
+        return chat_templates.render(template, messages, bos_token=b.token_text(b.bos_token),
+                                     eos_token=b.token_text(b.eos_token))
+
+    def _prompt_tokens(self, prompt: str | None, messages: Sequence[dict] | None) -> list[int]:
+        if messages is not None:
+            tokens = self.backend.tokenize(self.render_chat(messages), parse_special=True)
+            bos = self.backend.bos_token
+            if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
+                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+            return tokens
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidArgumentError("prompt is empty")
+        return self.backend.tokenize(prompt)
+
+    # -- generation -------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                 **options) -> Result:
+        """Generate a completion of ``prompt`` (or a reply to chat ``messages``).
+
+        Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
+        min_p, repeat_penalty, repeat_last_n, seed (random when None), stop
+        (strings), chat (wrap ``prompt`` as one user message), drafter (this
+        call's drafter instead of the engine's: none, ngram, recycle, cache,
+        model, auto).
+        """
+        for _ in self.stream(prompt, messages=messages, **options):
+            pass
+        return self.last_result
+
+    def chat(self, messages: Sequence[dict], **options) -> Result:
+        return self.generate(messages=messages, **options)
+
+    def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+               max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+               chat: bool = False, seed: int | None = None, drafter: str | None = None,
+               **sampling) -> Iterator[str]:
+        """Yield text pieces as they are generated; ``last_result`` holds the
+        whole result once the iterator is exhausted."""
+        if max_tokens <= 0:
+            raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        params = SamplingParams(seed=seed, **sampling)
+        if chat and messages is None:
+            if not prompt:
+                raise InvalidArgumentError("prompt is empty")
+            messages = [{"role": "user", "content": prompt}]
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        tokens = self._prompt_tokens(prompt, messages)
+        n_ctx = self.backend.n_ctx
+        if len(tokens) >= n_ctx:
+            raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
+                                       "(raise n_ctx or shorten the prompt)")
+        name = drafting.check_name(drafter or self.drafter)
+        members = self._open_drafters(name)
+        planner = Planner(self.batch_costs(), may_skip=name == "auto") if members else None
+        return self._generate(tokens, params, max_tokens, stop, name, members, planner)
+
+    def _choose_draft(self, drafters, planner: Planner, context: list[int], room: int) -> Draft:
+        """Ask each drafter for as much as may pay and keep the most promising draft."""
+        best, best_value = Draft(), 0.0
+        for d in drafters:
+            budget = planner.draft_budget(d.name, min(self.draft_max, room))
+            if budget <= 0:
+                continue
+            t0 = time.perf_counter()
+            draft = d.draft(context, budget)
+            planner.record_draft_time(d.name, time.perf_counter() - t0, len(draft))
+            if len(draft) and planner.worth_it(d.name, draft.depth, len(draft)):
+                value = planner.value(d.name, draft.depth, len(draft))
+                if value > best_value:
+                    best, best_value = draft, value
+        return best
+
+    def _generate(self, prompt_tokens: list[int], params: SamplingParams, max_tokens: int,
+                  stop: list[str], drafter_name: str, drafters: list, planner: Planner | None
+                  ) -> Iterator[str]:
+        """The one decoding loop: each target step evaluates the last token plus
+        a draft (possibly empty) and keeps what verification accepts."""
+        backend = self.backend
+        stats = GenerationStats(prompt_tokens=len(prompt_tokens), seed=params.seed, drafter=drafter_name)
+        spec = stats.spec = SpecStats() if drafters else None
+        out: list[int] = []
+        text = TextStream(stop)
+        context = list(prompt_tokens)
+        with Sampler(params, backend.n_vocab) as sampler:
+            for t in prompt_tokens:
+                sampler.accept(t)
+            for d in drafters:
+                if hasattr(d, "set_sampling"):
+                    d.set_sampling(params)
+                d.begin(prompt_tokens)
+            backend.clear()
+            t0 = time.perf_counter()
+            logits = backend.decode(prompt_tokens, 0)
+            t1 = time.perf_counter()
+            stats.prefill_s = t1 - t0
+            n_past = len(prompt_tokens)          # tokens whose K/V the cache holds
+            new, _ = sampler.verify(logits, [])  # the first token comes from the prompt's row
+            try:
+                while True:
+                    for token in new:
+                        if backend.is_eog(token):
+                            stats.stop_reason = "eos"
+                            break
+                        out.append(token)
+                        piece = text.push(backend.piece(token))
+                        if piece:
+                            yield piece
+                        if text.stopped:
+                            stats.stop_reason = "stop"
+                            break
+                        if len(out) >= max_tokens:
+                            stats.stop_reason = "length"
+                            break
+                    if stats.stop_reason:
+                        break
+                    context.extend(new)
+                    if n_past + 1 >= backend.n_ctx:
+                        stats.stop_reason = "context"
+                        break
+                    root = context[-1]
+                    room = min(max_tokens - len(out) - 1, backend.n_ctx - n_past - 2)
+                    draft = self._choose_draft(drafters, planner, context, room) if drafters and room > 0 else Draft()
+                    ts = time.perf_counter()
+                    if draft.parents is not None:
+                        logits = backend.decode_tree(root, draft.tokens, draft.parents, n_past)
+                    else:
+                        logits = backend.decode([root] + draft.tokens, n_past, all_logits=bool(draft.tokens))
+                    new, path = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
+                    n_acc = len(new) - 1
+                    if draft.parents is not None:
+                        backend.keep_path(n_past, path)
+                    elif n_acc < len(draft.tokens):
+                        backend.truncate(n_past + 1 + n_acc)
+                    n_past += 1 + n_acc
+                    if spec is not None:
+                        planner.record_step_time(time.perf_counter() - ts, len(draft) + 1)
+                        planner.record(draft.source or "none", draft.depth, n_acc)
+                        spec.count(draft.source, len(draft), n_acc)
+                        step = Verified(draft, n_acc, new, logits, [root] + draft.tokens)
+                        for d in drafters:
+                            d.accept(step)
+                tail = text.finish()
+                if tail:
+                    yield tail
+            finally:
+                stats.decode_s = time.perf_counter() - t1
+                stats.n_tokens = len(out)
+                if spec is not None:
+                    spec.planner = planner.summary()
+                    spec.drafters = {d.name: d.stats() for d in drafters}
+                self.last_result = Result(text=text.text, tokens=out, stats=stats)

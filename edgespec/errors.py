@@ -1,0 +1,57 @@
+"""Typed exceptions. Every failure a user can cause maps to one of these; the
+CLI turns them into a one-line message and exit code 2."""
+from __future__ import annotations
+
+
+class EdgespecError(Exception):
+    """Base class of every error edgespec raises on purpose."""
+
+
+class InvalidArgumentError(EdgespecError, ValueError):
+    """A parameter is out of range or of the wrong kind (empty prompt, top_p > 1, ...)."""
+
+
+class ModelNotFoundError(EdgespecError, LookupError):
+    """An unknown built-in model name, or a path that does not exist."""
+
+
+class ModelFormatError(EdgespecError):
+    """A model file that is not a valid GGUF (truncated, corrupt, unsupported)."""
+
+
+class ModelFetchError(EdgespecError):
+    """A model could not be downloaded or failed its checksum."""
+
+
+class ContextOverflowError(EdgespecError):
+    """The prompt (plus what must be generated) does not fit the context window."""
+
+
+class BackendError(EdgespecError):
+    """The inference backend (llama.cpp, native, onnxruntime) failed."""
+
+
+class IncompatibleDraftModelError(InvalidArgumentError):
+    """A draft model whose tokenizer differs from the target's."""
+
+
+class DrafterError(EdgespecError):
+    """A drafter's data cannot be used: an n-gram cache file that is missing,
+    unreadable or fails its checks, a corpus that is not UTF-8 text."""
+
+
+class NativeError(EdgespecError):
+    """The C core returned an error status."""
+
+    def __init__(self, status: int, where: str, text: str):
+        super().__init__(f"{where}: {text} (status {status})")
+        self.status = status
+        self.where = where
+
+
+class NativeInvalidArgument(NativeError, InvalidArgumentError):
+    pass
+
+
+class NativeOutOfMemory(NativeError, MemoryError):
+    pass

@@ -1,0 +1,136 @@
+"""Sampling parameters and the owning wrapper of the C sampler."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._native import check, ffi, lib
+from .errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature=0`` is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0            # 0: off
+    top_p: float = 1.0        # (0, 1]; 1: off
+    min_p: float = 0.0        # [0, 1); 0: off
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0 or (
+                self.temperature > 0 and self.temperature < 1e-6):
+            raise InvalidArgumentError(f"temperature must be 0 (greedy) or in [1e-6, inf), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise InvalidArgumentError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
+        if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
+            raise InvalidArgumentError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            raise InvalidArgumentError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidArgumentError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Owns one ``es_sampler``. Reads logits rows in place through their address."""
+
+    _ptr = None  # set once es_sampler_init succeeds; close() may run before that
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        c = lib.es_sampler_default_params()
+        c.temperature = params.temperature
+        c.top_k = params.top_k
+        c.top_p = params.top_p
+        c.min_p = params.min_p
+        c.repeat_penalty = params.repeat_penalty
+        c.repeat_last_n = params.repeat_last_n
+        c.seed = params.seed
+        out = ffi.new("es_sampler **")
+        check(lib.es_sampler_init(ffi.addressof(c), n_vocab, out), "es_sampler_init")
+        self._ptr = out[0]
+        self._tok = ffi.new("es_token *")
+        self.params = params
+        self.n_vocab = n_vocab
+        # Verification buffers, sized for the largest draft and grown on demand.
+        self._tree = ffi.new("es_draft_tree *")
+        self._n_out = ffi.new("int32_t *")
+        self._grow(64)
+
+    def _grow(self, n_nodes: int) -> None:
+        self._cap = n_nodes
+        self._draft_tokens = ffi.new("es_token[]", n_nodes)
+        self._draft_parents = ffi.new("int32_t[]", n_nodes)
+        self._out_tokens = ffi.new("es_token[]", n_nodes + 1)
+        self._out_path = ffi.new("int32_t[]", n_nodes)
+
+    def sample(self, logits_addr: int) -> int:
+        """Sample from the row of ``n_vocab`` floats at ``logits_addr`` (no copy)."""
+        check(lib.es_sampler_sample(self._ptr, ffi.cast("const float *", logits_addr), self._tok),
+              "es_sampler_sample")
+        return self._tok[0]
+
+    def verify(self, logits_addr: int, tokens: list[int], parents: list[int] | None = None,
+               probs_addr: int | None = None) -> tuple[list[int], list[int]]:
+        """Verify a draft against (n_nodes + 1, n_vocab) logits rows (see es_verify).
+
+        Returns (tokens to append: accepted then the target's own, accepted node ids).
+        An empty draft is plain sampling of row 0. Every returned token is
+        recorded in the penalty history.
+        """
+        n = len(tokens)
+        if n > self._cap:
+            self._grow(n)
+        tree = self._tree
+        tree.n_nodes = n
+        self._draft_tokens[0:n] = tokens
+        tree.tokens = self._draft_tokens
+        if parents is None:
+            tree.parents = ffi.NULL
+        else:
+            self._draft_parents[0:n] = parents
+            tree.parents = self._draft_parents
+        tree.probs = ffi.cast("const float *", probs_addr) if probs_addr else ffi.NULL
+        check(lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
+                            self._out_tokens, self._out_path, self._n_out), "es_verify")
+        m = self._n_out[0]
+        return ffi.unpack(self._out_tokens, m), ffi.unpack(self._out_path, m - 1)
+
+    def accept(self, token: int) -> None:
+        lib.es_sampler_accept(self._ptr, token)
+
+    def reset(self) -> None:
+        lib.es_sampler_reset(self._ptr)
+
+    def probs(self, logits_addr: int):
+        """The final distribution of one row, as a new numpy array (for tests and tools)."""
+        import numpy as np
+
+        out = np.empty(self.n_vocab, dtype=np.float32)
+        check(lib.es_sampler_probs(self._ptr, ffi.cast("const float *", logits_addr),
+                                   ffi.cast("float *", out.ctypes.data)), "es_sampler_probs")
+        return out
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            lib.es_sampler_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()

@@ -1,0 +1,58 @@
+"""Token bytes to streamed text: never splits a UTF-8 character, and holds
+back text that may turn out to be the start of a stop string."""
+from __future__ import annotations
+
+import codecs
+from typing import Sequence
+
+
+class TextStream:
+    """Feed token pieces (bytes) in; get out text that is safe to show.
+
+    ``stopped`` turns true when a stop string appears; the text before it is
+    everything that will ever be emitted.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._held = ""       # decoded text not yet emitted
+        self.text = ""        # everything emitted so far
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        if self.stopped:
+            return ""
+        self._held += self._decoder.decode(piece)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Flush what is held (an incomplete character becomes U+FFFD)."""
+        if self.stopped:
+            return ""
+        self._held += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        held = self._held
+        cut = min((i for i in (held.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._held = held[:cut], ""
+        elif final or not self._stop:
+            out, self._held = held, ""
+        else:
+            keep = self._partial_stop_len(held)
+            out, self._held = held[:len(held) - keep], held[len(held) - keep:]
+        self.text += out
+        return out
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that begins some stop string."""
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

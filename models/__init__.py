@@ -1,0 +1,1 @@
+"""Built-in model manifest (manifest.json), installed as ``edgespec.models``."""

@@ -1,0 +1,133 @@
+"""Speculative decoding end to end: identical greedy output for every drafter,
+self-speculation accepting everything, and the edge cases of a verified run."""
+from __future__ import annotations
+
+import pytest
+
+from edgespec import Engine
+from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError
+
+# Prompts with copyable content (where n-gram drafts get accepted) and without.
+PROMPTS = [
+    "Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "Write a sentence about the sea.",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+]
+DRAFTERS = ["ngram", "recycle", "auto"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    with Engine(str(smollm2_path), threads=2, n_ctx=1024) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path):
+    with Engine(str(gemma_path), threads=2, n_ctx=1024) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def self_drafted(smollm2_path):
+    with Engine(str(smollm2_path), threads=2, n_ctx=1024, drafter="model",
+                draft_model=str(smollm2_path), draft_max=4) as engine:
+        yield engine
+
+
+def _check_identical(engine, prompt, drafter, n=48, **options):
+    plain = engine.generate(prompt, max_tokens=n, drafter="none", **options)
+    spec = engine.generate(prompt, max_tokens=n, drafter=drafter, **options)
+    assert spec.tokens == plain.tokens, f"{drafter} changed the output of {prompt!r}"
+    assert spec.text == plain.text
+    assert spec.stats.stop_reason == plain.stats.stop_reason
+    return spec
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_identity_smollm2(smollm2, prompt, drafter):
+    _check_identical(smollm2, prompt, drafter)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_identity_gemma(gemma, drafter):
+    for prompt in PROMPTS[:2]:
+        _check_identical(gemma, prompt, drafter, n=32)
+
+
+def test_ngram_drafts_are_accepted_on_copy_prompts(smollm2):
+    spec = _check_identical(smollm2, PROMPTS[0], "ngram", n=64).stats.spec
+    assert spec.drafted > 0 and spec.accepted > 0
+    assert spec.mean_accepted > 0.3
+    assert spec.target_steps < 64
+
+
+def test_recycle_verifies_trees(smollm2):
+    spec = _check_identical(smollm2, PROMPTS[3], "recycle", n=48).stats.spec
+    assert spec.per_drafter["recycle"]["drafted"] > spec.per_drafter["recycle"]["steps"]  # several nodes per step
+    assert spec.accepted > 0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_self_speculation_accepts_every_draft(self_drafted, prompt):
+    spec = _check_identical(self_drafted, prompt, "model")
+    assert spec.stats.spec.drafted > 0
+    assert spec.stats.spec.acceptance_rate == 1.0
+
+
+def test_max_tokens_inside_a_draft(self_drafted):
+    for n in (1, 2, 3, 5):
+        spec = _check_identical(self_drafted, PROMPTS[0], "model", n=n)
+        assert spec.stats.n_tokens == n
+
+
+def test_end_of_generation_inside_a_draft(self_drafted):
+    spec = _check_identical(self_drafted, "What is 2+2? Answer with one number.", "model", n=64, chat=True)
+    assert spec.stats.stop_reason == "eos"
+
+
+def test_stop_string_inside_a_draft(self_drafted):
+    plain = self_drafted.generate(PROMPTS[0], max_tokens=40, drafter="none")
+    stop = plain.text.split()[4]
+    spec = _check_identical(self_drafted, PROMPTS[0], "model", n=40, stop=[stop])
+    assert spec.stats.stop_reason == "stop"
+
+
+def test_context_full_during_speculation(smollm2_path):
+    with Engine(str(smollm2_path), n_ctx=48, drafter="ngram") as engine:
+        plain = engine.generate(PROMPTS[3], max_tokens=200, drafter="none")
+        spec = engine.generate(PROMPTS[3], max_tokens=200)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.stop_reason == plain.stats.stop_reason == "context"
+
+
+def test_sampled_speculation_is_seeded_and_valid(self_drafted):
+    a = self_drafted.generate(PROMPTS[2], max_tokens=32, temperature=0.8, top_p=0.95, seed=11)
+    b = self_drafted.generate(PROMPTS[2], max_tokens=32, temperature=0.8, top_p=0.95, seed=11)
+    assert a.tokens == b.tokens
+    assert a.stats.spec.acceptance_rate > 0.5  # draft = target: q == p, rejections are rare
+
+
+def test_incompatible_draft_model_names_the_difference(smollm2_path, gemma_path):
+    with pytest.raises(IncompatibleDraftModelError, match="vocabulary of 262144 tokens, the target 49152"):
+        Engine(str(smollm2_path), drafter="model", draft_model=str(gemma_path))
+
+
+def test_model_drafter_needs_a_model(smollm2_path):
+    with pytest.raises(InvalidArgumentError, match="--draft-model"):
+        Engine(str(smollm2_path), drafter="model")
+
+
+def test_unknown_drafter(smollm2_path):
+    with pytest.raises(InvalidArgumentError, match="unknown drafter 'magic'"):
+        Engine(str(smollm2_path), drafter="magic")
+
+
+def test_spec_stats_in_result(smollm2):
+    r = smollm2.generate(PROMPTS[0], max_tokens=32, drafter="auto")
+    d = r.stats.to_dict()["spec"]
+    for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted", "target_steps", "per_drafter", "planner"):
+        assert key in d
+    assert d["target_steps"] <= r.stats.n_tokens

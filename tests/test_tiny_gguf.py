@@ -1,0 +1,62 @@
+"""The tiny random llama (tests/tiny_gguf.py) is a model llama.cpp accepts:
+it loads, tokenizes exactly like the model it took its tokenizer from, and
+produces finite, varied logits."""
+import llama_cpp
+import numpy as np
+import pytest
+
+TEXTS = ["Hello world", " Héllo, wörld!\n\t 12345 ", "<|im_start|>user\nhi<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_path):
+    return llama_cpp.Llama(model_path=str(tiny_llama_path), n_ctx=256, logits_all=True,
+                           verbose=False)
+
+
+@pytest.fixture(scope="module")
+def source(smollm2_path):
+    return llama_cpp.Llama(model_path=str(smollm2_path), n_ctx=256, vocab_only=True,
+                           verbose=False)
+
+
+def test_loads_as_llama(tiny, source):
+    assert tiny.metadata["general.architecture"] == "llama"
+    assert tiny.n_vocab() == source.n_vocab()
+    assert tiny.n_ctx() == 256
+
+
+def test_tokenizer_metadata_copied(tiny, source):
+    def tokenizer_keys(m):
+        return {k: v for k, v in m.metadata.items() if k.startswith("tokenizer.")}
+
+    assert tokenizer_keys(tiny) == tokenizer_keys(source)
+    assert (tiny.token_bos(), tiny.token_eos()) == (source.token_bos(), source.token_eos())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("special", [False, True])
+def test_tokenizes_like_source(tiny, source, text, special):
+    data = text.encode()
+    tokens = tiny.tokenize(data, add_bos=True, special=special)
+    assert tokens == source.tokenize(data, add_bos=True, special=special)
+    assert tiny.detokenize(tokens) == source.detokenize(tokens)
+
+
+def test_logits_finite_and_varied(tiny):
+    tiny.reset()
+    tokens = tiny.tokenize(b"Hello world")
+    tiny.eval(tokens)
+    logits = np.asarray(tiny.scores[:tiny.n_tokens])     # (n_tokens, n_vocab)
+    assert logits.shape == (len(tokens), tiny.n_vocab())
+    assert np.isfinite(logits).all()
+    assert (logits.std(axis=1) > 1.0).all()
+    assert len(set(logits.argmax(axis=1))) == len(tokens)  # each position prefers another token
+
+
+def test_greedy_generation_runs(tiny):
+    tiny.reset()
+    out = tiny.create_completion("Hello world", max_tokens=6, temperature=0.0)
+    assert out["usage"]["completion_tokens"] == 6
+    again = tiny.create_completion("Hello world", max_tokens=6, temperature=0.0)
+    assert again["choices"][0]["text"] == out["choices"][0]["text"]
