@@ -31,7 +31,13 @@ from edgespec import Engine, registry
 EDIT_TEXT = (
     "Our team met on monday to discuss the the new release schedule. Everyone agreed that "
     "the beta should ship in two weeks, but the documentation is not ready yet and several "
-    "bugs in the installer still needs fixing. We will meet again on friday to review progress."
+    "bugs in the installer still needs fixing. We will meet again on friday to review progress.\n\n"
+    "The marketing group has prepared a short video that explains the main features of the "
+    "product. It will be published on our website and on social media the same day as the beta. "
+    "Customers who signed up for early access will recieve an email with a download link and a "
+    "short survey about there experience.\n\n"
+    "Finally, the support team asked for more time to train new staff before the launch, because "
+    "the number of questions is expected to grow quickly once the beta is available to everyone."
 )
 EDIT_CODE = '''def total_price(items, tax):
     total = 0
@@ -47,12 +53,22 @@ def cheapest(items):
         if best is None or item["price"] < best["price"]:
             best = item
     return best
+
+
+def group_by_category(items):
+    groups = {}
+    for item in items:
+        category = item["category"]
+        if category not in groups:
+            groups[category] = []
+        groups[category].append(item)
+    return groups
 '''
 PROMPTS = {
     "edit": [
         f"Fix the spelling and grammar mistakes in this text and return the corrected text only:\n\n{EDIT_TEXT}",
-        f"Rename the variable `total` to `amount` in this Python code and return the full code:\n\n{EDIT_CODE}",
-        f"Add a docstring to each function in this Python code and return the full code:\n\n{EDIT_CODE}",
+        f"Add type hints to this Python code and return the full code:\n\n{EDIT_CODE}",
+        f"Add a comment above each loop in this Python code and return the full code:\n\n{EDIT_CODE}",
         f"Rewrite this text in British English, changing nothing else:\n\n{EDIT_TEXT}",
     ],
     "chat": [
@@ -95,7 +111,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()

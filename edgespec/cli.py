@@ -24,7 +24,7 @@ def fail(message: str) -> "typer.Exit":
 
 
 def main() -> None:
-    from . import cli_models  # noqa: F401  (registers the `models` commands)
+    from . import cli_drafter, cli_models  # noqa: F401  (register their commands)
 
     try:
         app()

@@ -136,6 +136,7 @@ class Engine:
                                              threads=threads, n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, drafting.Drafter] = {}
         self._costs: list[float] | None = None
+        self._planner: Planner | None = None
         self.last_result: Result | None = None
         if self.drafter != "none":
             self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
@@ -242,31 +243,38 @@ class Engine:
                                        "(raise n_ctx or shorten the prompt)")
         name = drafting.check_name(drafter or self.drafter)
         members = self._open_drafters(name)
-        planner = Planner(self.batch_costs(), may_skip=name == "auto") if members else None
-        return self._generate(tokens, params, max_tokens, stop, name, members, planner)
+        if members and self._planner is None:
+            self._planner = Planner(self.batch_costs())
+        return self._generate(tokens, params, max_tokens, stop, name, members)
 
-    def _choose_draft(self, drafters, planner: Planner, context: list[int], room: int) -> Draft:
-        """Ask each drafter for as much as may pay and keep the most promising draft."""
+    def _choose_draft(self, drafters, context: list[int], room: int, may_skip: bool) -> Draft:
+        """Ask each drafter for a draft and keep the part of one that pays most
+        on this machine (or nothing: a plain step)."""
+        planner = self._planner
         best, best_value = Draft(), 0.0
+        limit = min(self.draft_max, room)
         for d in drafters:
-            budget = planner.draft_budget(d.name, min(self.draft_max, room))
-            if budget <= 0:
+            ask = planner.budget(d.name, limit, may_skip) if d.costly else limit
+            if ask <= 0:
                 continue
             t0 = time.perf_counter()
-            draft = d.draft(context, budget)
-            planner.record_draft_time(d.name, time.perf_counter() - t0, len(draft))
-            if len(draft) and planner.worth_it(d.name, draft.depth, len(draft)):
-                value = planner.value(d.name, draft.depth, len(draft))
-                if value > best_value:
-                    best, best_value = draft, value
+            draft = d.draft(context, ask)
+            if d.costly:
+                planner.record_draft_time(d.name, time.perf_counter() - t0, len(draft))
+            if not len(draft):
+                continue
+            draft, value = planner.cut(draft, may_skip)
+            if len(draft) and value > best_value:
+                best, best_value = draft, value
         return best
 
     def _generate(self, prompt_tokens: list[int], params: SamplingParams, max_tokens: int,
-                  stop: list[str], drafter_name: str, drafters: list, planner: Planner | None
-                  ) -> Iterator[str]:
+                  stop: list[str], drafter_name: str, drafters: list) -> Iterator[str]:
         """The one decoding loop: each target step evaluates the last token plus
         a draft (possibly empty) and keeps what verification accepts."""
         backend = self.backend
+        planner = self._planner
+        may_skip = drafter_name == "auto"  # an explicitly chosen drafter always drafts
         stats = GenerationStats(prompt_tokens=len(prompt_tokens), seed=params.seed, drafter=drafter_name)
         spec = stats.spec = SpecStats() if drafters else None
         out: list[int] = []
@@ -305,29 +313,34 @@ class Engine:
                     if stats.stop_reason:
                         break
                     context.extend(new)
-                    if n_past + 1 >= backend.n_ctx:
+                    if len(context) >= backend.n_ctx:
                         stats.stop_reason = "context"
                         break
-                    root = context[-1]
-                    room = min(max_tokens - len(out) - 1, backend.n_ctx - n_past - 2)
-                    draft = self._choose_draft(drafters, planner, context, room) if drafters and room > 0 else Draft()
+                    # Tokens of the text not in the KV cache yet: the root (the
+                    # last one), preceded by a tree step's accepted path.
+                    pending = context[n_past:]
+                    room = min(max_tokens - len(out) - 1, backend.n_ctx - len(context) - 1,
+                               backend.n_batch - len(pending))
+                    draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
                     ts = time.perf_counter()
                     if draft.parents is not None:
-                        logits = backend.decode_tree(root, draft.tokens, draft.parents, n_past)
+                        logits = backend.decode_tree(pending, draft.tokens, draft.parents, n_past)
                     else:
-                        logits = backend.decode([root] + draft.tokens, n_past, all_logits=bool(draft.tokens))
+                        logits = backend.decode(pending + draft.tokens, n_past, logits_from=len(pending) - 1)
                     new, path = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
                     n_acc = len(new) - 1
+                    n_past += len(pending)
                     if draft.parents is not None:
-                        backend.keep_path(n_past, path)
-                    elif n_acc < len(draft.tokens):
-                        backend.truncate(n_past + 1 + n_acc)
-                    n_past += 1 + n_acc
+                        backend.drop_tree(n_past)
+                    else:
+                        n_past += n_acc
+                        if n_acc < len(draft.tokens):
+                            backend.truncate(n_past)
                     if spec is not None:
-                        planner.record_step_time(time.perf_counter() - ts, len(draft) + 1)
-                        planner.record(draft.source or "none", draft.depth, n_acc)
+                        planner.record_step_time(time.perf_counter() - ts, len(pending) + len(draft))
+                        planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
                         spec.count(draft.source, len(draft), n_acc)
-                        step = Verified(draft, n_acc, new, logits, [root] + draft.tokens)
+                        step = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
                         for d in drafters:
                             d.accept(step)
                 tail = text.finish()

@@ -6,8 +6,10 @@ the step costs on this machine. Two measurements decide it:
 * the batch cost curve ``cost[k]``: time to evaluate k tokens in one target
   batch relative to one token (k = 1..32), measured once per model file,
   backend and thread count and cached on disk;
-* acceptance, tracked online per drafter and per draft depth: alpha[d] is the
-  chance that the token at depth d is accepted given that depth d - 1 was.
+* acceptance, tracked online per kind of draft (a drafter, or a finer key it
+  gives, such as the n-gram drafter's match length) and per draft depth:
+  alpha[d] is the chance that the token at depth d is accepted given that
+  depth d - 1 was.
 
 For a draft whose longest path has depth D and which has n nodes, the expected
 tokens added are E = 1 + sum_{i<=D} prod_{j<=i} alpha[j], and the expected
@@ -19,16 +21,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import registry
+from .drafters import Draft
 
 MAX_BATCH = 33            # cost curve covers batches of 1..MAX_BATCH tokens
 COST_FILE = "batch-costs.json"
 EMA = 0.9                 # weight kept by old acceptance evidence at each update
-PRIOR_ALPHA = 0.6         # acceptance assumed before any evidence
-EXPLORE_EVERY = 24        # plain steps between probes of a drafter the planner had dropped
+PRIOR_ALPHA = 0.5         # acceptance assumed before any evidence
+EXPLORE_EVERY = 96        # plain steps between one-token probes of drafts the planner had dropped
 
 
 def _cost_key(backend) -> str:
@@ -53,7 +56,7 @@ def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[flo
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
-            backend.decode(tokens[prefix:prefix + k], prefix, all_logits=True)
+            backend.decode(tokens[prefix:prefix + k], prefix, logits_from=0)
             best = min(best, time.perf_counter() - t0)
             backend.truncate(prefix)
         times[k] = best
@@ -90,9 +93,13 @@ def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
 
 @dataclass
 class Acceptance:
-    """Per-depth acceptance of one drafter, exponentially weighted."""
+    """Per-depth acceptance of one kind of draft, exponentially weighted."""
 
-    alpha: list[float] = field(default_factory=lambda: [PRIOR_ALPHA] * MAX_BATCH)
+    prior: float = PRIOR_ALPHA
+    alpha: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.alpha = self.alpha or [self.prior] * MAX_BATCH
 
     def update(self, depth: int, n_accepted: int) -> None:
         """A draft reaching ``depth`` had its first ``n_accepted`` levels accepted."""
@@ -100,72 +107,112 @@ class Acceptance:
             hit = 1.0 if d < n_accepted else 0.0
             self.alpha[d] = EMA * self.alpha[d] + (1 - EMA) * hit
 
-    def expected_tokens(self, depth: int) -> float:
-        """1 (the target's own token) + expected accepted draft tokens."""
-        total, run = 1.0, 1.0
-        for d in range(min(depth, MAX_BATCH)):
+    def expected(self, depth: int) -> list[float]:
+        """e[d] = 1 (the target's own token) + expected accepted tokens of a
+        draft cut at depth d, for d = 0..depth."""
+        e, run = [1.0], 1.0
+        for d in range(min(depth, MAX_BATCH - 1)):
             run *= self.alpha[d]
-            total += run
-        return total
+            e.append(e[-1] + run)
+        return e
+
+
+def _cut(draft: Draft, max_depth: int) -> Draft:
+    """The part of ``draft`` no deeper than ``max_depth``."""
+    if draft.parents is None:
+        return replace(draft, tokens=draft.tokens[:max_depth])
+    depth = draft.node_depths()
+    keep = [i for i in range(len(draft.tokens)) if depth[i] <= max_depth]
+    index = {old: new for new, old in enumerate(keep)}
+    return replace(draft, tokens=[draft.tokens[i] for i in keep],
+                   parents=[index.get(draft.parents[i], -1) for i in keep])
 
 
 class Planner:
-    """Chooses, each step, whether and how much to speculate."""
+    """Chooses, each step, whether and how much to speculate. Lives as long as
+    its engine: acceptance learned in one generation serves the next."""
 
-    def __init__(self, costs: list[float], *, may_skip: bool):
+    def __init__(self, costs: list[float]):
         self.costs = costs
-        self.may_skip = may_skip       # False: an explicitly chosen drafter always drafts
         self.acceptance: dict[str, Acceptance] = {}
-        self.draft_cost: dict[str, float] = {}   # drafting time in units of one target token
-        self.t_token = None                      # seconds of one single-token target step
-        self.plain_steps = 0
-        self.choices: dict[str, int] = {}        # how often each option was taken
+        self.draft_cost: dict[str, float] = {}   # drafting time per token, in target tokens
+        self.t_token: float | None = None        # seconds of a one-token target step
+        self.plain_steps = 0                     # plain steps since the last draft
 
-    def _acc(self, name: str) -> Acceptance:
-        return self.acceptance.setdefault(name, Acceptance())
+    def _acc(self, key: str, prior: float | None = None) -> Acceptance:
+        acc = self.acceptance.get(key)
+        if acc is None:
+            acc = self.acceptance[key] = Acceptance(prior if prior is not None else PRIOR_ALPHA)
+        return acc
 
     def cost(self, n_tokens: int) -> float:
         return self.costs[min(n_tokens, MAX_BATCH)] * max(1.0, n_tokens / MAX_BATCH)
 
-    def draft_budget(self, name: str, limit: int) -> int:
-        """The most draft tokens worth asking ``name`` for (chain-shaped estimate)."""
-        acc = self._acc(name)
+    def probing(self) -> bool:
+        """Time to try a minimal draft so that acceptance estimates can recover."""
+        return self.plain_steps >= EXPLORE_EVERY
+
+    def budget(self, key: str, limit: int, may_skip: bool) -> int:
+        """How many tokens to ask a costly drafter (one that spends time per
+        token, like a draft model) for: the chain length worth the most."""
+        e = self._acc(key).expected(limit)
+        per_token = self.draft_cost.get(key, 0.0)
         best_k, best = 0, 1.0
-        for k in range(1, min(limit, MAX_BATCH - 1) + 1):
-            value = acc.expected_tokens(k) / (self.cost(k + 1) + self.draft_cost.get(name, 0.0) * k)
+        for k in range(1, len(e)):
+            value = e[k] / (self.cost(k + 1) + per_token * k)
             if value > best:
                 best_k, best = k, value
-        if best_k == 0 and not self.may_skip:
-            best_k = min(limit, 2)
-        if best_k == 0 and self.plain_steps >= EXPLORE_EVERY:
-            best_k = 1  # probe now and then so acceptance estimates can recover
+        if best_k == 0 and limit > 0 and (not may_skip or self.probing()):
+            best_k = 1 if may_skip else min(limit, 2)
         return best_k
 
-    def value(self, name: str, depth: int, n_nodes: int) -> float:
-        """Expected speed of a draft relative to plain decoding."""
-        acc = self._acc(name)
-        return acc.expected_tokens(depth) / (self.cost(n_nodes + 1) + self.draft_cost.get(name, 0.0) * n_nodes)
+    def cut(self, draft: Draft, may_skip: bool) -> tuple[Draft, float]:
+        """The most valuable part of ``draft`` (cut by depth) and its expected
+        speed relative to plain decoding (1.0). An explicitly chosen drafter
+        (may_skip False) keeps at least its first level."""
+        depths = draft.node_depths()
+        if not depths:
+            return draft, 0.0
+        key = draft.key or draft.source
+        e = self._acc(key, draft.prior).expected(max(depths))
+        per_token = self.draft_cost.get(key, 0.0)
+        marginal = self.cost(2) - self.cost(1)
+        tree = draft.parents is not None
+        n_within = [0] * (len(e) + 1)  # n_within[d]: nodes no deeper than d
+        for x in depths:
+            if x < len(n_within):
+                n_within[x] += 1
+        for d in range(1, len(n_within)):
+            n_within[d] += n_within[d - 1]
+        best_d, best = 0, 1.0
+        for d in range(1, len(e)):
+            n = n_within[d]
+            cost = self.cost(n + 1) + per_token * n
+            if tree:  # the accepted path is evaluated again with the next batch
+                cost += (e[d] - 1.0) * marginal
+            value = e[d] / cost
+            if value > best:
+                best_d, best = d, value
+        if best_d == 0:
+            if may_skip and not self.probing():
+                return Draft(source=draft.source), 0.0
+            if may_skip:  # a probe: one token is enough to learn from
+                return replace(draft, tokens=draft.tokens[:1], parents=[-1] if tree else None), 1.0
+            best_d, best = 1, 1.0
+        return _cut(draft, best_d), best
 
-    def worth_it(self, name: str, depth: int, n_nodes: int) -> bool:
-        if n_nodes == 0:
-            return False
-        if not self.may_skip or self.plain_steps >= EXPLORE_EVERY:
-            return True
-        return self.value(name, depth, n_nodes) > 1.0
-
-    def record(self, name: str, depth: int, n_accepted: int) -> None:
-        self.choices[name] = self.choices.get(name, 0) + 1
-        if name == "none":
+    def record(self, key: str, depth: int, n_accepted: int) -> None:
+        if key == "none":
             self.plain_steps += 1
             return
         self.plain_steps = 0
-        self._acc(name).update(depth, n_accepted)
+        self._acc(key).update(depth, n_accepted)
 
-    def record_draft_time(self, name: str, seconds: float, n_nodes: int) -> None:
-        if self.t_token and n_nodes:
-            per_token = seconds / self.t_token / n_nodes
-            old = self.draft_cost.get(name, per_token)
-            self.draft_cost[name] = EMA * old + (1 - EMA) * per_token
+    def record_draft_time(self, key: str, seconds: float, n_tokens: int) -> None:
+        if self.t_token and n_tokens:
+            per_token = seconds / self.t_token / n_tokens
+            old = self.draft_cost.get(key, per_token)
+            self.draft_cost[key] = EMA * old + (1 - EMA) * per_token
 
     def record_step_time(self, seconds: float, n_tokens: int) -> None:
         """A target step of ``n_tokens`` took ``seconds``: refreshes the time of one token."""
@@ -174,7 +221,6 @@ class Planner:
 
     def summary(self) -> dict:
         return {
-            "choices": dict(self.choices),
             "batch_cost": [round(c, 3) for c in self.costs[1:17]],
             "alpha": {k: [round(a, 3) for a in v.alpha[:8]] for k, v in self.acceptance.items()},
             "draft_cost": {k: round(v, 4) for k, v in self.draft_cost.items()},

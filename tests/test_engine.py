@@ -110,10 +110,11 @@ def test_prompt_longer_than_context(tiny):
 
 
 def test_context_fills_up(tiny_llama_path):
-    with Engine(str(tiny_llama_path), n_ctx=64) as engine:
-        result = engine.generate("Hello " * 20, max_tokens=200)
-    assert result.stats.stop_reason in ("context", "eos")
-    assert result.stats.prompt_tokens + result.stats.n_tokens <= 64
+    with Engine(str(tiny_llama_path), n_ctx=256) as engine:
+        result = engine.generate("Hello " * 20, max_tokens=1000)
+        n_ctx = engine.backend.n_ctx
+    assert result.stats.stop_reason == "context"
+    assert result.stats.prompt_tokens + result.stats.n_tokens == n_ctx
 
 
 def test_unknown_model():

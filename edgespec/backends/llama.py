@@ -146,44 +146,53 @@ class LlamaBackend:
 
     # -- evaluation ---------------------------------------------------------
 
-    def decode(self, tokens: list[int], start: int, *, all_logits: bool = False, seq_id: int = 0) -> int:
+    def decode(self, tokens: list[int], start: int, *, logits_from: int | None = None,
+               seq_id: int = 0) -> int:
         """Evaluate ``tokens`` at positions ``start...`` of sequence ``seq_id``.
 
         Returns the address of the first logits row, (n_rows, n_vocab) float32
-        in llama.cpp's buffer: one row per token with ``all_logits``, else the
-        last token's row alone. Valid until the next decode.
+        in llama.cpp's buffer: one row per token of ``tokens[logits_from:]``,
+        or the last token's row alone when ``logits_from`` is None. Valid
+        until the next decode.
         """
         n = len(tokens)
         if n == 0:
             raise BackendError("decode of an empty batch")
         if start + n > self.n_ctx:
             raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
-        if all_logits and n > self.n_batch:
-            raise BackendError(f"{n} tokens with all logits do not fit one batch of {self.n_batch}")
+        first_row = n - 1 if logits_from is None else logits_from
+        if n - first_row > self.n_batch or (logits_from is not None and n > self.n_batch):
+            raise BackendError(f"{n} tokens with several logits rows do not fit one batch of {self.n_batch}")
         b = self._batch
         done = 0
         while done < n:  # prefill in chunks of n_batch
             m = min(self.n_batch, n - done)
-            last_chunk = done + m == n
             for i in range(m):
                 b.token[i] = tokens[done + i]
                 b.pos[i] = start + done + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq_id
-                b.logits[i] = all_logits or (last_chunk and i == m - 1)
+                b.logits[i] = done + i >= first_row
             b.n_tokens = m
-            rc = lc.llama_decode(self._ctx, b)
-            if rc != 0:
-                raise BackendError(f"llama_decode failed with status {rc} "
-                                   f"({'no KV slot: context full' if rc == 1 else 'see llama.cpp log'})")
+            self._run(b)
             done += m
         return ctypes.addressof(lc.llama_get_logits(self._ctx).contents)
 
-    def decode_tree(self, root: int, tokens: list[int], parents: list[int], start: int) -> int:
-        """Evaluate the root token at ``start`` and a draft tree below it in one
-        batch. Each leaf's path is its own sequence (ids 0..n_leaves-1) sharing
-        the prefix held by sequence 0. Returns the address of the
-        (n_nodes + 1, n_vocab) logits rows: root first, then node order."""
+    def _run(self, batch) -> None:
+        rc = lc.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise BackendError(f"llama_decode failed with status {rc} "
+                               f"({'no KV slot: context full' if rc == 1 else 'see the llama.cpp log (--verbose)'})")
+
+    def decode_tree(self, prefix: list[int], tokens: list[int], parents: list[int], start: int) -> int:
+        """Evaluate ``prefix`` (ending with the root token) from position
+        ``start`` and a draft tree below the root, in one batch.
+
+        Each leaf's path is its own sequence (ids 0..n_leaves-1); the prefix
+        belongs to all of them. Returns the address of (n_nodes + 1, n_vocab)
+        logits rows: the root's, then the nodes' in node order. Follow with
+        ``drop_tree``.
+        """
         n = len(tokens)
         children = [0] * n
         depth = [0] * n
@@ -194,6 +203,9 @@ class LlamaBackend:
         leaves = [i for i in range(n) if children[i] == 0]
         if len(leaves) > self.n_seq:
             raise BackendError(f"a draft tree with {len(leaves)} leaves needs more than {self.n_seq} sequences")
+        root_pos = start + len(prefix) - 1
+        if root_pos + 1 + max(depth) > self.n_ctx or len(prefix) + n > self.n_batch:
+            raise ContextOverflowError("the draft tree does not fit the context or the batch")
         seqs: list[list[int]] = [[] for _ in range(n)]
         for b, leaf in enumerate(leaves):
             node = leaf
@@ -202,36 +214,29 @@ class LlamaBackend:
                 node = parents[node]
         for b in range(1, len(leaves)):
             lc.llama_memory_seq_cp(self._mem, 0, b, -1, start)
-        if start + 1 + max(depth) > self.n_ctx:
-            raise ContextOverflowError("the draft tree does not fit the context")
+        every = range(len(leaves))
+        entries = [(t, start + i, every, i == len(prefix) - 1) for i, t in enumerate(prefix)]
+        entries += [(tokens[j], root_pos + depth[j], seqs[j], True) for j in range(n)]
         batch = self._batch
-        all_seqs = range(len(leaves))
-        for i, (tok, pos, ids) in enumerate([(root, start, all_seqs)] +
-                                           [(tokens[j], start + depth[j], seqs[j]) for j in range(n)]):
+        for i, (tok, pos, ids, want_logits) in enumerate(entries):
             batch.token[i] = tok
             batch.pos[i] = pos
             batch.n_seq_id[i] = len(ids)
             for k, sid in enumerate(ids):
                 batch.seq_id[i][k] = sid
-            batch.logits[i] = True
-        batch.n_tokens = n + 1
-        rc = lc.llama_decode(self._ctx, batch)
-        if rc != 0:
-            raise BackendError(f"llama_decode of a draft tree failed with status {rc}")
-        self._tree_seqs = (len(leaves), seqs)
+            batch.logits[i] = want_logits
+        batch.n_tokens = len(entries)
+        self._tree_leaves = len(leaves)
+        self._run(batch)
         return ctypes.addressof(lc.llama_get_logits(self._ctx).contents)
 
-    def keep_path(self, start: int, path: list[int]) -> None:
-        """After decode_tree: keep the root and the accepted ``path`` (node ids)
-        in sequence 0 and drop every other branch."""
-        n_leaves, seqs = self._tree_seqs
-        end = start + 1 + len(path)
-        keep = seqs[path[-1]][0] if path else 0
-        if keep != 0:
-            lc.llama_memory_seq_rm(self._mem, 0, start, -1)
-            lc.llama_memory_seq_cp(self._mem, keep, 0, start, end)
-        lc.llama_memory_seq_rm(self._mem, 0, end, -1)
-        for b in range(1, n_leaves):
+    def drop_tree(self, n_keep: int) -> None:
+        """After decode_tree: keep positions < n_keep (the prefix) in sequence 0
+        and drop every tree node. Accepted nodes are evaluated again with the
+        next batch: llama.cpp's results depend on the order of KV cells, and
+        keeping the accepted nodes would leave them out of order."""
+        lc.llama_memory_seq_rm(self._mem, -1, n_keep, -1)
+        for b in range(1, self._tree_leaves):
             lc.llama_memory_seq_rm(self._mem, b, -1, -1)
 
     def truncate(self, n_keep: int, seq_id: int = 0) -> None:

@@ -24,19 +24,25 @@ class Draft:
     parents: list[int] | None = None  # (n_nodes) parent node, -1 = under the root; None = chain
     probs: int | None = None  # address of (n_nodes, n_vocab) float32 draft distributions, or None
     source: str = ""  # the drafter that made it
+    key: str = ""     # acceptance statistics bucket (default: source), e.g. "ngram:3"
+    prior: float | None = None  # the drafter's guess of per-token acceptance for a new key
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
-    def depth(self) -> int:
-        """Longest root-to-leaf path: the most tokens this draft can add."""
+    def node_depths(self) -> list[int]:
+        """Depth of each node: 1 for children of the root."""
         if self.parents is None:
-            return len(self.tokens)
+            return list(range(1, len(self.tokens) + 1))
         depth: list[int] = []
         for p in self.parents:
             depth.append(1 if p < 0 else depth[p] + 1)
-        return max(depth, default=0)
+        return depth
+
+    @property
+    def depth(self) -> int:
+        """Longest root-to-leaf path: the most tokens this draft can add."""
+        return len(self.tokens) if self.parents is None else max(self.node_depths(), default=0)
 
 
 @dataclass
@@ -64,6 +70,7 @@ class DrafterConfig:
 
 class Drafter(Protocol):
     name: str
+    costly: bool  # drafting spends real time per token (a draft model): ask only for what pays
 
     def begin(self, prompt: Sequence[int]) -> None:
         """A new generation starts; ``prompt`` is its whole context."""

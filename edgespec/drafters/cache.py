@@ -103,6 +103,7 @@ class NgramCache:
 
 class CacheDrafter:
     name = "cache"
+    costly = False
 
     def __init__(self, config: DrafterConfig):
         if not config.ngram_cache:

@@ -46,6 +46,7 @@ def check_compatible(target, draft, draft_ref: str) -> None:
 
 class ModelDrafter:
     name = "model"
+    costly = True
 
     def __init__(self, config: DrafterConfig):
         if not config.draft_model:

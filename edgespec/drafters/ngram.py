@@ -13,8 +13,12 @@ from typing import Sequence
 from .._native import check, ffi, lib
 from . import Draft, DrafterConfig, Verified
 
-N_MIN = 2  # a one-token match proposes too much noise to be worth a target step
-N_MAX = 5
+N_MIN = 1  # one-token matches are noisy, but the planner learns their acceptance apart
+N_MAX = 8
+KEY_MAX_MATCH = 6  # acceptance is tracked per match length 1, 2, ..., 6+
+# Acceptance expected of a match length before any evidence: a longer matched
+# suffix is likelier to be a copied run (the prompt-lookup observation).
+PRIOR_BY_MATCH = {1: 0.35, 2: 0.5, 3: 0.6, 4: 0.7, 5: 0.75, 6: 0.8}
 
 
 class NgramIndex:
@@ -66,6 +70,7 @@ class NgramIndex:
 
 class NgramDrafter:
     name = "ngram"
+    costly = False
 
     def __init__(self, config: DrafterConfig):
         self.index = NgramIndex()
@@ -101,7 +106,10 @@ class NgramDrafter:
             self.n_matches += 1
             self.match_len_sum += match_len
             self.n_drafted += len(tokens)
-        return Draft(tokens=tokens, source=self.name)
+        # A longer matched suffix predicts a longer copied run: the planner
+        # learns acceptance per match length.
+        bucket = min(match_len, KEY_MAX_MATCH)
+        return Draft(tokens=tokens, source=self.name, key=f"ngram:{bucket}", prior=PRIOR_BY_MATCH.get(bucket))
 
     def accept(self, step: Verified) -> None:
         self.index.append(step.tokens)

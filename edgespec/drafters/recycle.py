@@ -67,6 +67,7 @@ class Recycle:
 
 class RecycleDrafter:
     name = "recycle"
+    costly = False
 
     def __init__(self, config: DrafterConfig):
         # The matrix outlives generations: what followed a token in one text

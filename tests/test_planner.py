@@ -1,0 +1,76 @@
+"""The draft planner on synthetic cost curves: pure logic, no model."""
+from __future__ import annotations
+
+from edgespec.drafters import Draft
+from edgespec.planner import EXPLORE_EVERY, MAX_BATCH, Planner
+
+LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
+FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
+
+
+def chain(n, key="k"):
+    return Draft(tokens=list(range(n)), source="x", key=key)
+
+
+def test_no_speculation_when_batches_cost_as_much_as_tokens():
+    p = Planner(LINEAR)
+    for _ in range(20):
+        p.record("k", 4, 4)  # even perfect acceptance cannot pay
+    cut, value = p.cut(chain(8), may_skip=True)
+    assert len(cut) == 0 and value == 0.0
+
+
+def test_cheap_batches_and_good_acceptance_draft_deep():
+    p = Planner(FLAT)
+    for _ in range(30):
+        p.record("k", 16, 16)
+    cut, value = p.cut(chain(16), may_skip=True)
+    assert len(cut) == 16 and value > 5
+
+
+def test_acceptance_decides_depth():
+    p = Planner(FLAT)
+    for _ in range(40):
+        p.record("k", 8, 2)  # the third token is always rejected
+    cut, _ = p.cut(chain(8), may_skip=True)
+    assert len(cut) == 2 or len(cut) == 3
+
+
+def test_keys_learn_apart():
+    p = Planner([0.0] + [1.0 + 0.6 * (k - 1) for k in range(1, MAX_BATCH + 1)])
+    for _ in range(40):
+        p.record("good", 4, 4)
+        p.record("bad", 4, 0)
+    assert len(p.cut(chain(4, "good"), may_skip=True)[0]) > 0
+    assert len(p.cut(chain(4, "bad"), may_skip=True)[0]) == 0
+
+
+def test_explicit_drafter_always_drafts_and_probes_are_one_token():
+    p = Planner(LINEAR)
+    assert len(p.cut(chain(5), may_skip=False)[0]) == 1
+    for _ in range(EXPLORE_EVERY):
+        p.record("none", 0, 0)
+    probe, _ = p.cut(Draft(tokens=[5, 6, 7], parents=[-1, -1, 0], source="t"), may_skip=True)
+    assert probe.tokens == [5] and probe.parents == [-1]
+
+
+def test_tree_cut_keeps_valid_parents():
+    p = Planner(FLAT)
+    for _ in range(30):
+        p.record("t", 3, 1)  # depth 1 accepted, depth 2 rejected
+    tree = Draft(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 2, 1], source="t")
+    cut, _ = p.cut(tree, may_skip=True)
+    assert cut.tokens == [10, 11]  # depth 2 does not pay
+    assert cut.parents == [-1, -1]
+
+
+def test_budget_for_costly_drafters_counts_drafting_time():
+    p = Planner(FLAT)
+    for _ in range(30):
+        p.record("m", 8, 8)
+    assert p.budget("m", 8, may_skip=True) == 8
+    p.t_token = 1.0
+    for _ in range(50):
+        p.record_draft_time("m", 2.0, 1)  # drafting a token costs two target tokens
+    assert p.budget("m", 8, may_skip=True) == 0
+    assert p.budget("m", 8, may_skip=False) == 2
