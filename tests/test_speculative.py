@@ -132,3 +132,20 @@ def test_spec_stats_in_result(smollm2):
     for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted", "target_steps", "per_drafter", "planner"):
         assert key in d
     assert d["target_steps"] <= r.stats.n_tokens
+
+
+def test_cache_drafter_identity_and_use(smollm2_path, tmp_path):
+    from edgespec.drafters.cache import build_ngram_cache
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\n" * 20 + "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12\n" * 20)
+    with Engine(str(smollm2_path), threads=2, n_ctx=1024) as engine:
+        cache = tmp_path / "code.ngram"
+        build_ngram_cache(lambda t: engine.tokenize(t, add_special=False), [corpus], cache, progress=False)
+    with Engine(str(smollm2_path), threads=2, n_ctx=1024, drafter="cache", ngram_cache=str(cache)) as engine:
+        for prompt in PROMPTS[1:]:
+            spec = _check_identical(engine, prompt, "cache", n=32)
+        assert spec.stats.spec.drafted > 0
+        auto = _check_identical(engine, PROMPTS[3], "auto", n=32)  # auto mixes the cache in
+        assert "cache" in engine._drafters
+        assert auto.stats.drafter == "auto"
