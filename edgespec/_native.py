@@ -17,3 +17,25 @@ def check(status: int, where: str) -> int:
         return status
     text = ffi.string(lib.es_status_str(status)).decode()
     raise _BY_STATUS.get(status, NativeError)(status, where, text)
+
+
+class Owned:
+    """Base of the owning wrappers: holds one C object in ``_ptr`` and frees it
+    exactly once with the class's ``_free`` (close(), ``with``, or collection)."""
+
+    _ptr = None   # set by the subclass once its es_*_init succeeded
+    _free = None  # the lib function that frees _ptr
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            type(self)._free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()

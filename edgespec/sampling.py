@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._native import check, ffi, lib
+from ._native import Owned, check, ffi, lib
 from .errors import InvalidArgumentError
 
 
@@ -42,10 +42,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
-class Sampler:
+class Sampler(Owned):
     """Owns one ``es_sampler``. Reads logits rows in place through their address."""
 
-    _ptr = None  # set once es_sampler_init succeeds; close() may run before that
+    _free = lib.es_sampler_free
 
     def __init__(self, params: SamplingParams, n_vocab: int):
         c = lib.es_sampler_default_params()
@@ -120,17 +120,3 @@ class Sampler:
         check(lib.es_sampler_probs(self._ptr, ffi.cast("const float *", logits_addr),
                                    ffi.cast("float *", out.ctypes.data)), "es_sampler_probs")
         return out
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            lib.es_sampler_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()

@@ -17,17 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int n_failed = 0;
-
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            n_failed++;                                                    \
-        }                                                                  \
-    } while (0)
-
-#define N_ELEMS(a) ((int32_t) (sizeof(a) / sizeof((a)[0])))
+#include "check.h"
 
 /* ------------------------------------------------------------------------
  * Helpers
@@ -577,10 +567,5 @@ int main(void) {
     test_cache_bad_files();
     test_recycle();
     test_recycle_random_trees();
-    if (n_failed) {
-        fprintf(stderr, "test_drafting: %d check(s) failed\n", n_failed);
-        return 1;
-    }
-    printf("test_drafting: all checks passed\n");
-    return 0;
+    return check_report("test_drafting");
 }

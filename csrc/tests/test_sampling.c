@@ -13,19 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int n_failed = 0;
-
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            n_failed++;                                                    \
-        }                                                                  \
-    } while (0)
-
-#define CHECK_NEAR(a, b, tol) CHECK(fabs((double) (a) - (double) (b)) <= (tol))
-
-#define N_ELEMS(a) ((int32_t) (sizeof(a) / sizeof((a)[0])))
+#include "check.h"
 
 /* ------------------------------------------------------------------------
  * Helpers
@@ -547,10 +535,5 @@ int main(void) {
     test_seed_reproducibility();
     test_empirical_frequencies();
     test_draw_never_returns_zero_probability();
-    if (n_failed) {
-        fprintf(stderr, "test_sampling: %d check(s) failed\n", n_failed);
-        return 1;
-    }
-    printf("test_sampling: all checks passed\n");
-    return 0;
+    return check_report("test_sampling");
 }

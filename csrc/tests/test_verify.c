@@ -20,17 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int n_failed = 0;
-
-#define CHECK(cond)                                                        \
-    do {                                                                   \
-        if (!(cond)) {                                                     \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-            n_failed++;                                                    \
-        }                                                                  \
-    } while (0)
-
-#define N_ELEMS(a) ((int32_t) (sizeof(a) / sizeof((a)[0])))
+#include "check.h"
 
 /* ------------------------------------------------------------------------
  * Helpers
@@ -674,10 +664,5 @@ int main(void) {
     test_stat_sibling_candidates();
     test_stat_drafter_chain();
     test_self_speculation_accepts_all();
-    if (n_failed) {
-        fprintf(stderr, "test_verify: %d check(s) failed\n", n_failed);
-        return 1;
-    }
-    printf("test_verify: all checks passed\n");
-    return 0;
+    return check_report("test_verify");
 }

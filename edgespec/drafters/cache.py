@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from .._native import check, ffi, lib
+from .._native import Owned, check, ffi, lib
 from ..errors import DrafterError, InvalidArgumentError
 from . import Draft, DrafterConfig, Verified
 
@@ -26,8 +26,10 @@ MIN_SHARE = 0.3        # stop drafting where the best guess follows its context 
 CHUNK_CHARS = 8192     # corpus text is tokenized in paragraphs, split further past this size
 
 
-class NgramCache:
+class NgramCache(Owned):
     """Owns one ``es_ngram_cache``."""
+
+    _free = lib.es_ngram_cache_free
 
     def __init__(self, n_max: int = DYNAMIC_N_MAX, *, _ptr=None):
         if _ptr is None:
@@ -80,20 +82,6 @@ class NgramCache:
                                            self._out, max_tokens, min_share),
                   "es_ngram_cache_draft")
         return ffi.unpack(self._out, n)
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            lib.es_ngram_cache_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
 
 # ---------------------------------------------------------------------------

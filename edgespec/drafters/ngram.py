@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .._native import check, ffi, lib
+from .._native import Owned, check, ffi, lib
 from . import Draft, DrafterConfig, Verified
 
 N_MIN = 1  # one-token matches are noisy, but the planner learns their acceptance apart
@@ -21,8 +21,10 @@ KEY_MAX_MATCH = 6  # acceptance is tracked per match length 1, 2, ..., 6+
 PRIOR_BY_MATCH = {1: 0.35, 2: 0.5, 3: 0.6, 4: 0.7, 5: 0.75, 6: 0.8}
 
 
-class NgramIndex:
+class NgramIndex(Owned):
     """Owns one ``es_ngram_index``: the n-grams (n_min <= n <= n_max) of a growing token sequence."""
+
+    _free = lib.es_ngram_index_free
 
     def __init__(self, n_min: int = N_MIN, n_max: int = N_MAX):
         params = lib.es_ngram_index_default_params()
@@ -52,20 +54,6 @@ class NgramIndex:
         n = check(lib.es_ngram_index_draft(self._ptr, self._out, max_tokens, self._match),
                   "es_ngram_index_draft")
         return ffi.unpack(self._out, n), self._match[0]
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            lib.es_ngram_index_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
 
 class NgramDrafter:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .._native import check, ffi, lib
+from .._native import Owned, check, ffi, lib
 from . import Draft, DrafterConfig, Verified
 
 TOP_K = 8    # candidates kept per token
 BRANCH = 4   # children of the root; deeper levels halve it, down to chains
 
 
-class Recycle:
+class Recycle(Owned):
     """Owns one ``es_recycle``: the (n_vocab, k) matrix of recycled candidates."""
+
+    _free = lib.es_recycle_free
 
     def __init__(self, n_vocab: int, k: int = TOP_K):
         out = ffi.new("es_recycle **")
@@ -49,20 +51,6 @@ class Recycle:
         n = check(lib.es_recycle_draft(self._ptr, root, branch, max_depth, max_nodes,
                                        self._tokens, self._parents), "es_recycle_draft")
         return ffi.unpack(self._tokens, n), ffi.unpack(self._parents, n)
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            lib.es_recycle_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
 
 class RecycleDrafter:
