@@ -45,6 +45,7 @@ def _result_json(engine, result) -> dict:
         "tokens": result.tokens,
         "n_tokens": s.n_tokens,
         "prompt_tokens": s.prompt_tokens,
+        "cached_tokens": s.cached_tokens,
         "prefill_s": round(s.prefill_s, 6),
         "decode_s": round(s.decode_s, 6),
         "tokens_per_s": round(s.tokens_per_s, 3),

@@ -71,6 +71,7 @@ class SpecStats:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0         # prompt tokens whose K/V were reused from the previous generation
     n_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -86,7 +87,9 @@ class GenerationStats:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens evaluated (the cached ones excluded) / prefill time."""
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -137,6 +140,7 @@ class Engine:
         self._drafters: dict[str, drafting.Drafter] = {}
         self._costs: list[float] | None = None
         self._planner: Planner | None = None
+        self._kv_tokens: list[int] = []  # what the KV cache holds, in order, between generations
         self.last_result: Result | None = None
         if self.drafter != "none":
             self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
@@ -151,6 +155,7 @@ class Engine:
     def batch_costs(self, remeasure: bool = False) -> list[float]:
         """This machine's target batch cost curve (see edgespec.planner)."""
         if self._costs is None or remeasure:
+            self._kv_tokens = []  # measuring may clear the cache
             self._costs = batch_costs(self.backend, remeasure=remeasure)
         return self._costs
 
@@ -287,13 +292,26 @@ class Engine:
                 if hasattr(d, "set_sampling"):
                     d.set_sampling(params)
                 d.begin(prompt_tokens)
-            backend.clear()
+            # Reuse the K/V of the longest common prefix with the previous
+            # generation (a chat's earlier turns); the last prompt token is
+            # always evaluated, its row gives the first token.
+            kv, self._kv_tokens = self._kv_tokens, []  # unknown until this generation settles
+            reuse, limit = 0, min(len(kv), len(prompt_tokens) - 1)
+            while reuse < limit and kv[reuse] == prompt_tokens[reuse]:
+                reuse += 1
+            if reuse == 0:
+                backend.clear()
+            elif reuse < len(kv):
+                backend.truncate(reuse)
+            stats.cached_tokens = reuse
             t0 = time.perf_counter()
-            logits = backend.decode(prompt_tokens, 0)
+            logits = backend.decode(prompt_tokens[reuse:], reuse)
             t1 = time.perf_counter()
             stats.prefill_s = t1 - t0
             n_past = len(prompt_tokens)          # tokens whose K/V the cache holds
             new, _ = sampler.verify(logits, [])  # the first token comes from the prompt's row
+            context.extend(new)
+            settled = True                       # the cache holds exactly context[:n_past]
             try:
                 while True:
                     for token in new:
@@ -312,16 +330,17 @@ class Engine:
                             break
                     if stats.stop_reason:
                         break
-                    context.extend(new)
                     if len(context) >= backend.n_ctx:
                         stats.stop_reason = "context"
                         break
                     # Tokens of the text not in the KV cache yet: the root (the
                     # last one), preceded by a tree step's accepted path.
                     pending = context[n_past:]
+                    root = context[-1]
                     room = min(max_tokens - len(out) - 1, backend.n_ctx - len(context) - 1,
                                backend.n_batch - len(pending))
                     draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
+                    settled = False
                     ts = time.perf_counter()
                     if draft.parents is not None:
                         logits = backend.decode_tree(pending, draft.tokens, draft.parents, n_past)
@@ -336,17 +355,21 @@ class Engine:
                         n_past += n_acc
                         if n_acc < len(draft.tokens):
                             backend.truncate(n_past)
+                    context.extend(new)
+                    settled = True
                     if spec is not None:
                         planner.record_step_time(time.perf_counter() - ts, len(pending) + len(draft))
                         planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
                         spec.count(draft.source, len(draft), n_acc)
-                        step = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
+                        step = Verified(draft, n_acc, new, logits, [root] + draft.tokens)
                         for d in drafters:
                             d.accept(step)
                 tail = text.finish()
                 if tail:
                     yield tail
             finally:
+                if settled:
+                    self._kv_tokens = context[:n_past]
                 stats.decode_s = time.perf_counter() - t1
                 stats.n_tokens = len(out)
                 if spec is not None:

@@ -155,3 +155,21 @@ def test_lazy_public_api():
     assert edgespec.Engine is Engine
     with pytest.raises(AttributeError):
         edgespec.NoSuchThing
+
+
+def test_prompt_prefix_is_reused_from_the_cache(smollm2):
+    first = smollm2.generate("The capital of France is", max_tokens=12)
+    again = smollm2.generate("The capital of France is", max_tokens=12)
+    assert again.stats.cached_tokens == again.stats.prompt_tokens - 1
+    assert again.tokens == first.tokens
+    longer = smollm2.generate("The capital of France is Paris. The capital of Spain is", max_tokens=8)
+    assert longer.stats.cached_tokens >= len(smollm2.tokenize("The capital of France is")) - 1
+
+
+def test_chat_turns_reuse_earlier_turns(smollm2):
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    first = smollm2.generate(messages=messages, max_tokens=16)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And a vegetable?"}]
+    second = smollm2.generate(messages=messages, max_tokens=16)
+    assert second.stats.cached_tokens >= first.stats.prompt_tokens
+    assert second.stats.prompt_tokens - second.stats.cached_tokens < 30  # only the new turn is evaluated
