@@ -19,17 +19,9 @@ def check(status: int, where: str) -> int:
     raise _BY_STATUS.get(status, NativeError)(status, where, text)
 
 
-class Owned:
-    """Base of the owning wrappers: holds one C object in ``_ptr`` and frees it
-    exactly once with the class's ``_free`` (close(), ``with``, or collection)."""
-
-    _ptr = None   # set by the subclass once its es_*_init succeeded
-    _free = None  # the lib function that frees _ptr
-
-    def close(self) -> None:
-        if self._ptr is not None:
-            type(self)._free(self._ptr)
-            self._ptr = None
+class Closing:
+    """Calls ``close()`` (which must be safe to call twice) when a ``with``
+    block ends and when the object is collected."""
 
     def __enter__(self):
         return self
@@ -39,3 +31,16 @@ class Owned:
 
     def __del__(self):
         self.close()
+
+
+class Owned(Closing):
+    """Base of the owning wrappers: holds one C object in ``_ptr`` and frees it
+    exactly once with the class's ``_free``."""
+
+    _ptr = None   # set by the subclass once its es_*_init succeeded
+    _free = None  # the lib function that frees _ptr
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            type(self)._free(self._ptr)
+            self._ptr = None

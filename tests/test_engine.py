@@ -173,3 +173,9 @@ def test_chat_turns_reuse_earlier_turns(smollm2):
     second = smollm2.generate(messages=messages, max_tokens=16)
     assert second.stats.cached_tokens >= first.stats.prompt_tokens
     assert second.stats.prompt_tokens - second.stats.cached_tokens < 30  # only the new turn is evaluated
+
+
+def test_small_context_prefills_long_prompts_in_chunks(tiny_llama_path):
+    with Engine(str(tiny_llama_path), n_ctx=100) as engine:  # llama.cpp caps the batch at 100
+        result = engine.generate("word " * 180, max_tokens=4)
+    assert result.stats.prompt_tokens > 150 and result.stats.n_tokens > 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
 
+from .._native import Closing
 from ..errors import BackendError, ContextOverflowError, ModelFormatError
 from . import default_threads
 
@@ -38,15 +39,14 @@ def _init_once(verbose: bool) -> None:
         _initialized = True
 
 
-class LlamaBackend:
+class LlamaBackend(Closing):
     name = "llama"
+    _model = _ctx = _batch = None  # llama.cpp objects, freed by close() in reverse order
 
     def __init__(self, path: Path, *, n_ctx: int = 4096, n_batch: int = 512,
                  threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
                  swa_full: bool = True, verbose: bool = False):
         _init_once(verbose)
-        self._model = self._ctx = None
-        self._batch = None
         self.path = Path(path)
 
         mparams = lc.llama_model_default_params()
@@ -80,10 +80,11 @@ class LlamaBackend:
             raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self._mem = lc.llama_get_memory(self._ctx)
         self.n_ctx = lc.llama_n_ctx(self._ctx)
-        self.n_batch = n_batch
+        # llama.cpp caps the batch at the context size it was asked for.
+        self.n_batch = lc.llama_n_batch(self._ctx)
         self.n_seq = n_seq
         self.threads = threads
-        self._batch = lc.llama_batch_init(n_batch, 0, n_seq)
+        self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -246,15 +247,6 @@ class LlamaBackend:
 
     def clear(self) -> None:
         lc.llama_memory_clear(self._mem, True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
 
     def close(self) -> None:
         if self._batch is not None:
