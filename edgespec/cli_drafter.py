@@ -14,14 +14,17 @@ import llama_cpp.llama_cpp as lc
 import typer
 
 from . import registry
-from .backends.llama import _init_once
+from ._native import Closing
+from .backends.llama import _init_once, tokenize
 from .cli import MODEL_HELP, drafter_app
 from .drafters.cache import N_MAX_LIMIT, build_ngram_cache
 from .errors import ModelFormatError
 
 
-class VocabTokenizer:
+class VocabTokenizer(Closing):
     """The tokenizer of a GGUF model, without its weights (llama.cpp vocab_only)."""
+
+    _model = None  # freed by close()
 
     def __init__(self, path: Path):
         _init_once(False)  # llama.cpp's backend up and its log silenced, as for a full model
@@ -35,26 +38,12 @@ class VocabTokenizer:
 
     def __call__(self, text: str) -> list[int]:
         """Token ids of ``text`` as running text: no BOS, special tokens kept literal."""
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, False)
-        if n < 0:  # a negative count is the size that was needed
-            cap = -n
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, False)
-        return list(buf[:n])
+        return tokenize(self._vocab, text, False, False)
 
     def close(self) -> None:
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 @drafter_app.command("ngram")

@@ -31,6 +31,19 @@ def _stderr_log(level, text, user_data):
 _initialized = False
 
 
+def tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """Token ids of ``text`` under a llama.cpp vocabulary."""
+    data = text.encode("utf-8")
+    cap = len(data) + 8
+    buf = (lc.llama_token * cap)()
+    n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:  # a negative count is the size that was needed
+        cap = -n
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    return list(buf[:n])
+
+
 def _init_once(verbose: bool) -> None:
     global _initialized
     lc.llama_log_set(_stderr_log if verbose else _drop_log, ctypes.c_void_p(0))
@@ -92,15 +105,7 @@ class LlamaBackend(Closing):
     # -- vocabulary ---------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:  # a negative count is the size that was needed
-            cap = -n
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
+        return tokenize(self._vocab, text, add_special, parse_special)
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token's text (control tokens render as nothing)."""
