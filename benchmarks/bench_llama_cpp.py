@@ -34,7 +34,7 @@ ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
 def run_lookup(binary: Path, model: Path, prompt: str, n: int, threads: int, draft_max: int) -> tuple[float, float]:
     """(decode tokens/s, acceptance %) of one llama-lookup run."""
     p = subprocess.run([str(binary), "-m", str(model), "-p", prompt, "-n", str(n), "-t", str(threads),
-                        "-c", "2048", "--temp", "0", "--draft-max", str(draft_max), "--no-warmup"],
+                        "-c", "2048", "--temp", "0", "--spec-draft-n-max", str(draft_max)],
                        capture_output=True, text=True, timeout=600)
     log = p.stdout + p.stderr
     m = DECODED.search(log)
