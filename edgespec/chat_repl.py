@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -383,6 +385,10 @@ def run_chat(engine, *, system: str | None = None, template: str | None = None,
     stdout = stdout or sys.stdout
     interactive = stdin.isatty()
     colour = interactive and stdout.isatty() and not os.environ.get("NO_COLOR")
+    if interactive and threading.current_thread() is threading.main_thread():
+        # Ctrl-C must stop an answer even when we were started with SIGINT
+        # ignored (as background jobs of a non-interactive shell are).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     session = ChatSession(engine, system=system, template=template, max_tokens=max_tokens,
                           temperature=temperature, seed=seed, interactive=interactive,
                           colour=colour, out=stdout, err=stderr or sys.stderr)
