@@ -63,15 +63,13 @@ class ChatSession:
                  max_tokens: int = 512, temperature: float = 0.0, seed: int | None = None,
                  interactive: bool = True, colour: bool = False,
                  out: TextIO | None = None, err: TextIO | None = None):
-        custom = bool(template)
-        template = template or engine.chat_template
-        if not template:
+        if template:
+            engine.chat_template = template
+        if not engine.chat_template:
             raise InvalidArgumentError(f"model {engine.model_ref} has no chat template; "
                                        "pass one with --template FILE")
         if max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
-        if custom:
-            _bind_template(engine, template)
         self.engine = engine
         self.system = system or None
         self.history: list[dict] = []      # user/assistant messages, oldest first
@@ -305,18 +303,6 @@ class ChatSession:
         stream = self.out if self.interactive else self.err
         stream.write(text + "\n")
         stream.flush()
-
-
-def _bind_template(engine, custom: str) -> None:
-    """Make the engine render chats with ``custom`` instead of the model's
-    template. (Engine.stream renders with engine.render_chat; an instance
-    attribute shadows the method for this engine only.)"""
-    render = type(engine).render_chat
-
-    def render_chat(messages, template=None):
-        return render(engine, messages, template or custom)
-
-    engine.render_chat = render_chat
 
 
 # -- the loops ----------------------------------------------------------------

@@ -142,6 +142,7 @@ class Engine:
         self._planner: Planner | None = None
         self._kv_tokens: list[int] = []  # what the KV cache holds, in order, between generations
         self.last_result: Result | None = None
+        self._chat_template: str | None = None
         if self.drafter != "none":
             self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
 
@@ -184,7 +185,13 @@ class Engine:
 
     @property
     def chat_template(self) -> str | None:
-        return self.backend.metadata("tokenizer.chat_template")
+        """The Jinja chat template chats are rendered with: the one set here,
+        else the model's own (GGUF metadata), else None."""
+        return self._chat_template or self.backend.metadata("tokenizer.chat_template")
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._chat_template = template
 
     def render_chat(self, messages: Sequence[dict], template: str | None = None) -> str:
         template = template or self.chat_template

@@ -154,7 +154,7 @@ def test_custom_template_is_used(tiny, tmp_path):
         session.command(f"/save {save}")
         assert json.loads(save.read_text())["messages"] == session.messages()
     finally:
-        del tiny.render_chat  # back to the model's own template for other tests
+        tiny.chat_template = None  # back to the model's own template for other tests
 
 
 def test_oldest_turns_are_dropped_to_fit_the_context(tiny):
