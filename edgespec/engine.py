@@ -316,7 +316,7 @@ class Engine:
             t1 = time.perf_counter()
             stats.prefill_s = t1 - t0
             n_past = len(prompt_tokens)          # tokens whose K/V the cache holds
-            new, _ = sampler.verify(logits, [])  # the first token comes from the prompt's row
+            new = sampler.verify(logits, [])  # the first token comes from the prompt's row
             context.extend(new)
             settled = True                       # the cache holds exactly context[:n_past]
             try:
@@ -353,7 +353,7 @@ class Engine:
                         logits = backend.decode_tree(pending, draft.tokens, draft.parents, n_past)
                     else:
                         logits = backend.decode(pending + draft.tokens, n_past, logits_from=len(pending) - 1)
-                    new, path = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
+                    new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
                     n_acc = len(new) - 1
                     n_past += len(pending)
                     if draft.parents is not None:

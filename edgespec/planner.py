@@ -13,8 +13,9 @@ the step costs on this machine. Two measurements decide it:
 
 For a draft whose longest path has depth D and which has n nodes, the expected
 tokens added are E = 1 + sum_{i<=D} prod_{j<=i} alpha[j], and the expected
-speed relative to plain decoding is E / (cost[n + 1] + draft_cost). Plain
-decoding scores exactly 1.
+speed relative to plain decoding is E / cost[n + 1]. Plain decoding scores
+exactly 1. A costly drafter (a draft model) is asked beforehand for only as
+many tokens as pay once its own time per token is added to the cost.
 """
 from __future__ import annotations
 
@@ -173,9 +174,9 @@ class Planner:
         depths = draft.node_depths()
         if not depths:
             return draft, 0.0
-        key = draft.key or draft.source
-        e = self._acc(key, draft.prior).expected(max(depths))
-        per_token = self.draft_cost.get(key, 0.0)
+        # Drafting time is spent by now (budget() weighed it): only the
+        # target batch is left to pay for.
+        e = self._acc(draft.key or draft.source, draft.prior).expected(max(depths))
         marginal = self.cost(2) - self.cost(1)
         tree = draft.parents is not None
         n_within = [0] * (len(e) + 1)  # n_within[d]: nodes no deeper than d
@@ -187,7 +188,7 @@ class Planner:
         best_d, best = 0, 1.0
         for d in range(1, len(e)):
             n = n_within[d]
-            cost = self.cost(n + 1) + per_token * n
+            cost = self.cost(n + 1)
             if tree:  # the accepted path is evaluated again with the next batch
                 cost += (e[d] - 1.0) * marginal
             value = e[d] / cost

@@ -72,7 +72,6 @@ class Sampler(Owned):
         self._draft_tokens = ffi.new("es_token[]", n_nodes)
         self._draft_parents = ffi.new("int32_t[]", n_nodes)
         self._out_tokens = ffi.new("es_token[]", n_nodes + 1)
-        self._out_path = ffi.new("int32_t[]", n_nodes)
 
     def sample(self, logits_addr: int) -> int:
         """Sample from the row of ``n_vocab`` floats at ``logits_addr`` (no copy)."""
@@ -81,10 +80,10 @@ class Sampler(Owned):
         return self._tok[0]
 
     def verify(self, logits_addr: int, tokens: list[int], parents: list[int] | None = None,
-               probs_addr: int | None = None) -> tuple[list[int], list[int]]:
+               probs_addr: int | None = None) -> list[int]:
         """Verify a draft against (n_nodes + 1, n_vocab) logits rows (see es_verify).
 
-        Returns (tokens to append: accepted then the target's own, accepted node ids).
+        Returns the tokens to append: the accepted ones, then the target's own.
         An empty draft is plain sampling of row 0. Every returned token is
         recorded in the penalty history.
         """
@@ -102,9 +101,8 @@ class Sampler(Owned):
             tree.parents = self._draft_parents
         tree.probs = ffi.cast("const float *", probs_addr) if probs_addr else ffi.NULL
         check(lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
-                            self._out_tokens, self._out_path, self._n_out), "es_verify")
-        m = self._n_out[0]
-        return ffi.unpack(self._out_tokens, m), ffi.unpack(self._out_path, m - 1)
+                            self._out_tokens, ffi.NULL, self._n_out), "es_verify")
+        return ffi.unpack(self._out_tokens, self._n_out[0])
 
     def accept(self, token: int) -> None:
         lib.es_sampler_accept(self._ptr, token)
