@@ -34,6 +34,8 @@ typedef enum es_status {
     ES_ERR_EMPTY           = -4,  // nothing left to choose from (every logit -inf)
     ES_ERR_IO              = -5,  // a file could not be opened, read or written
     ES_ERR_FORMAT          = -6,  // a file is not of the expected format, or damaged
+    ES_ERR_UNSUPPORTED     = -7,  // a valid input this build cannot handle (architecture, weight type)
+    ES_ERR_CONTEXT_FULL    = -8,  // the KV cache has no room for the batch
 } es_status;
 
 // Text for a status code; a static string, never NULL.

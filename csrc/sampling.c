@@ -25,6 +25,8 @@ const char * es_status_str(int status) {
         case ES_ERR_EMPTY:            return "no token can be chosen (every logit is -inf or NaN)";
         case ES_ERR_IO:               return "file could not be opened, read or written";
         case ES_ERR_FORMAT:           return "file is not of the expected format or is damaged";
+        case ES_ERR_UNSUPPORTED:      return "not supported by this build (architecture or weight type)";
+        case ES_ERR_CONTEXT_FULL:     return "the KV cache has no room for the batch";
         default:                      return "unknown status";
     }
 }

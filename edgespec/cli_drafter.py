@@ -10,40 +10,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import llama_cpp.llama_cpp as lc
 import typer
 
 from . import registry
-from ._native import Closing
-from .backends.llama import _init_once, tokenize
+from .backends.vocab import Vocab
 from .cli import MODEL_HELP, drafter_app
 from .drafters.cache import N_MAX_LIMIT, build_ngram_cache
-from .errors import ModelFormatError
-
-
-class VocabTokenizer(Closing):
-    """The tokenizer of a GGUF model, without its weights (llama.cpp vocab_only)."""
-
-    _model = None  # freed by close()
-
-    def __init__(self, path: Path):
-        _init_once(False)  # llama.cpp's backend up and its log silenced, as for a full model
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        self._model = lc.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise ModelFormatError(f"{path}: llama.cpp could not read this model's vocabulary")
-        self._vocab = lc.llama_model_get_vocab(self._model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
-
-    def __call__(self, text: str) -> list[int]:
-        """Token ids of ``text`` as running text: no BOS, special tokens kept literal."""
-        return tokenize(self._vocab, text, False, False)
-
-    def close(self) -> None:
-        if self._model:
-            lc.llama_model_free(self._model)
-            self._model = None
 
 
 @drafter_app.command("ngram")
@@ -57,8 +29,9 @@ def ngram_cmd(
     """Count the n-grams of CORPUS into a cache file for `--drafter cache --ngram-cache FILE`."""
     path = registry.model_path_checked(model or registry.default_model())
     t0 = time.perf_counter()
-    with VocabTokenizer(path) as tokenize:
-        stats = build_ngram_cache(tokenize, corpus, out, n_max=n_max)
+    with Vocab.load(path) as vocab:
+        # Running text: no BOS, special tokens kept literal.
+        stats = build_ngram_cache(lambda text: vocab.tokenize(text, add_special=False), corpus, out, n_max=n_max)
     typer.echo(f"wrote {stats['path']}: {stats['contexts']} contexts from {stats['tokens']} tokens "
                f"in {stats['files']} file(s), n_max {stats['n_max']}, {stats['bytes'] / 1e6:.1f} MB, "
                f"{time.perf_counter() - t0:.1f} s")

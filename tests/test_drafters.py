@@ -277,11 +277,11 @@ def test_cli_builds_a_cache_with_the_model_tokenizer(smollm2_path, tmp_path, mon
         assert len(cache) > 10
 
     # the cache drafts the corpus's own continuation in the model's token ids
-    from edgespec.cli_drafter import VocabTokenizer
+    from edgespec.backends.vocab import Vocab
 
-    with VocabTokenizer(smollm2_path) as tokenize:
-        n_vocab = tokenize.n_vocab
-        ids = tokenize("The target model verifies the drafted tokens")
+    with Vocab.load(smollm2_path) as vocab:
+        n_vocab = vocab.n_vocab
+        ids = vocab.tokenize("The target model verifies the drafted tokens", add_special=False)
     d = open_drafter("cache", DrafterConfig(n_vocab=n_vocab, ngram_cache=str(out)))
     d.begin(ids[:3])
     assert d.draft(ids[:3], 3).tokens == ids[3:6]

@@ -8,7 +8,6 @@ vocabulary-sized row is ever copied into Python.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
@@ -16,50 +15,17 @@ import llama_cpp.llama_cpp as lc
 from .._native import Closing
 from ..errors import BackendError, ContextOverflowError, ModelFormatError
 from . import default_threads
+from .vocab import Vocab, VocabMixin, init_llama
 
 
-@lc.llama_log_callback
-def _drop_log(level, text, user_data):  # llama.cpp prints nothing unless asked
-    pass
-
-
-@lc.llama_log_callback
-def _stderr_log(level, text, user_data):
-    os.write(2, text)
-
-
-_initialized = False
-
-
-def tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
-    """Token ids of ``text`` under a llama.cpp vocabulary."""
-    data = text.encode("utf-8")
-    cap = len(data) + 8
-    buf = (lc.llama_token * cap)()
-    n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
-    if n < 0:  # a negative count is the size that was needed
-        cap = -n
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
-    return list(buf[:n])
-
-
-def _init_once(verbose: bool) -> None:
-    global _initialized
-    lc.llama_log_set(_stderr_log if verbose else _drop_log, ctypes.c_void_p(0))
-    if not _initialized:
-        lc.llama_backend_init()
-        _initialized = True
-
-
-class LlamaBackend(Closing):
+class LlamaBackend(VocabMixin, Closing):
     name = "llama"
     _model = _ctx = _batch = None  # llama.cpp objects, freed by close() in reverse order
 
     def __init__(self, path: Path, *, n_ctx: int = 4096, n_batch: int = 512,
                  threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
                  swa_full: bool = True, verbose: bool = False):
-        _init_once(verbose)
+        init_llama(verbose)
         self.path = Path(path)
 
         mparams = lc.llama_model_default_params()
@@ -68,8 +34,8 @@ class LlamaBackend(Closing):
         if not self._model:
             raise ModelFormatError(f"{self.path}: llama.cpp could not load this model "
                                    "(unsupported architecture or damaged file)")
-        self._vocab = lc.llama_model_get_vocab(self._model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self.vocab = Vocab(self._model)
+        self.n_vocab = self.vocab.n_vocab
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
 
         threads = threads or default_threads()
@@ -98,57 +64,6 @@ class LlamaBackend(Closing):
         self.n_seq = n_seq
         self.threads = threads
         self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
-        self._pieces: dict[int, bytes] = {}
-        self._eog: dict[int, bool] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
-
-    # -- vocabulary ---------------------------------------------------------
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return tokenize(self._vocab, text, add_special, parse_special)
-
-    def piece(self, token: int) -> bytes:
-        """The bytes of one token's text (control tokens render as nothing)."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            n = lc.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-                cached = buf.raw[:n]
-            else:
-                cached = self._piece_buf.raw[:n]
-            self._pieces[token] = cached
-        return cached
-
-    def is_eog(self, token: int) -> bool:
-        eog = self._eog.get(token)
-        if eog is None:
-            eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self._vocab, token))
-        return eog
-
-    def token_text(self, token: int) -> str:
-        """The vocabulary entry as stored (for compatibility checks)."""
-        raw = lc.llama_vocab_get_text(self._vocab, token)
-        return raw.decode("utf-8", "replace") if raw else ""
-
-    @property
-    def bos_token(self) -> int:
-        return lc.llama_vocab_bos(self._vocab)
-
-    @property
-    def eos_token(self) -> int:
-        return lc.llama_vocab_eos(self._vocab)
-
-    def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
 
     # -- evaluation ---------------------------------------------------------
 

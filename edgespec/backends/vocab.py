@@ -1,0 +1,162 @@
+"""A GGUF model's tokenizer and metadata through llama.cpp, shared by every backend.
+
+llama.cpp reads the vocabulary of any GGUF it knows; with ``vocab_only`` it
+skips the weights, so backends that run the weights themselves (native, onnx)
+and tools that only tokenize (``edgespec drafter ngram``) use the same
+tokenizer as the llama backend, token for token.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import llama_cpp.llama_cpp as lc
+
+from .._native import Closing
+from ..errors import ModelFormatError
+
+
+@lc.llama_log_callback
+def _drop_log(level, text, user_data):  # llama.cpp prints nothing unless asked
+    pass
+
+
+@lc.llama_log_callback
+def _stderr_log(level, text, user_data):
+    os.write(2, text)
+
+
+_initialized = False
+
+
+def init_llama(verbose: bool) -> None:
+    """Start llama.cpp's backend once per process and route its log."""
+    global _initialized
+    lc.llama_log_set(_stderr_log if verbose else _drop_log, ctypes.c_void_p(0))
+    if not _initialized:
+        lc.llama_backend_init()
+        _initialized = True
+
+
+def tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """Token ids of ``text`` under a llama.cpp vocabulary."""
+    data = text.encode("utf-8")
+    cap = len(data) + 8
+    buf = (lc.llama_token * cap)()
+    n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:  # a negative count is the size that was needed
+        cap = -n
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    return list(buf[:n])
+
+
+class Vocab(Closing):
+    """Tokenizer, token pieces and metadata of one llama.cpp model.
+
+    ``Vocab.load(path)`` owns a vocabulary-only model and frees it on close();
+    ``Vocab(model)`` borrows a loaded model, which must outlive it.
+    """
+
+    _owned = None  # llama_model loaded by load(), freed by close()
+
+    def __init__(self, model):
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    @classmethod
+    def load(cls, path: Path, *, verbose: bool = False) -> "Vocab":
+        init_llama(verbose)
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        model = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise ModelFormatError(f"{path}: llama.cpp could not read this model's vocabulary")
+        vocab = cls(model)
+        vocab._owned = model
+        return vocab
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return tokenize(self._vocab, text, add_special, parse_special)
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token's text (control tokens render as nothing)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            n = lc.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+                cached = buf.raw[:n]
+            else:
+                cached = self._piece_buf.raw[:n]
+            self._pieces[token] = cached
+        return cached
+
+    def is_eog(self, token: int) -> bool:
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self._vocab, token))
+        return eog
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry as stored (for compatibility checks)."""
+        raw = lc.llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    @property
+    def bos_token(self) -> int:
+        return lc.llama_vocab_bos(self._vocab)
+
+    @property
+    def eos_token(self) -> int:
+        return lc.llama_vocab_eos(self._vocab)
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if self._owned:
+            lc.llama_model_free(self._owned)
+            self._owned = None
+
+
+class VocabMixin:
+    """The vocabulary half of the Backend protocol, delegated to ``self.vocab``."""
+
+    vocab: Vocab
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        return self.vocab.piece(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self.vocab.is_eog(token)
+
+    def token_text(self, token: int) -> str:
+        return self.vocab.token_text(token)
+
+    def metadata(self, key: str) -> str | None:
+        return self.vocab.metadata(key)
+
+    @property
+    def bos_token(self) -> int:
+        return self.vocab.bos_token
+
+    @property
+    def eos_token(self) -> int:
+        return self.vocab.eos_token
