@@ -24,7 +24,7 @@ def fail(message: str) -> "typer.Exit":
 
 
 def main() -> None:
-    from . import cli_chat, cli_drafter, cli_models, cli_serve  # noqa: F401  (register their commands)
+    from . import cli_bench, cli_chat, cli_drafter, cli_models, cli_serve  # noqa: F401  (register their commands)
 
     try:
         app()

@@ -38,6 +38,7 @@ class SpecStats:
     target_steps: int = 0     # target forward passes after prefill
     spec_steps: int = 0       # of those, with a draft
     per_drafter: dict = field(default_factory=dict)   # name -> {steps, drafted, accepted}
+    by_length: dict = field(default_factory=dict)     # draft length -> {steps, accepted}
     planner: dict = field(default_factory=dict)
     drafters: dict = field(default_factory=dict)      # drafter-specific counters
 
@@ -60,6 +61,9 @@ class SpecStats:
             d["steps"] += 1
             d["drafted"] += drafted
             d["accepted"] += accepted
+            n = self.by_length.setdefault(drafted, {"steps": 0, "accepted": 0})
+            n["steps"] += 1
+            n["accepted"] += accepted
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -159,6 +163,11 @@ class Engine:
             self._kv_tokens = []  # measuring may clear the cache
             self._costs = batch_costs(self.backend, remeasure=remeasure)
         return self._costs
+
+    def forget_prefix(self) -> None:
+        """Make the next generation evaluate its whole prompt instead of reusing
+        the K/V of the previous one's common prefix (benchmarks time prefill so)."""
+        self._kv_tokens = []
 
     # -- lifetime -------------------------------------------------------------
 

@@ -92,6 +92,13 @@ def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
     return costs
 
 
+def speedup_ceiling(costs: list[float]) -> tuple[float, int]:
+    """The best speedup over plain decoding this cost curve allows, and the
+    draft length giving it: max over k of (k + 1) / cost[k + 1], every draft
+    token accepted (k drafted tokens and the target's own next one per step)."""
+    return max(((k + 1) / costs[k + 1], k) for k in range(1, len(costs) - 1))
+
+
 @dataclass
 class Acceptance:
     """Per-depth acceptance of one kind of draft, exponentially weighted."""

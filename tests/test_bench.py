@@ -1,0 +1,146 @@
+"""`edgespec bench`: suites, the user's prompts file, a real tiny run validated
+against the results schema, the greedy check and failing peers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from edgespec.bench import report, suites
+from edgespec.bench.peers import LlamaCppPython, PeerError
+from edgespec.bench.runner import Configuration
+from edgespec.errors import InvalidArgumentError
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "edgespec", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# -- suites -------------------------------------------------------------------
+
+
+def test_suites_load_with_sources_and_languages():
+    for name in suites.SUITES:
+        prompts = suites.load_suite(name)
+        assert prompts and all(p.suite == name and p.prompt.strip() and p.source for p in prompts)
+        assert len({p.id for p in prompts}) == len(prompts)
+    multi = suites.load_suite("multilingual")
+    human = {p.lang for p in multi if p.lang.isalpha() and len(p.lang) == 3 and p.id.startswith("translate-")}
+    code = {p.lang for p in multi if not p.chat and not p.id[len("continue-"):] in human}
+    assert len(human) >= 38 and len(code) >= 20
+    assert {p.lang for p in suites.load_suite("code")} == {"python"}
+
+
+def test_select_filters_languages_and_spreads_the_limit():
+    got = suites.select(["multilingual"], langs=["deu", "jpn"])
+    assert {p.lang for p in got} == {"deu", "jpn"} and len(got) == 4
+    spread = suites.select(["multilingual", "chat"], limit=3)
+    assert [p.suite for p in spread] == ["multilingual"] * 3 + ["chat"] * 3
+    assert len({p.lang for p in spread if p.suite == "multilingual"}) == 3  # not the first 3 of one language
+    with pytest.raises(InvalidArgumentError, match="unknown language 'xx'"):
+        suites.select(["chat"], langs=["xx"])
+    with pytest.raises(InvalidArgumentError, match="unknown suite 'poems'"):
+        suites.select(["poems"])
+    with pytest.raises(InvalidArgumentError, match="--limit must be > 0"):
+        suites.select(["chat"], limit=0)
+
+
+def test_prompts_file(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Hello there", "lang": "eng"}\n\n{"prompt": "def f(x):", "chat": false, "id": "f"}\n')
+    got = suites.select([], prompts_file=f)
+    assert [(p.id, p.lang, p.chat) for p in got] == [("line-1", "eng", True), ("f", "und", False)]
+    assert [p.id for p in suites.select([], prompts_file=f, langs=["eng"])] == ["line-1"]
+    f.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
+    with pytest.raises(InvalidArgumentError, match="line 2"):
+        suites.load_prompts_file(f)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suite", "poems"], "unknown suite 'poems'"),
+    (["--drafters", "none,magic"], "unknown drafter 'magic'"),
+    (["--langs", "klingon"], "unknown language 'klingon'"),
+    (["--limit", "0"], "--limit must be > 0"),
+    (["--prompts", "/nonexistent/p.jsonl"], "no such file"),
+    (["--drafters", "model"], "needs --draft-model"),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    p = run_cli(*args, "--out", "/nonexistent-never-written")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
+    assert message in p.stderr
+
+
+def test_bad_jsonl_names_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n{"prompt": "broken"\n')
+    p = run_cli("--prompts", str(f), "--out", str(tmp_path / "out"))
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: ") and "line 2" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+# -- real runs on smollm2-135m -------------------------------------------------
+
+TINY = ["--model", "smollm2-135m", "--suite", "chat", "--limit", "1", "--max-tokens", "6", "--repeats", "1",
+        "--drafters", "none,ngram", "--threads", "2", "--no-progress"]
+
+
+def test_tiny_run_writes_valid_results(smollm2_path, tmp_path):
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    out = tmp_path / "out"
+    p = run_cli(*TINY, "--peers", "llama-cpp-python,llama.cpp:lookup", "--llama-cpp-bin", str(empty_bin),
+                "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    jsonschema.validate(doc, report.schema())
+    ids = [c["id"] for c in doc["configurations"]]
+    assert ids == ["edgespec:none/greedy", "edgespec:ngram/greedy", "llama-cpp-python/greedy"]
+    ngram = doc["configurations"][1]
+    assert ngram["runs"] == 1 and ngram["greedy_runs_checked"] == 1 and ngram["speedup"] > 0
+    assert doc["greedy_mismatches"] == {"edgespec:ngram/greedy": 0}
+    assert doc["configurations"][2]["decode_tokens_per_s"] > 0
+    # A peer that cannot run is reported with its reason, not dropped.
+    assert doc["peers"]["llama.cpp:lookup"]["status"] == "failed"
+    assert "llama-lookup not found" in doc["peers"]["llama.cpp:lookup"]["error"]
+    assert doc["ceiling"]["speedup"] > 1 and doc["hardware"]["threads"] == 2
+    md = (out / "results.md").read_text()
+    assert "| edgespec:ngram | greedy |" in md and "llama.cpp:lookup: " in md
+    for name in report.PLOTS:
+        assert (out / name).read_bytes().startswith(PNG)
+
+
+def test_mismatch_and_failing_peer_exit_nonzero(smollm2_path, tmp_path, monkeypatch):
+    real_run = Configuration.run
+
+    def corrupt(self, prompt, max_tokens, sampling):
+        r = real_run(self, prompt, max_tokens, sampling)
+        if self.drafter == "ngram":
+            r.tokens = r.tokens[:3] + [r.tokens[3] + 1] + r.tokens[4:]
+        return r
+
+    def broken(self, text, max_tokens, sampling):
+        raise PeerError("create_completion failed: boom")
+
+    monkeypatch.setattr(Configuration, "run", corrupt)
+    monkeypatch.setattr(LlamaCppPython, "run", broken)
+    from edgespec import cli_bench  # noqa: F401  (registers the command)
+    from edgespec.cli import app
+    result = CliRunner().invoke(app, ["bench", *TINY, "--peers", "llama-cpp-python", "--out", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    doc = json.loads((tmp_path / "results.json").read_text())
+    jsonschema.validate(doc, report.schema())
+    assert doc["greedy_mismatches"] == {"edgespec:ngram/greedy": 1}
+    (d,) = doc["divergences"]
+    assert d["output_position"] == 3 and d["context_position"] == doc["runs"][0]["prompt_tokens"] + 3
+    peer = doc["configurations"][-1]
+    assert peer["status"] == "failed" and "boom" in peer["error"] and peer["runs"] == 0
+    assert doc["peers"]["llama-cpp-python"] == {"status": "failed", "error": "create_completion failed: boom"}
