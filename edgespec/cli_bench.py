@@ -45,6 +45,9 @@ def bench(
                               "llama-cpp-python:prompt-lookup, llama.cpp, llama.cpp:lookup, llama.cpp:speculative."),
     llama_cpp_bin: Path = typer.Option(None, "--llama-cpp-bin", help="Folder with llama.cpp's llama-completion or "
                                        "llama-simple, llama-lookup, llama-speculative-simple."),
+    remeasure_costs: bool = typer.Option(True, "--remeasure-costs/--cached-costs",
+                                         help="Measure the batch cost curve (the ceiling, auto's planner) "
+                                              "at the start, or use the one cached from earlier."),
     quick: bool = typer.Option(False, "--quick", help="One prompt per suite, 48 tokens, drafters none,ngram,auto, "
                                "one repeat: a smoke run (about a minute on 2 cores)."),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for results.json, results.md and the plots."),
@@ -63,12 +66,13 @@ def bench(
         limit=limit, prompts_file=prompts, drafters=_list(drafters) or ["none"], draft_model=draft_model,
         ngram_cache=ngram_cache, modes=_list(modes) or [], max_tokens=max_tokens, repeats=repeats,
         peers=None if peers == "auto" else ([] if peers == "none" else _list(peers)),
-        llama_cpp_bin=llama_cpp_bin, temperature=temperature, top_p=top_p, seed=seed, n_ctx=n_ctx, quick=quick)
+        llama_cpp_bin=llama_cpp_bin, temperature=temperature, top_p=top_p, seed=seed, n_ctx=n_ctx,
+        remeasure_costs=remeasure_costs, quick=quick)
     if not options.suites and prompts is None:
         raise InvalidArgumentError("--suite is empty")
     if not options.modes:
         raise InvalidArgumentError("--modes is empty")
-    doc = run_bench(options, out, progress=progress)
+    doc = run_bench(options, progress=progress)
     files, no_plots = report.write(doc, out)
     typer.echo(report.markdown(doc))
     if no_plots:

@@ -90,7 +90,7 @@ def test_bad_jsonl_names_the_line(tmp_path):
 # -- real runs on smollm2-135m -------------------------------------------------
 
 TINY = ["--model", "smollm2-135m", "--suite", "chat", "--limit", "1", "--max-tokens", "6", "--repeats", "1",
-        "--drafters", "none,ngram", "--threads", "2", "--no-progress"]
+        "--drafters", "none,ngram", "--threads", "2", "--cached-costs", "--no-progress"]
 
 
 def test_tiny_run_writes_valid_results(smollm2_path, tmp_path):

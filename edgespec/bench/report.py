@@ -138,7 +138,7 @@ def plots(doc: dict, out_dir: Path) -> list[str]:
 
     # 2. Speedup per language.
     langs = sorted({k for r in rows for k in r["by_lang"]})
-    fig, ax = plt.subplots(figsize=(7, max(3, 0.22 * len(langs) * max(1, len(rows)) / 2 + 1)))
+    fig, ax = plt.subplots(figsize=(9, max(3, 0.12 * len(langs) * max(1, len(rows)) + 1)))
     height = 0.8 / max(1, len(rows))
     for j, r in enumerate(rows):
         ax.barh([i + j * height for i in range(len(langs))],
@@ -149,7 +149,7 @@ def plots(doc: dict, out_dir: Path) -> list[str]:
     ax.invert_yaxis()
     ax.set_xlabel("decode speed / edgespec plain")
     ax.set_title("Speedup per language")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left")
     save(fig, PLOTS[1])
 
     # 3. Acceptance against draft length (edgespec drafters).

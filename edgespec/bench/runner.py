@@ -61,6 +61,7 @@ class BenchOptions:
     top_p: float = 0.95
     seed: int = 0
     n_ctx: int = 4096
+    remeasure_costs: bool = True        # measure the batch cost curve now instead of using the cached one
     quick: bool = False
 
     def check(self) -> None:
@@ -158,18 +159,14 @@ class PeerConfiguration:
         self.peer.close()
 
 
-def _build_suite_cache(engine: Engine, out_dir: Path) -> str:
+def _build_suite_cache(engine: Engine, folder: Path) -> str:
     """An n-gram cache of every shipped prompt, for `cache` without --ngram-cache."""
     from ..drafters.cache import build_ngram_cache
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as f:
-        f.write(suite_data.corpus_text())
-    try:
-        path = out_dir / "suite-texts.ngram"
-        build_ngram_cache(lambda text: engine.tokenize(text, add_special=False), [f.name], path, progress=False)
-    finally:
-        os.unlink(f.name)
+    corpus = folder / "suite-texts.txt"
+    corpus.write_text(suite_data.corpus_text(), encoding="utf-8")
+    path = folder / "suite-texts.ngram"
+    build_ngram_cache(lambda text: engine.tokenize(text, add_special=False), [corpus], path, progress=False)
     return str(path)
 
 
@@ -190,7 +187,7 @@ def _median(xs):
 # ---------------------------------------------------------------------------
 
 
-def run_bench(options: BenchOptions, out_dir: Path, *, progress: bool = True,
+def run_bench(options: BenchOptions, *, progress: bool = True,
               command: str | None = None) -> dict:
     """Run the benchmark; returns the results document (schema SCHEMA)."""
     if options.quick:
@@ -206,18 +203,21 @@ def run_bench(options: BenchOptions, out_dir: Path, *, progress: bool = True,
 
     configs: list = []
     peers_status: dict[str, dict] = {}
+    scratch = tempfile.TemporaryDirectory(prefix="edgespec-bench-")
     try:
         bar.note(f"loading {options.model or registry.default_model()} for {len(drafters)} edgespec configurations")
         configs.append(Configuration("none", options, options.ngram_cache, rss))
         plain = configs[0]
         ngram_cache = options.ngram_cache
         if "cache" in drafters and not ngram_cache:
-            ngram_cache = _build_suite_cache(plain.engine, out_dir)
+            ngram_cache = _build_suite_cache(plain.engine, Path(scratch.name))
             notes.append("drafter cache: n-gram cache built from every shipped suite prompt "
                          "(benchmark prompts included), no --ngram-cache given")
         for d in drafters[1:]:
             configs.append(Configuration(d, options, ngram_cache, rss))
-        costs = plain.engine.batch_costs()
+        if options.remeasure_costs:
+            bar.note("measuring the batch cost curve")
+        costs = plain.engine.batch_costs(remeasure=options.remeasure_costs)
         ceiling, ceiling_k = speedup_ceiling(costs)
 
         model_path = plain.engine.model_path
@@ -240,6 +240,9 @@ def run_bench(options: BenchOptions, out_dir: Path, *, progress: bool = True,
         samplings = {"greedy": {"temperature": 0.0, "top_p": 1.0},
                      "sampled": {"temperature": options.temperature, "top_p": options.top_p}}
         slots = [(c, m) for m in options.modes for c in configs if m == "greedy" or not c.greedy_only]
+        if "sampled" in options.modes:
+            notes.append("sampled runs are not compared token by token with plain decoding: speculative "
+                         "sampling keeps the target's distribution, not plain decoding's exact draws")
         for c in configs:
             if c.greedy_only and "sampled" in options.modes:
                 notes.append(f"{c.name} runs greedy only (the binary has no sampling options)")
@@ -310,6 +313,9 @@ def run_bench(options: BenchOptions, out_dir: Path, *, progress: bool = True,
     finally:
         for c in configs:
             c.close()
+        scratch.cleanup()
+    if ngram_cache and not options.ngram_cache:
+        ngram_cache = "(built from the shipped suites)"
 
     doc = {
         "schema": SCHEMA,
@@ -324,7 +330,7 @@ def run_bench(options: BenchOptions, out_dir: Path, *, progress: bool = True,
             "max_tokens": options.max_tokens, "repeats": options.repeats, "warmup": options.warmup,
             "warmup_tokens": WARMUP_TOKENS if options.warmup else 0,
             "sampling": {"temperature": options.temperature, "top_p": options.top_p, "seed": options.seed},
-            "n_ctx": options.n_ctx, "quick": options.quick,
+            "n_ctx": options.n_ctx, "quick": options.quick, "remeasured_costs": options.remeasure_costs,
             "llama_cpp_bin": str(options.llama_cpp_bin) if options.llama_cpp_bin else None,
         },
         "hardware": fingerprint(plain.threads),
