@@ -144,3 +144,30 @@ def test_mismatch_and_failing_peer_exit_nonzero(smollm2_path, tmp_path, monkeypa
     peer = doc["configurations"][-1]
     assert peer["status"] == "failed" and "boom" in peer["error"] and peer["runs"] == 0
     assert doc["peers"]["llama-cpp-python"] == {"status": "failed", "error": "create_completion failed: boom"}
+
+
+def _fake_binary(folder, name, body):
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+
+
+def test_llama_cpp_binary_output_is_parsed_and_failures_named(tmp_path):
+    from edgespec.bench.peers import LlamaCppBinary
+
+    _fake_binary(tmp_path, "llama-lookup",
+                 'echo "some generated text"\n'
+                 'echo "main: encoded  120 tokens in    0.500 seconds, speed:  240.0 t/s" >&2\n'
+                 'echo "main: decoded   48 tokens in    0.800 seconds, speed:   60.0 t/s" >&2\n'
+                 'echo "n_drafted    = 30" >&2\necho "n_accept     = 12" >&2\n')
+    peer = LlamaCppBinary("llama.cpp:lookup", tmp_path, tmp_path / "m.gguf", threads=2, n_ctx=512)
+    r = peer.run("prompt", 48, {"temperature": 0.0, "top_p": 1.0, "seed": 0})
+    assert (r.n_tokens, r.prompt_tokens, r.drafted, r.accepted) == (48, 120, 30, 12)
+    assert r.decode_tps == pytest.approx(60.0) and r.prefill_tps == pytest.approx(240.0)
+    assert r.ttft_s == pytest.approx(0.5) and r.peak_rss_mib > 0
+
+    _fake_binary(tmp_path, "llama-lookup", 'echo "error: failed to load model m.gguf" >&2\nexit 1\n')
+    with pytest.raises(PeerError, match="llama-lookup exited with 1: error: failed to load model"):
+        peer.run("prompt", 48, {"temperature": 0.0, "top_p": 1.0, "seed": 0})
+    with pytest.raises(PeerError, match="needs a draft model"):
+        LlamaCppBinary("llama.cpp:speculative", tmp_path, tmp_path / "m.gguf", threads=2, n_ctx=512)
