@@ -58,10 +58,6 @@ def fingerprint(threads: int | None) -> dict:
         system_info = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     except Exception as e:  # the backend library may be missing or built differently
         system_info = f"unavailable: {e}"
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
     return {
         "cpu": model,
         "machine": platform.machine(),
@@ -74,7 +70,6 @@ def fingerprint(threads: int | None) -> dict:
         "versions": {d: _version(d) for d in ("edgespec", "llama-cpp-python", "numpy", "onnxruntime")},
         "llama_cpp_system_info": system_info,
         "threads": threads,
-        "load_average_start": load,
     }
 
 

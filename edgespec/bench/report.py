@@ -24,6 +24,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp made it 0600; results are ordinary readable files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -112,6 +113,7 @@ def plots(doc: dict, out_dir: Path) -> list[str]:
         os.close(fd)
         try:
             fig.savefig(tmp, dpi=110)
+            os.chmod(tmp, 0o644)
             os.replace(tmp, out_dir / name)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -177,6 +177,13 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -197,6 +204,7 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
     prompts = suite_data.select(options.suites, langs=options.langs, limit=options.limit,
                                 prompts_file=options.prompts_file)
     drafters = list(dict.fromkeys(["none"] + options.drafters))  # plain decoding is the baseline
+    load_start = _load_average()
     rss = PeakRSS()
     notes: list[str] = []
     bar = Progress("bench", 1, enabled=progress, lines=True)
@@ -347,10 +355,8 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
     doc["configurations"] = summarize(runs, [(c, m) for c, m in slots], ceiling, checked, failed)
     doc["greedy_mismatches"] = {c["id"]: c["greedy_mismatches"] for c in doc["configurations"]
                                 if c["greedy_mismatches"] is not None}
-    try:
-        doc["hardware"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        doc["hardware"]["load_average_end"] = None
+    doc["hardware"]["load_average_start"] = load_start
+    doc["hardware"]["load_average_end"] = _load_average()
     return doc
 
 
