@@ -171,3 +171,29 @@ def test_llama_cpp_binary_output_is_parsed_and_failures_named(tmp_path):
         peer.run("prompt", 48, {"temperature": 0.0, "top_p": 1.0, "seed": 0})
     with pytest.raises(PeerError, match="needs a draft model"):
         LlamaCppBinary("llama.cpp:speculative", tmp_path, tmp_path / "m.gguf", threads=2, n_ctx=512)
+
+
+# -- what the harness reads from the engine ----------------------------------------
+
+
+def test_speedup_ceiling_and_acceptance_by_length():
+    from edgespec.engine import SpecStats
+    from edgespec.planner import speedup_ceiling
+
+    # cost[k] of a k-token batch: 3 tokens for the price of 1.5 is the best deal.
+    costs = [0.0, 1.0, 1.6, 1.5 + 1e-9, 3.0, 5.0]
+    assert speedup_ceiling(costs) == (pytest.approx(3 / 1.5), 2)
+    s = SpecStats()
+    for drafted, accepted in ((3, 2), (3, 3), (1, 0), (0, 0)):
+        s.count("ngram", drafted, accepted)
+    assert s.by_length == {3: {"steps": 2, "accepted": 5}, 1: {"steps": 1, "accepted": 0}}
+
+
+def test_forget_prefix_makes_the_next_run_evaluate_its_whole_prompt(tiny_llama_path):
+    from edgespec import Engine
+
+    with Engine(tiny_llama_path, threads=1, n_ctx=256) as engine:
+        engine.generate("Hello there, how are you", max_tokens=2, temperature=0)
+        assert engine.generate("Hello there, how are you", max_tokens=2, temperature=0).stats.cached_tokens > 0
+        engine.forget_prefix()
+        assert engine.generate("Hello there, how are you", max_tokens=2, temperature=0).stats.cached_tokens == 0
