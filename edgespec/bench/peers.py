@@ -112,7 +112,7 @@ DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) s")
 N_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 N_ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
 PERF_PROMPT = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
-PERF_EVAL = re.compile(r"^\S*:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs", re.M)
+PERF_EVAL = re.compile(r"_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
 def _run_child(argv: list[str], timeout: float) -> tuple[int, str, float]:
@@ -179,7 +179,7 @@ class LlamaCppBinary:
         else:
             argv += ["--spec-draft-n-max", str(DRAFT_MAX)]
         if b == "llama-speculative-simple":
-            argv += ["-md", str(self.draft_model), "-td", str(self.threads)]
+            argv += ["-md", str(self.draft_model), "-td", str(self.threads), "--spec-type", "draft-simple"]
         return argv
 
     def run(self, text: str, max_tokens: int, sampling: dict) -> RunResult:
