@@ -169,6 +169,14 @@ def test_llama_cpp_binary_output_is_parsed_and_failures_named(tmp_path):
     _fake_binary(tmp_path, "llama-lookup", 'echo "error: failed to load model m.gguf" >&2\nexit 1\n')
     with pytest.raises(PeerError, match="llama-lookup exited with 1: error: failed to load model"):
         peer.run("prompt", 48, {"temperature": 0.0, "top_p": 1.0, "seed": 0})
+    # Plain decoding: llama.cpp's own perf timers.
+    _fake_binary(tmp_path, "llama-completion",
+                 'echo "0.10.8 I common_perf_print: prompt eval time =  100.00 ms /    20 tokens (5 ms per token)" >&2\n'
+                 'echo "0.10.8 I common_perf_print:        eval time =  500.00 ms /    25 runs   (20 ms per token)" >&2\n')
+    plain = LlamaCppBinary("llama.cpp", tmp_path, tmp_path / "m.gguf", threads=2, n_ctx=512)
+    r = plain.run("prompt", 25, {"temperature": 0.0, "top_p": 1.0, "seed": 0})
+    assert (r.n_tokens, r.prompt_tokens, r.drafted) == (25, 20, None)
+    assert r.decode_tps == pytest.approx(50.0) and r.prefill_tps == pytest.approx(200.0)
     with pytest.raises(PeerError, match="needs a draft model"):
         LlamaCppBinary("llama.cpp:speculative", tmp_path, tmp_path / "m.gguf", threads=2, n_ctx=512)
 
