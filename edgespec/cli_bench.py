@@ -20,7 +20,8 @@ def bench(
     model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     suite: str = typer.Option("code,multilingual,edit,chat", "--suite",
                               help="Comma-separated suites: code (HumanEval), multilingual, edit, chat."),
-    limit: int = typer.Option(4, "--limit", help="Most prompts per suite (> 0), spread over the suite."),
+    limit: int = typer.Option(None, "--limit", help="Most prompts per suite (> 0), spread over the suite "
+                              "[default: 4; every prompt of a --prompts file]."),
     langs: str = typer.Option(None, "--langs", help="Only prompts in these language tags (e.g. deu,jpn,python)."),
     prompts: Path = typer.Option(None, "--prompts", help="Your own prompts instead of the suites: JSONL, "
                                  'one {"prompt": ..., "id"?, "lang"?, "chat"? (default true)} per line.'),

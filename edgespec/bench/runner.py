@@ -37,6 +37,7 @@ MODES = ("greedy", "sampled")
 QUICK = {"suites": ["edit", "chat", "code", "multilingual"], "limit": 1, "max_tokens": 48, "repeats": 1,
          "drafters": ["none", "ngram", "auto"]}
 WARMUP_TOKENS = 16
+DEFAULT_LIMIT = 4
 
 
 @dataclass
@@ -46,7 +47,7 @@ class BenchOptions:
     threads: int | None = None
     suites: list[str] = field(default_factory=lambda: list(suite_data.SUITES))
     langs: list[str] | None = None
-    limit: int | None = 4
+    limit: int | None = None            # None: DEFAULT_LIMIT per shipped suite, every prompt of a --prompts file
     prompts_file: Path | None = None
     drafters: list[str] = field(default_factory=lambda: ["none", "ngram", "recycle", "auto"])
     draft_model: str | None = None
@@ -201,6 +202,8 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
         for k, v in QUICK.items():
             setattr(options, k, v)
     options.check()
+    if options.limit is None and options.prompts_file is None:
+        options.limit = DEFAULT_LIMIT
     prompts = suite_data.select(options.suites, langs=options.langs, limit=options.limit,
                                 prompts_file=options.prompts_file)
     drafters = list(dict.fromkeys(["none"] + options.drafters))  # plain decoding is the baseline
