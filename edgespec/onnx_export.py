@@ -538,7 +538,9 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_out_dir(out_dir: Path) -> None:
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """OUT_DIR must be new or an empty folder, in a writable folder."""
+    out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists():
         if not out_dir.is_dir():
             raise InvalidArgumentError(f"{out_dir} exists and is not a folder")
@@ -565,7 +567,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     check_weights(weights)
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir).expanduser().absolute()
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:  # gguf raises ValueError/struct errors on damaged files
