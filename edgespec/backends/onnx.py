@@ -75,9 +75,6 @@ class OnnxBackend(VocabMixin, Closing):
 
         self.folder = Path(path)
         meta = onnx_export.load_export(self.folder)
-        if meta["static"]:
-            raise InvalidArgumentError(f"{self.folder} is a --static-shapes export (for NPU compilers); "
-                                       "the onnx backend runs dynamic-shape exports")
         cfg = meta["config"]
         self.path = self.folder / meta["model"]
         self.weights = meta["weights"]
@@ -92,11 +89,21 @@ class OnnxBackend(VocabMixin, Closing):
             raise ModelFormatError(f"{self.folder}: the graph has {self.n_vocab} logits but its source GGUF "
                                    f"{self.vocab.n_vocab} tokens; export the model again")
         self.n_ctx_train = cfg["n_ctx_train"]
-        self.n_ctx = min(n_ctx, self.n_ctx_train)  # RoPE tables cover the training context
-        self.n_batch = min(n_batch, self.n_ctx)
         self.threads = threads or default_threads()
         self.n_layer = cfg["n_layer"]
-        self._kv_shape = (1, cfg["n_head_kv"], 0, cfg["head_dim"])
+        self.static = meta["static"]
+        if self.static:
+            # Fixed shapes: calls of `seq` tokens (padded), a cache of `ctx` slots of
+            # which the last `seq` take a call's padding.
+            self._chunk = self.static["seq"]
+            self.n_ctx = min(n_ctx, self.static["ctx"] - self._chunk)
+            self._kv_shape = (1, cfg["n_head_kv"], self.static["ctx"], cfg["head_dim"])
+        else:
+            self.n_ctx = min(n_ctx, self.n_ctx_train)  # RoPE tables cover the training context
+            self._kv_shape = (1, cfg["n_head_kv"], 0, cfg["head_dim"])
+        self.n_batch = min(n_batch, self.n_ctx)
+        if not self.static:
+            self._chunk = self.n_batch
 
         self.ep = ep = ep or "cpu"
         opts = ort.SessionOptions()
@@ -116,20 +123,47 @@ class OnnxBackend(VocabMixin, Closing):
 
     # -- evaluation ---------------------------------------------------------
 
-    @property
-    def n_past(self) -> int:
-        """Positions the KV cache holds."""
-        return self._kv[0].shape[2]
+    def _forward(self, tokens: list[int], positions: list[int], bias: np.ndarray, first_row: int) -> int:
+        """Evaluate ``tokens`` into cache slots n_past... under ``bias`` (n, n_past + n):
+        row i may attend to the slots where it is 0. Runs in chunks (n_batch
+        tokens, or the static graph's fixed width, padded); keeps the logits of
+        rows >= first_row, C-contiguous float32 (n - first_row, n_vocab), alive
+        until the next call, and returns their address."""
+        start, n = self.n_past, len(tokens)
+        kept = []
+        for a in range(0, n, self._chunk):
+            b = min(a + self._chunk, n)
+            rows = np.arange(max(first_row - a, 0), b - a, dtype=np.int64)
+            if len(rows) == 0:
+                rows = np.array([b - a - 1], dtype=np.int64)  # a chunk before the wanted rows
+            logits = self._run(tokens[a:b], positions[a:b], bias[a:b, :start + b], rows, start + a)
+            if b > first_row:
+                kept.append(logits)
+        self._logits = kept[0] if len(kept) == 1 else np.concatenate(kept)
+        return self._logits.ctypes.data
 
-    def _run(self, tokens: list[int], positions, bias: np.ndarray, rows: np.ndarray) -> int:
-        """Evaluate ``tokens`` after the cache under ``bias`` (S, P + S); keep
-        their K/V and return the address of the (len(rows), n_vocab) logits."""
+    def _run(self, tokens, positions, bias: np.ndarray, rows: np.ndarray, first_slot: int) -> np.ndarray:
+        """One graph call for m tokens written to slots first_slot...; returns
+        their logits rows ``rows`` (len(rows), n_vocab)."""
+        m = len(tokens)
+        slots = None
+        if self.static:  # pad to the fixed width; a padding row sees only its own slot
+            width, size = self._chunk, self._kv_shape[2]
+            tokens = list(tokens) + [0] * (width - m)
+            positions = list(positions) + [positions[-1]] * (width - m)
+            full = np.full((width, size), MASKED, dtype=np.float32)
+            full[:m, :bias.shape[1]] = bias
+            slots = np.arange(first_slot, first_slot + width, dtype=np.int64)
+            full[np.arange(m, width), slots[m:]] = 0
+            bias, wanted, rows = full, rows, np.arange(width, dtype=np.int64)
         feeds = {
             "input_ids": np.asarray(tokens, dtype=np.int64)[None],
             "position_ids": np.asarray(positions, dtype=np.int64)[None],
             "attention_bias": bias[None, None],
             "logits_rows": rows,
         }
+        if slots is not None:
+            feeds["cache_slots"] = slots
         for i in range(self.n_layer):
             feeds[f"past.{i}.key"] = self._kv[2 * i]
             feeds[f"past.{i}.value"] = self._kv[2 * i + 1]
@@ -137,40 +171,36 @@ class OnnxBackend(VocabMixin, Closing):
             out = self._session.run(self._outputs, feeds)
         except Exception as e:
             raise BackendError(f"onnxruntime failed: {str(e).strip().splitlines()[0]}") from e
-        self._logits = np.ascontiguousarray(out[0][0], dtype=np.float32)  # (R, n_vocab), alive until the next call
         self._kv = out[1:]
-        return self._logits.ctypes.data
+        self._n = first_slot + m
+        logits = out[0][0]                                   # (rows, n_vocab)
+        if slots is not None:
+            logits = logits[wanted]
+        return np.ascontiguousarray(logits, dtype=np.float32)
+
+    @property
+    def n_past(self) -> int:
+        """Positions the KV cache holds."""
+        return self._n
 
     def decode(self, tokens: list[int], start: int, *, logits_from: int | None = None,
                seq_id: int = 0) -> int:
-        """Evaluate ``tokens`` at positions ``start...``; the cache must hold
-        exactly ``start`` positions (truncate first). Returns the address of
-        one logits row per token of ``tokens[logits_from:]`` (the last token's
-        alone when None), valid until the next call."""
+        """Evaluate ``tokens`` at positions ``start...`` (the cache is cut back to
+        ``start`` first). Returns the address of one logits row per token of
+        ``tokens[logits_from:]`` (the last token's alone when None), valid
+        until the next call."""
         n = len(tokens)
         if n == 0:
             raise BackendError("decode of an empty batch")
         if start + n > self.n_ctx:
             raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
-        if start != self.n_past:
-            if start > self.n_past:
-                raise BackendError(f"decode at position {start} but the KV cache holds {self.n_past}")
-            self.truncate(start)
-        first_row = n - 1 if logits_from is None else logits_from
-        if logits_from is not None and n > self.n_batch:
-            raise BackendError(f"{n} tokens with several logits rows do not fit one batch of {self.n_batch}")
-        done = 0
-        while done < n:  # prefill in chunks of n_batch
-            m = min(self.n_batch, n - done)
-            p = start + done
-            bias = np.zeros((m, p + m), dtype=np.float32)
-            bias[:, p:] = np.triu(np.full((m, m), MASKED), 1)  # causal among the new tokens
-            rows = np.arange(max(first_row - done, 0), m, dtype=np.int64)
-            if len(rows) == 0:
-                rows = np.array([m - 1], dtype=np.int64)  # a chunk before the wanted rows
-            address = self._run(tokens[done:done + m], range(p, p + m), bias, rows)
-            done += m
-        return address
+        if start > self.n_past:
+            raise BackendError(f"decode at position {start} but the KV cache holds {self.n_past}")
+        self.truncate(start)
+        bias = np.zeros((n, start + n), dtype=np.float32)
+        bias[:, start:] = np.triu(np.full((n, n), MASKED), 1)  # causal among the new tokens
+        return self._forward(tokens, list(range(start, start + n)), bias,
+                             n - 1 if logits_from is None else logits_from)
 
     def decode_tree(self, prefix: list[int], tokens: list[int], parents: list[int], start: int) -> int:
         """Evaluate ``prefix`` (ending with the root token) from position
@@ -179,14 +209,13 @@ class OnnxBackend(VocabMixin, Closing):
         address of (n_nodes + 1, n_vocab) rows: the root's, then the nodes'.
         Follow with ``drop_tree``."""
         n, k = len(tokens), len(prefix)
-        if start != self.n_past:
-            self.truncate(start)
+        self.truncate(start)
         depth = [0] * n
         for i, p in enumerate(parents):
             depth[i] = 1 if p < 0 else depth[p] + 1
         root_pos = start + k - 1
-        if root_pos + 1 + max(depth) > self.n_ctx or k + n > self.n_batch:
-            raise ContextOverflowError("the draft tree does not fit the context or the batch")
+        if start + k + n > self.n_ctx:
+            raise ContextOverflowError("the draft tree does not fit the context")
         m = k + n
         bias = np.full((m, start + m), MASKED, dtype=np.float32)
         bias[:, :start] = 0
@@ -197,21 +226,24 @@ class OnnxBackend(VocabMixin, Closing):
                 bias[k + j, start + k + node] = 0
                 node = parents[node]
         positions = list(range(start, start + k)) + [root_pos + d for d in depth]
-        rows = np.arange(k - 1, m, dtype=np.int64)
-        return self._run(prefix + tokens, positions, bias, rows)
+        return self._forward(prefix + tokens, positions, bias, k - 1)
 
     def drop_tree(self, n_keep: int) -> None:
         """After decode_tree: keep positions < n_keep (the prefix), drop the nodes."""
         self.truncate(n_keep)
 
     def truncate(self, n_keep: int, seq_id: int = 0) -> None:
-        """Drop positions >= n_keep from the KV cache."""
-        if n_keep < self.n_past:
-            self._kv = [np.ascontiguousarray(a[:, :, :n_keep]) for a in self._kv]
+        """Drop positions >= n_keep from the KV cache (a static cache keeps its
+        slots; the mask hides them until they are written again)."""
+        if n_keep < self._n:
+            if not self.static:
+                self._kv = [np.ascontiguousarray(a[:, :, :n_keep]) for a in self._kv]
+            self._n = n_keep
 
     def clear(self) -> None:
         empty = np.zeros(self._kv_shape, dtype=np.float16)
         self._kv = [empty] * (2 * self.n_layer)
+        self._n = 0
 
     def close(self) -> None:
         self._session = None
