@@ -73,6 +73,8 @@ class OnnxBackend(VocabMixin, Closing):
                  threads: int | None = None, ep: str | None = None, verbose: bool = False):
         import onnxruntime as ort
 
+        self.ep = ep = ep or "cpu"
+        providers = [provider(ep)] + (["CPUExecutionProvider"] if ep != "cpu" else [])
         self.folder = Path(path)
         meta = onnx_export.load_export(self.folder)
         cfg = meta["config"]
@@ -105,13 +107,11 @@ class OnnxBackend(VocabMixin, Closing):
         if not self.static:
             self._chunk = self.n_batch
 
-        self.ep = ep = ep or "cpu"
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.log_severity_level = 0 if verbose else 3
-        providers = [provider(ep)] + (["CPUExecutionProvider"] if ep != "cpu" else [])
         try:
             self._session = ort.InferenceSession(str(self.path), opts, providers=providers)
         except Exception as e:
