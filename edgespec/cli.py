@@ -24,7 +24,7 @@ def fail(message: str) -> "typer.Exit":
 
 
 def main() -> None:
-    from . import cli_bench, cli_chat, cli_drafter, cli_models, cli_serve  # noqa: F401  (register their commands)
+    from . import cli_bench, cli_chat, cli_drafter, cli_models, cli_onnx, cli_serve  # noqa: F401  (register their commands)
 
     try:
         app()
@@ -36,6 +36,10 @@ def main() -> None:
 # -- generate / demo ---------------------------------------------------------
 
 MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (default: the built-in default)."
+BACKEND_HELP = ("llama (llama.cpp) or onnx (ONNX Runtime; --model may also be a folder from "
+                "`edgespec export-onnx`, a GGUF is exported into the cache on first use).")
+EP_HELP = "ONNX Runtime execution provider for the onnx backend: cpu, qnn, openvino, dml, coreml or cuda."
+DRAFT_BACKEND_HELP = "Backend of the draft model (default: the target's), e.g. onnx on an NPU with a llama target."
 
 
 def _result_json(engine, result) -> dict:
@@ -86,7 +90,9 @@ def generate(
     threads: int = typer.Option(None, help="CPU threads (default: physical cores)."),
     n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens."),
     gpu_layers: int = typer.Option(0, help="Layers to offload to Metal/CUDA/Vulkan, if llama.cpp has them."),
-    backend: str = typer.Option("llama", help="Inference backend."),
+    backend: str = typer.Option("llama", help=BACKEND_HELP),
+    ep: str = typer.Option(None, "--ep", help=EP_HELP),
+    draft_backend: str = typer.Option(None, help=DRAFT_BACKEND_HELP),
     drafter: str = typer.Option("auto", help="none, ngram, recycle, cache, model or auto (chooses per step, "
                                             "and decodes plainly when speculation does not pay)."),
     draft_model: str = typer.Option(None, help="Draft model for --drafter model/auto (same tokenizer)."),
@@ -99,9 +105,9 @@ def generate(
     """Generate text from PROMPT."""
     from .engine import Engine
 
-    with Engine(model, backend=backend, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers,
-                drafter=drafter, draft_model=draft_model, draft_max=draft_max,
-                ngram_cache=ngram_cache, verbose=verbose) as engine:
+    with Engine(model, backend=backend, ep=ep, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers,
+                drafter=drafter, draft_model=draft_model, draft_backend=draft_backend,
+                draft_max=draft_max, ngram_cache=ngram_cache, verbose=verbose) as engine:
         pieces = engine.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed,
                                stop=stop, chat=chat)

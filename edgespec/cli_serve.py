@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from .cli import MODEL_HELP, app, fail
+from .cli import BACKEND_HELP, DRAFT_BACKEND_HELP, EP_HELP, MODEL_HELP, app, fail
 
 
 @app.command()
 def serve(
     model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    backend: str = typer.Option("llama", help=BACKEND_HELP),
+    ep: str = typer.Option(None, "--ep", help=EP_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, help="TCP port, [0, 65535]; 0 picks a free one."),
     api_key: str = typer.Option(None, "--api-key", envvar="EDGESPEC_API_KEY",
@@ -23,6 +25,7 @@ def serve(
     drafter: str = typer.Option("auto", help="none, ngram, recycle, cache, model or auto (chooses per step, "
                                             "and decodes plainly when speculation does not pay)."),
     draft_model: str = typer.Option(None, help="Draft model for --drafter model/auto (same tokenizer)."),
+    draft_backend: str = typer.Option(None, help=DRAFT_BACKEND_HELP),
     ngram_cache: str = typer.Option(None, help="N-gram cache file for --drafter cache/auto."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-request log lines on stderr."),
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
@@ -33,8 +36,9 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
-    with Engine(model, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers, drafter=drafter,
-                draft_model=draft_model, ngram_cache=ngram_cache, verbose=verbose) as engine:
+    with Engine(model, backend=backend, ep=ep, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers,
+                drafter=drafter, draft_model=draft_model, draft_backend=draft_backend,
+                ngram_cache=ngram_cache, verbose=verbose) as engine:
         try:
             server = make_server(engine, host, port, api_key=api_key, model_name=model_name, quiet=quiet)
         except OSError as e:

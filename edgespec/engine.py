@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 from . import chat as chat_templates
 from . import registry
 from . import drafters as drafting
-from .backends import open_backend
+from .backends import BACKENDS, open_backend, resolve_model
 from .drafters import Draft, DrafterConfig, Verified
 from .errors import ContextOverflowError, InvalidArgumentError
 from .planner import Planner, batch_costs
@@ -115,31 +115,43 @@ class Engine:
     """A loaded model and its context.
 
     ``model``: a built-in name (``edgespec models list``), a GGUF path or
-    ``hf:owner/repo/file.gguf``. ``n_ctx`` is capped at the model's training
-    context. ``gpu_layers`` offloads layers when llama.cpp was built with
-    Metal/CUDA/Vulkan.
+    ``hf:owner/repo/file.gguf`` (with ``backend="onnx"`` also a folder from
+    ``edgespec export-onnx``; a GGUF is exported on first use). ``n_ctx`` is
+    capped at the model's training context. ``gpu_layers`` offloads layers
+    when llama.cpp was built with Metal/CUDA/Vulkan. ``draft_backend`` runs
+    the draft model on another backend than the target; ``ep`` is the ONNX
+    Runtime execution provider of whichever of them is onnx (cpu, qnn,
+    openvino, dml, coreml, cuda).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, backend: str = "llama",
                  threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
+                 draft_backend: str | None = None, ep: str | None = None,
                  ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
                  verbose: bool = False):
         if threads is not None and threads <= 0:
             raise InvalidArgumentError(f"threads must be > 0, got {threads}")
         if n_ctx <= 0 or n_batch <= 0:
             raise InvalidArgumentError("n_ctx and n_batch must be > 0")
-        self.model_ref = str(model) if model is not None else registry.default_model()
-        self.model_path: Path = registry.model_path_checked(self.model_ref)
         if not 1 <= draft_max < min(n_batch, 64):
             raise InvalidArgumentError(f"draft_max must be in [1, {min(n_batch, 64) - 1}], got {draft_max}")
+        for name in (backend, draft_backend or backend):
+            if name not in BACKENDS:
+                raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
+        if ep is not None and "onnx" not in (backend, draft_backend):
+            raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
+                                       "use it with backend onnx or draft_backend onnx")
         self.drafter = drafting.check_name(drafter)
         self.draft_max = draft_max
+        self.model_ref = str(model) if model is not None else registry.default_model()
+        self.model_path: Path = resolve_model(backend, self.model_ref)
         self.backend = open_backend(backend, self.model_path, n_ctx=n_ctx, n_batch=n_batch,
                                     threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
-                                    verbose=verbose)
+                                    ep=ep, verbose=verbose)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
-                                             draft_model=draft_model, ngram_cache=ngram_cache,
+                                             draft_model=draft_model, draft_backend=draft_backend,
+                                             ep=ep, ngram_cache=ngram_cache,
                                              threads=threads, n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, drafting.Drafter] = {}
         self._costs: list[float] | None = None

@@ -37,7 +37,8 @@ EXPLORE_EVERY = 96        # plain steps between one-token probes of drafts the p
 
 def _cost_key(backend) -> str:
     st = Path(backend.path).stat()
-    return f"{backend.name}:{Path(backend.path).name}:{st.st_size}:{backend.threads}"
+    device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
+    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}"
 
 
 MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated

@@ -63,6 +63,8 @@ class DrafterConfig:
     n_vocab: int
     target: object = None            # the target backend (tokenizer checks, vocabulary)
     draft_model: str | None = None   # model drafter: built-in name, path or hf: reference
+    draft_backend: str | None = None  # model drafter's backend (default: the target's)
+    ep: str | None = None            # onnx backend: execution provider
     ngram_cache: str | None = None   # cache drafter: a file from `edgespec drafter ngram`
     threads: int | None = None
     n_ctx: int = 4096

@@ -12,8 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import registry
-from ..backends import open_backend
+from ..backends import open_backend, resolve_model
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError
 from ..sampling import Sampler, SamplingParams
 from . import Draft, DrafterConfig, Verified
@@ -51,9 +50,11 @@ class ModelDrafter:
     def __init__(self, config: DrafterConfig):
         if not config.draft_model:
             raise InvalidArgumentError("the model drafter needs a draft model (--draft-model NAME|PATH)")
-        path = registry.model_path_checked(config.draft_model)
-        self.backend = open_backend(config.target.name, path, n_ctx=config.n_ctx,
-                                    threads=config.threads)
+        # The draft model may run on another backend and device than the target
+        # (e.g. on an NPU through onnxruntime while llama.cpp runs the target).
+        name = config.draft_backend or config.target.name
+        self.backend = open_backend(name, resolve_model(name, config.draft_model), n_ctx=config.n_ctx,
+                                    threads=config.threads, ep=config.ep)
         try:
             check_compatible(config.target, self.backend, config.draft_model)
         except Exception:

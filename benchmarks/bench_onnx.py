@@ -1,0 +1,102 @@
+"""ONNX Runtime against llama.cpp on the same model and machine: export time,
+plain greedy decode tokens/s of the onnx backend (CPU provider by default)
+and the llama backend, interleaved round by round in one process so that
+machine drift cancels, and the logits agreement of the two.
+
+    python benchmarks/bench_onnx.py --model smollm2-135m --threads 2 --tokens 128 --rounds 3 [--ep cpu]
+
+Decode speed is the engine's own: generated tokens / time after the first
+token (prefill excluded), the same for both backends. Logits agreement is
+teacher-forced on llama's greedy text: max and rms absolute difference, and
+how often the two argmax tokens agree.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgespec import Engine, onnx_export, registry
+
+PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Here is a short story about a lighthouse keeper who",
+]
+
+
+def _rows(address: int, n: int, n_vocab: int) -> np.ndarray:
+    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=(n, n_vocab)).copy()
+
+
+def logits_agreement(llama: Engine, onnx: Engine, n_tokens: int) -> dict:
+    diffs, agree, total, max_abs = [], 0, 0, 0.0
+    for prompt in PROMPTS:
+        result = llama.generate(prompt, max_tokens=n_tokens, drafter="none")
+        prompt_tokens = llama.tokenize(prompt)
+        seq = prompt_tokens + result.tokens
+        n, v = len(result.tokens) + 1, llama.backend.n_vocab
+        rows = []
+        for engine in (llama, onnx):
+            engine.backend.clear()
+            engine._kv_tokens = []  # the cache no longer holds what the engine remembers
+            rows.append(_rows(engine.backend.decode(seq, 0, logits_from=len(prompt_tokens) - 1), n, v))
+        a, b = rows
+        max_abs = max(max_abs, float(np.abs(a - b).max()))
+        diffs.append(((a - b) ** 2).mean())
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += n
+    return {"max_abs": max_abs, "rms": float(np.sqrt(np.mean(diffs))), "top1": agree / total, "rows": total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--ep", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    gguf = registry.model_path_checked(args.model)
+    with tempfile.TemporaryDirectory(prefix="bench-onnx-") as tmp:
+        t0 = time.perf_counter()
+        folder = onnx_export.export(gguf, Path(tmp) / "export", weights=args.weights, progress=False)
+        export_s = time.perf_counter() - t0
+        size = (folder / onnx_export.MODEL_FILE).stat().st_size
+        print(f"export {args.model} ({args.weights}): {export_s:.1f} s, model.onnx {size / 1e6:.1f} MB")
+
+        with Engine(str(gguf), threads=args.threads, n_ctx=1024) as llama, \
+                Engine(str(folder), backend="onnx", ep=args.ep, threads=args.threads, n_ctx=1024) as onnx:
+            for engine in (llama, onnx):  # warm up
+                engine.generate(PROMPTS[0], max_tokens=8, drafter="none")
+            speed = {"llama": [], "onnx": []}
+            ratios = []
+            for r in range(args.rounds):
+                for prompt in PROMPTS:
+                    tps = {}
+                    for name, engine in (("llama", llama), ("onnx", onnx)) if r % 2 == 0 else \
+                            (("onnx", onnx), ("llama", llama)):
+                        engine._kv_tokens = []
+                        result = engine.generate(prompt, max_tokens=args.tokens, drafter="none")
+                        tps[name] = result.stats.tokens_per_s
+                        speed[name].append(tps[name])
+                    ratios.append(tps["onnx"] / tps["llama"])
+            agreement = logits_agreement(llama, onnx, min(args.tokens, 64))
+
+    print(f"decode tokens/s (median of {len(ratios)} runs, {args.threads} threads, {args.tokens} tokens):")
+    print(f"  llama.cpp (llama backend)           {statistics.median(speed['llama']):7.1f}")
+    print(f"  onnxruntime {args.ep:<4} (onnx backend)    {statistics.median(speed['onnx']):7.1f}")
+    print(f"  onnx / llama (paired median)        {statistics.median(ratios):7.3f}")
+    print(f"logits vs llama.cpp over {agreement['rows']} teacher-forced rows: max abs diff "
+          f"{agreement['max_abs']:.3f}, rms {agreement['rms']:.3f}, top-1 agreement {100 * agreement['top1']:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
