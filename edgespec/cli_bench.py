@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .cli import MODEL_HELP, app
+from .cli import DRAFT_BACKEND_HELP, EP_HELP, MODEL_HELP, app
 
 
 def _list(value: str | None) -> list[str] | None:
@@ -39,7 +39,9 @@ def bench(
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus mass of the sampled mode, (0, 1]."),
     seed: int = typer.Option(0, "--seed", help="Base seed of the sampled mode (varies per prompt and repeat)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
-    backend: str = typer.Option("llama", "--backend", help="Inference backend."),
+    backend: str = typer.Option("llama", "--backend", help="Inference backend: llama, native or onnx."),
+    ep: str = typer.Option(None, "--ep", help=EP_HELP),
+    draft_backend: str = typer.Option(None, "--draft-backend", help=DRAFT_BACKEND_HELP),
     n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens."),
     peers: str = typer.Option("auto", "--peers", help="auto (llama-cpp-python, plus llama.cpp's binaries with "
                               "--llama-cpp-bin), none, or a comma-separated list of: llama-cpp-python, "
@@ -63,7 +65,7 @@ def bench(
     if prompts is not None and not prompts.exists():
         raise InvalidArgumentError(f"prompts file {prompts}: no such file")
     options = BenchOptions(
-        model=model, backend=backend, threads=threads, suites=_list(suite) or [], langs=_list(langs),
+        model=model, backend=backend, ep=ep, draft_backend=draft_backend, threads=threads, suites=_list(suite) or [], langs=_list(langs),
         limit=limit, prompts_file=prompts, drafters=_list(drafters) or ["none"], draft_model=draft_model,
         ngram_cache=ngram_cache, modes=_list(modes) or [], max_tokens=max_tokens, repeats=repeats,
         peers=None if peers == "auto" else ([] if peers == "none" else _list(peers)),

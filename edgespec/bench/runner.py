@@ -44,6 +44,8 @@ DEFAULT_LIMIT = 4
 class BenchOptions:
     model: str | None = None
     backend: str = "llama"
+    ep: str | None = None               # onnx backend's execution provider
+    draft_backend: str | None = None    # the draft model's backend (default: the target's)
     threads: int | None = None
     suites: list[str] = field(default_factory=lambda: list(suite_data.SUITES))
     langs: list[str] | None = None
@@ -103,9 +105,9 @@ class Configuration:
         self.name = f"edgespec:{drafter}"
         self.drafter = drafter
         self.rss = rss
-        self.engine = Engine(options.model, backend=options.backend, threads=options.threads,
+        self.engine = Engine(options.model, backend=options.backend, ep=options.ep, threads=options.threads,
                              n_ctx=options.n_ctx, drafter=drafter, draft_model=options.draft_model,
-                             ngram_cache=ngram_cache)
+                             draft_backend=options.draft_backend, ngram_cache=ngram_cache)
         self.threads = self.engine.backend.threads
 
     def run(self, prompt: suite_data.Prompt, max_tokens: int, sampling: dict) -> RunResult:
@@ -334,7 +336,8 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
         "command": command or shlex.join(sys.argv),
         "settings": {
             "model": options.model or registry.default_model(), "model_path": str(model_path),
-            "backend": options.backend, "threads": plain.threads, "suites": options.suites if not options.prompts_file else [],
+            "backend": options.backend, "ep": options.ep, "draft_backend": options.draft_backend,
+            "threads": plain.threads, "suites": options.suites if not options.prompts_file else [],
             "prompts_file": str(options.prompts_file) if options.prompts_file else None,
             "langs": options.langs, "limit": options.limit, "drafters": drafters,
             "draft_model": options.draft_model, "ngram_cache": ngram_cache, "modes": options.modes,
