@@ -25,6 +25,17 @@ enum es_type {
     ES_TYPE_Q6_K = 14, ES_TYPE_Q8_K = 15, ES_TYPE_BF16 = 30,
 };
 
+// Block geometry of every ggml type a GGUF may name, whether or not the
+// kernels support it: the reader sizes tensors with it.
+typedef struct es_type_traits {
+    const char * name;         // "Q4_K", ...
+    int32_t      block;        // elements per block (1 for plain types)
+    int32_t      block_bytes;  // bytes per block
+} es_type_traits;
+
+// NULL for an id ggml does not define (or has retired).
+const es_type_traits * es_type_info(int32_t type);
+
 typedef struct es_gguf es_gguf;
 
 typedef struct es_tensor {
