@@ -492,7 +492,8 @@ typedef struct span {
 static int cmp_span(const void * a, const void * b) {
     const span * x = a;
     const span * y = b;
-    return x->begin < y->begin ? -1 : x->begin > y->begin;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return x->index < y->index ? -1 : x->index > y->index;  // file order, for the message
 }
 
 // Places every tensor inside the data section [data_start, size) and checks
