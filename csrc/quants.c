@@ -122,55 +122,39 @@ static inline int nearest_int(float v) {
 
 /* ---- type table ---------------------------------------------------------- */
 
-typedef struct {
-    const char * name;
-    int32_t      block;     // elements per block; 0: not in this build
-    int32_t      bytes;     // bytes per block
-    int32_t      act_type;  // es_act_type; -1: not a weight type es_matvec takes
-} type_traits;
+// Sizes and names come from the one ggml type table, es_type_info (gguf.c);
+// this section says which of those types the kernels implement.
 
-#define N_TYPES (ES_TYPE_BF16 + 1)
+// The activation format of each weight type es_matvec takes; -1 for none.
+int32_t es_act_type(int32_t weight_type) {
+    switch (weight_type) {
+    case ES_TYPE_F32: case ES_TYPE_F16: case ES_TYPE_BF16:   return ES_TYPE_F32;
+    case ES_TYPE_Q4_0: case ES_TYPE_Q5_0: case ES_TYPE_Q8_0: return ES_TYPE_Q8_0;
+    case ES_TYPE_Q4_1: case ES_TYPE_Q5_1:                    return ES_TYPE_Q8_1;
+    case ES_TYPE_Q4_K: case ES_TYPE_Q5_K: case ES_TYPE_Q6_K: return ES_TYPE_Q8_K;
+    default:                                                 return -1;
+    }
+}
 
-static const type_traits TRAITS[N_TYPES] = {
-    [ES_TYPE_F32]  = {"f32",  1,    4,                  ES_TYPE_F32},
-    [ES_TYPE_F16]  = {"f16",  1,    2,                  ES_TYPE_F32},
-    [ES_TYPE_BF16] = {"bf16", 1,    2,                  ES_TYPE_F32},
-    [ES_TYPE_Q4_0] = {"q4_0", QK,   sizeof(block_q4_0), ES_TYPE_Q8_0},
-    [ES_TYPE_Q4_1] = {"q4_1", QK,   sizeof(block_q4_1), ES_TYPE_Q8_1},
-    [ES_TYPE_Q5_0] = {"q5_0", QK,   sizeof(block_q5_0), ES_TYPE_Q8_0},
-    [ES_TYPE_Q5_1] = {"q5_1", QK,   sizeof(block_q5_1), ES_TYPE_Q8_1},
-    [ES_TYPE_Q8_0] = {"q8_0", QK,   sizeof(block_q8_0), ES_TYPE_Q8_0},
-    [ES_TYPE_Q8_1] = {"q8_1", QK,   sizeof(block_q8_1), -1},
-    [ES_TYPE_Q2_K] = {"q2_K", 0,    0,                  -1},
-    [ES_TYPE_Q3_K] = {"q3_K", 0,    0,                  -1},
-    [ES_TYPE_Q4_K] = {"q4_K", QK_K, sizeof(block_q4_K), ES_TYPE_Q8_K},
-    [ES_TYPE_Q5_K] = {"q5_K", QK_K, sizeof(block_q5_K), ES_TYPE_Q8_K},
-    [ES_TYPE_Q6_K] = {"q6_K", QK_K, sizeof(block_q6_K), ES_TYPE_Q8_K},
-    [ES_TYPE_Q8_K] = {"q8_K", QK_K, sizeof(block_q8_K), -1},
-};
-
-static const type_traits * traits(int32_t type) {
-    return type >= 0 && type < N_TYPES && TRAITS[type].block ? &TRAITS[type] : NULL;
+// Weight types plus the activation-only formats (dequantized by tests).
+static bool implemented(int32_t type) {
+    return es_act_type(type) >= 0 || type == ES_TYPE_Q8_1 || type == ES_TYPE_Q8_K;
 }
 
 int32_t es_type_block(int32_t type) {
-    const type_traits * t = traits(type);
-    return t ? t->block : 0;
+    return implemented(type) ? es_type_info(type)->block : 0;
 }
 
 size_t es_type_row_bytes(int32_t type, int64_t n) {
-    const type_traits * t = traits(type);
-    if (!t || n < 0 || n % t->block) return 0;
-    return (size_t) (n / t->block) * (size_t) t->bytes;
+    if (!implemented(type) || n < 0) return 0;
+    const es_type_traits * t = es_type_info(type);
+    if (n % t->block) return 0;
+    return (size_t) (n / t->block) * (size_t) t->block_bytes;
 }
 
 const char * es_type_name(int32_t type) {
-    return type >= 0 && type < N_TYPES && TRAITS[type].name ? TRAITS[type].name : "unknown";
-}
-
-int32_t es_act_type(int32_t weight_type) {
-    const type_traits * t = traits(weight_type);
-    return t ? t->act_type : -1;
+    const es_type_traits * t = es_type_info(type);
+    return t ? t->name : "unknown";
 }
 
 /* ---- dequantization (scalar, shared by every kernel set) ----------------- */
@@ -310,9 +294,9 @@ static void dequant_q8_K(const block_q8_K * x, float * y, int64_t nb) {
 }
 
 void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
-    const type_traits * t = traits(type);
-    if (!t || n <= 0 || n % t->block) return;
-    const int64_t nb = n / t->block;
+    const int64_t blk = es_type_block(type);
+    if (blk == 0 || n <= 0 || n % blk) return;
+    const int64_t nb = n / blk;
     switch (type) {
     case ES_TYPE_F32:  memcpy(dst, src, (size_t) n * sizeof(float)); break;
     case ES_TYPE_F16:  for (int64_t i = 0; i < n; i++) dst[i] = half_to_f32(((const es_half *) src)[i]); break;
@@ -979,9 +963,11 @@ static float dot_q8_0_neon(int64_t n, const void * w, const void * a) {
 
 /* ---- dispatch ------------------------------------------------------------ */
 
+#define N_TYPES (ES_TYPE_BF16 + 1)  // dot tables cover ids 0..BF16
+
 typedef struct {
     const char * name;
-    vec_dot_fn   dot[N_TYPES];
+    vec_dot_fn   dot[N_TYPES];  // NULL: not a weight type
 } kernel_set;
 
 #define SCALAR_DOTS                                                            \
