@@ -112,4 +112,74 @@ int32_t es_pool_size(const es_pool * pool);
 // Runs fn on every thread and returns when all are done.
 void    es_pool_run(es_pool * pool, es_pool_fn fn, void * arg);
 
+/* ---- mixture of experts (moe.c) ----------------------------------------- */
+
+// Most experts a layer may have (llama.cpp's LLAMA_MAX_EXPERTS).
+#define ES_MOE_MAX_EXPERTS 1024
+
+// The three matrices of one SwiGLU expert.
+enum es_expert_matrix {
+    ES_EXPERT_GATE = 0,  // (n_ff, n_embd)
+    ES_EXPERT_UP   = 1,  // (n_ff, n_embd)
+    ES_EXPERT_DOWN = 2,  // (n_embd, n_ff)
+};
+
+// One expert matrix as es_matvec reads it: rows of `type`,
+// es_type_row_bytes(type, row length) apart.
+typedef struct es_expert_view {
+    const void * data;
+    int32_t      type;   // enum es_type; need not be the file's
+} es_expert_view;
+
+// The per-expert access path: es_moe_ffn reaches expert weights through
+// this alone. get() fills *out for (layer, expert, es_expert_matrix) and may
+// produce the data on demand (a cache of experts: read from disk, or a
+// low-precision copy); the view stays valid until put() is called with it.
+// es_moe_ffn gets every matrix of the experts a batch routes to before it
+// computes, on the calling thread, and puts them all back before it
+// returns. get returns ES_OK or a status, which es_moe_ffn returns.
+typedef struct es_expert_provider {
+    void * self;
+    int  (*get)(void * self, int32_t layer, int32_t expert, int32_t which, es_expert_view * out);
+    void (*put)(void * self, int32_t layer, int32_t expert, int32_t which,
+                const es_expert_view * view);
+} es_expert_provider;
+
+typedef struct es_moe_params {
+    int32_t n_layer;        // every layer has experts
+    int32_t n_expert;       // experts per layer, <= ES_MOE_MAX_EXPERTS
+    int32_t n_expert_used;  // experts per token (top-k)
+    int64_t n_embd;
+    int64_t n_ff;           // one expert's hidden width
+    // Gating is softmax over all experts, then the top k (Mixtral, Qwen
+    // MoE); norm_w divides the k weights by their sum (llama.cpp's norm_w).
+    bool    norm_w;
+} es_moe_params;
+
+// A model's experts: per layer blk.N.ffn_gate_inp (n_expert, n_embd) and
+// blk.N.ffn_{gate,up,down}_exps, bound from g (which must outlive it) and
+// checked against p: ES_ERR_FORMAT names a missing or misshapen tensor,
+// ES_ERR_UNSUPPORTED a weight type the kernels lack. Expert matrices are
+// served from the mapping, or with EDGESPEC_EXPERTS=f32 in the environment
+// as F32 copies made on demand (the path an expert cache takes; tests).
+typedef struct es_experts es_experts;
+int  es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** out,
+                     char * err, size_t err_cap);
+void es_experts_free(es_experts * ex);
+const es_moe_params * es_experts_params(const es_experts * ex);
+
+// One context's scratch for es_moe_ffn, for batches of up to n_batch tokens;
+// ex must outlive it.
+typedef struct es_moe es_moe;
+int  es_moe_init(const es_experts * ex, int32_t n_batch, es_moe ** out);
+void es_moe_free(es_moe * moe);
+
+// The MoE feed-forward block of layer il: x (n_tokens, n_embd), the normed
+// input, to out (n_tokens, n_embd) = sum over the token's top-k experts,
+// best first, of weight * down(silu(gate(x)) * up(x)). Each token's row
+// depends on that row alone (batch invariance). ES_ERR_INVALID_ARG: bad
+// layer or n_tokens > n_batch; otherwise as the provider's get.
+int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32_t n_tokens,
+                float * out);
+
 #endif  // EDGESPEC_NATIVE_H
