@@ -358,6 +358,12 @@ static const es_kv * find_kv(const es_gguf * g, const char * key) {
 static bool is_signed(int32_t t) { return t == GV_I8 || t == GV_I16 || t == GV_I32 || t == GV_I64; }
 static bool is_unsigned(int32_t t) { return t == GV_U8 || t == GV_U16 || t == GV_U32 || t == GV_U64; }
 
+int64_t es_gguf_n_kv(const es_gguf * g) { return g ? g->n_kv : 0; }
+
+const char * es_gguf_key_at(const es_gguf * g, int64_t i) {
+    return g && i >= 0 && i < g->n_kv ? g->kvs[i].key : NULL;
+}
+
 bool es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out) {
     const es_kv * kv = find_kv(g, key);
     if (!kv) return false;

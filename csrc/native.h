@@ -59,6 +59,10 @@ int64_t           es_gguf_n_tensors(const es_gguf * g);
 const es_tensor * es_gguf_tensor_at(const es_gguf * g, int64_t i);
 const es_tensor * es_gguf_find_tensor(const es_gguf * g, const char * name);  // NULL: absent
 
+// Metadata keys in file order (dumps, the fuzz target); NULL out of range.
+int64_t      es_gguf_n_kv(const es_gguf * g);
+const char * es_gguf_key_at(const es_gguf * g, int64_t i);
+
 // Metadata lookups; false when the key is absent or of another kind.
 // Integers of any width convert when the value fits.
 bool         es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out);

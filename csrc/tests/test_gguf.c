@@ -218,6 +218,10 @@ static void expect_patch_fail(size_t pos, uint64_t v, int n, const char * needle
 static void check_valid(es_gguf * g, const uint8_t * base, size_t data_start) {
     CHECK(es_gguf_n_tensors(g) == N_ELEMS(TENSORS));
     CHECK(strcmp(es_gguf_get_str(g, "general.architecture"), "llama") == 0);
+    CHECK(es_gguf_n_kv(g) == 16);  // 15 keys of every type, then general.alignment
+    CHECK(strcmp(es_gguf_key_at(g, 0), "general.architecture") == 0);
+    CHECK(strcmp(es_gguf_key_at(g, 15), "general.alignment") == 0);
+    CHECK(es_gguf_key_at(g, 16) == NULL && es_gguf_key_at(g, -1) == NULL);
 
     int64_t i = 0;
     CHECK(es_gguf_get_i64(g, "k.u8", &i) && i == 200);
