@@ -14,15 +14,18 @@ stack (n_expert, rows, cols) = (ne2, ne1, ne0).
 
 Matrices may be stored quantized: the gguf package quantizes the legacy
 types (Q4_0 ... Q8_0), llama.cpp's own ggml_quantize_chunk the K-quants.
-The rewriting helpers at the end (``moe_from_dense``, ``permute_experts``)
-derive files whose outputs must agree with their source's, which is how the
-tests check expert routing.
+Two knobs make MoE files whose outputs must agree with another file's,
+which is how the tests check expert routing: ``identical_experts`` (every
+expert a copy of the dense FFN the same seed gives, so the MoE model computes
+what the dense one does) and ``expert_order`` (the same experts stored in
+another order).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -103,18 +106,27 @@ def _field_value(field: gguf.ReaderField):
     return field.contents()
 
 
-def _copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter,
-                 keep: Callable[[str], bool]) -> None:
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(source: str) -> tuple[list[tuple], int]:
+    """The tokenizer.* keys of `source` as (key, value, type, sub_type), and the
+    vocabulary size. Parsing a real tokenizer takes seconds; tests write
+    several models with one tokenizer."""
+    reader = gguf.GGUFReader(source)
+    fields = []
     for key, field in reader.fields.items():
-        if keep(key):
+        if key.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, _field_value(field), field.types[0], sub_type)
+            fields.append((key, _field_value(field), field.types[0], sub_type))
+    return fields, len(reader.fields[gguf.Keys.Tokenizer.LIST].data)
 
 
-def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
-    """Copy every tokenizer.* key of `reader` into `writer`; return the vocabulary size."""
-    _copy_fields(reader, writer, lambda key: key.startswith("tokenizer."))
-    return len(reader.fields[gguf.Keys.Tokenizer.LIST].data)
+def copy_tokenizer(source: str | os.PathLike, writer: gguf.GGUFWriter) -> int:
+    """Copy every tokenizer.* key of the GGUF file `source` into `writer`;
+    return the vocabulary size."""
+    fields, n_vocab = _tokenizer_fields(str(source))
+    for key, value, vtype, sub_type in fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+    return n_vocab
 
 
 # ---- random models --------------------------------------------------------------------
@@ -133,23 +145,30 @@ class _RandomModel:
         if dtype not in _FILE_TYPE:
             raise ValueError(f"unsupported dtype {dtype!r}")
         self.rng = np.random.default_rng(seed)
+        # Routers draw from a stream of their own, so that a MoE model's other
+        # tensors are those of the dense model with the same seed.
+        self.router_rng = np.random.default_rng([seed, 1])
         self.dtype = dtype
         self.norm_noise = norm_noise
         self.writer = gguf.GGUFWriter(path, arch)
         self.writer.add_file_type(_FILE_TYPE[dtype])
-        self.n_vocab = copy_tokenizer(gguf.GGUFReader(tokenizer_source), self.writer)
+        self.n_vocab = copy_tokenizer(tokenizer_source, self.writer)
         self.writer.add_vocab_size(self.n_vocab)
 
     def add(self, kind: T, layer: int | None, w: np.ndarray, dtype: Q | None = None) -> None:
         qtype = self.dtype if dtype is None else dtype
         self.writer.add_tensor(_tensor_name(kind, layer), quantize(w, qtype), raw_dtype=qtype)
 
-    def matrix(self, kind: T, layer: int | None, rows: int, cols: int, *, gain: float = 1.0,
-               n_expert: int = 0, dtype: Q | None = None) -> None:
-        """A (rows, cols) matrix, or with n_expert a stack (n_expert, rows, cols)."""
-        shape = (n_expert, rows, cols) if n_expert else (rows, cols)
-        w = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(gain / np.sqrt(cols))
-        self.add(kind, layer, w, dtype)
+    def draw(self, shape: tuple[int, ...], gain: float = 1.0,
+             rng: np.random.Generator | None = None) -> np.ndarray:
+        """Random weights for matrices of shape[-1] columns."""
+        w = (rng or self.rng).standard_normal(shape, dtype=np.float32)
+        return w * np.float32(gain / np.sqrt(shape[-1]))
+
+    def matrix(self, kind: T, layer: int | None, rows: int, cols: int, *,
+               gain: float = 1.0) -> None:
+        """A (rows, cols) matrix."""
+        self.add(kind, layer, self.draw((rows, cols), gain))
 
     def norm(self, kind: T, layer: int | None, n: int) -> None:
         """An RMSNorm weight (F32, as converters store norms): ones, or with
@@ -186,19 +205,33 @@ class _RandomModel:
         self.matrix(T.FFN_UP, i, n_ff, n_embd)                    # (n_ff, n_embd)
         self.matrix(T.FFN_DOWN, i, n_embd, n_ff)                  # (n_embd, n_ff)
 
-    def moe_ffn(self, i: int, n_embd: int, n_ff_exp: int, n_expert: int, expert_dtype: Q) -> None:
+    def moe_ffn(self, i: int, n_embd: int, n_ff_exp: int, n_expert: int, expert_dtype: Q, *,
+                identical: bool = False, order: Sequence[int] | None = None) -> None:
+        """A router and n_expert SwiGLU experts. With `identical` every expert
+        is the FFN dense_ffn would draw here; with `order` expert e is stored
+        at slot order[e] (router row and stacks alike)."""
         self.norm(T.FFN_NORM, i, n_embd)
         # The router stays F32, as llama.cpp's quantizer leaves it: (n_expert, n_embd),
         # logits ~ N(0, 1) so that routing weights vary between tokens.
-        self.matrix(T.FFN_GATE_INP, i, n_expert, n_embd, dtype=Q.F32)
-        e = dict(n_expert=n_expert, dtype=expert_dtype)
-        self.matrix(T.FFN_GATE_EXP, i, n_ff_exp, n_embd, **e)     # (n_expert, n_ff_exp, n_embd)
-        self.matrix(T.FFN_UP_EXP, i, n_ff_exp, n_embd, **e)       # (n_expert, n_ff_exp, n_embd)
-        self.matrix(T.FFN_DOWN_EXP, i, n_embd, n_ff_exp, **e)     # (n_expert, n_embd, n_ff_exp)
+        router = self.draw((n_expert, n_embd), rng=self.router_rng)
+        stacks = {}
+        for kind, rows, cols in ((T.FFN_GATE_EXP, n_ff_exp, n_embd),    # (n_expert, n_ff_exp, n_embd)
+                                 (T.FFN_UP_EXP, n_ff_exp, n_embd),      # (n_expert, n_ff_exp, n_embd)
+                                 (T.FFN_DOWN_EXP, n_embd, n_ff_exp)):   # (n_expert, n_embd, n_ff_exp)
+            stacks[kind] = (np.broadcast_to(self.draw((rows, cols)), (n_expert, rows, cols))
+                            if identical else self.draw((n_expert, rows, cols)))
+        slot = np.arange(n_expert)
+        if order is not None:
+            if sorted(order) != list(range(n_expert)):
+                raise ValueError(f"expert_order must be a permutation of range({n_expert})")
+            slot = np.argsort(order)     # slot s holds expert slot[s]
+        self.add(T.FFN_GATE_INP, i, router[slot], Q.F32)
+        for kind, w in stacks.items():
+            self.add(kind, i, w[slot], expert_dtype)
 
     def embeddings(self, n_embd: int) -> None:
         # Rows at unit scale: (n_vocab, n_embd).
-        self.matrix(T.TOKEN_EMBD, None, self.n_vocab, n_embd, gain=np.sqrt(n_embd))
+        self.matrix(T.TOKEN_EMBD, None, self.n_vocab, n_embd, gain=float(np.sqrt(n_embd)))
 
     def output(self, n_embd: int) -> None:
         self.norm(T.OUTPUT_NORM, None, n_embd)
@@ -228,13 +261,17 @@ def write_tiny_llama(path: str | os.PathLike, tokenizer_source: str | os.PathLik
                      n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
                      n_ff: int = 128, n_ctx: int = 512, seed: int = 0, dtype: Q = Q.F16,
                      n_expert: int = 0, n_expert_used: int = 0, expert_dtype: Q | None = None,
+                     identical_experts: bool = False, expert_order: Sequence[int] | None = None,
                      norm_noise: float = 0.0) -> None:
     """Write a random llama model with `tokenizer_source`'s tokenizer to `path`.
 
-    Matrices are stored as `dtype`, norms as F32. With n_expert > 0 every
-    feed-forward block is a Mixtral-style mixture of n_expert SwiGLU experts of
-    width n_ff (stored as `expert_dtype`, default `dtype`), n_expert_used of
-    them routed per token.
+    Matrices are stored as `dtype`, norms as F32 (ones, plus N(0, norm_noise^2)).
+    With n_expert > 0 every feed-forward block is a Mixtral-style mixture of
+    n_expert SwiGLU experts of width n_ff (stored as `expert_dtype`, default
+    `dtype`), n_expert_used of them routed per token. identical_experts makes
+    every expert the FFN of the dense model with the same seed, so that the two
+    files compute the same function; expert_order stores expert e at slot
+    expert_order[e], the same model in another order.
     """
     _check_heads(n_embd, n_head, n_head_kv)
     if n_expert:
@@ -253,7 +290,8 @@ def write_tiny_llama(path: str | os.PathLike, tokenizer_source: str | os.PathLik
     for i in range(n_layer):
         m.attention(i, n_embd, n_head, n_head_kv, head_dim)
         if n_expert:
-            m.moe_ffn(i, n_embd, n_ff, n_expert, expert_dtype or dtype)
+            m.moe_ffn(i, n_embd, n_ff, n_expert, expert_dtype or dtype,
+                      identical=identical_experts, order=expert_order)
         else:
             m.dense_ffn(i, n_embd, n_ff)
     m.output(n_embd)
@@ -265,6 +303,7 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
                         head_dim: int = 64, n_expert: int = 8, n_expert_used: int = 2,
                         n_ff_exp: int = 64, n_ctx: int = 1024, seed: int = 0,
                         dtype: Q = Q.F16, expert_dtype: Q = Q.Q8_0,
+                        expert_order: Sequence[int] | None = None,
                         norm_noise: float = 0.1) -> None:
     """Write a random qwen3moe model with `tokenizer_source`'s tokenizer to `path`.
 
@@ -272,7 +311,7 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
     its own (head_dim, stored as key_length/value_length; n_head * head_dim
     need not be n_embd), and every feed-forward block a mixture of n_expert
     SwiGLU experts of width n_ff_exp, routed by softmax, top n_expert_used and
-    renormalization of the chosen weights.
+    renormalization of the chosen weights. expert_order as for write_tiny_llama.
     """
     if n_head % n_head_kv:
         raise ValueError("n_head must divide by n_head_kv")
@@ -294,91 +333,6 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
         m.attention(i, n_embd, n_head, n_head_kv, head_dim)
         m.norm(T.ATTN_Q_NORM, i, head_dim)
         m.norm(T.ATTN_K_NORM, i, head_dim)
-        m.moe_ffn(i, n_embd, n_ff_exp, n_expert, expert_dtype)
+        m.moe_ffn(i, n_embd, n_ff_exp, n_expert, expert_dtype, order=expert_order)
     m.output(n_embd)
     m.write()
-
-
-# ---- derived files ----------------------------------------------------------------------
-
-def _tensor_value(t: gguf.ReaderTensor) -> np.ndarray:
-    """A reader tensor's data as GGUFWriter.add_tensor(raw_dtype=t.tensor_type)
-    takes it: numpy floats for F32/F16, raw bytes (..., bytes per row) otherwise."""
-    return np.array(t.data)
-
-
-def _rewrite(src, dst, edit: Callable[[dict[str, gguf.ReaderTensor]], dict[str, tuple]],
-             keys: dict[str, int] | None = None) -> None:
-    """Copy `src` to `dst` (every key, the architecture's own `keys` replaced
-    or added), with its tensors as edit(tensors) returns them: name ->
-    (data, type), in order."""
-    reader = gguf.GGUFReader(src)
-    arch = _field_value(reader.fields[gguf.Keys.General.ARCHITECTURE]).decode()
-    keys = {k.format(arch=arch): v for k, v in (keys or {}).items()}
-    writer = gguf.GGUFWriter(dst, arch)
-    try:
-        _copy_fields(reader, writer, lambda key: not key.startswith("GGUF.")
-                     and key != gguf.Keys.General.ARCHITECTURE and key not in keys)
-        for key, value in keys.items():
-            writer.add_uint32(key, value)
-        tensors = edit({t.name: t for t in reader.tensors})
-        for name, (data, qtype) in tensors.items():
-            writer.add_tensor(name, data, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
-
-
-def moe_from_dense(src: str | os.PathLike, dst: str | os.PathLike, *, n_expert: int,
-                   n_expert_used: int, seed: int = 1) -> None:
-    """Turn the dense llama file `src` into a Mixtral-style one at `dst` whose
-    n_expert experts are each an exact copy of its layer's dense FFN, under a
-    random F32 router. Whatever the routing, the weights of the chosen
-    experts sum to one, so `dst` computes what `src` does."""
-    _check_experts(n_expert, n_expert_used)
-    rng = np.random.default_rng(seed)
-    # "ffn_gate" -> FFN_GATE_EXP, ...: each dense matrix and the stack that replaces it
-    dense = {gguf.TENSOR_NAMES[d].split(".")[-1]: e for d, e in
-             ((T.FFN_GATE, T.FFN_GATE_EXP), (T.FFN_UP, T.FFN_UP_EXP), (T.FFN_DOWN, T.FFN_DOWN_EXP))}
-
-    def edit(tensors):
-        out = {}
-        for name, t in tensors.items():
-            part = name.split(".")    # blk.<layer>.<kind>.weight
-            kind = dense.get(part[2]) if part[0] == "blk" else None
-            if kind is None:
-                out[name] = (_tensor_value(t), t.tensor_type)
-                continue
-            layer = int(part[1])
-            if kind == T.FFN_GATE_EXP:
-                n_embd = int(t.shape[0])      # ne of ffn_gate: (n_embd, n_ff)
-                router = rng.standard_normal((n_expert, n_embd), dtype=np.float32)
-                out[_tensor_name(T.FFN_GATE_INP, layer)] = (router / np.float32(np.sqrt(n_embd)), Q.F32)
-            data = _tensor_value(t)
-            out[_tensor_name(kind, layer)] = (np.stack([data] * n_expert), t.tensor_type)
-        return out
-
-    _rewrite(src, dst, edit, {gguf.Keys.LLM.EXPERT_COUNT: n_expert,
-                              gguf.Keys.LLM.EXPERT_USED_COUNT: n_expert_used})
-
-
-def permute_experts(src: str | os.PathLike, dst: str | os.PathLike, perm) -> None:
-    """Write `src` to `dst` with expert e stored at slot perm[e] in every layer
-    (router rows and expert stacks alike): the same model, in another order."""
-    inv = np.argsort(np.asarray(perm))   # slot s holds expert inv[s]
-    stacked = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-    def edit(tensors):
-        out = {}
-        for name, t in tensors.items():
-            data = _tensor_value(t)
-            if name.split(".")[-2] in stacked:
-                if len(inv) != data.shape[0]:
-                    raise ValueError(f"{name}: {data.shape[0]} experts, permutation of {len(inv)}")
-                data = data[inv]
-            out[name] = (data, t.tensor_type)
-        return out
-
-    _rewrite(src, dst, edit)
