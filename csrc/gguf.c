@@ -176,6 +176,7 @@ static int read_uint(cursor * c, int n, uint64_t * out, const char * what) {
 
 // Reads a string (u64 length, bytes) without copying: *s points into the file.
 static int read_str(cursor * c, const uint8_t ** s, uint64_t * len, const char * what) {
+    *s = NULL;
     int rc = read_uint(c, 8, len, what);
     if (rc) return rc;
     if (*len > left(c)) {

@@ -81,6 +81,7 @@ def _write_every_type(path: pathlib.Path) -> None:
     w.add_key_value("k.arr_bool", [True, False], V.ARRAY, V.BOOL)
     w.add_key_value("k.arr_str", ["a", "", "ccc"], V.ARRAY, V.STRING)
     w.add_key_value("k.arr_arr", [[1, 2], [3]], V.ARRAY, V.ARRAY)
+    w.add_key_value("k.arr_deep", [[[["four levels, the most the reader takes"]]]], V.ARRAY, V.ARRAY)
     rng = np.random.default_rng(0)
     for qtype, cols in [(Q.F32, 8), (Q.F16, 8), (Q.BF16, 8), (Q.Q4_0, 32), (Q.Q4_1, 32),
                         (Q.Q5_0, 32), (Q.Q8_0, 64), (Q.Q2_K, 256), (Q.Q4_K, 256), (Q.Q6_K, 256),
