@@ -186,4 +186,145 @@ void es_moe_free(es_moe * moe);
 int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32_t n_tokens,
                 float * out);
 
+/* ---- engine (engine.c, arch_*.c) ----------------------------------------- */
+
+// A bound weight as es_matvec reads it: n_out rows of n_in elements of type,
+// es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
+// Norm vectors are one F32 row. data NULL: the model has no such tensor.
+typedef struct es_weight {
+    const void * data;   // inside the GGUF mapping
+    int32_t      type;   // enum es_type
+    int64_t      n_in;   // elements per row
+    int64_t      n_out;  // rows
+} es_weight;
+
+// RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
+// (x[2i], x[2i+1]) (llama); NEOX rotates (x[i], x[i + n_rot/2]) (gemma3, qwen3moe).
+enum es_rope_type { ES_ROPE_NORM = 0, ES_ROPE_NEOX = 2 };
+
+// The feed-forward activations of es__ffn: silu(gate) * up, gelu(gate) * up.
+enum es_ffn_act { ES_FFN_SILU = 0, ES_FFN_GELU = 1 };
+
+typedef struct es_layer {
+    es_weight attn_norm;       // (n_embd)
+    es_weight wq;              // (n_head * head_dim, n_embd)
+    es_weight wk, wv;          // (n_head_kv * head_dim, n_embd)
+    es_weight wo;              // (n_embd, n_head * head_dim)
+    es_weight attn_q_norm;     // (head_dim) per-head RMSNorm of Q before RoPE; gemma3, qwen3moe
+    es_weight attn_k_norm;     // (head_dim) the same for K
+    es_weight attn_post_norm;  // (n_embd) on the attention output; gemma3
+    es_weight ffn_norm;        // (n_embd)
+    es_weight ffn_gate;        // (n_ff, n_embd); absent in MoE layers (model->experts)
+    es_weight ffn_up;          // (n_ff, n_embd)
+    es_weight ffn_down;        // (n_embd, n_ff)
+    es_weight ffn_post_norm;   // (n_embd) on the FFN output; gemma3
+    bool      swa;             // sliding-window layer: sees keys less than n_swa positions back
+    float     rope_base;       // this layer's RoPE frequency base
+    float     rope_scale;      // and frequency scale (1: none)
+} es_layer;
+
+typedef struct es_context es_context;
+typedef struct es_arch es_arch;
+
+struct es_model {
+    es_gguf       * gguf;          // owned: every es_weight points into it
+    const es_arch * arch;
+    // Hyperparameters, filled by arch->load.
+    int32_t n_vocab, n_ctx_train;
+    int32_t n_embd, n_layer;
+    int32_t n_head, n_head_kv, head_dim;  // head_dim: key and value length alike
+    int32_t n_ff;                         // dense FFN width (0 in an all-MoE model)
+    int32_t n_rot;                        // rotated dimensions of a head (<= head_dim)
+    int32_t rope_type;                    // enum es_rope_type
+    int32_t n_swa;                        // sliding window of swa layers; 0: none
+    float   norm_eps;                     // RMSNorm epsilon
+    float   embd_scale;                   // token embeddings are multiplied by it (1: none)
+    float   final_softcap;                // logits = c * tanh(logits / c); 0: off
+    es_weight    tok_embd;                // (n_vocab, n_embd)
+    es_weight    output_norm;             // (n_embd)
+    es_weight    output;                  // (n_vocab, n_embd); tok_embd when tied
+    es_layer   * layers;                  // (n_layer), owned
+    es_experts * experts;                 // owned; NULL for a dense model
+};
+
+// One architecture, found by general.architecture in es__archs.
+struct es_arch {
+    const char * name;
+    // Reads the hyperparameters (m->gguf is open) and binds every tensor
+    // (es__bind); ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line err.
+    int (*load)(es_model * m, char * err, size_t err_cap);
+    // One decoder layer over the batch: ctx->x (ctx->n, n_embd) in place.
+    int (*layer)(es_context * ctx, int32_t il);
+};
+
+extern const es_arch * const es__archs[];  // NULL-terminated
+
+// What the shared blocks and the architectures' layers work on. Batch
+// buffers hold up to n_batch token rows; ctx->n rows are in use.
+struct es_context {
+    es_model * model;
+    es_pool  * pool;       // owned
+    es_moe   * moe;        // owned; NULL for a dense model
+    int32_t    n_ctx, n_batch, n_threads;
+    int32_t    n_past;     // cells in use in the KV cache
+    uint16_t * k_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16, after RoPE
+    uint16_t * v_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16
+    int32_t  * cell_pos;   // (n_ctx) position of the token in each cell
+    // The batch being evaluated.
+    int32_t    n;          // tokens; their cells are n_past .. n_past + n - 1
+    int32_t  * pos;        // (n_batch) positions
+    uint8_t  * sees;       // (n_batch, n_batch) sees[i * n_batch + j]: token i attends to batch token j
+    float    * x;          // (n_batch, n_embd) residual stream
+    float    * xn;         // (n_batch, n_embd) a block's normed input
+    float    * q;          // (n_batch, n_head * head_dim)
+    float    * k;          // (n_batch, n_head_kv * head_dim)
+    float    * v;          // (n_batch, n_head_kv * head_dim)
+    float    * att;        // (n_batch, n_head * head_dim) attention output, per head
+    float    * ff_gate;    // (n_batch, n_ff)
+    float    * ff_up;      // (n_batch, n_ff)
+    float    * out;        // (n_batch, n_embd) a block's output, before the residual add
+    uint8_t  * act;        // (n_batch, act_row) matmul inputs in es_act_type format
+    size_t     act_row;    // bytes: the widest activation row any weight needs
+    float    * scratch;    // (n_threads, n_ctx + head_dim) attention scores and a V row
+    float    * logits;     // (rows, n_vocab) rows [logits_from, n) of the last es_decode
+    size_t     logits_cap; // floats allocated at logits; grows on demand
+};
+
+// Binds blk.<il>.<kind>.weight (il < 0: <kind>.weight) as an (n_in, n_out)
+// matrix (n_out = 1: a vector) of a type the kernels implement. Absent and
+// not required: *out zeroed, ES_OK. Errors name the tensor.
+int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
+             bool required, es_weight * out, char * err, size_t err_cap);
+// Reads <arch>.<key> (an integer or float) into *out; absent and not
+// required: *out unchanged. Errors name the key.
+int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
+                char * err, size_t err_cap);
+int es__key_f32(const es_model * m, const char * key, bool required, float * out,
+                char * err, size_t err_cap);
+// RoPE frequency scale as llama.cpp derives it: 1 / rope.scaling.factor (or
+// rope.scale_linear) unless rope.scaling.type is "none"; YaRN and LongRoPE
+// are ES_ERR_UNSUPPORTED.
+int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t err_cap);
+
+/* Shared blocks, over ctx->n token rows. Each row is computed the same way
+ * whatever the batch, so results are batch invariant. */
+
+// y = x / rms(x) * w, for n_rows rows of dim (w: (dim) F32, or data NULL: no weight).
+// x and y may be the same.
+void es__rms_norm(const float * x, const es_weight * w, float * y, int64_t n_rows, int64_t dim,
+                  float eps);
+// y (n, w->n_out) = x (n, w->n_in) times w^T, for up to three weights reading
+// the same x; parallel over output rows.
+int  es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
+                float * const * y, int32_t n);
+// RoPE in place on x (ctx->n, n_heads * head_dim), at ctx->pos, with layer il's base/scale.
+void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads);
+// Attention of layer il: stores ctx->k, ctx->v (after RoPE) in the cache, then
+// ctx->att = softmax(q k^T * kq_scale) v over the cells each token sees.
+void es__attention(es_context * ctx, int32_t il, float kq_scale);
+// ctx->out = down(act(gate(xn)) * up(xn)) for layer il's dense FFN.
+int  es__ffn(es_context * ctx, int32_t il, int32_t act);
+// x += y over n floats.
+void es__add(float * x, const float * y, int64_t n);
+
 #endif  // EDGESPEC_NATIVE_H

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from ..errors import InvalidArgumentError
 
-BACKENDS = ("llama",)
+BACKENDS = ("llama", "native")
 
 
 def default_threads() -> int:
