@@ -576,11 +576,20 @@ static inline ES_AVX2 float hsum_f32x8(__m256 v) {
     return _mm_cvtss_f32(r);
 }
 
-// 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high (16..31).
+// 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high
+// (16..31). A broadcast load and a blend instead of an insert, which would
+// compete with the scale broadcasts for the shuffle port.
 static inline ES_AVX2 __m256i unpack_nibbles(const uint8_t * p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *) p);
-    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) p));
+    const __m256i v = _mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xF0);
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// Two adjacent halves (a block's d and m, or d and s) as floats in lanes 0, 1.
+static inline ES_AVX2 __m128 load_half2(const void * p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
 }
 
 // 32 bits -> 32 bytes, 0xFF where bit j of qh is set.
@@ -674,15 +683,17 @@ static ES_AVX2 float dot_q4_1_avx2(int64_t n, const void * w, const void * a) {
     const block_q8_1 * y = a;
     const int64_t nb = n / QK;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    float summs = 0.0f;
+    __m128 summs = _mm_setzero_ps();  // lane 1: sum of m s
     for (int64_t i = 0; i < nb; i++) {
         const __m256i qx = unpack_nibbles(x[i].qs);
         const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(x[i].d) * _cvtsh_ss(y[i].d));
+        // (d_x d_y, m_x s_y) from one conversion each of (d, m) and (d, s).
+        const __m128 ds = _mm_mul_ps(load_half2(&x[i].d), load_half2(&y[i].d));
+        const __m256 d = _mm256_broadcastss_ps(ds);
         acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8s8(qx, qy)), acc[i & 1]);
-        summs += _cvtsh_ss(x[i].m) * _cvtsh_ss(y[i].s);
+        summs = _mm_add_ps(summs, ds);
     }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1])) + summs;
+    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(summs));
 }
 
 static ES_AVX2 float dot_q5_0_avx2(int64_t n, const void * w, const void * a) {
@@ -707,16 +718,18 @@ static ES_AVX2 float dot_q5_1_avx2(int64_t n, const void * w, const void * a) {
     const block_q8_1 * y = a;
     const int64_t nb = n / QK;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    float summs = 0.0f;
+    __m128 summs = _mm_setzero_ps();  // lane 1: sum of m s
     for (int64_t i = 0; i < nb; i++) {
         const __m256i hi = _mm256_and_si256(expand_bits(x[i].qh), _mm256_set1_epi8(0x10));
         const __m256i qx = _mm256_or_si256(unpack_nibbles(x[i].qs), hi);
         const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(x[i].d) * _cvtsh_ss(y[i].d));
+        // (d_x d_y, m_x s_y) from one conversion each of (d, m) and (d, s).
+        const __m128 ds = _mm_mul_ps(load_half2(&x[i].d), load_half2(&y[i].d));
+        const __m256 d = _mm256_broadcastss_ps(ds);
         acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8s8(qx, qy)), acc[i & 1]);
-        summs += _cvtsh_ss(x[i].m) * _cvtsh_ss(y[i].s);
+        summs = _mm_add_ps(summs, ds);
     }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1])) + summs;
+    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(summs));
 }
 
 static ES_AVX2 float dot_q8_0_avx2(int64_t n, const void * w, const void * a) {

@@ -1,0 +1,126 @@
+/*
+ * bench_kernels.c — es_matvec speed per weight type, the run-time chosen
+ * kernels against the portable scalar ones, measured side by side.
+ *
+ *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/quants.c csrc/gguf.c -lm -o /tmp/bench_kernels
+ *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
+ *
+ * One thread. A forked child measures with EDGESPEC_KERNELS=scalar, then the
+ * parent with the default choice; each line gives ns per row, weight GB/s
+ * and the speed-up. Weights are random bytes with sane block scales.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "native.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static const int32_t TYPES[] = {
+    ES_TYPE_F32,  ES_TYPE_F16,  ES_TYPE_BF16, ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0,
+    ES_TYPE_Q5_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K,
+};
+#define N_BENCH ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next_u32(void) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t) (rng >> 16);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
+}
+
+// Random rows whose half scales are small normal numbers (no inf/nan).
+static uint8_t * random_rows(int32_t type, int64_t n, int64_t rows) {
+    const size_t rb = es_type_row_bytes(type, n);
+    uint8_t * w = malloc(rb * (size_t) rows);
+    for (size_t i = 0; i < rb * (size_t) rows; i++) w[i] = (uint8_t) next_u32();
+    const int32_t blk = es_type_block(type);
+    const size_t bb = rb / (size_t) (n / blk);
+    if (type == ES_TYPE_F32)
+        for (int64_t i = 0; i < n * rows; i++) ((float *) w)[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+    else if (type == ES_TYPE_F16 || type == ES_TYPE_BF16)
+        for (int64_t i = 0; i < n * rows; i++) {
+            const uint16_t base = type == ES_TYPE_F16 ? 0x3000 : 0x3E00;
+            ((uint16_t *) w)[i] = (uint16_t) (base | (next_u32() & (type == ES_TYPE_F16 ? 0x83FF : 0x807F)));
+        }
+    else
+        for (size_t b = 0; b < (size_t) rows * (size_t) (n / blk); b++) {
+            uint8_t * p = w + b * bb;
+            // Half scale fields: d (and m/dmin) at the front, Q6_K's d at the end.
+            const int off = type == ES_TYPE_Q6_K ? 208 : 0;
+            p[off + 1] = 0x1C;
+            if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K)
+                p[3] = 0x1C;
+        }
+    return w;
+}
+
+// ns per row for each type, in TYPES order.
+static void measure(int64_t n, int64_t rows, int reps, double * ns_per_row) {
+    float * x = malloc((size_t) n * sizeof(float));
+    float * y = malloc((size_t) rows * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+    for (int t = 0; t < N_BENCH; t++) {
+        uint8_t * w = random_rows(TYPES[t], n, rows);
+        void * xq = malloc(es_type_row_bytes(es_act_type(TYPES[t]), n));
+        es_quantize_act(TYPES[t], x, xq, n);
+        es_matvec(TYPES[t], w, xq, n, 0, rows, y);  // warm up
+        double best = INFINITY;
+        for (int r = 0; r < reps; r++) {
+            const double t0 = now_s();
+            es_matvec(TYPES[t], w, xq, n, 0, rows, y);
+            best = fmin(best, now_s() - t0);
+        }
+        ns_per_row[t] = 1e9 * best / (double) rows;
+        free(xq);
+        free(w);
+    }
+    free(y);
+    free(x);
+}
+
+int main(int argc, char ** argv) {
+    const int64_t n    = argc > 1 ? atoll(argv[1]) : 2048;
+    const int64_t rows = argc > 2 ? atoll(argv[2]) : 4096;
+    const int     reps = argc > 3 ? atoi(argv[3]) : 20;
+    if (n <= 0 || n % 256 || rows <= 0 || reps <= 0) {
+        fprintf(stderr, "error: n must be a positive multiple of 256, rows and reps positive\n");
+        return 2;
+    }
+    double scalar[N_BENCH], fast[N_BENCH];
+    int fd[2];
+    if (pipe(fd) != 0) return 1;
+    const pid_t pid = fork();
+    if (pid == 0) {
+        setenv("EDGESPEC_KERNELS", "scalar", 1);
+        measure(n, rows, reps, scalar);
+        const ssize_t w = write(fd[1], scalar, sizeof(scalar));
+        _exit(w == (ssize_t) sizeof(scalar) ? 0 : 1);
+    }
+    int status = 0;
+    const ssize_t got = read(fd[0], scalar, sizeof(scalar));
+    waitpid(pid, &status, 0);
+    if (got != (ssize_t) sizeof(scalar) || status != 0) return 1;
+    measure(n, rows, reps, fast);
+
+    printf("es_matvec, n=%lld, %lld rows, best of %d, 1 thread; kernels: %s\n", (long long) n,
+           (long long) rows, reps, es_kernels_name());
+    printf("%-6s %12s %12s %10s %10s %8s\n", "type", "scalar ns/row", "fast ns/row", "scalar GB/s",
+           "fast GB/s", "speedup");
+    for (int t = 0; t < N_BENCH; t++) {
+        const double bytes = (double) es_type_row_bytes(TYPES[t], n);
+        printf("%-6s %12.1f %12.1f %10.2f %10.2f %7.2fx\n", es_type_name(TYPES[t]), scalar[t], fast[t],
+               bytes / scalar[t], bytes / fast[t], scalar[t] / fast[t]);
+    }
+    return 0;
+}
