@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dlfcn.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -63,6 +64,71 @@ static uint8_t * random_rows(int32_t type, int64_t n, int64_t rows) {
                 p[3] = 0x1C;
         }
     return w;
+}
+
+// ggml's CPU kernels, when a libggml-cpu is given.
+typedef void (*ggml_dot_fn)(int n, float * s, size_t bs, const void * x, size_t bx, const void * y,
+                            size_t by, int nrc);
+typedef void (*ggml_quant_fn)(const float * x, void * y, int64_t k);
+static ggml_dot_fn   ggml_dot[ES_TYPE_BF16 + 1];
+static ggml_quant_fn ggml_quant[ES_TYPE_BF16 + 1];  // by activation type
+
+static void load_ggml(const char * path) {
+    void * h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "error: %s\n", dlerror());
+        exit(2);
+    }
+    void (*init)(void) = (void (*)(void)) dlsym(h, "ggml_cpu_init");
+    if (init) init();
+    static const struct { int32_t type; const char * sym; } dots[] = {
+        {ES_TYPE_F32, "ggml_vec_dot_f32"},        {ES_TYPE_Q4_0, "ggml_vec_dot_q4_0_q8_0"},
+        {ES_TYPE_Q4_1, "ggml_vec_dot_q4_1_q8_1"}, {ES_TYPE_Q5_0, "ggml_vec_dot_q5_0_q8_0"},
+        {ES_TYPE_Q5_1, "ggml_vec_dot_q5_1_q8_1"}, {ES_TYPE_Q8_0, "ggml_vec_dot_q8_0_q8_0"},
+        {ES_TYPE_Q4_K, "ggml_vec_dot_q4_K_q8_K"}, {ES_TYPE_Q5_K, "ggml_vec_dot_q5_K_q8_K"},
+        {ES_TYPE_Q6_K, "ggml_vec_dot_q6_K_q8_K"},
+    };
+    for (size_t i = 0; i < sizeof(dots) / sizeof(dots[0]); i++)
+        ggml_dot[dots[i].type] = (ggml_dot_fn) dlsym(h, dots[i].sym);
+    ggml_quant[ES_TYPE_Q8_0] = (ggml_quant_fn) dlsym(h, "quantize_row_q8_0");
+    ggml_quant[ES_TYPE_Q8_1] = (ggml_quant_fn) dlsym(h, "quantize_row_q8_1");
+    ggml_quant[ES_TYPE_Q8_K] = (ggml_quant_fn) dlsym(h, "quantize_row_q8_K");
+}
+
+// ns per row of ggml's vec_dot for each type (NAN: none), on the same data;
+// also counts activation blocks where ggml's quantization differs from ours.
+static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row, int * quant_diff) {
+    float * x = malloc((size_t) n * sizeof(float));
+    float * y = malloc((size_t) rows * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+    for (int t = 0; t < N_BENCH; t++) {
+        const int32_t act = es_act_type(TYPES[t]);
+        ns_per_row[t] = NAN;
+        quant_diff[t] = 0;
+        uint8_t * w = random_rows(TYPES[t], n, rows);
+        if (!ggml_dot[TYPES[t]] || (act != ES_TYPE_F32 && !ggml_quant[act])) {
+            free(w);
+            continue;
+        }
+        const size_t rb = es_type_row_bytes(TYPES[t], n), ab = es_type_row_bytes(act, n);
+        uint8_t * xq = malloc(ab), * ours = malloc(ab);
+        es_quantize_act(TYPES[t], x, ours, n);
+        if (act == ES_TYPE_F32) memcpy(xq, x, ab);
+        else ggml_quant[act](x, xq, n);
+        quant_diff[t] = memcmp(xq, ours, ab) != 0;
+        double best = INFINITY;
+        for (int r = 0; r <= reps; r++) {
+            const double t0 = now_s();
+            for (int64_t i = 0; i < rows; i++) ggml_dot[TYPES[t]]((int) n, &y[i], 0, w + (size_t) i * rb, 0, xq, 0, 1);
+            if (r) best = fmin(best, now_s() - t0);  // r = 0 warms up
+        }
+        ns_per_row[t] = 1e9 * best / (double) rows;
+        free(ours);
+        free(xq);
+        free(w);
+    }
+    free(y);
+    free(x);
 }
 
 // ns per row for each type, in TYPES order.
@@ -112,15 +178,24 @@ int main(int argc, char ** argv) {
     waitpid(pid, &status, 0);
     if (got != (ssize_t) sizeof(scalar) || status != 0) return 1;
     measure(n, rows, reps, fast);
+    double ggml[N_BENCH];
+    int quant_diff[N_BENCH] = {0};
+    for (int t = 0; t < N_BENCH; t++) ggml[t] = NAN;
+    if (argc > 4) {
+        load_ggml(argv[4]);
+        measure_ggml(n, rows, reps, ggml, quant_diff);
+    }
 
     printf("es_matvec, n=%lld, %lld rows, best of %d, 1 thread; kernels: %s\n", (long long) n,
            (long long) rows, reps, es_kernels_name());
-    printf("%-6s %12s %12s %10s %10s %8s\n", "type", "scalar ns/row", "fast ns/row", "scalar GB/s",
-           "fast GB/s", "speedup");
+    printf("%-5s %10s %10s %10s %8s %8s %9s %10s\n", "type", "scalar ns", "fast ns", "ggml ns",
+           "fast GB/s", "vs scalar", "vs ggml", "act==ggml");
     for (int t = 0; t < N_BENCH; t++) {
         const double bytes = (double) es_type_row_bytes(TYPES[t], n);
-        printf("%-6s %12.1f %12.1f %10.2f %10.2f %7.2fx\n", es_type_name(TYPES[t]), scalar[t], fast[t],
-               bytes / scalar[t], bytes / fast[t], scalar[t] / fast[t]);
+        printf("%-5s %10.1f %10.1f %10.1f %8.2f %8.2fx %8.2fx %10s\n", es_type_name(TYPES[t]), scalar[t],
+               fast[t], ggml[t], bytes / fast[t], scalar[t] / fast[t], ggml[t] / fast[t],
+               isnan(ggml[t]) ? "-" : quant_diff[t] ? "DIFFERS" : "yes");
     }
+    printf("(per row, lower is better; ratios > 1 mean ours is faster)\n");
     return 0;
 }

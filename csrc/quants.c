@@ -569,6 +569,17 @@ static float dot_q6_K_scalar(int64_t n, const void * w, const void * a) {
 
 #if defined(ES_HAVE_AVX2)
 
+// binary16 -> binary32 for every half, filled (from half_to_f32) before the
+// AVX2 set is published. A lookup is one load, where vcvtph2ps would compete
+// with the broadcasts for the shuffle port in the per-block scale products.
+static float half_table[1 << 16];
+
+static void init_half_table(void) {
+    for (uint32_t h = 0; h < (1u << 16); h++) half_table[h] = half_to_f32((es_half) h);
+}
+
+static inline float h2f(es_half h) { return half_table[h]; }
+
 static inline ES_AVX2 float hsum_f32x8(__m256 v) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -583,13 +594,6 @@ static inline ES_AVX2 __m256i unpack_nibbles(const uint8_t * p) {
     const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) p));
     const __m256i v = _mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xF0);
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-}
-
-// Two adjacent halves (a block's d and m, or d and s) as floats in lanes 0, 1.
-static inline ES_AVX2 __m128 load_half2(const void * p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(v));
 }
 
 // 32 bits -> 32 bytes, 0xFF where bit j of qh is set.
@@ -662,89 +666,87 @@ static ES_AVX2 float dot_bf16_avx2(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
-// The 32-element quants: per block, 8 int32 lanes of exact partial sums,
-// scaled and accumulated into two float accumulators (even / odd blocks).
-static ES_AVX2 float dot_q4_0_avx2(int64_t n, const void * w, const void * a) {
-    const block_q4_0 * x = w;
-    const block_q8_0 * y = a;
-    const int64_t nb = n / QK;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i qx = _mm256_sub_epi8(unpack_nibbles(x[i].qs), _mm256_set1_epi8(8));
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(x[i].d) * _cvtsh_ss(y[i].d));
-        acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_s8s8(qx, qy)), acc[i & 1]);
-    }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1]));
+// The 32-element quants: per block, 8 int32 lanes of exact partial sums as
+// floats (the *_sums functions), times d_x d_y, accumulated by FMA.
+static inline ES_AVX2 __m256 q4_0_sums(const block_q4_0 * x, const block_q8_0 * y) {
+    const __m256i qx = _mm256_sub_epi8(unpack_nibbles(x->qs), _mm256_set1_epi8(8));
+    return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
 }
 
-static ES_AVX2 float dot_q4_1_avx2(int64_t n, const void * w, const void * a) {
-    const block_q4_1 * x = w;
-    const block_q8_1 * y = a;
-    const int64_t nb = n / QK;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m128 summs = _mm_setzero_ps();  // lane 1: sum of m s
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i qx = unpack_nibbles(x[i].qs);
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        // (d_x d_y, m_x s_y) from one conversion each of (d, m) and (d, s).
-        const __m128 ds = _mm_mul_ps(load_half2(&x[i].d), load_half2(&y[i].d));
-        const __m256 d = _mm256_broadcastss_ps(ds);
-        acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8s8(qx, qy)), acc[i & 1]);
-        summs = _mm_add_ps(summs, ds);
-    }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(summs));
+static inline ES_AVX2 __m256 q4_1_sums(const block_q4_1 * x, const block_q8_1 * y) {
+    return _mm256_cvtepi32_ps(dot_u8s8(unpack_nibbles(x->qs), _mm256_loadu_si256((const __m256i *) y->qs)));
 }
 
-static ES_AVX2 float dot_q5_0_avx2(int64_t n, const void * w, const void * a) {
-    const block_q5_0 * x = w;
-    const block_q8_0 * y = a;
-    const int64_t nb = n / QK;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; i++) {
-        // q - 16 as a signed byte: the nibble where the fifth bit is set,
-        // else the nibble with 0xF0 on top (nibble - 16 in two's complement).
-        const __m256i hi = _mm256_andnot_si256(expand_bits(x[i].qh), _mm256_set1_epi8((char) 0xF0));
-        const __m256i qx = _mm256_or_si256(unpack_nibbles(x[i].qs), hi);
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(x[i].d) * _cvtsh_ss(y[i].d));
-        acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_s8s8(qx, qy)), acc[i & 1]);
-    }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1]));
+static inline ES_AVX2 __m256 q5_0_sums(const block_q5_0 * x, const block_q8_0 * y) {
+    // q - 16 as a signed byte: the nibble where the fifth bit is set,
+    // else the nibble with 0xF0 on top (nibble - 16 in two's complement).
+    const __m256i hi = _mm256_andnot_si256(expand_bits(x->qh), _mm256_set1_epi8((char) 0xF0));
+    const __m256i qx = _mm256_or_si256(unpack_nibbles(x->qs), hi);
+    return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
 }
 
-static ES_AVX2 float dot_q5_1_avx2(int64_t n, const void * w, const void * a) {
-    const block_q5_1 * x = w;
-    const block_q8_1 * y = a;
-    const int64_t nb = n / QK;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m128 summs = _mm_setzero_ps();  // lane 1: sum of m s
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i hi = _mm256_and_si256(expand_bits(x[i].qh), _mm256_set1_epi8(0x10));
-        const __m256i qx = _mm256_or_si256(unpack_nibbles(x[i].qs), hi);
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        // (d_x d_y, m_x s_y) from one conversion each of (d, m) and (d, s).
-        const __m128 ds = _mm_mul_ps(load_half2(&x[i].d), load_half2(&y[i].d));
-        const __m256 d = _mm256_broadcastss_ps(ds);
-        acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8s8(qx, qy)), acc[i & 1]);
-        summs = _mm_add_ps(summs, ds);
-    }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1])) + _mm_cvtss_f32(_mm_movehdup_ps(summs));
+static inline ES_AVX2 __m256 q5_1_sums(const block_q5_1 * x, const block_q8_1 * y) {
+    const __m256i hi = _mm256_and_si256(expand_bits(x->qh), _mm256_set1_epi8(0x10));
+    const __m256i qx = _mm256_or_si256(unpack_nibbles(x->qs), hi);
+    return _mm256_cvtepi32_ps(dot_u8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
 }
 
-static ES_AVX2 float dot_q8_0_avx2(int64_t n, const void * w, const void * a) {
-    const block_q8_0 * x = w;
-    const block_q8_0 * y = a;
-    const int64_t nb = n / QK;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nb; i++) {
-        const __m256i qx = _mm256_loadu_si256((const __m256i *) x[i].qs);
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[i].qs);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(x[i].d) * _cvtsh_ss(y[i].d));
-        acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_s8s8(qx, qy)), acc[i & 1]);
-    }
-    return hsum_f32x8(_mm256_add_ps(acc[0], acc[1]));
+static inline ES_AVX2 __m256 q8_0_sums(const block_q8_0 * x, const block_q8_0 * y) {
+    const __m256i qx = _mm256_loadu_si256((const __m256i *) x->qs);
+    return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
 }
+
+// Even blocks go to acc0, odd ones to acc1: two FMA chains, in named
+// registers (an array indexed by i & 1 would live in memory).
+#define DOT32_NO_MIN(block_t, act_t, SUMS)                                                  \
+    static ES_AVX2 float dot_##SUMS##_avx2(int64_t n, const void * w, const void * a) {   \
+        const block_t * x = w;                                                            \
+        const act_t *   y = a;                                                            \
+        const int64_t nb = n / QK;                                                        \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                    \
+        int64_t i = 0;                                                                    \
+        for (; i + 1 < nb; i += 2) {                                                      \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
+                                   SUMS##_sums(x + i, y + i), acc0);                      \
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i + 1].d) * h2f(y[i + 1].d)),     \
+                                   SUMS##_sums(x + i + 1, y + i + 1), acc1);              \
+        }                                                                                 \
+        if (i < nb)                                                                       \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
+                                   SUMS##_sums(x + i, y + i), acc0);                      \
+        return hsum_f32x8(_mm256_add_ps(acc0, acc1));                                     \
+    }
+
+// The same plus sum(m_x s_y), also in two chains.
+#define DOT32_MIN(block_t, SUMS)                                                            \
+    static ES_AVX2 float dot_##SUMS##_avx2(int64_t n, const void * w, const void * a) {   \
+        const block_t *    x = w;                                                         \
+        const block_q8_1 * y = a;                                                         \
+        const int64_t nb = n / QK;                                                        \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                    \
+        float m0 = 0.0f, m1 = 0.0f;                                                       \
+        int64_t i = 0;                                                                    \
+        for (; i + 1 < nb; i += 2) {                                                      \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
+                                   SUMS##_sums(x + i, y + i), acc0);                      \
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i + 1].d) * h2f(y[i + 1].d)),     \
+                                   SUMS##_sums(x + i + 1, y + i + 1), acc1);              \
+            m0 += h2f(x[i].m) * h2f(y[i].s);                                              \
+            m1 += h2f(x[i + 1].m) * h2f(y[i + 1].s);                                      \
+        }                                                                                 \
+        if (i < nb) {                                                                     \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
+                                   SUMS##_sums(x + i, y + i), acc0);                      \
+            m0 += h2f(x[i].m) * h2f(y[i].s);                                              \
+        }                                                                                 \
+        return hsum_f32x8(_mm256_add_ps(acc0, acc1)) + (m0 + m1);                         \
+    }
+
+DOT32_NO_MIN(block_q4_0, block_q8_0, q4_0)
+DOT32_NO_MIN(block_q5_0, block_q8_0, q5_0)
+DOT32_NO_MIN(block_q8_0, block_q8_0, q8_0)
+DOT32_MIN(block_q4_1, q4_1)
+DOT32_MIN(block_q5_1, q5_1)
 
 // Q4_K / Q5_K scales and mins of one super-block, unpacked to 8 bytes each.
 static inline void unpack_scales_k4(const uint8_t * s, uint8_t sc[8], uint8_t m[8]) {
@@ -783,8 +785,8 @@ static ES_AVX2 float dot_q4_K_avx2(int64_t n, const void * w, const void * a) {
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
         }
         const float yd = y[i].d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
-        summ += (_cvtsh_ss(x[i].dmin) * yd) * (float) k4_mins(m, y[i].bsums);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
+        summ += (h2f(x[i].dmin) * yd) * (float) k4_mins(m, y[i].bsums);
     }
     return hsum_f32x8(acc) - summ;
 }
@@ -817,8 +819,8 @@ static ES_AVX2 float dot_q5_K_avx2(int64_t n, const void * w, const void * a) {
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
         }
         const float yd = y[i].d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
-        summ += (_cvtsh_ss(x[i].dmin) * yd) * (float) k4_mins(m, y[i].bsums);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
+        summ += (h2f(x[i].dmin) * yd) * (float) k4_mins(m, y[i].bsums);
     }
     return hsum_f32x8(acc) - summ;
 }
@@ -856,7 +858,7 @@ static ES_AVX2 float dot_q6_K_avx2(int64_t n, const void * w, const void * a) {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_f32x8(acc);
 }
@@ -1023,7 +1025,10 @@ static const kernel_set * choose_kernels(void) {
     unsigned eax, ebx, ecx = 0, edx;
     const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return &KERNELS_AVX2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
+        init_half_table();
+        return &KERNELS_AVX2;
+    }
 #endif
 #if defined(__ARM_NEON) && defined(__aarch64__)
     return &KERNELS_NEON;
