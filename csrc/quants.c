@@ -748,9 +748,44 @@ DOT32_NO_MIN(block_q8_0, block_q8_0, q8_0)
 DOT32_MIN(block_q4_1, q4_1)
 DOT32_MIN(block_q5_1, q5_1)
 
-// Q4_K / Q5_K scales and mins of one super-block, unpacked to 8 bytes each.
+// Q4_K / Q5_K scales and mins of one super-block, unpacked to 8 bytes each,
+// four at a time: scale_min_k4 on 32-bit words.
 static inline void unpack_scales_k4(const uint8_t * s, uint8_t sc[8], uint8_t m[8]) {
-    for (int j = 0; j < 8; j++) scale_min_k4(j, s, &sc[j], &m[j]);
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t sc_lo = u[0] & 0x3F3F3F3Fu, m_lo = u[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t m_hi  = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, &sc_lo, 4), memcpy(sc + 4, &sc_hi, 4);
+    memcpy(m, &m_lo, 4), memcpy(m + 4, &m_hi, 4);
+}
+
+// Byte masks for _mm256_shuffle_epi8 over 8 int16 in both 128-bit lanes:
+// BCAST16[k] repeats int16 k in every lane; PAIR16[k] int16 2k in the low
+// lane and 2k + 1 in the high one.
+static const uint8_t BCAST16[8][32] = {
+#define B(k) {2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, \
+              2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1}
+    B(0), B(1), B(2), B(3), B(4), B(5), B(6), B(7),
+#undef B
+};
+static const uint8_t PAIR16[4][32] = {
+#define P(k) {4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, \
+              4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3}
+    P(0), P(1), P(2), P(3),
+#undef P
+};
+
+static inline ES_AVX2 __m256i shuffle16(__m256i v, const uint8_t mask[32]) {
+    return _mm256_shuffle_epi8(v, _mm256_loadu_si256((const __m256i *) mask));
+}
+
+// 8 bytes -> 8 int16 in both 128-bit lanes (zero- or sign-extended).
+static inline ES_AVX2 __m256i u8x8_to_i16x2(const uint8_t * p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) p)));
+}
+static inline ES_AVX2 __m256i s8x8_to_i16x2(const int8_t * p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *) p)));
 }
 
 // sum over sub-blocks of min[j] * (bsums[2j] + bsums[2j+1]), exact.
@@ -774,6 +809,7 @@ static ES_AVX2 float dot_q4_K_avx2(int64_t n, const void * w, const void * a) {
         unpack_scales_k4(x[i].scales, sc, m);
         const uint8_t * q  = x[i].qs;
         const int8_t *  q8 = y[i].qs;
+        const __m256i scales = u8x8_to_i16x2(sc);
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
@@ -781,8 +817,8 @@ static ES_AVX2 float dot_q4_K_avx2(int64_t n, const void * w, const void * a) {
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F));
             const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
             const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
         }
         const float yd = y[i].d;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
@@ -803,6 +839,7 @@ static ES_AVX2 float dot_q5_K_avx2(int64_t n, const void * w, const void * a) {
         const int8_t *  q8 = y[i].qs;
         const __m256i hbits = _mm256_loadu_si256((const __m256i *) x[i].qh);
         const __m256i one = _mm256_set1_epi8(1);
+        const __m256i scales = u8x8_to_i16x2(sc);
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
@@ -815,8 +852,8 @@ static ES_AVX2 float dot_q5_K_avx2(int64_t n, const void * w, const void * a) {
                 _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F)), h1);
             const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
             const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
         }
         const float yd = y[i].d;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
@@ -828,36 +865,44 @@ static ES_AVX2 float dot_q5_K_avx2(int64_t n, const void * w, const void * a) {
 static ES_AVX2 float dot_q6_K_avx2(int64_t n, const void * w, const void * a) {
     const block_q6_K * x = w;
     const block_q8_K * y = a;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / QK_K; i++) {
         const int8_t * sc = x[i].scales;
+        // sum sc (q - 32) y = sum sc q y - 32 sum_g sc_g bsum_g: the offset once
+        // per super-block from the group sums, not per element.
+        const __m256i bsums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
+        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
         __m256i sumi = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++, sc += 8) {
+            const __m256i scales = s8x8_to_i16x2(sc);
             const uint8_t * ql = x[i].ql + 64 * h;
             const int8_t *  q8 = y[i].qs + 128 * h;
             const __m256i l0 = _mm256_loadu_si256((const __m256i *) ql);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *) (ql + 32));
             const __m256i hb = _mm256_loadu_si256((const __m256i *) (x[i].qh + 32 * h));
             // Quarters k = 0..3 of the 128 elements, values 0..63.
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4)),
-            };
-            for (int k = 0; k < 4; k++) {
-                const __m256i y8 = _mm256_loadu_si256((const __m256i *) (q8 + 32 * k));
-                // (q - 32) y = q y - 32 y, each pairwise in int16 (|.| <= 16002).
-                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], y8), _mm256_maddubs_epi16(m32, y8));
-                // Lanes 0..7 hold elements 0..15 (scale 2k), 8..15 hold 16..31 (scale 2k+1).
-                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
-            }
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+            // q y pairwise in int16 (<= 2 * 63 * 127); lanes 0..7 of quarter k
+            // hold elements 0..15 (scale 2k), lanes 8..15 elements 16..31 (2k+1).
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *) q8)),
+                                                 shuffle16(scales, PAIR16[0]));
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *) (q8 + 32))),
+                                                 shuffle16(scales, PAIR16[1]));
+            const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *) (q8 + 64))),
+                                                 shuffle16(scales, PAIR16[2]));
+            const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *) (q8 + 96))),
+                                                 shuffle16(scales, PAIR16[3]));
+            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
         }
+        sumi = _mm256_sub_epi32(sumi, offset);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
     }
     return hsum_f32x8(acc);
