@@ -170,6 +170,18 @@ static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * sc, uint8_t 
     }
 }
 
+// Q4_K / Q5_K scales and mins of one super-block, unpacked to 8 bytes each,
+// four at a time: scale_min_k4 on 32-bit words.
+static inline void unpack_scales_k4(const uint8_t * s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t sc_lo = u[0] & 0x3F3F3F3Fu, m_lo = u[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t m_hi  = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, &sc_lo, 4), memcpy(sc + 4, &sc_hi, 4);
+    memcpy(m, &m_lo, 4), memcpy(m + 4, &m_hi, 4);
+}
+
 static void dequant_q4_0(const block_q4_0 * x, float * y, int64_t nb) {
     for (int64_t i = 0; i < nb; i++, y += QK) {
         const float d = half_to_f32(x[i].d);
@@ -748,18 +760,6 @@ DOT32_NO_MIN(block_q8_0, block_q8_0, q8_0)
 DOT32_MIN(block_q4_1, q4_1)
 DOT32_MIN(block_q5_1, q5_1)
 
-// Q4_K / Q5_K scales and mins of one super-block, unpacked to 8 bytes each,
-// four at a time: scale_min_k4 on 32-bit words.
-static inline void unpack_scales_k4(const uint8_t * s, uint8_t sc[8], uint8_t m[8]) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t sc_lo = u[0] & 0x3F3F3F3Fu, m_lo = u[1] & 0x3F3F3F3Fu;
-    const uint32_t sc_hi = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    const uint32_t m_hi  = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    memcpy(sc, &sc_lo, 4), memcpy(sc + 4, &sc_hi, 4);
-    memcpy(m, &m_lo, 4), memcpy(m + 4, &m_hi, 4);
-}
-
 // Byte masks for _mm256_shuffle_epi8 over 8 int16 in both 128-bit lanes:
 // BCAST16[k] repeats int16 k in every lane; PAIR16[k] int16 2k in the low
 // lane and 2k + 1 in the high one.
@@ -1019,6 +1019,136 @@ static float dot_q8_0_neon(int64_t n, const void * w, const void * a) {
     return vaddvq_f32(vaddq_f32(acc[0], acc[1]));
 }
 
+static float dot_bf16_neon(int64_t n, const void * w, const void * a) {
+    const uint16_t * x = w;
+    const float *    y = a;
+    float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const uint16x8_t h = vld1q_u16(x + i);
+        acc[0] = vfmaq_f32(acc[0], vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)), vld1q_f32(y + i));
+        acc[1] = vfmaq_f32(acc[1], vreinterpretq_f32_u32(vshll_high_n_u16(h, 16)), vld1q_f32(y + i + 4));
+    }
+    float sum = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
+    for (; i < n; i++) sum += bf16_to_f32(x[i]) * y[i];
+    return sum;
+}
+
+static float dot_q5_1_neon(int64_t n, const void * w, const void * a) {
+    const block_q5_1 * x = w;
+    const block_q8_1 * y = a;
+    float32x4_t acc = vdupq_n_f32(0);
+    float summs = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        const uint8x16_t b = vld1q_u8(x[i].qs);
+        const int8x16_t lo = vorrq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), q5_bits_neon(qh, 0));
+        const int8x16_t hi = vorrq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), q5_bits_neon(qh, 16));
+        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
+        summs += half_to_f32(x[i].m) * half_to_f32(y[i].s);
+    }
+    return vaddvq_f32(acc) + summs;
+}
+
+// The K-quants compute each super-block's integer sums with NEON and the
+// float part exactly as the scalar kernels do, so results match them bit
+// for bit.
+
+// sum of 32 u8 weights (0..31, in two vectors) times 32 int8 activations.
+static inline int32_t dot32_neon(uint8x16_t w0, uint8x16_t w1, const int8_t * q8) {
+    return vaddvq_s32(vaddq_s32(dot_s8x16(vreinterpretq_s8_u8(w0), vld1q_s8(q8)),
+                                dot_s8x16(vreinterpretq_s8_u8(w1), vld1q_s8(q8 + 16))));
+}
+
+static inline int k4_mins_scalar(const uint8_t m[8], const int16_t * bsums) {
+    int summ = 0;
+    for (int j = 0; j < 8; j++) summ += m[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return summ;
+}
+
+static float dot_q4_K_neon(int64_t n, const void * w, const void * a) {
+    const block_q4_K * x = w;
+    const block_q8_K * y = a;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        uint8_t sc[8], m[8];
+        unpack_scales_k4(x[i].scales, sc, m);
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        int sumi = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            const uint8x16_t b0 = vld1q_u8(q), b1 = vld1q_u8(q + 16);
+            sumi += sc[2 * j] * dot32_neon(vandq_u8(b0, m4), vandq_u8(b1, m4), q8);
+            sumi += sc[2 * j + 1] * dot32_neon(vshrq_n_u8(b0, 4), vshrq_n_u8(b1, 4), q8 + 32);
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, k4_mins_scalar(m, y[i].bsums));
+    }
+    return sum;
+}
+
+static float dot_q5_K_neon(int64_t n, const void * w, const void * a) {
+    const block_q5_K * x = w;
+    const block_q8_K * y = a;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), b4 = vdupq_n_u8(0x10);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        uint8_t sc[8], m[8];
+        unpack_scales_k4(x[i].scales, sc, m);
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        const uint8x16_t h0 = vld1q_u8(x[i].qh), h1 = vld1q_u8(x[i].qh + 16);
+        int sumi = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            const uint8x16_t b0 = vld1q_u8(q), b1 = vld1q_u8(q + 16);
+            // Fifth bits: bit 2j of qh[l] for the low nibbles, 2j + 1 for the high.
+            const uint8x16_t bl = vdupq_n_u8((uint8_t) (1u << (2 * j))), bh = vdupq_n_u8((uint8_t) (2u << (2 * j)));
+            const uint8x16_t lo0 = vorrq_u8(vandq_u8(b0, m4), vandq_u8(vtstq_u8(h0, bl), b4));
+            const uint8x16_t lo1 = vorrq_u8(vandq_u8(b1, m4), vandq_u8(vtstq_u8(h1, bl), b4));
+            const uint8x16_t hi0 = vorrq_u8(vshrq_n_u8(b0, 4), vandq_u8(vtstq_u8(h0, bh), b4));
+            const uint8x16_t hi1 = vorrq_u8(vshrq_n_u8(b1, 4), vandq_u8(vtstq_u8(h1, bh), b4));
+            sumi += sc[2 * j] * dot32_neon(lo0, lo1, q8);
+            sumi += sc[2 * j + 1] * dot32_neon(hi0, hi1, q8 + 32);
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, k4_mins_scalar(m, y[i].bsums));
+    }
+    return sum;
+}
+
+static float dot_q6_K_neon(int64_t n, const void * w, const void * a) {
+    const block_q6_K * x = w;
+    const block_q8_K * y = a;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(3);
+    const int8x16_t  o32 = vdupq_n_s8(32);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int sumi = 0;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t * ql = x[i].ql + 64 * h;
+            const uint8_t * qh = x[i].qh + 32 * h;
+            const int8_t *  q8 = y[i].qs + 128 * h;
+            const int8_t *  sc = x[i].scales + 8 * h;
+            for (int l = 0; l < 32; l += 16) {  // groups of 16: scale index 2k + l / 16
+                const uint8x16_t a0 = vld1q_u8(ql + l), a1 = vld1q_u8(ql + 32 + l), hb = vld1q_u8(qh + l);
+                const uint8x16_t q[4] = {
+                    vorrq_u8(vandq_u8(a0, m4), vshlq_n_u8(vandq_u8(hb, m2), 4)),
+                    vorrq_u8(vandq_u8(a1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m2), 4)),
+                    vorrq_u8(vshrq_n_u8(a0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m2), 4)),
+                    vorrq_u8(vshrq_n_u8(a1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4)),
+                };
+                for (int k = 0; k < 4; k++) {
+                    const int8x16_t v = vsubq_s8(vreinterpretq_s8_u8(q[k]), o32);
+                    sumi += sc[2 * k + l / 16] * vaddvq_s32(dot_s8x16(v, vld1q_s8(q8 + 32 * k + l)));
+                }
+            }
+        }
+        sum += (half_to_f32(x[i].d) * y[i].d) * (float) sumi;
+    }
+    return sum;
+}
+
 #endif  // __ARM_NEON && __aarch64__
 
 /* ---- dispatch ------------------------------------------------------------ */
@@ -1050,16 +1180,12 @@ static const kernel_set KERNELS_AVX2 = {"avx2", {
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
-// Types without a NEON kernel keep the scalar one.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Woverride-init"
 static const kernel_set KERNELS_NEON = {"neon", {
-    SCALAR_DOTS,
-    [ES_TYPE_F32] = dot_f32_neon, [ES_TYPE_F16] = dot_f16_neon,
+    [ES_TYPE_F32] = dot_f32_neon, [ES_TYPE_F16] = dot_f16_neon, [ES_TYPE_BF16] = dot_bf16_neon,
     [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
-    [ES_TYPE_Q8_0] = dot_q8_0_neon,
+    [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
+    [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
 }};
-#pragma GCC diagnostic pop
 #endif
 
 static const kernel_set * choose_kernels(void) {
