@@ -129,8 +129,9 @@ int es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** ou
     const char * mode = getenv("EDGESPEC_EXPERTS");
     const bool f32 = mode && strcmp(mode, "f32") == 0;
     if (mode && *mode && !f32) {
-        snprintf(err, err_cap, "EDGESPEC_EXPERTS=%s: expected f32 or nothing", mode);
-        return ES_ERR_INVALID_ARG;
+        snprintf(err, err_cap, "EDGESPEC_EXPERTS=%s is not an expert provider of this build "
+                 "(f32, or unset)", mode);
+        return ES_ERR_UNSUPPORTED;
     }
 
     es_experts * ex = calloc(1, sizeof *ex);

@@ -165,7 +165,8 @@ typedef struct es_moe_params {
 // checked against p: ES_ERR_FORMAT names a missing or misshapen tensor,
 // ES_ERR_UNSUPPORTED a weight type the kernels lack. Expert matrices are
 // served from the mapping, or with EDGESPEC_EXPERTS=f32 in the environment
-// as F32 copies made on demand (the path an expert cache takes; tests).
+// as F32 copies made on demand (the path an expert cache takes; tests);
+// another value of EDGESPEC_EXPERTS is ES_ERR_UNSUPPORTED.
 typedef struct es_experts es_experts;
 int  es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** out,
                      char * err, size_t err_cap);
