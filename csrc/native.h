@@ -107,13 +107,19 @@ const char * es_kernels_name(void);
 
 typedef struct es_pool es_pool;
 
-// fn(arg, ith, nth) runs once on each of nth threads (the caller is ith 0).
+// fn(arg, ith, nth) runs once for each share ith = 0..nth-1, nth = the pool
+// size. Shares run concurrently on the pool's threads, but a thread may run
+// several one after another (the caller takes over the shares of workers
+// that are slow to start), so fn must never wait for another share.
 typedef void (*es_pool_fn)(void * arg, int32_t ith, int32_t nth);
 
+// n_threads >= 1 (the caller plus n_threads - 1 workers). ES_OK,
+// ES_ERR_INVALID_ARG, ES_ERR_NO_MEMORY (also when a thread cannot start).
 int     es_pool_init(int32_t n_threads, es_pool ** out);
-void    es_pool_free(es_pool * pool);
+void    es_pool_free(es_pool * pool);  // NULL is a no-op
 int32_t es_pool_size(const es_pool * pool);
-// Runs fn on every thread and returns when all are done.
+// Runs all nth shares of fn and returns when they are done. One run at a
+// time: not to be called concurrently or from inside fn.
 void    es_pool_run(es_pool * pool, es_pool_fn fn, void * arg);
 
 /* ---- mixture of experts (moe.c) ----------------------------------------- */

@@ -3,11 +3,15 @@
  *
  * es_pool_run is called per matmul (hundreds of times per token), so a run
  * must cost far less than a mutex/condvar round trip: the caller publishes
- * the job by bumping an atomic generation counter, runs ith 0 itself, then
- * spins until every worker has counted itself done. Idle workers spin on the
- * generation for a short while (the next matmul usually follows within
- * microseconds) and then sleep on a condition variable; the caller only
- * takes the mutex to wake them when some are asleep.
+ * the job by bumping an atomic generation counter, then every thread claims
+ * shares (ith = 0..nth-1) from an atomic counter and runs them, and the
+ * caller spins until all nth are done. The caller claims first, so it
+ * usually runs ith 0, and it takes over the share of a worker that has not
+ * started yet: on a machine with more busy threads than cores a descheduled
+ * worker delays a run by its own share at most, not by a time slice.
+ * Idle workers spin on the generation for a short while (the next matmul
+ * usually follows within microseconds) and then sleep on a condition
+ * variable; the caller only takes the mutex to wake them when some are asleep.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -46,12 +50,13 @@ struct es_pool {
     int32_t  n_threads;  // the caller plus n_threads - 1 workers
     worker * workers;    // (n_threads - 1), owned
 
-    // The current job, written by es_pool_run before it bumps gen.
+    // The current job, written by es_pool_run before it resets next.
     es_pool_fn fn;
     void *     arg;
 
     _Atomic uint32_t gen;         // one more per run; workers wait for a change
-    _Atomic int32_t  n_done;      // workers finished with the current run
+    _Atomic int32_t  next;        // the next share to claim; >= n_threads: none left
+    _Atomic int32_t  n_done;      // shares finished in the current run
     _Atomic int32_t  n_sleeping;  // workers blocked (or about to block) on cv
     _Atomic bool     stop;
 
@@ -81,6 +86,19 @@ static uint32_t wait_for_job(es_pool * pool, uint32_t seen) {
     return g;
 }
 
+// Claims and runs shares of the current job until none is left. The
+// acquire on next pairs with es_pool_run's release store resetting it, so
+// a claimed share sees that run's fn and arg, even from a worker that woke
+// for an earlier generation.
+static void run_shares(es_pool * pool) {
+    for (;;) {
+        const int32_t ith = atomic_fetch_add_explicit(&pool->next, 1, memory_order_acquire);
+        if (ith >= pool->n_threads) return;
+        pool->fn(pool->arg, ith, pool->n_threads);
+        atomic_fetch_add_explicit(&pool->n_done, 1, memory_order_release);
+    }
+}
+
 static void * worker_main(void * p) {
     worker * w    = p;
     es_pool * pool = w->pool;
@@ -88,8 +106,7 @@ static void * worker_main(void * p) {
     for (;;) {
         seen = wait_for_job(pool, seen);
         if (atomic_load_explicit(&pool->stop, memory_order_acquire)) return NULL;
-        pool->fn(pool->arg, w->ith, pool->n_threads);
-        atomic_fetch_add_explicit(&pool->n_done, 1, memory_order_release);
+        run_shares(pool);
     }
 }
 
@@ -111,6 +128,7 @@ int es_pool_init(int32_t n_threads, es_pool ** out) {
     es_pool * pool = calloc(1, sizeof(*pool));
     if (!pool) return ES_ERR_NO_MEMORY;
     pool->n_threads = n_threads;
+    atomic_store(&pool->next, n_threads);  // no job yet
     pool->workers   = calloc((size_t) n_threads, sizeof(worker));  // n - 1 used; never 0 bytes
     if (!pool->workers) {
         free(pool);
@@ -145,23 +163,27 @@ void es_pool_free(es_pool * pool) {
 int32_t es_pool_size(const es_pool * pool) { return pool ? pool->n_threads : 0; }
 
 void es_pool_run(es_pool * pool, es_pool_fn fn, void * arg) {
-    const int32_t n_workers = pool->n_threads - 1;
-    if (n_workers == 0) {
+    const int32_t n = pool->n_threads;
+    if (n == 1) {
         fn(arg, 0, 1);
         return;
     }
+    // The previous run is complete (all its shares claimed and done), so no
+    // thread reads fn or arg until next is reset below.
     pool->fn  = fn;
     pool->arg = arg;
     atomic_store_explicit(&pool->n_done, 0, memory_order_relaxed);
-    atomic_fetch_add(&pool->gen, 1);  // seq_cst: publishes fn, arg, n_done
+    atomic_store_explicit(&pool->next, 0, memory_order_release);
+    atomic_fetch_add(&pool->gen, 1);  // seq_cst, see wait_for_job
     if (atomic_load(&pool->n_sleeping) > 0) {
         pthread_mutex_lock(&pool->mutex);
         pthread_cond_broadcast(&pool->cv);
         pthread_mutex_unlock(&pool->mutex);
     }
-    fn(arg, 0, pool->n_threads);
-    // Workers finish within microseconds unless descheduled; yield then.
-    for (int i = 1; atomic_load_explicit(&pool->n_done, memory_order_acquire) != n_workers; i++) {
+    run_shares(pool);
+    // Shares still running on workers end within microseconds unless a
+    // worker was descheduled mid-share; yield then.
+    for (int i = 1; atomic_load_explicit(&pool->n_done, memory_order_acquire) != n; i++) {
         cpu_relax();
         if ((i & 1023) == 0) sched_yield();
     }
