@@ -86,7 +86,7 @@ def generate(
     threads: int = typer.Option(None, help="CPU threads (default: physical cores)."),
     n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens."),
     gpu_layers: int = typer.Option(0, help="Layers to offload to Metal/CUDA/Vulkan, if llama.cpp has them."),
-    backend: str = typer.Option("llama", help="Inference backend."),
+    backend: str = typer.Option("llama", help="Inference backend: llama (llama.cpp) or native (edgespec's C engine)."),
     drafter: str = typer.Option("auto", help="none, ngram, recycle, cache, model or auto (chooses per step, "
                                             "and decodes plainly when speculation does not pay)."),
     draft_model: str = typer.Option(None, help="Draft model for --drafter model/auto (same tokenizer)."),

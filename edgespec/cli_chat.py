@@ -19,6 +19,7 @@ def chat(
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples."),
     seed: int = typer.Option(None, help="RNG seed for sampling, reused for every answer (default: random)."),
     threads: int = typer.Option(None, help="CPU threads (default: physical cores)."),
+    backend: str = typer.Option("llama", help="Inference backend: llama (llama.cpp) or native (edgespec's C engine)."),
     n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens; the oldest turns are dropped to fit."),
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
 ):
@@ -28,7 +29,7 @@ def chat(
     from .engine import Engine
 
     template_text = read_template(template) if template else None  # fail before loading the model
-    with Engine(model, threads=threads, n_ctx=n_ctx, drafter=drafter, draft_model=draft_model,
+    with Engine(model, backend=backend, threads=threads, n_ctx=n_ctx, drafter=drafter, draft_model=draft_model,
                 ngram_cache=ngram_cache, verbose=verbose) as engine:
         code = run_chat(engine, system=system, template=template_text, max_tokens=max_tokens,
                         temperature=temperature, seed=seed)

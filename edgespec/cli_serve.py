@@ -18,6 +18,7 @@ def serve(
     model_name: str = typer.Option(None, help="Model id clients send and /v1/models lists "
                                               "(default: the built-in name or the file's stem)."),
     threads: int = typer.Option(None, help="CPU threads (default: physical cores)."),
+    backend: str = typer.Option("llama", help="Inference backend: llama (llama.cpp) or native (edgespec's C engine)."),
     n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens."),
     gpu_layers: int = typer.Option(0, help="Layers to offload to Metal/CUDA/Vulkan, if llama.cpp has them."),
     drafter: str = typer.Option("auto", help="none, ngram, recycle, cache, model or auto (chooses per step, "
@@ -33,7 +34,7 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
-    with Engine(model, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers, drafter=drafter,
+    with Engine(model, backend=backend, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers, drafter=drafter,
                 draft_model=draft_model, ngram_cache=ngram_cache, verbose=verbose) as engine:
         try:
             server = make_server(engine, host, port, api_key=api_key, model_name=model_name, quiet=quiet)
