@@ -34,7 +34,9 @@ typedef struct moe_layer {
 struct es_experts {
     es_moe_params      p;
     moe_layer        * layers;     // (n_layer), owned
-    es_expert_provider provider;   // what es_moe_ffn calls; self is this es_experts
+    es_expert_provider provider;   // what es_moe_ffn calls: the mapping's or the F32
+                                   // copies' (self: this es_experts), or one set in
+                                   // its place (es_experts_set_provider)
 };
 
 static const char * const EXPS_NAME[3] = { "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps" };
@@ -165,6 +167,12 @@ void es_experts_free(es_experts * ex) {
 }
 
 const es_moe_params * es_experts_params(const es_experts * ex) { return &ex->p; }
+
+const es_expert_provider * es_experts_provider(const es_experts * ex) { return &ex->provider; }
+
+void es_experts_set_provider(es_experts * ex, const es_expert_provider * provider) {
+    ex->provider = *provider;
+}
 
 /* ---- scratch ------------------------------------------------------------- */
 

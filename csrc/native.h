@@ -15,6 +15,8 @@
 
 #include "edgespec.h"
 
+#include <string.h>
+
 /* ---- GGUF reader (gguf.c) ------------------------------------------------ */
 
 // ggml's type ids, as stored in GGUF tensor infos.
@@ -75,6 +77,44 @@ bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, u
                      const void ** data);
 
 /* ---- weight types and kernels (quants.c) --------------------------------- */
+
+// IEEE binary16 <-> binary32, exact and table-free (inline: KV cache and
+// attention use them per element). es_f32_to_half rounds to nearest even,
+// as F16C's vcvtps2ph and ggml's converters do; overflow gives inf.
+static inline float es_half_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t) h << 16, sign = w & 0x80000000u, two_w = w + w;
+    uint32_t u;
+    float f;
+    // Normals: exponent and mantissa moved into place, rebiased by a scale.
+    u = (two_w >> 4) + (0xE0u << 23);
+    memcpy(&f, &u, 4);
+    const float normal = f * 0x1.0p-112f;
+    // Subnormals: the mantissa as the low bits of 0.5's significand, minus 0.5.
+    u = (two_w >> 17) | (126u << 23);
+    memcpy(&f, &u, 4);
+    const float subnormal = f - 0.5f;
+    memcpy(&u, two_w < (1u << 27) ? &subnormal : &normal, 4);
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t es_f32_to_half(float x) {
+    // Scaling up then down rounds the mantissa to half precision in float.
+    float base = (x < 0 ? -x : x) * 0x1.0p+112f * 0x1.0p-110f;
+    uint32_t w, bits;
+    memcpy(&w, &x, 4);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    bias = (bias >> 1) + 0x07800000u;
+    float fb;
+    memcpy(&fb, &bias, 4);
+    base = fb + base;
+    memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t) ((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
 
 // Elements per block (1 for float types); 0 for a type this build lacks.
 int32_t es_type_block(int32_t type);
@@ -178,6 +218,12 @@ int  es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** o
                      char * err, size_t err_cap);
 void es_experts_free(es_experts * ex);
 const es_moe_params * es_experts_params(const es_experts * ex);
+// The provider es_moe_ffn reads experts through, and its replacement: an
+// expert cache wraps the default one (it serves any es_type per expert, so
+// experts may be mixed-precision copies), tests inject failures. The struct
+// is copied; its self must outlive the es_experts' use.
+const es_expert_provider * es_experts_provider(const es_experts * ex);
+void es_experts_set_provider(es_experts * ex, const es_expert_provider * provider);
 
 // One context's scratch for es_moe_ffn, for batches of up to n_batch tokens;
 // ex must outlive it.

@@ -4,7 +4,8 @@
  * es_moe_ffn against a double-precision reference computed from the
  * dequantized weights (F32 experts in layer 0, Q8_0 in layer 1), batch
  * invariance over batch sizes and thread counts, the F32-copy provider
- * (EDGESPEC_EXPERTS=f32), and the bind errors that name the tensor.
+ * (EDGESPEC_EXPERTS=f32), a provider that mixes Q8_0 and F32 experts in one
+ * layer and fails on demand, and the bind errors that name the tensor.
  */
 #define _POSIX_C_SOURCE 200809L   // setenv
 
@@ -259,6 +260,101 @@ static void test_f32_provider(const es_gguf * g, const float * x) {
     unsetenv("EDGESPEC_EXPERTS");
 }
 
+/* A provider over the default one, as an expert cache is: the even experts
+ * of layer 1 come as F32 copies, so one layer mixes Q8_0 and F32 experts
+ * (a mixed-precision cache); the get after fail_after gets fails; gets and
+ * puts are counted. */
+typedef struct mixed {
+    es_expert_provider inner;
+    int fail_after;    // -1: never
+    int n_get, n_put;
+} mixed;
+
+static bool mixed_copies(int32_t il, int32_t e) { return il == 1 && e % 2 == 0; }
+
+static int mixed_get(void * self, int32_t il, int32_t e, int32_t which, es_expert_view * out) {
+    mixed * m = self;
+    if (m->n_get == m->fail_after) return ES_ERR_NO_MEMORY;
+    const int rc = m->inner.get(m->inner.self, il, e, which, out);
+    if (rc != ES_OK) return rc;
+    m->n_get++;
+    if (mixed_copies(il, e)) {
+        const int64_t n = which == ES_EXPERT_DOWN ? F : D, rows = which == ES_EXPERT_DOWN ? D : F;
+        const size_t rb = es_type_row_bytes(out->type, n);
+        float * copy = malloc((size_t) (rows * n) * sizeof *copy);
+        for (int64_t r = 0; r < rows; r++) {
+            es_dequantize_row(out->type, (const char *) out->data + r * rb, copy + r * n, n);
+        }
+        m->inner.put(m->inner.self, il, e, which, out);
+        out->data = copy;
+        out->type = ES_TYPE_F32;
+    }
+    return ES_OK;
+}
+
+static void mixed_put(void * self, int32_t il, int32_t e, int32_t which,
+                      const es_expert_view * view) {
+    mixed * m = self;
+    m->n_put++;
+    if (mixed_copies(il, e)) free((void *) view->data);
+    else m->inner.put(m->inner.self, il, e, which, view);
+}
+
+// out (T, D) of layer 1 through the mixed provider, in batches of `batch`;
+// returns the first status other than ES_OK.
+static int run_mixed(const es_gguf * g, mixed * mx, int batch, const float * x, float * out) {
+    es_moe_params p = params();
+    es_experts * ex = NULL;
+    es_moe * moe = NULL;
+    es_pool * pool = NULL;
+    CHECK(es_experts_init(g, &p, &ex, NULL, 0) == ES_OK);
+    CHECK(es_moe_init(ex, batch, &moe) == ES_OK);
+    CHECK(es_pool_init(2, &pool) == ES_OK);
+    mx->inner = *es_experts_provider(ex);
+    const es_expert_provider pv = { .self = mx, .get = mixed_get, .put = mixed_put };
+    es_experts_set_provider(ex, &pv);
+    int rc = ES_OK;
+    for (int t = 0; t < T && rc == ES_OK; t += batch) {
+        const int n = T - t < batch ? T - t : batch;
+        rc = es_moe_ffn(moe, pool, 1, x + t * D, n, out + t * D);
+        CHECK(mx->n_get == mx->n_put);   // every view handed back, on success or not
+    }
+    es_pool_free(pool);
+    es_moe_free(moe);
+    es_experts_free(ex);
+    return rc;
+}
+
+static void test_mixed_precision_provider(const es_gguf * g, const float * x) {
+    static float mapped[T * D], got[T * D], single[T * D];
+    run(g, 2, T, 1, x, mapped);
+    mixed mx = { .fail_after = -1 };
+    CHECK(run_mixed(g, &mx, T, x, got) == ES_OK);
+    CHECK(mx.n_get > 0);
+    double max_diff = 0, max_ref = 0;
+    for (int t = 0; t < T; t++) {
+        double ref[D];
+        reference(g, 1, x + t * D, ref);
+        for (int i = 0; i < D; i++) {
+            max_diff = fmax(max_diff, fabs(ref[i] - got[t * D + i]));
+            max_ref = fmax(max_ref, fabs(ref[i]));
+        }
+    }
+    CHECK(max_diff <= 3e-2 * max_ref);
+    CHECK(memcmp(mapped, got, sizeof got) != 0);   // the F32 copies were used
+    // Batch invariance holds with experts of two types in one layer.
+    mixed one = { .fail_after = -1 };
+    CHECK(run_mixed(g, &one, 1, x, single) == ES_OK);
+    CHECK(memcmp(got, single, sizeof got) == 0);
+    // A get that fails: es_moe_ffn returns its status, having put back every
+    // view it got, the failing expert's earlier matrices included.
+    for (int fail_after = 0; fail_after < 7; fail_after++) {
+        mixed bad = { .fail_after = fail_after };
+        CHECK(run_mixed(g, &bad, T, x, got) == ES_ERR_NO_MEMORY);
+        CHECK(bad.n_get == fail_after && bad.n_put == fail_after);
+    }
+}
+
 static void test_arguments(const es_gguf * g, const float * x) {
     es_moe_params p = params();
     es_experts * ex = NULL;
@@ -305,6 +401,7 @@ int main(void) {
         test_against_reference(g, x);
         test_batch_invariance(g, x);
         test_f32_provider(g, x);
+        test_mixed_precision_provider(g, x);
         test_arguments(g, x);
         es_gguf_close(g);
     }
