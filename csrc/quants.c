@@ -84,33 +84,8 @@ _Static_assert(sizeof(block_q8_K) == 292, "q8_K layout");
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float    bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-// Exact binary16 -> binary32 (normals, subnormals, inf, nan), without tables.
-static inline float half_to_f32(es_half h) {
-    const uint32_t w     = (uint32_t) h << 16;
-    const uint32_t sign  = w & 0x80000000u;
-    const uint32_t two_w = w + w;
-    // Normals: move exponent and mantissa into place, then rebias by scaling.
-    const float normal = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    // Subnormals: mantissa as the low bits of 0.5's significand, minus 0.5.
-    const float subnormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-    const uint32_t r = two_w < (1u << 27) ? f32_bits(subnormal) : f32_bits(normal);
-    return bits_f32(sign | r);
-}
-
-// binary32 -> binary16, round to nearest even (as F16C's vcvtps2ph with
-// imm 0 and ggml's scalar converter), overflow to inf, nan kept.
-static inline es_half f32_to_half(float f) {
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;  // rounds to half precision here
-    const uint32_t w      = f32_bits(f);
-    const uint32_t shl1_w = w + w;
-    const uint32_t sign   = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    base = bits_f32((bias >> 1) + 0x07800000u) + base;
-    const uint32_t bits     = f32_bits(base);
-    const uint32_t nonsign  = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-    return (es_half) ((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
+static inline float   half_to_f32(es_half h) { return es_half_to_f32(h); }
+static inline es_half f32_to_half(float f) { return es_f32_to_half(f); }
 
 static inline float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t) b << 16); }
 

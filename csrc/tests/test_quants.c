@@ -77,6 +77,33 @@ static void test_type_table(void) {
     CHECK(strcmp(k, "avx2") == 0 || strcmp(k, "neon") == 0 || strcmp(k, "scalar") == 0);
 }
 
+/* ---- half conversion ------------------------------------------------------ */
+
+// Every half converts exactly; every half's value and the midpoints between
+// neighbours (ties to the even one) convert back as IEEE says.
+static void test_half_conversion(void) {
+    int bad_to = 0, bad_back = 0, bad_tie = 0;
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        const double v = half_value((uint16_t) h);
+        const float f = es_half_to_f32((uint16_t) h);
+        if (isnan(v)) {
+            bad_to += !isnan(f);
+            bad_back += (es_f32_to_half(f) & 0x7E00) != 0x7E00;  // still a nan
+            continue;
+        }
+        bad_to += (double) f != v || !signbit(f) != !signbit(v);
+        bad_back += es_f32_to_half(f) != h;
+        if ((h & 0x7FFF) < 0x7BFF) {  // finite with a finite neighbour above
+            const double mid = (v + half_value((uint16_t) (h + 1))) / 2;  // exact in float
+            const uint16_t even = (h & 1) ? (uint16_t) (h + 1) : (uint16_t) h;
+            bad_tie += es_f32_to_half((float) mid) != even;
+        }
+    }
+    CHECK(bad_to == 0 && bad_back == 0 && bad_tie == 0);
+    CHECK(es_f32_to_half(65520.f) == 0x7C00 && es_f32_to_half(-1e6f) == 0xFC00);  // overflow: inf
+    CHECK(es_f32_to_half(1e-9f) == 0x0000);                                       // underflow: 0
+}
+
 /* ---- dequantization of hand-built blocks --------------------------------- */
 
 static void test_dequant_float_types(void) {
@@ -439,6 +466,7 @@ static void test_pool(void) {
 int main(void) {
     test_matvec();  // first: it forks a child that must choose its kernels itself
     test_type_table();
+    test_half_conversion();
     test_dequant_float_types();
     test_dequant_q4_q5_q8();
     test_dequant_k_quants();
