@@ -15,14 +15,21 @@ Two modes:
     python benchmarks/bench_native.py speed --threads 2 --rounds 5
     python benchmarks/bench_native.py parity --positions 600
     python benchmarks/bench_native.py parity --models smollm2-135m path/to/moe.gguf
+    python benchmarks/bench_native.py parity --moe-fixtures
 
-Models are built-in names or GGUF paths (e.g. the MoE fixtures of tests/tiny_gguf.py).
+Models are built-in names or GGUF paths; --moe-fixtures adds the tiny random
+MoE files of tests/tiny_gguf.py (MOE_FIXTURES: qwen3moe and Mixtral-style,
+float and quantized experts), written to a temporary directory. Parity also
+prints llama.cpp against itself (batches of 16 vs n_batch): with quantized
+weights that spread is the floor any other implementation can reach.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,12 +52,14 @@ def logits_rows(backend, addr: int, n_rows: int) -> np.ndarray:
     return np.ctypeslib.as_array(buf).reshape(n_rows, backend.n_vocab).copy()
 
 
-def all_logits(backend, tokens: list[int]) -> np.ndarray:
-    """(len(tokens), n_vocab) logits, every position, in chunks of n_batch."""
+def all_logits(backend, tokens: list[int], n_chunk: int | None = None) -> np.ndarray:
+    """(len(tokens), n_vocab) logits, every position, in chunks of n_chunk
+    (default n_batch)."""
     backend.clear()
     rows = []
-    for start in range(0, len(tokens), backend.n_batch):
-        chunk = tokens[start:start + backend.n_batch]
+    n_chunk = n_chunk or backend.n_batch
+    for start in range(0, len(tokens), n_chunk):
+        chunk = tokens[start:start + n_chunk]
         rows.append(logits_rows(backend, backend.decode(chunk, start, logits_from=0), len(chunk)))
     return np.concatenate(rows)
 
@@ -81,8 +90,14 @@ def parity(models: list[str], threads: int, positions: int, n_greedy: int) -> No
             a, b = all_logits(lb, tokens), all_logits(nb, tokens)
             diff = np.abs(a - b)
             agree = float((a.argmax(1) == b.argmax(1)).mean())
-            print(f"{ref} ({nb.arch}): {len(tokens)} positions: max |dlogit| {diff.max():.4f}, "
+            name = Path(ref).stem if Path(ref).suffix == ".gguf" else ref
+            print(f"{name} ({nb.arch}): {len(tokens)} positions: max |dlogit| {diff.max():.4f}, "
                   f"mean {diff.mean():.5f}, top-1 agreement {agree * 100:.2f}%")
+            c = all_logits(lb, tokens, 16)
+            own = np.abs(a - c)
+            own_agree = float((a.argmax(1) == c.argmax(1)).mean())
+            print(f"  llama.cpp vs itself (batches of 16 vs {lb.n_batch}): max |dlogit| "
+                  f"{own.max():.4f}, mean {own.mean():.5f}, top-1 agreement {own_agree * 100:.2f}%")
             for prompt in GREEDY_PROMPTS:
                 p = lb.tokenize(prompt)
                 ga, gb = greedy(lb, p, n_greedy), greedy(nb, p, n_greedy)
@@ -142,11 +157,21 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=256, help="speed: prompt tokens per prefill run")
     ap.add_argument("--positions", type=int, default=600, help="parity: positions compared (>= 512)")
     ap.add_argument("--greedy", type=int, default=48, help="parity: greedy tokens per test prompt")
+    ap.add_argument("--moe-fixtures", action="store_true",
+                    help="add the tiny random MoE files of tests/tiny_gguf.py to --models")
     args = ap.parse_args()
-    if args.mode == "parity":
-        parity(args.models, args.threads, args.positions, args.greedy)
-    else:
-        speed(args.models, args.threads, args.rounds, args.decode, args.prefill)
+    with tempfile.TemporaryDirectory() as tmp:
+        models = list(args.models)
+        if args.moe_fixtures:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from tiny_gguf import MOE_FIXTURES, write_moe_fixture
+
+            source = registry.model_path_checked("smollm2-135m")  # the tokenizer
+            models += [str(write_moe_fixture(name, tmp, source)) for name in MOE_FIXTURES]
+        if args.mode == "parity":
+            parity(models, args.threads, args.positions, args.greedy)
+        else:
+            speed(models, args.threads, args.rounds, args.decode, args.prefill)
 
 
 if __name__ == "__main__":

@@ -18,29 +18,19 @@ import pytest
 from edgespec.backends import open_backend
 from edgespec.errors import EdgespecError
 from edgespec.gguf_file import read_gguf
-from tiny_gguf import Q, write_tiny_llama, write_tiny_qwen3moe
+from tiny_gguf import MOE_FIXTURES, Q, write_moe_fixture, write_tiny_llama
 
 N_CTX = 1024
 N_POSITIONS = 600      # logits compared per fixture
 N_GREEDY = 48
 
-_MIXTRAL = dict(n_expert=4, n_expert_used=2, n_ctx=N_CTX, norm_noise=0.1)
-FIXTURES = {
-    # Float weights: llama.cpp agrees with itself whatever the batch size, so
-    # the native engine must agree with it as closely.
-    "qwen3moe-f32": (write_tiny_qwen3moe, dict(dtype=Q.F32, expert_dtype=Q.F32)),
-    "mixtral-f16": (write_tiny_llama, dict(n_embd=128, n_ff=128, **_MIXTRAL)),
-    # Quantized experts, as real MoE files have. Activations are quantized to
-    # 8 bits before every product (in llama.cpp as here), so a rounding
-    # difference far below any tolerance can flip an int8 value or a near-tied
-    # expert choice, and the difference travels on: llama.cpp's own logits
-    # differ as much between batch sizes (its kernels reduce in another order
-    # for a batch of 16 than of 128, or token by token), and that is the bar. Qwen3-30B-A3B in miniature: head_dim 64 on n_embd 128, 8 Q8_0
-    # experts; Mixtral: 4 Q4_K experts (K-quants need rows of 256), Q8_0 elsewhere.
-    "qwen3moe-q8_0": (write_tiny_qwen3moe, {}),
-    "mixtral-q4_k": (write_tiny_llama, dict(n_embd=256, n_ff=256, n_head=8, n_head_kv=4,
-                                            dtype=Q.Q8_0, expert_dtype=Q.Q4_K, **_MIXTRAL)),
-}
+# Float weights: llama.cpp agrees with itself whatever the batch size, so the
+# native engine must agree with it as closely. Quantized experts: activations
+# are quantized to 8 bits before every product (in llama.cpp as here), so a
+# rounding difference far below any tolerance can flip an int8 value or a
+# near-tied expert choice, and the difference travels on: llama.cpp's own
+# logits differ as much between batch sizes (its kernels reduce in another
+# order for a batch of 16 than of 128, or token by token), and that is the bar.
 FLOAT = ("qwen3moe-f32", "mixtral-f16")
 
 
@@ -50,14 +40,11 @@ def moe_dir(tmp_path_factory):
 
 
 def _write(name, moe_dir, source):
-    write, kwargs = FIXTURES[name]
-    path = moe_dir / f"{name}.gguf"
-    if not path.exists():
-        write(path, source, **kwargs)
-    return name, write, kwargs, path
+    path = write_moe_fixture(name, moe_dir, source)
+    return name, *MOE_FIXTURES[name], path
 
 
-@pytest.fixture(scope="module", params=sorted(FIXTURES))
+@pytest.fixture(scope="module", params=sorted(MOE_FIXTURES))
 def fixture(request, moe_dir, smollm2_path):
     """(name, writer, keyword arguments, path) of one MoE file."""
     return _write(request.param, moe_dir, smollm2_path)

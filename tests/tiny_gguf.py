@@ -336,3 +336,34 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
         m.moe_ffn(i, n_embd, n_ff_exp, n_expert, expert_dtype, order=expert_order)
     m.output(n_embd)
     m.write()
+
+
+# ---- the MoE fixtures ----------------------------------------------------------------------
+
+_MIXTRAL = dict(n_expert=4, n_expert_used=2, n_ctx=1024, norm_noise=0.1)
+
+# The MoE files tests/test_native_moe.py and benchmarks/bench_native.py share:
+# name -> (writer, keyword arguments). Float weights keep llama.cpp's results
+# independent of its batch size; quantized experts are what real MoE files
+# have (Qwen3-30B-A3B in miniature: head_dim 64 on n_embd 128, 8 Q8_0
+# experts of width 64, top 2; Mixtral: 4 Q4_K experts, K-quants needing rows
+# of 256, Q8_0 elsewhere).
+MOE_FIXTURES = {
+    "qwen3moe-f32": (write_tiny_qwen3moe, dict(dtype=Q.F32, expert_dtype=Q.F32)),
+    "mixtral-f16": (write_tiny_llama, dict(n_embd=128, n_ff=128, **_MIXTRAL)),
+    "qwen3moe-q8_0": (write_tiny_qwen3moe, {}),
+    "mixtral-q4_k": (write_tiny_llama, dict(n_embd=256, n_ff=256, n_head=8, n_head_kv=4,
+                                            dtype=Q.Q8_0, expert_dtype=Q.Q4_K, **_MIXTRAL)),
+}
+
+
+def write_moe_fixture(name: str, directory: str | os.PathLike,
+                      tokenizer_source: str | os.PathLike, **overrides) -> Path:
+    """Write MOE_FIXTURES[name] (its keyword arguments updated by `overrides`)
+    to directory/<name>.gguf, unless it is there already; return the path."""
+    write, kwargs = MOE_FIXTURES[name]
+    path = Path(directory) / f"{name}.gguf"
+    if not path.exists():
+        write(path, tokenizer_source, **{**kwargs, **overrides})
+    return path
+
