@@ -560,7 +560,9 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     const int32_t n_past = ctx->n_past;
     float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
     float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
-    float * vr  = qr + hd;               // (hd) one V row as floats
+    float * qa  = qr + hd;               // (hd floats of room) qr in the F16 dot's activation
+                                         //   format (F32 or F16: at most 4 bytes a value)
+    float * vr  = qa;                    // (hd) one V row as floats, after the scores
     float * acc = vr + hd;               // (hd)
     for (int32_t task = ith; task < ctx->n * n_head; task += nth) {
         const int32_t t = task / n_head, h = task % n_head, g = h / group;
@@ -577,7 +579,8 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
         }
         const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
         for (int32_t d = 0; d < hd; d++) qr[d] = from_half(to_half(q[d]));
-        es_matvec(ES_TYPE_F16, K, qr, hd, c0, end, scores + c0);
+        es_quantize_act(ES_TYPE_F16, qr, qa, hd);
+        es_matvec(ES_TYPE_F16, K, qa, hd, c0, end, scores + c0);
 
         float max = -INFINITY;
         for (int32_t c = c0; c < end; c++) {
