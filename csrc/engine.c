@@ -47,28 +47,6 @@ static void set_err(char * err, size_t err_cap, const char * fmt, ...) {
     va_end(ap);
 }
 
-// binary32 -> binary16 bits, round to nearest even (as F16C and ggml), and back.
-static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float    bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-static inline uint16_t to_half(float f) {
-    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
-    const uint32_t w = f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
-    uint32_t bias = shl1_w & 0xFF000000u;
-    if (bias < 0x71000000u) bias = 0x71000000u;
-    base = bits_f32((bias >> 1) + 0x07800000u) + base;
-    const uint32_t bits = f32_bits(base);
-    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
-    return (uint16_t) ((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
-}
-
-static inline float from_half(uint16_t h) {
-    const uint32_t w = (uint32_t) h << 16, sign = w & 0x80000000u, two_w = w + w;
-    const float normal = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    const float subnormal = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-    return bits_f32(sign | (two_w < (1u << 27) ? f32_bits(subnormal) : f32_bits(normal)));
-}
-
 // Runs fn over the pool, or on the calling thread alone when the work is one
 // row (a decode step): a pool round trip costs more than the work then.
 static void run(es_context * ctx, es_pool_fn fn, void * arg, int32_t n_rows) {
@@ -578,7 +556,7 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             while (c0 < n_past && p - ctx->cell_pos[c0] >= m->n_swa) c0++;
         }
         const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
-        for (int32_t d = 0; d < hd; d++) qr[d] = from_half(to_half(q[d]));
+        for (int32_t d = 0; d < hd; d++) qr[d] = es_half_to_f32(es_f32_to_half(q[d]));
         es_quantize_act(ES_TYPE_F16, qr, qa, hd);
         es_matvec(ES_TYPE_F16, K, qa, hd, c0, end, scores + c0);
 
@@ -599,7 +577,7 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             const float e = expf(scores[c] - max);
             sum += e;
             const uint16_t * vc = V + (size_t) c * hd;
-            for (int32_t d = 0; d < hd; d++) vr[d] = from_half(vc[d]);
+            for (int32_t d = 0; d < hd; d++) vr[d] = es_half_to_f32(vc[d]);
             for (int32_t d = 0; d < hd; d++) acc[d] += e * vr[d];
         }
         float * o = ctx->att + ((size_t) t * n_head + h) * hd;
@@ -618,8 +596,8 @@ void es__attention(es_context * ctx, int32_t il, float kq_scale) {
             const float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
             const float * v = ctx->v + ((size_t) t * n_kv + g) * hd;
             for (int32_t d = 0; d < hd; d++) {
-                ctx->k_cache[cell + d] = to_half(k[d]);
-                ctx->v_cache[cell + d] = to_half(v[d]);
+                ctx->k_cache[cell + d] = es_f32_to_half(k[d]);
+                ctx->v_cache[cell + d] = es_f32_to_half(v[d]);
             }
         }
     }
@@ -640,9 +618,9 @@ typedef struct glu_job {
 static inline float gelu(float x) {
     if (x <= -10.0f) return 0.0f;
     if (x >= 10.0f) return x;
-    const float h = from_half(to_half(x));
+    const float h = es_half_to_f32(es_f32_to_half(x));
     const float g = 0.5f * h * (1.0f + tanhf(0.79788456080286535588f * h * (1.0f + 0.044715f * h * h)));
-    return from_half(to_half(g));
+    return es_half_to_f32(es_f32_to_half(g));
 }
 
 static void glu_rows(void * arg, int32_t ith, int32_t nth) {
