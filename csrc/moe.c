@@ -465,12 +465,16 @@ static void group_pairs(es_moe * m, int32_t n_tokens) {
 
 // Lists the activation formats the active experts' gate and up matrices
 // read, and sizes the buffers for them and for down's inputs.
+// ES_ERR_UNSUPPORTED: the provider gave a type es_matvec does not take.
 static int plan_buffers(es_moe * m, int32_t n_tokens) {
     const es_moe_params * p = &m->ex->p;
     m->n_act = 0;
     m->down_row = 0;
     for (int32_t a = 0; a < m->n_active; a++) {
         const int32_t e = m->active[a];
+        for (int w = 0; w < 3; w++) {
+            if (es_act_type(m->view[e * 3 + w].type) < 0) return ES_ERR_UNSUPPORTED;
+        }
         for (int w = ES_EXPERT_GATE; w <= ES_EXPERT_UP; w++) {
             const int32_t wtype = m->view[e * 3 + w].type, act = es_act_type(wtype);
             if (act_slot(m, act) >= 0) continue;

@@ -187,7 +187,8 @@ typedef struct es_expert_view {
 // low-precision copy); the view stays valid until put() is called with it.
 // es_moe_ffn gets every matrix of the experts a batch routes to before it
 // computes, on the calling thread, and puts them all back before it
-// returns. get returns ES_OK or a status, which es_moe_ffn returns.
+// returns. get returns ES_OK or a status, which es_moe_ffn returns; a view
+// of a type es_matvec does not take makes es_moe_ffn fail with ES_ERR_UNSUPPORTED.
 typedef struct es_expert_provider {
     void * self;
     int  (*get)(void * self, int32_t layer, int32_t expert, int32_t which, es_expert_view * out);

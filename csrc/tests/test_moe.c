@@ -267,6 +267,7 @@ static void test_f32_provider(const es_gguf * g, const float * x) {
 typedef struct mixed {
     es_expert_provider inner;
     int fail_after;    // -1: never
+    bool bad_type;     // label layer 1's views Q8_K, an activation-only format
     int n_get, n_put;
 } mixed;
 
@@ -278,6 +279,10 @@ static int mixed_get(void * self, int32_t il, int32_t e, int32_t which, es_exper
     const int rc = m->inner.get(m->inner.self, il, e, which, out);
     if (rc != ES_OK) return rc;
     m->n_get++;
+    if (m->bad_type) {
+        out->type = ES_TYPE_Q8_K;
+        return ES_OK;
+    }
     if (mixed_copies(il, e)) {
         const int64_t n = which == ES_EXPERT_DOWN ? F : D, rows = which == ES_EXPERT_DOWN ? D : F;
         const size_t rb = es_type_row_bytes(out->type, n);
@@ -296,7 +301,7 @@ static void mixed_put(void * self, int32_t il, int32_t e, int32_t which,
                       const es_expert_view * view) {
     mixed * m = self;
     m->n_put++;
-    if (mixed_copies(il, e)) free((void *) view->data);
+    if (mixed_copies(il, e) && !m->bad_type) free((void *) view->data);
     else m->inner.put(m->inner.self, il, e, which, view);
 }
 
@@ -353,6 +358,10 @@ static void test_mixed_precision_provider(const es_gguf * g, const float * x) {
         CHECK(run_mixed(g, &bad, T, x, got) == ES_ERR_NO_MEMORY);
         CHECK(bad.n_get == fail_after && bad.n_put == fail_after);
     }
+    // A view of a type es_matvec does not take: refused before any product.
+    mixed odd = { .fail_after = -1, .bad_type = true };
+    CHECK(run_mixed(g, &odd, T, x, got) == ES_ERR_UNSUPPORTED);
+    CHECK(odd.n_get > 0 && odd.n_get == odd.n_put);
 }
 
 static void test_arguments(const es_gguf * g, const float * x) {
