@@ -60,7 +60,7 @@ static int bind_tensor(const es_gguf * g, int32_t il, const char * kind, int64_t
                  (long long) ne2);
         return ES_ERR_FORMAT;
     }
-    if (es_type_row_bytes(t->type, ne0) == 0) {
+    if (es_type_row_bytes(t->type, ne0) == 0 || es_act_type(t->type) < 0) {
         snprintf(err, err_cap, "tensor %s: weight type %s is not supported", name,
                  es_type_name(t->type));
         return ES_ERR_UNSUPPORTED;
