@@ -253,24 +253,26 @@ static void dequant_q5_K(const block_q5_K * x, float * y, int64_t nb) {
     }
 }
 
-// Q6_K element e of a 128-half (0..127): 4 low bits from ql, 2 high from qh,
-// minus 32. Quarter k = e / 32 takes ql's low (k even) or high (k odd)
-// nibble of byte (e % 32) + 32 (k & 1) and bits 2k..2k+1 of qh[e % 32].
-static inline int q6_value(const uint8_t * ql, const uint8_t * qh, int e) {
-    const int k = e >> 5, l = e & 31;
-    const int lo = (ql[l + 32 * (k & 1)] >> (4 * (k >> 1))) & 0xF;
-    const int hi = (qh[l] >> (2 * k)) & 3;
-    return (lo | (hi << 4)) - 32;
+// One 128-element half of a Q6_K super-block as values q - 32 (-32..31).
+// Quarter k (elements 32k .. 32k+31) takes, for lane l, the low (k < 2)
+// or high (k >= 2) nibble of ql[l + 32 (k & 1)] and bits 2k, 2k+1 of qh[l].
+static inline void q6_half(const uint8_t * ql, const uint8_t * qh, int8_t out[128]) {
+    for (int l = 0; l < 32; l++) {
+        out[l]      = (int8_t) (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+        out[l + 32] = (int8_t) (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        out[l + 64] = (int8_t) (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        out[l + 96] = (int8_t) (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
 }
 
 static void dequant_q6_K(const block_q6_K * x, float * y, int64_t nb) {
+    int8_t q[128];
     for (int64_t i = 0; i < nb; i++) {
         const float d = half_to_f32(x[i].d);
         for (int h = 0; h < 2; h++) {  // halves of 128
-            const uint8_t * ql = x[i].ql + 64 * h;
-            const uint8_t * qh = x[i].qh + 32 * h;
-            const int8_t *  sc = x[i].scales + 8 * h;
-            for (int e = 0; e < 128; e++) *y++ = d * sc[e / 16] * q6_value(ql, qh, e);
+            q6_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+            const int8_t * sc = x[i].scales + 8 * h;
+            for (int e = 0; e < 128; e++) *y++ = d * sc[e / 16] * q[e];
         }
     }
 }
@@ -537,13 +539,13 @@ static float dot_q6_K_scalar(int64_t n, const void * w, const void * a) {
     float sum = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
         int sumi = 0;
+        int8_t q[128];
         for (int h = 0; h < 2; h++) {
-            const uint8_t * ql = x[i].ql + 64 * h;
-            const uint8_t * qh = x[i].qh + 32 * h;
-            const int8_t *  q8 = y[i].qs + 128 * h;
+            q6_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+            const int8_t * q8 = y[i].qs + 128 * h;
             for (int g = 0; g < 8; g++) {  // groups of 16 sharing a scale
                 int s = 0;
-                for (int e = 16 * g; e < 16 * g + 16; e++) s += q6_value(ql, qh, e) * q8[e];
+                for (int e = 16 * g; e < 16 * g + 16; e++) s += q[e] * q8[e];
                 sumi += x[i].scales[8 * h + g] * s;
             }
         }
