@@ -105,6 +105,7 @@ static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row,
         const int32_t act = es_act_type(TYPES[t]);
         ns_per_row[t] = NAN;
         quant_diff[t] = 0;
+        if (es_type_row_bytes(TYPES[t], n) == 0) continue;
         uint8_t * w = random_rows(TYPES[t], n, rows);
         if (!ggml_dot[TYPES[t]] || (act != ES_TYPE_F32 && !ggml_quant[act])) {
             free(w);
@@ -137,6 +138,8 @@ static void measure(int64_t n, int64_t rows, int reps, double * ns_per_row) {
     float * y = malloc((size_t) rows * sizeof(float));
     for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
     for (int t = 0; t < N_BENCH; t++) {
+        ns_per_row[t] = NAN;
+        if (es_type_row_bytes(TYPES[t], n) == 0) continue;  // n not whole blocks (K-quants: 256)
         uint8_t * w = random_rows(TYPES[t], n, rows);
         void * xq = malloc(es_type_row_bytes(es_act_type(TYPES[t]), n));
         es_quantize_act(TYPES[t], x, xq, n);
@@ -159,8 +162,8 @@ int main(int argc, char ** argv) {
     const int64_t n    = argc > 1 ? atoll(argv[1]) : 2048;
     const int64_t rows = argc > 2 ? atoll(argv[2]) : 4096;
     const int     reps = argc > 3 ? atoi(argv[3]) : 20;
-    if (n <= 0 || n % 256 || rows <= 0 || reps <= 0) {
-        fprintf(stderr, "error: n must be a positive multiple of 256, rows and reps positive\n");
+    if (n <= 0 || n % 32 || rows <= 0 || reps <= 0) {
+        fprintf(stderr, "error: n must be a positive multiple of 32, rows and reps positive\n");
         return 2;
     }
     double scalar[N_BENCH], fast[N_BENCH];

@@ -18,10 +18,12 @@
  * Batch invariance: es_matvec computes each row with one function whose
  * reduction order depends only on n, never on the rows range or the thread.
  */
+#define _POSIX_C_SOURCE 200809L  // pthread_once under -std=c11
+
 #include "native.h"
 
 #include <math.h>
-#include <stdatomic.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1184,16 +1186,16 @@ static const kernel_set * choose_kernels(void) {
     return &KERNELS_SCALAR;
 }
 
-// Chosen on first use; a race only makes two threads store the same pointer.
-static _Atomic(const kernel_set *) g_kernels;
+// Chosen once, on first use from any thread (the AVX2 set's half table is
+// filled before any thread can use it).
+static pthread_once_t     g_once = PTHREAD_ONCE_INIT;
+static const kernel_set * g_kernels;
+
+static void choose_once(void) { g_kernels = choose_kernels(); }
 
 static const kernel_set * kernels(void) {
-    const kernel_set * k = atomic_load_explicit(&g_kernels, memory_order_acquire);
-    if (!k) {
-        k = choose_kernels();
-        atomic_store_explicit(&g_kernels, k, memory_order_release);
-    }
-    return k;
+    pthread_once(&g_once, choose_once);
+    return g_kernels;
 }
 
 const char * es_kernels_name(void) { return kernels()->name; }
