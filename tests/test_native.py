@@ -148,20 +148,28 @@ def test_truncate_rolls_back_exactly(native_smollm2):
     assert np.array_equal(fresh, again)
 
 
+SPEC_PROMPT = TEXT * 4  # ~220 tokens: generation crosses 256 positions
+
+
+@pytest.fixture(scope="module")
+def plain_past_256(smollm2_path):
+    """Plain greedy decoding on the native backend from SPEC_PROMPT to position 300."""
+    with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX) as plain:
+        n_prompt = len(plain.backend.tokenize(SPEC_PROMPT))
+        assert n_prompt < 256
+        return n_prompt, plain.generate(SPEC_PROMPT, max_tokens=300 - n_prompt).tokens
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "recycle"])
-def test_speculative_equals_plain_past_256_positions(smollm2_path, drafter):
+def test_speculative_equals_plain_past_256_positions(smollm2_path, plain_past_256, drafter):
     """Exact speculative decoding on this backend at any context length
     (llama.cpp's kernels stop being batch invariant past 256 cells)."""
-    prompt = TEXT * 4  # ~220 tokens: generation crosses 256 positions
-    with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX) as plain, \
-         Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX, drafter=drafter) as spec:
-        n_prompt = len(plain.backend.tokenize(prompt))
-        assert n_prompt < 256
-        ref = plain.generate(prompt, max_tokens=300 - n_prompt, drafter="none")
-        out = spec.generate(prompt, max_tokens=300 - n_prompt)
-        assert n_prompt + len(ref.tokens) > 256
-        assert out.tokens == ref.tokens
-        assert out.stats.spec.accepted > 0
+    n_prompt, ref = plain_past_256
+    with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX, drafter=drafter) as spec:
+        out = spec.generate(SPEC_PROMPT, max_tokens=300 - n_prompt)
+    assert n_prompt + len(ref) > 256
+    assert out.tokens == ref
+    assert out.stats.spec.accepted > 0
 
 
 # -- bad inputs ------------------------------------------------------------------
