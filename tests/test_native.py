@@ -19,7 +19,7 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends import open_backend
-from edgespec.errors import ModelFormatError, UnsupportedModelError
+from edgespec.errors import BackendError, ModelFormatError, UnsupportedModelError
 from tiny_gguf import Q, write_tiny_llama
 
 N_CTX = 512
@@ -135,6 +135,16 @@ def test_batch_invariance_chain_and_tree(native_smollm2):
     assert np.array_equal(tree[0], alone[15])
     for node, pos in ((1, 16), (3, 17), (4, 18), (6, 19)):
         assert np.array_equal(tree[node + 1], alone[pos])
+
+
+def test_prefill_in_chunks_of_n_batch(native_smollm2, smollm2_path):
+    tokens = native_smollm2.tokenize(TEXT)[:24]
+    whole = batched(native_smollm2, tokens)
+    with open_backend("native", smollm2_path, n_ctx=N_CTX, n_batch=8, threads=2) as small:
+        assert np.array_equal(rows(small, small.decode(tokens, 0), 1)[0], whole[-1])
+        assert np.array_equal(rows(small, small.decode(tokens, 0, logits_from=17), 7), whole[17:])
+        with pytest.raises(BackendError):
+            small.decode(tokens, 0, logits_from=8)  # rows from two chunks
 
 
 def test_truncate_rolls_back_exactly(native_smollm2):
