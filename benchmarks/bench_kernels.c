@@ -132,6 +132,41 @@ static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row,
     free(x);
 }
 
+// A verification batch of BATCH tokens: ns per weight row for BATCH
+// es_matvec calls and for one es_matmat (the same values, bit for bit).
+#define BATCH 8
+static void measure_batch(int64_t n, int64_t rows, int reps, double * matvec_ns, double * matmat_ns) {
+    float * x = malloc((size_t) n * sizeof(float));
+    float * y = malloc((size_t) rows * BATCH * sizeof(float));
+    for (int t = 0; t < N_BENCH; t++) {
+        matvec_ns[t] = matmat_ns[t] = NAN;
+        if (es_type_row_bytes(TYPES[t], n) == 0) continue;
+        uint8_t * w = random_rows(TYPES[t], n, rows);
+        const size_t ab = es_type_row_bytes(es_act_type(TYPES[t]), n);
+        uint8_t * xq = malloc(ab * BATCH);
+        for (int b = 0; b < BATCH; b++) {
+            for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+            es_quantize_act(TYPES[t], x, xq + (size_t) b * ab, n);
+        }
+        double best_v = INFINITY, best_m = INFINITY;
+        for (int r = 0; r <= reps; r++) {
+            double t0 = now_s();
+            for (int b = 0; b < BATCH; b++) es_matvec(TYPES[t], w, xq + (size_t) b * ab, n, 0, rows, y + b * rows);
+            const double tv = now_s() - t0;
+            t0 = now_s();
+            es_matmat(TYPES[t], w, xq, ab, BATCH, n, 0, rows, y, (size_t) rows);
+            const double tm = now_s() - t0;
+            if (r) best_v = fmin(best_v, tv), best_m = fmin(best_m, tm);  // r = 0 warms up
+        }
+        matvec_ns[t] = 1e9 * best_v / (double) rows;
+        matmat_ns[t] = 1e9 * best_m / (double) rows;
+        free(xq);
+        free(w);
+    }
+    free(y);
+    free(x);
+}
+
 // ns per row for each type, in TYPES order.
 static void measure(int64_t n, int64_t rows, int reps, double * ns_per_row) {
     float * x = malloc((size_t) n * sizeof(float));
@@ -200,5 +235,12 @@ int main(int argc, char ** argv) {
                isnan(ggml[t]) ? "-" : quant_diff[t] ? "DIFFERS" : "yes");
     }
     printf("(per row, lower is better; ratios > 1 mean ours is faster)\n");
+
+    double mv[N_BENCH], mm[N_BENCH];
+    measure_batch(n, rows, reps, mv, mm);
+    printf("\nbatch of %d tokens (%s): ns per weight row\n", BATCH, es_kernels_name());
+    printf("%-5s %12s %12s %8s\n", "type", "8x matvec", "matmat", "speedup");
+    for (int t = 0; t < N_BENCH; t++)
+        printf("%-5s %12.1f %12.1f %7.2fx\n", es_type_name(TYPES[t]), mv[t], mm[t], mv[t] / mm[t]);
     return 0;
 }

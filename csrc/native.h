@@ -138,6 +138,13 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
 // reduces in a fixed order, whatever r0, r1 or the thread running it.
 void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
                int64_t r0, int64_t r1, float * y);
+// es_matvec for n_tok activation rows at once (a verification batch): row t
+// of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
+// (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
+// unpack each weight block once for several tokens (AVX2: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, four tokens at a time).
+void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
+               int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
 
 // Which kernels es_matvec uses: "avx2", "neon" or "scalar". The environment
 // variable EDGESPEC_KERNELS=scalar forces the portable path (tests compare them).

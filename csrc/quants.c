@@ -381,6 +381,9 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
 // Each returns dot(weight row w, activation row a) over n elements. Integer
 // block sums are exact; floats accumulate block by block in order.
 typedef float (*vec_dot_fn)(int64_t n, const void * w, const void * a);
+// The same for 4 activation rows a_stride bytes apart, into out[0..3]; bit
+// for bit what vec_dot_fn gives for each.
+typedef void (*vec_dot4_fn)(int64_t n, const void * w, const void * a, size_t a_stride, float * out);
 
 static float dot_f32_scalar(int64_t n, const void * w, const void * a) {
     const float * x = w, * y = a;
@@ -687,57 +690,68 @@ static inline ES_AVX2 __m256 q8_0_sums(const block_q8_0 * x, const block_q8_0 * 
     return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
 }
 
-// Even blocks go to acc0, odd ones to acc1: two FMA chains, in named
-// registers (an array indexed by i & 1 would live in memory).
-#define DOT32_NO_MIN(block_t, act_t, SUMS)                                                  \
-    static ES_AVX2 float dot_##SUMS##_avx2(int64_t n, const void * w, const void * a) {   \
-        const block_t * x = w;                                                            \
-        const act_t *   y = a;                                                            \
-        const int64_t nb = n / QK;                                                        \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                    \
-        int64_t i = 0;                                                                    \
-        for (; i + 1 < nb; i += 2) {                                                      \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
-                                   SUMS##_sums(x + i, y + i), acc0);                      \
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i + 1].d) * h2f(y[i + 1].d)),     \
-                                   SUMS##_sums(x + i + 1, y + i + 1), acc1);              \
-        }                                                                                 \
-        if (i < nb)                                                                       \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
-                                   SUMS##_sums(x + i, y + i), acc0);                      \
-        return hsum_f32x8(_mm256_add_ps(acc0, acc1));                                     \
+// NT activation rows against one weight row, each exactly as a single row
+// would be (es_matmat's results are es_matvec's bit for bit); the weight
+// blocks are loaded and unpacked once for all NT (the compiler merges the
+// identical unpacking in the unrolled token loop). Per token, even blocks go
+// to acc0 and odd ones to acc1: two FMA chains in registers. With a min
+// (Q4_1, Q5_1), m_x s_y sums the same way in m0 / m1.
+#define DOT32(NAME, NT, block_t, act_t, SUMS, MIN_TERM)                                      \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_t * x = w;                                                              \
+        const act_t *   y[NT];                                                              \
+        __m256 acc0[NT], acc1[NT];                                                          \
+        float  m0[NT], m1[NT];                                                              \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            y[t] = (const act_t *) ((const uint8_t *) a + (size_t) t * a_stride);           \
+            acc0[t] = acc1[t] = _mm256_setzero_ps();                                        \
+            m0[t] = m1[t] = 0.0f;                                                           \
+        }                                                                                   \
+        const int64_t nb = n / QK;                                                          \
+        int64_t i = 0;                                                                      \
+        for (; i + 1 < nb; i += 2) {                                                        \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                          \
+                acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[t][i].d)),     \
+                                          SUMS(x + i, y[t] + i), acc0[t]);                  \
+                acc1[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i + 1].d) * h2f(y[t][i + 1].d)), \
+                                          SUMS(x + i + 1, y[t] + i + 1), acc1[t]);          \
+                m0[t] += MIN_TERM(x, y[t], i);                                              \
+                m1[t] += MIN_TERM(x, y[t], i + 1);                                          \
+            }                                                                               \
+        }                                                                                   \
+        if (i < nb) {                                                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                          \
+                acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[t][i].d)),     \
+                                          SUMS(x + i, y[t] + i), acc0[t]);                  \
+                m0[t] += MIN_TERM(x, y[t], i);                                              \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            out[t] = hsum_f32x8(_mm256_add_ps(acc0[t], acc1[t])) + (m0[t] + m1[t]);         \
+        }                                                                                   \
     }
 
-// The same plus sum(m_x s_y), also in two chains.
-#define DOT32_MIN(block_t, SUMS)                                                            \
-    static ES_AVX2 float dot_##SUMS##_avx2(int64_t n, const void * w, const void * a) {   \
-        const block_t *    x = w;                                                         \
-        const block_q8_1 * y = a;                                                         \
-        const int64_t nb = n / QK;                                                        \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                    \
-        float m0 = 0.0f, m1 = 0.0f;                                                       \
-        int64_t i = 0;                                                                    \
-        for (; i + 1 < nb; i += 2) {                                                      \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
-                                   SUMS##_sums(x + i, y + i), acc0);                      \
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i + 1].d) * h2f(y[i + 1].d)),     \
-                                   SUMS##_sums(x + i + 1, y + i + 1), acc1);              \
-            m0 += h2f(x[i].m) * h2f(y[i].s);                                              \
-            m1 += h2f(x[i + 1].m) * h2f(y[i + 1].s);                                      \
-        }                                                                                 \
-        if (i < nb) {                                                                     \
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[i].d)),             \
-                                   SUMS##_sums(x + i, y + i), acc0);                      \
-            m0 += h2f(x[i].m) * h2f(y[i].s);                                              \
-        }                                                                                 \
-        return hsum_f32x8(_mm256_add_ps(acc0, acc1)) + (m0 + m1);                         \
+// Block i's m_x s_y: the types with a min (Q4_1, Q5_1 against Q8_1), or none
+// (m0, m1 stay 0 and the final + 0 folds away).
+#define WITH_MIN(x, y, i) (h2f((x)[i].m) * h2f((y)[i].s))
+#define NO_MIN(x, y, i)   0.0f
+
+// Each type: the one-row kernel (es_matvec) and the four-row one (es_matmat).
+#define DOT32_TYPE(T, block_t, act_t, MIN_TERM)                                             \
+    DOT32(dot1_##T##_avx2, 1, block_t, act_t, T##_sums, MIN_TERM)                           \
+    DOT32(dot4_##T##_avx2, 4, block_t, act_t, T##_sums, MIN_TERM)                           \
+    static ES_AVX2 float dot_##T##_avx2(int64_t n, const void * w, const void * a) {        \
+        float r;                                                                            \
+        dot1_##T##_avx2(n, w, a, 0, &r);                                                    \
+        return r;                                                                           \
     }
 
-DOT32_NO_MIN(block_q4_0, block_q8_0, q4_0)
-DOT32_NO_MIN(block_q5_0, block_q8_0, q5_0)
-DOT32_NO_MIN(block_q8_0, block_q8_0, q8_0)
-DOT32_MIN(block_q4_1, q4_1)
-DOT32_MIN(block_q5_1, q5_1)
+DOT32_TYPE(q4_0, block_q4_0, block_q8_0, NO_MIN)
+DOT32_TYPE(q5_0, block_q5_0, block_q8_0, NO_MIN)
+DOT32_TYPE(q8_0, block_q8_0, block_q8_0, NO_MIN)
+DOT32_TYPE(q4_1, block_q4_1, block_q8_1, WITH_MIN)
+DOT32_TYPE(q5_1, block_q5_1, block_q8_1, WITH_MIN)
 
 // Byte masks for _mm256_shuffle_epi8 over 8 int16 in both 128-bit lanes:
 // BCAST16[k] repeats int16 k in every lane; PAIR16[k] int16 2k in the low
@@ -1136,7 +1150,8 @@ static float dot_q6_K_neon(int64_t n, const void * w, const void * a) {
 
 typedef struct {
     const char * name;
-    vec_dot_fn   dot[N_TYPES];  // NULL: not a weight type
+    vec_dot_fn   dot[N_TYPES];   // NULL: not a weight type
+    vec_dot4_fn  dot4[N_TYPES];  // NULL: es_matmat calls dot once per row
 } kernel_set;
 
 #define SCALAR_DOTS                                                            \
@@ -1147,19 +1162,22 @@ typedef struct {
     [ES_TYPE_Q4_K] = dot_q4_K_scalar, [ES_TYPE_Q5_K] = dot_q5_K_scalar,        \
     [ES_TYPE_Q6_K] = dot_q6_K_scalar
 
-static const kernel_set KERNELS_SCALAR = {"scalar", {SCALAR_DOTS}};
+static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}};
 
 #if defined(ES_HAVE_AVX2)
-static const kernel_set KERNELS_AVX2 = {"avx2", {
+static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
     [ES_TYPE_F32] = dot_f32_avx2, [ES_TYPE_F16] = dot_f16_avx2, [ES_TYPE_BF16] = dot_bf16_avx2,
     [ES_TYPE_Q4_0] = dot_q4_0_avx2, [ES_TYPE_Q4_1] = dot_q4_1_avx2, [ES_TYPE_Q5_0] = dot_q5_0_avx2,
     [ES_TYPE_Q5_1] = dot_q5_1_avx2, [ES_TYPE_Q8_0] = dot_q8_0_avx2,
     [ES_TYPE_Q4_K] = dot_q4_K_avx2, [ES_TYPE_Q5_K] = dot_q5_K_avx2, [ES_TYPE_Q6_K] = dot_q6_K_avx2,
+}, .dot4 = {
+    [ES_TYPE_Q4_0] = dot4_q4_0_avx2, [ES_TYPE_Q4_1] = dot4_q4_1_avx2, [ES_TYPE_Q5_0] = dot4_q5_0_avx2,
+    [ES_TYPE_Q5_1] = dot4_q5_1_avx2, [ES_TYPE_Q8_0] = dot4_q8_0_avx2,
 }};
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
-static const kernel_set KERNELS_NEON = {"neon", {
+static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
     [ES_TYPE_F32] = dot_f32_neon, [ES_TYPE_F16] = dot_f16_neon, [ES_TYPE_BF16] = dot_bf16_neon,
     [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
     [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
@@ -1206,4 +1224,27 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t
     if (!dot || row_bytes == 0) return;
     const uint8_t * row = (const uint8_t *) w + (size_t) r0 * row_bytes;
     for (int64_t r = r0; r < r1; r++, row += row_bytes) y[r - r0] = dot(n, row, xq);
+}
+
+void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok, int64_t n,
+               int64_t r0, int64_t r1, float * y, size_t y_stride) {
+    const size_t row_bytes = es_type_row_bytes(type, n);
+    const kernel_set * k = kernels();
+    const vec_dot_fn  dot  = type >= 0 && type < N_TYPES ? k->dot[type] : NULL;
+    const vec_dot4_fn dot4 = type >= 0 && type < N_TYPES ? k->dot4[type] : NULL;
+    if (!dot || row_bytes == 0) return;
+    // Rows outer, tokens inner: a weight row is read once for all tokens.
+    const uint8_t * row = (const uint8_t *) w + (size_t) r0 * row_bytes;
+    for (int64_t r = r0; r < r1; r++, row += row_bytes) {
+        int32_t t = 0;
+        if (dot4) {
+            for (; t + 4 <= n_tok; t += 4) {
+                float out[4];
+                dot4(n, row, (const uint8_t *) xq + (size_t) t * xq_stride, xq_stride, out);
+                for (int32_t j = 0; j < 4; j++) y[(size_t) (t + j) * y_stride + (size_t) (r - r0)] = out[j];
+            }
+        }
+        for (; t < n_tok; t++)
+            y[(size_t) t * y_stride + (size_t) (r - r0)] = dot(n, row, (const uint8_t *) xq + (size_t) t * xq_stride);
+    }
 }

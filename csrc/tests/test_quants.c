@@ -368,6 +368,29 @@ static void run_matvecs(mv_results * out, bool check_ref) {
         }
         CHECK(!check_ref || sum_ref > 1e-2 * sum_mag);  // the data is not degenerate
 
+        // es_matmat over 7 activation rows (a group of 4 and 3 single ones)
+        // equals es_matvec on each, bit for bit, for the full and a partial
+        // rows range.
+        {
+            enum { NT = 7 };
+            const size_t ab = es_type_row_bytes(act, MV_N);
+            uint8_t * xs = malloc(ab * NT);
+            float xt[MV_N], want[NT][MV_ROWS], got[NT][MV_ROWS];
+            for (int t = 0; t < NT; t++) {
+                for (int i = 0; i < MV_N; i++) xt[i] = x[i] * (float) (t + 1) - (float) t * next_float();
+                es_quantize_act(type, xt, xs + t * ab, MV_N);
+                es_matvec(type, w, xs + t * ab, MV_N, 0, MV_ROWS, want[t]);
+            }
+            es_matmat(type, w, xs, ab, NT, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
+            CHECK(memcmp(got, want, sizeof(got)) == 0);
+            memset(got, 0, sizeof(got));
+            es_matmat(type, w, xs, ab, NT, MV_N, 5, 11, &got[0][0], MV_ROWS);
+            int bad = 0;
+            for (int t = 0; t < NT; t++) bad += memcmp(got[t], &want[t][5], 6 * sizeof(float)) != 0;
+            CHECK(bad == 0);
+            free(xs);
+        }
+
         // A range of nothing and an unsupported type write nothing.
         float sentinel = 42.f;
         es_matvec(type, w, xq, MV_N, 3, 3, &sentinel);
