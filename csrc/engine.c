@@ -19,6 +19,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -316,6 +317,11 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     if (rc != ES_OK) { es_context_free(c); return rc; }
 
     const size_t B = (size_t) n_batch, D = (size_t) m->n_embd, HD = (size_t) m->head_dim;
+    // The cache is the one allocation a large n_ctx could make overflow size_t.
+    if ((double) m->n_layer * m->n_head_kv * n_ctx * (double) HD > (double) (SIZE_MAX / 8)) {
+        es_context_free(c);
+        return ES_ERR_NO_MEMORY;
+    }
     const size_t kv = (size_t) m->n_layer * (size_t) m->n_head_kv * (size_t) n_ctx * HD;
     const size_t ff = m->n_ff > 0 ? (size_t) m->n_ff : 1;
     c->act_row  = widest_act_row(m);
