@@ -141,8 +141,8 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
 // es_matvec for n_tok activation rows at once (a verification batch): row t
 // of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
 // (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
-// unpack each weight block once for several tokens (AVX2: Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0, four tokens at a time).
+// unpack each weight block once for several tokens (AVX2: the quantized
+// types, four tokens at a time).
 void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
                int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
 

@@ -737,15 +737,19 @@ static inline ES_AVX2 __m256 q8_0_sums(const block_q8_0 * x, const block_q8_0 * 
 #define WITH_MIN(x, y, i) (h2f((x)[i].m) * h2f((y)[i].s))
 #define NO_MIN(x, y, i)   0.0f
 
-// Each type: the one-row kernel (es_matvec) and the four-row one (es_matmat).
-#define DOT32_TYPE(T, block_t, act_t, MIN_TERM)                                             \
-    DOT32(dot1_##T##_avx2, 1, block_t, act_t, T##_sums, MIN_TERM)                           \
-    DOT32(dot4_##T##_avx2, 4, block_t, act_t, T##_sums, MIN_TERM)                           \
+// es_matvec's kernel: the one-token instance.
+#define DOT_ONE(T)                                                                            \
     static ES_AVX2 float dot_##T##_avx2(int64_t n, const void * w, const void * a) {        \
         float r;                                                                            \
         dot1_##T##_avx2(n, w, a, 0, &r);                                                    \
         return r;                                                                           \
     }
+
+// Each type: the one-row kernel (es_matvec) and the four-row one (es_matmat).
+#define DOT32_TYPE(T, block_t, act_t, MIN_TERM)                                             \
+    DOT32(dot1_##T##_avx2, 1, block_t, act_t, T##_sums, MIN_TERM)                           \
+    DOT32(dot4_##T##_avx2, 4, block_t, act_t, T##_sums, MIN_TERM)                           \
+    DOT_ONE(T)
 
 DOT32_TYPE(q4_0, block_q4_0, block_q8_0, NO_MIN)
 DOT32_TYPE(q5_0, block_q5_0, block_q8_0, NO_MIN)
@@ -792,114 +796,142 @@ static inline ES_AVX2 int k4_mins(const uint8_t m[8], const int16_t * bsums) {
     return _mm_cvtsi128_si32(p);
 }
 
-static ES_AVX2 float dot_q4_K_avx2(int64_t n, const void * w, const void * a) {
-    const block_q4_K * x = w;
-    const block_q8_K * y = a;
-    __m256 acc = _mm256_setzero_ps();
-    float summ = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        uint8_t sc[8], m[8];
-        unpack_scales_k4(x[i].scales, sc, m);
-        const uint8_t * q  = x[i].qs;
-        const int8_t *  q8 = y[i].qs;
-        const __m256i scales = u8x8_to_i16x2(sc);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
-            const __m256i lo = _mm256_and_si256(bits, _mm256_set1_epi8(0x0F));
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F));
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
-        }
-        const float yd = y[i].d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
-        summ += (h2f(x[i].dmin) * yd) * (float) k4_mins(m, y[i].bsums);
+// The K-quants: each super-block's exact int32 sums for one token (the
+// *_sumi functions; weight-only work such as unpacking is shared by the
+// compiler when the token loop below is unrolled), then the float part.
+static inline ES_AVX2 __m256i q4_K_sumi(const block_q4_K * x, const block_q8_K * y, __m256i scales) {
+    const uint8_t * q  = x->qs;
+    const int8_t *  q8 = y->qs;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
+        const __m256i lo = _mm256_and_si256(bits, _mm256_set1_epi8(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F));
+        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
+        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
     }
-    return hsum_f32x8(acc) - summ;
+    return sumi;
 }
 
-static ES_AVX2 float dot_q5_K_avx2(int64_t n, const void * w, const void * a) {
-    const block_q5_K * x = w;
-    const block_q8_K * y = a;
-    __m256 acc = _mm256_setzero_ps();
-    float summ = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        uint8_t sc[8], m[8];
-        unpack_scales_k4(x[i].scales, sc, m);
-        const uint8_t * q  = x[i].qs;
-        const int8_t *  q8 = y[i].qs;
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *) x[i].qh);
-        const __m256i one = _mm256_set1_epi8(1);
-        const __m256i scales = u8x8_to_i16x2(sc);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
-            const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
-            // Bit 2j (2j+1) of each qh byte, moved to bit 4; 16-bit shifts
-            // are fine since the AND keeps only each byte's own bit.
-            const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4);
-            const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4);
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi8(0x0F)), h0);
-            const __m256i hi = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F)), h1);
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
-        }
-        const float yd = y[i].d;
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd), _mm256_cvtepi32_ps(sumi), acc);
-        summ += (h2f(x[i].dmin) * yd) * (float) k4_mins(m, y[i].bsums);
+static inline ES_AVX2 __m256i q5_K_sumi(const block_q5_K * x, const block_q8_K * y, __m256i scales) {
+    const uint8_t * q  = x->qs;
+    const int8_t *  q8 = y->qs;
+    const __m256i hbits = _mm256_loadu_si256((const __m256i *) x->qh);
+    const __m256i one = _mm256_set1_epi8(1);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
+        // Bit 2j (2j+1) of each qh byte, moved to bit 4; 16-bit shifts
+        // are fine since the AND keeps only each byte's own bit.
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi8(0x0F)), h0);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F)), h1);
+        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
+        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
     }
-    return hsum_f32x8(acc) - summ;
+    return sumi;
 }
 
-static ES_AVX2 float dot_q6_K_avx2(int64_t n, const void * w, const void * a) {
-    const block_q6_K * x = w;
-    const block_q8_K * y = a;
+static inline ES_AVX2 __m256i q6_K_sumi(const block_q6_K * x, const block_q8_K * y) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        const int8_t * sc = x[i].scales;
-        // sum sc (q - 32) y = sum sc q y - 32 sum_g sc_g bsum_g: the offset once
-        // per super-block from the group sums, not per element.
-        const __m256i bsums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
-        const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++, sc += 8) {
-            const __m256i scales = s8x8_to_i16x2(sc);
-            const uint8_t * ql = x[i].ql + 64 * h;
-            const int8_t *  q8 = y[i].qs + 128 * h;
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *) ql);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (ql + 32));
-            const __m256i hb = _mm256_loadu_si256((const __m256i *) (x[i].qh + 32 * h));
-            // Quarters k = 0..3 of the 128 elements, values 0..63.
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
-            const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
-            const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
-            // q y pairwise in int16 (<= 2 * 63 * 127); lanes 0..7 of quarter k
-            // hold elements 0..15 (scale 2k), lanes 8..15 elements 16..31 (2k+1).
-            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *) q8)),
-                                                 shuffle16(scales, PAIR16[0]));
-            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *) (q8 + 32))),
-                                                 shuffle16(scales, PAIR16[1]));
-            const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *) (q8 + 64))),
-                                                 shuffle16(scales, PAIR16[2]));
-            const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *) (q8 + 96))),
-                                                 shuffle16(scales, PAIR16[3]));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
-        }
-        sumi = _mm256_sub_epi32(sumi, offset);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
+    const int8_t * sc = x->scales;
+    // sum sc (q - 32) y = sum sc q y - 32 sum_g sc_g bsum_g: the offset once
+    // per super-block from the group sums, not per element.
+    const __m256i bsums = _mm256_loadu_si256((const __m256i *) y->bsums);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++, sc += 8) {
+        const __m256i scales = s8x8_to_i16x2(sc);
+        const uint8_t * ql = x->ql + 64 * h;
+        const int8_t *  q8 = y->qs + 128 * h;
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *) ql);
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *) (ql + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *) (x->qh + 32 * h));
+        // Quarters k = 0..3 of the 128 elements, values 0..63.
+        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+        const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+        // q y pairwise in int16 (<= 2 * 63 * 127); lanes 0..7 of quarter k
+        // hold elements 0..15 (scale 2k), lanes 8..15 elements 16..31 (2k+1).
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *) q8)),
+                                             shuffle16(scales, PAIR16[0]));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *) (q8 + 32))),
+                                             shuffle16(scales, PAIR16[1]));
+        const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *) (q8 + 64))),
+                                             shuffle16(scales, PAIR16[2]));
+        const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *) (q8 + 96))),
+                                             shuffle16(scales, PAIR16[3]));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
     }
-    return hsum_f32x8(acc);
+    return _mm256_sub_epi32(sumi, offset);
 }
+
+// Q4_K / Q5_K for NT tokens: per super-block d y_d sumi by FMA, minus
+// dmin y_d sum(min bsum) summed apart.
+#define DOT_K4(NAME, NT, block_t, SUMI)                                                       \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_t *    x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        float  summ[NT];                                                                    \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+            summ[t] = 0.0f;                                                                 \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            uint8_t sc[8], m[8];                                                            \
+            unpack_scales_k4(x[i].scales, sc, m);                                           \
+            const __m256i scales = u8x8_to_i16x2(sc);                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                          \
+                const float yd = y[t][i].d;                                                 \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd),                  \
+                                         _mm256_cvtepi32_ps(SUMI(x + i, y[t] + i, scales)), acc[t]); \
+                summ[t] += (h2f(x[i].dmin) * yd) * (float) k4_mins(m, y[t][i].bsums);       \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]) - summ[t]; \
+    }
+
+#define DOT_Q6K(NAME, NT)                                                                     \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_q6_K * x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                            \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * y[t][i].d),           \
+                                         _mm256_cvtepi32_ps(q6_K_sumi(x + i, y[t] + i)), acc[t]); \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);   \
+    }
+
+DOT_K4(dot1_q4_K_avx2, 1, block_q4_K, q4_K_sumi)
+DOT_K4(dot4_q4_K_avx2, 4, block_q4_K, q4_K_sumi)
+DOT_K4(dot1_q5_K_avx2, 1, block_q5_K, q5_K_sumi)
+DOT_K4(dot4_q5_K_avx2, 4, block_q5_K, q5_K_sumi)
+DOT_Q6K(dot1_q6_K_avx2, 1)
+DOT_Q6K(dot4_q6_K_avx2, 4)
+
+DOT_ONE(q4_K)
+DOT_ONE(q5_K)
+DOT_ONE(q6_K)
 
 #endif  // ES_HAVE_AVX2
 
@@ -1173,6 +1205,7 @@ static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
 }, .dot4 = {
     [ES_TYPE_Q4_0] = dot4_q4_0_avx2, [ES_TYPE_Q4_1] = dot4_q4_1_avx2, [ES_TYPE_Q5_0] = dot4_q5_0_avx2,
     [ES_TYPE_Q5_1] = dot4_q5_1_avx2, [ES_TYPE_Q8_0] = dot4_q8_0_avx2,
+    [ES_TYPE_Q4_K] = dot4_q4_K_avx2, [ES_TYPE_Q5_K] = dot4_q5_K_avx2, [ES_TYPE_Q6_K] = dot4_q6_K_avx2,
 }};
 #endif
 
