@@ -121,7 +121,9 @@ def test_llama_cpp_loads_moe_fixture(fixture):
              if t.name.startswith("blk.0.")}
     expected = kwargs.get("expert_dtype", kwargs.get("dtype", Q.Q8_0 if arch == "qwen3moe"
                                                               else Q.F16))
-    assert types["ffn_gate_exps"] == types["ffn_up_exps"] == types["ffn_down_exps"] == expected
+    if not isinstance(expected, tuple):
+        expected = (expected,) * 3
+    assert (types["ffn_gate_exps"], types["ffn_up_exps"], types["ffn_down_exps"]) == expected
     assert types["ffn_gate_inp"] == Q.F32
 
 

@@ -44,6 +44,11 @@ _NUMPY_QUANTS = {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
 _GGML_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 
 
+# An expert stack type: one for gate, up and down, or a (gate, up, down) triple
+# (llama.cpp's Q4_K_M stores down as Q6_K).
+ExpertTypes = Q | tuple[Q, Q, Q]
+
+
 def _tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None) -> str:
     return gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
 
@@ -205,11 +210,14 @@ class _RandomModel:
         self.matrix(T.FFN_UP, i, n_ff, n_embd)                    # (n_ff, n_embd)
         self.matrix(T.FFN_DOWN, i, n_embd, n_ff)                  # (n_embd, n_ff)
 
-    def moe_ffn(self, i: int, n_embd: int, n_ff_exp: int, n_expert: int, expert_dtype: Q, *,
-                identical: bool = False, order: Sequence[int] | None = None) -> None:
-        """A router and n_expert SwiGLU experts. With `identical` every expert
-        is the FFN dense_ffn would draw here; with `order` expert e is stored
-        at slot order[e] (router row and stacks alike)."""
+    def moe_ffn(self, i: int, n_embd: int, n_ff_exp: int, n_expert: int,
+                expert_dtype: ExpertTypes, *, identical: bool = False,
+                order: Sequence[int] | None = None) -> None:
+        """A router and n_expert SwiGLU experts, stored as expert_dtype (one
+        type, or one each for gate, up and down). With `identical` every
+        expert is the FFN dense_ffn would draw here; with `order` expert e is
+        stored at slot order[e] (router row and stacks alike)."""
+        types = expert_dtype if isinstance(expert_dtype, tuple) else (expert_dtype,) * 3
         self.norm(T.FFN_NORM, i, n_embd)
         # The router stays F32, as llama.cpp's quantizer leaves it: (n_expert, n_embd),
         # logits ~ N(0, 1) so that routing weights vary between tokens.
@@ -226,8 +234,8 @@ class _RandomModel:
                 raise ValueError(f"expert_order must be a permutation of range({n_expert})")
             slot = np.argsort(order)     # slot s holds expert slot[s]
         self.add(T.FFN_GATE_INP, i, router[slot], Q.F32)
-        for kind, w in stacks.items():
-            self.add(kind, i, w[slot], expert_dtype)
+        for (kind, w), qtype in zip(stacks.items(), types):
+            self.add(kind, i, w[slot], qtype)
 
     def embeddings(self, n_embd: int) -> None:
         # Rows at unit scale: (n_vocab, n_embd).
@@ -260,7 +268,8 @@ def _check_experts(n_expert: int, n_expert_used: int) -> None:
 def write_tiny_llama(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
                      n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
                      n_ff: int = 128, n_ctx: int = 512, seed: int = 0, dtype: Q = Q.F16,
-                     n_expert: int = 0, n_expert_used: int = 0, expert_dtype: Q | None = None,
+                     n_expert: int = 0, n_expert_used: int = 0,
+                     expert_dtype: ExpertTypes | None = None,
                      identical_experts: bool = False, expert_order: Sequence[int] | None = None,
                      norm_noise: float = 0.0) -> None:
     """Write a random llama model with `tokenizer_source`'s tokenizer to `path`.
@@ -268,7 +277,7 @@ def write_tiny_llama(path: str | os.PathLike, tokenizer_source: str | os.PathLik
     Matrices are stored as `dtype`, norms as F32 (ones, plus N(0, norm_noise^2)).
     With n_expert > 0 every feed-forward block is a Mixtral-style mixture of
     n_expert SwiGLU experts of width n_ff (stored as `expert_dtype`, default
-    `dtype`), n_expert_used of them routed per token. identical_experts makes
+    `dtype`; or a (gate, up, down) triple), n_expert_used of them routed per token. identical_experts makes
     every expert the FFN of the dense model with the same seed, so that the two
     files compute the same function; expert_order stores expert e at slot
     expert_order[e], the same model in another order.
@@ -302,7 +311,7 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
                         n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2,
                         head_dim: int = 64, n_expert: int = 8, n_expert_used: int = 2,
                         n_ff_exp: int = 64, n_ctx: int = 1024, seed: int = 0,
-                        dtype: Q = Q.F16, expert_dtype: Q = Q.Q8_0,
+                        dtype: Q = Q.F16, expert_dtype: ExpertTypes = Q.Q8_0,
                         expert_order: Sequence[int] | None = None,
                         norm_noise: float = 0.1) -> None:
     """Write a random qwen3moe model with `tokenizer_source`'s tokenizer to `path`.
@@ -346,14 +355,15 @@ _MIXTRAL = dict(n_expert=4, n_expert_used=2, n_ctx=1024, norm_noise=0.1)
 # name -> (writer, keyword arguments). Float weights keep llama.cpp's results
 # independent of its batch size; quantized experts are what real MoE files
 # have (Qwen3-30B-A3B in miniature: head_dim 64 on n_embd 128, 8 Q8_0
-# experts of width 64, top 2; Mixtral: 4 Q4_K experts, K-quants needing rows
-# of 256, Q8_0 elsewhere).
+# experts of width 64, top 2; Mixtral: 4 experts as llama.cpp's Q4_K_M stores
+# them, gate/up Q4_K and down Q6_K (K-quants need rows of 256), Q8_0 elsewhere).
 MOE_FIXTURES = {
     "qwen3moe-f32": (write_tiny_qwen3moe, dict(dtype=Q.F32, expert_dtype=Q.F32)),
     "mixtral-f16": (write_tiny_llama, dict(n_embd=128, n_ff=128, **_MIXTRAL)),
     "qwen3moe-q8_0": (write_tiny_qwen3moe, {}),
     "mixtral-q4_k": (write_tiny_llama, dict(n_embd=256, n_ff=256, n_head=8, n_head_kv=4,
-                                            dtype=Q.Q8_0, expert_dtype=Q.Q4_K, **_MIXTRAL)),
+                                            dtype=Q.Q8_0, expert_dtype=(Q.Q4_K, Q.Q4_K, Q.Q6_K),
+                                            **_MIXTRAL)),
 }
 
 
