@@ -64,14 +64,19 @@ def all_logits(backend, tokens: list[int], n_chunk: int | None = None) -> np.nda
     return np.concatenate(rows)
 
 
-def greedy(backend, prompt: list[int], n: int) -> list[int]:
+def greedy(backend, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens after prompt, and at each step the gap between the
+    best two logits (how near a tie the choice was)."""
     backend.clear()
     row = logits_rows(backend, backend.decode(prompt, 0), 1)[0]
-    out = [int(row.argmax())]
-    while len(out) < n:
-        row = logits_rows(backend, backend.decode(out[-1:], len(prompt) + len(out) - 1), 1)[0]
+    out, gaps = [], []
+    while True:
+        top2 = np.partition(row, -2)[-2:]
         out.append(int(row.argmax()))
-    return out
+        gaps.append(float(abs(top2[1] - top2[0])))
+        if len(out) == n:
+            return out, gaps
+        row = logits_rows(backend, backend.decode(out[-1:], len(prompt) + len(out) - 1), 1)[0]
 
 
 def parity_text() -> str:
@@ -100,9 +105,10 @@ def parity(models: list[str], threads: int, positions: int, n_greedy: int) -> No
                   f"{own.max():.4f}, mean {own.mean():.5f}, top-1 agreement {own_agree * 100:.2f}%")
             for prompt in GREEDY_PROMPTS:
                 p = lb.tokenize(prompt)
-                ga, gb = greedy(lb, p, n_greedy), greedy(nb, p, n_greedy)
+                (ga, gaps), (gb, _) = greedy(lb, p, n_greedy), greedy(nb, p, n_greedy)
                 first = next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), None)
-                verdict = "identical" if first is None else f"differ from token {first}"
+                verdict = ("identical" if first is None else f"differ from token {first}, where "
+                           f"llama.cpp's best two logits are {gaps[first]:.3f} apart")
                 print(f"  greedy {n_greedy} tokens, {prompt[:32]!r}...: {verdict}")
 
 
