@@ -125,9 +125,10 @@ const char * es_type_name(int32_t type);
 void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
 
 // A weight type's dot product reads activations in a companion format:
-// F32 for F32/F16/BF16 weights, Q8_0 for Q4_0/Q4_1/Q5_0/Q8_0 (Q4_1 as ggml's
-// Q8_1 with block sums), Q8_K for the K-quants — as llama.cpp does, which
-// keeps logits within rounding of llama.cpp's.
+// the weight's own type for F32/F16/BF16 (activations rounded to F16 / BF16),
+// Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 (Q8_0 plus block sums) for Q4_1/Q5_1, Q8_K
+// for the K-quants — ggml's vec_dot_type for each, which keeps logits within
+// rounding of llama.cpp's. -1 for a type es_matvec does not take.
 int32_t es_act_type(int32_t weight_type);
 // Converts one activation row x (n floats) into es_act_type(weight_type)
 // blocks at dst (es_type_row_bytes(es_act_type(weight_type), n) bytes).

@@ -3,8 +3,9 @@
  * activation quantization and the dot products behind es_matvec.
  *
  * Every weight type's dot product reads the activation row in a companion
- * format (es_act_type): F32 for float weights, Q8_0 / Q8_1 for the 32-element
- * quants, Q8_K for the 256-element K-quants. The activation is quantized the
+ * format (es_act_type): the weight's own type for float weights (activations
+ * rounded to F16 / BF16 as ggml's vec_dot_type does), Q8_0 / Q8_1 for the
+ * 32-element quants, Q8_K for the 256-element K-quants. The activation is quantized the
  * way ggml's x86 build does it, so our logits stay within rounding of
  * llama.cpp's.
  *
@@ -91,6 +92,13 @@ static inline es_half f32_to_half(float f) { return es_f32_to_half(f); }
 
 static inline float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t) b << 16); }
 
+// binary32 -> bfloat16, round to nearest even; a nan stays a (quiet) nan.
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t) ((u >> 16) | 64);
+    return (uint16_t) ((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
 // Round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int).
 static inline int nearest_int(float v) {
     const float big = v + 12582912.f;  // 1.5 * 2^23: the integer lands in the low mantissa bits
@@ -105,7 +113,7 @@ static inline int nearest_int(float v) {
 // The activation format of each weight type es_matvec takes; -1 for none.
 int32_t es_act_type(int32_t weight_type) {
     switch (weight_type) {
-    case ES_TYPE_F32: case ES_TYPE_F16: case ES_TYPE_BF16:   return ES_TYPE_F32;
+    case ES_TYPE_F32: case ES_TYPE_F16: case ES_TYPE_BF16:   return weight_type;
     case ES_TYPE_Q4_0: case ES_TYPE_Q5_0: case ES_TYPE_Q8_0: return ES_TYPE_Q8_0;
     case ES_TYPE_Q4_1: case ES_TYPE_Q5_1:                    return ES_TYPE_Q8_1;
     case ES_TYPE_Q4_K: case ES_TYPE_Q5_K: case ES_TYPE_Q6_K: return ES_TYPE_Q8_K;
@@ -369,6 +377,8 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
     if (blk == 0 || n <= 0 || n % blk) return;
     switch (act) {
     case ES_TYPE_F32:  memcpy(dst, x, (size_t) n * sizeof(float)); break;
+    case ES_TYPE_F16:  for (int64_t i = 0; i < n; i++) ((es_half *) dst)[i] = f32_to_half(x[i]); break;
+    case ES_TYPE_BF16: for (int64_t i = 0; i < n; i++) ((uint16_t *) dst)[i] = f32_to_bf16(x[i]); break;
     case ES_TYPE_Q8_0: quantize_q8_0(x, dst, n / QK); break;
     case ES_TYPE_Q8_1: quantize_q8_1(x, dst, n / QK); break;
     case ES_TYPE_Q8_K: quantize_q8_K(x, dst, n / QK_K); break;
@@ -392,19 +402,19 @@ static float dot_f32_scalar(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
+// F16 and BF16 weights against activations of the same type; products and
+// sums in F32, as ggml_vec_dot_f16 / _bf16.
 static float dot_f16_scalar(int64_t n, const void * w, const void * a) {
-    const es_half * x = w;
-    const float *   y = a;
+    const es_half * x = w, * y = a;
     float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += half_to_f32(x[i]) * y[i];
+    for (int64_t i = 0; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
     return sum;
 }
 
 static float dot_bf16_scalar(int64_t n, const void * w, const void * a) {
-    const uint16_t * x = w;
-    const float *    y = a;
+    const uint16_t * x = w, * y = a;
     float sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) sum += bf16_to_f32(x[i]) * y[i];
+    for (int64_t i = 0; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
     return sum;
 }
 
@@ -626,37 +636,36 @@ static ES_AVX2 float dot_f32_avx2(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
+static inline ES_AVX2 __m256 load_f16x8(const es_half * p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+}
+
+static inline ES_AVX2 __m256 load_bf16x8(const uint16_t * p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) p)), 16));
+}
+
 static ES_AVX2 float dot_f16_avx2(int64_t n, const void * w, const void * a) {
-    const es_half * x = w;
-    const float *   y = a;
+    const es_half * x = w, * y = a;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t i = 0;
     for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 4; k++) {
-            const __m256 xv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i + 8 * k)));
-            acc[k] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + i + 8 * k), acc[k]);
-        }
-    for (; i + 8 <= n; i += 8)
-        acc[0] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i))),
-                                 _mm256_loadu_ps(y + i), acc[0]);
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(load_f16x8(x + i + 8 * k), load_f16x8(y + i + 8 * k), acc[k]);
+    for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(load_f16x8(x + i), load_f16x8(y + i), acc[0]);
     float sum = hsum_f32x8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; i < n; i++) sum += half_to_f32(x[i]) * y[i];
+    for (; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
     return sum;
 }
 
 static ES_AVX2 float dot_bf16_avx2(int64_t n, const void * w, const void * a) {
-    const uint16_t * x = w;
-    const float *    y = a;
+    const uint16_t * x = w, * y = a;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-        for (int k = 0; k < 2; k++) {
-            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) (x + i + 8 * k)));
-            const __m256 xv = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-            acc[k] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(y + i + 8 * k), acc[k]);
-        }
+        for (int k = 0; k < 2; k++)
+            acc[k] = _mm256_fmadd_ps(load_bf16x8(x + i + 8 * k), load_bf16x8(y + i + 8 * k), acc[k]);
     float sum = hsum_f32x8(_mm256_add_ps(acc[0], acc[1]));
-    for (; i < n; i++) sum += bf16_to_f32(x[i]) * y[i];
+    for (; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
     return sum;
 }
 
@@ -962,17 +971,17 @@ static float dot_f32_neon(int64_t n, const void * w, const void * a) {
 }
 
 static float dot_f16_neon(int64_t n, const void * w, const void * a) {
-    const es_half * x = w;
-    const float *   y = a;
+    const es_half * x = w, * y = a;
     float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(x + i));
-        acc[0] = vfmaq_f32(acc[0], vcvt_f32_f16(vget_low_f16(h)), vld1q_f32(y + i));
-        acc[1] = vfmaq_f32(acc[1], vcvt_high_f32_f16(h), vld1q_f32(y + i + 4));
+        const float16x8_t g = vreinterpretq_f16_u16(vld1q_u16(y + i));
+        acc[0] = vfmaq_f32(acc[0], vcvt_f32_f16(vget_low_f16(h)), vcvt_f32_f16(vget_low_f16(g)));
+        acc[1] = vfmaq_f32(acc[1], vcvt_high_f32_f16(h), vcvt_high_f32_f16(g));
     }
     float sum = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
-    for (; i < n; i++) sum += half_to_f32(x[i]) * y[i];
+    for (; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
     return sum;
 }
 
@@ -1045,17 +1054,18 @@ static float dot_q8_0_neon(int64_t n, const void * w, const void * a) {
 }
 
 static float dot_bf16_neon(int64_t n, const void * w, const void * a) {
-    const uint16_t * x = w;
-    const float *    y = a;
+    const uint16_t * x = w, * y = a;
     float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const uint16x8_t h = vld1q_u16(x + i);
-        acc[0] = vfmaq_f32(acc[0], vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)), vld1q_f32(y + i));
-        acc[1] = vfmaq_f32(acc[1], vreinterpretq_f32_u32(vshll_high_n_u16(h, 16)), vld1q_f32(y + i + 4));
+        const uint16x8_t h = vld1q_u16(x + i), g = vld1q_u16(y + i);
+        acc[0] = vfmaq_f32(acc[0], vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)),
+                           vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(g), 16)));
+        acc[1] = vfmaq_f32(acc[1], vreinterpretq_f32_u32(vshll_high_n_u16(h, 16)),
+                           vreinterpretq_f32_u32(vshll_high_n_u16(g, 16)));
     }
     float sum = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
-    for (; i < n; i++) sum += bf16_to_f32(x[i]) * y[i];
+    for (; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
     return sum;
 }
 

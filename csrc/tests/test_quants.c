@@ -69,7 +69,8 @@ static void test_type_table(void) {
     CHECK(es_type_row_bytes(ES_TYPE_Q4_0, 33) == 0);      // not whole blocks
     CHECK(es_type_row_bytes(ES_TYPE_Q4_K, 640) == 0);
     CHECK(es_type_row_bytes(ES_TYPE_Q2_K, 256) == 0);
-    CHECK(es_act_type(ES_TYPE_F16) == ES_TYPE_F32 && es_act_type(ES_TYPE_Q5_0) == ES_TYPE_Q8_0);
+    CHECK(es_act_type(ES_TYPE_F32) == ES_TYPE_F32 && es_act_type(ES_TYPE_F16) == ES_TYPE_F16);
+    CHECK(es_act_type(ES_TYPE_BF16) == ES_TYPE_BF16 && es_act_type(ES_TYPE_Q5_0) == ES_TYPE_Q8_0);
     CHECK(es_act_type(ES_TYPE_Q4_1) == ES_TYPE_Q8_1 && es_act_type(ES_TYPE_Q5_K) == ES_TYPE_Q8_K);
     CHECK(es_act_type(ES_TYPE_Q8_K) == -1 && es_act_type(ES_TYPE_Q3_K) == -1);
     CHECK(strcmp(es_type_name(ES_TYPE_Q5_0), "Q5_0") == 0);
@@ -250,6 +251,14 @@ static void test_quantize_act(void) {
     bad = 0;
     for (int j = 0; j < 34; j++) bad += q[j] != 0;
     CHECK(bad == 0);
+
+    // F16 / BF16 weights read activations rounded to their own type, ties to even.
+    const float xf[4] = {1.f + 0x1p-11f, 1.f + 3 * 0x1p-11f, 1.f + 0x1p-8f, 1.f + 3 * 0x1p-8f};
+    uint16_t hf[4];
+    es_quantize_act(ES_TYPE_F16, xf, hf, 4);
+    CHECK(hf[0] == 0x3C00 && hf[1] == 0x3C02);
+    es_quantize_act(ES_TYPE_BF16, xf + 2, hf, 2);
+    CHECK(hf[0] == 0x3F80 && hf[1] == 0x3F82);
 
     // Q8_1 (Q4_1's companion): s = half(d sum(q)); with d = 1 that is sum(q).
     for (int j = 0; j < 32; j++) x[j] = (float) (j % 5);
