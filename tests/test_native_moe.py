@@ -169,11 +169,13 @@ def test_greedy_matches_llama_cpp(float_fixture):
 @pytest.mark.parametrize("n_expert_used", [2, 4])
 def test_identical_experts_compute_the_dense_model(moe_dir, smollm2_path, n_expert_used):
     """Every expert a copy of the dense FFN: whichever experts the router
-    picks, their weights sum to one, so the MoE model is the dense one."""
+    picks, their weights sum to one, so the MoE model is the dense one. (F32
+    weights: with F16 ones, a last-bit difference of the weights' sum can
+    flip the half rounding of the next matmul's input, which travels on.)"""
     dense, moe = moe_dir / "dense.gguf", moe_dir / f"dense-as-moe-{n_expert_used}.gguf"
-    write_tiny_llama(dense, smollm2_path, n_ctx=N_CTX)
-    write_tiny_llama(moe, smollm2_path, n_ctx=N_CTX, n_expert=4, n_expert_used=n_expert_used,
-                     identical_experts=True)
+    write_tiny_llama(dense, smollm2_path, n_ctx=N_CTX, dtype=Q.F32)
+    write_tiny_llama(moe, smollm2_path, n_ctx=N_CTX, dtype=Q.F32, n_expert=4,
+                     n_expert_used=n_expert_used, identical_experts=True)
     tokens = random_tokens(96, seed=1)
     with backend("native", dense) as b:
         want = logits_rows(b, tokens)
