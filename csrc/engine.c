@@ -410,10 +410,6 @@ void es__add(float * x, const float * y, int64_t n) {
 
 /* ---- blocks: matmul -------------------------------------------------------- */
 
-// Rows of output a thread computes for all batch tokens before moving on,
-// so that slice of the weights stays in cache across the batch.
-enum { ROW_CHUNK = 32 };
-
 typedef struct matmul_job {
     int32_t           n_w;
     const es_weight * w[3];
@@ -453,17 +449,9 @@ static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
         const int64_t r1 = g1 - base < w->n_out ? g1 - base : w->n_out;
         base += w->n_out;
         if (r0 >= r1) continue;
-        if (job->n == 1) {
-            es_matvec(w->type, w->data, job->xq[i], w->n_in, r0, r1, job->y[i] + r0);
-            continue;
-        }
-        for (int64_t c0 = r0; c0 < r1; c0 += ROW_CHUNK) {
-            const int64_t c1 = c0 + ROW_CHUNK < r1 ? c0 + ROW_CHUNK : r1;
-            for (int32_t t = 0; t < job->n; t++) {
-                es_matvec(w->type, w->data, job->xq[i] + (size_t) t * job->xq_row[i], w->n_in,
-                          c0, c1, job->y[i] + (size_t) t * w->n_out + c0);
-            }
-        }
+        // Rows outer, tokens inner: each weight row is read once for the batch.
+        es_matmat(w->type, w->data, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
+                  job->y[i] + r0, (size_t) w->n_out);
     }
 }
 
