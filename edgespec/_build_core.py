@@ -41,7 +41,8 @@ ffibuilder.set_source(
     '#include "edgespec.h"',
     sources=SOURCES,
     include_dirs=[str(CSRC.relative_to(ROOT))],
-    extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden"],
+    extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread"],
+    extra_link_args=["-pthread"],  # the native engine's thread pool; older glibc needs it
     libraries=["m"],
 )
 

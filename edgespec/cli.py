@@ -36,8 +36,8 @@ def main() -> None:
 # -- generate / demo ---------------------------------------------------------
 
 MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (default: the built-in default)."
-BACKEND_HELP = ("llama (llama.cpp) or onnx (ONNX Runtime; --model may also be a folder from "
-                "`edgespec export-onnx`, a GGUF is exported into the cache on first use).")
+BACKEND_HELP = ("llama (llama.cpp), native (edgespec's own C engine) or onnx (ONNX Runtime; --model may "
+                "also be a folder from `edgespec export-onnx`, a GGUF is exported into the cache on first use).")
 EP_HELP = "ONNX Runtime execution provider for the onnx backend: cpu, qnn, openvino, dml, coreml or cuda."
 DRAFT_BACKEND_HELP = "Backend of the draft model (default: the target's), e.g. onnx on an NPU with a llama target."
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .cli import DRAFT_BACKEND_HELP, EP_HELP, MODEL_HELP, app
+from .cli import BACKEND_HELP, DRAFT_BACKEND_HELP, EP_HELP, MODEL_HELP, app
 
 
 def _list(value: str | None) -> list[str] | None:
@@ -39,7 +39,7 @@ def bench(
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus mass of the sampled mode, (0, 1]."),
     seed: int = typer.Option(0, "--seed", help="Base seed of the sampled mode (varies per prompt and repeat)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
-    backend: str = typer.Option("llama", "--backend", help="Inference backend: llama, native or onnx."),
+    backend: str = typer.Option("llama", "--backend", help=BACKEND_HELP),
     ep: str = typer.Option(None, "--ep", help=EP_HELP),
     draft_backend: str = typer.Option(None, "--draft-backend", help=DRAFT_BACKEND_HELP),
     n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens."),

@@ -19,6 +19,10 @@ class ModelFormatError(EdgespecError):
     """A model file that is not a valid GGUF (truncated, corrupt, unsupported)."""
 
 
+class UnsupportedModelError(ModelFormatError):
+    """A valid model this backend cannot run (architecture, weight type, variant)."""
+
+
 class ModelFetchError(EdgespecError):
     """A model could not be downloaded or failed its checksum."""
 

@@ -25,3 +25,25 @@ def tiny_llama_path(tmp_path_factory, smollm2_path):
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
     write_tiny_llama(path, smollm2_path)
     return path
+
+
+@pytest.fixture(scope="session")
+def native_lib_path(tmp_path_factory):
+    """The C core as a shared library (CMake, optimized, no sanitizers, so
+    ctypes can load it; CMake keeps internal symbols such as es_matvec
+    visible). Built once per session."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cmake = shutil.which("cmake")
+    assert cmake, "cmake is a build requirement of edgespec"
+    build = tmp_path_factory.mktemp("native-build")
+    subprocess.run([cmake, "-S", str(root), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release"],
+                   check=True, capture_output=True)
+    subprocess.run([cmake, "--build", str(build), "-j2", "--target", "edgespec"],
+                   check=True, capture_output=True)
+    libs = sorted(build.glob("libedgespec.*"))
+    assert libs, "CMake built no libedgespec"
+    return libs[0]

@@ -1,7 +1,10 @@
 """The C core's own unit tests (csrc/tests), built with CMake under
-AddressSanitizer and UBSan and run through CTest."""
+AddressSanitizer and UBSan and run through CTest. test_gguf also opens the
+GGUF files linked into $EDGESPEC_TEST_MODELS_DIR: the built-in models and the
+tiny llama."""
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shutil
@@ -10,7 +13,11 @@ import subprocess
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_c_unit_tests_pass_under_sanitizers(tmp_path):
+def test_c_unit_tests_pass_under_sanitizers(tmp_path, smollm2_path, gemma_path, tiny_llama_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    for path in (smollm2_path, gemma_path, tiny_llama_path):
+        (models / pathlib.Path(path).name).symlink_to(path)
     cmake = shutil.which("cmake")
     assert cmake, "cmake is a build requirement of edgespec"
     build = tmp_path / "build"
@@ -18,7 +25,8 @@ def test_c_unit_tests_pass_under_sanitizers(tmp_path):
                     "-DCMAKE_BUILD_TYPE=Debug"], check=True, capture_output=True)
     subprocess.run([cmake, "--build", str(build), "-j2"], check=True, capture_output=True)
     ctest = subprocess.run(["ctest", "--test-dir", str(build), "--output-on-failure"],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True,
+                           env={**os.environ, "EDGESPEC_TEST_MODELS_DIR": str(models)})
     assert ctest.returncode == 0, ctest.stdout + ctest.stderr
     ran = re.search(r"100% tests passed(?:, 0 tests failed)? out of (\d+)", ctest.stdout)
     assert ran and int(ran.group(1)) >= 3, ctest.stdout  # sampling, verify, drafting

@@ -1,31 +1,104 @@
-"""Tiny random-weight llama-architecture GGUF files for tests.
+"""Tiny random-weight GGUF files for tests.
 
     write_tiny_llama(path, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    write_tiny_llama(path, source, n_expert=4, n_expert_used=2)   # Mixtral-style MoE
+    write_tiny_qwen3moe(path, source)
 
 The weights are random, the tokenizer is real: every ``tokenizer.*`` key of
 the source file is copied byte for byte, so llama.cpp tokenizes (and applies
 the chat template) exactly as it does for the source model, while a forward
-pass costs next to nothing. Tensor names and shapes are the ones llama.cpp's
-llama architecture loads (src/models/llama.cpp); numpy shapes below are
-(rows, cols) = GGUF's (ne1, ne0) reversed.
+pass costs next to nothing. Tensor names, shapes and hyperparameter keys are
+the ones llama.cpp's loaders read (src/models/llama.cpp, qwen3moe.cpp); numpy
+shapes below are GGUF's ne reversed: (rows, cols) = (ne1, ne0), and an expert
+stack (n_expert, rows, cols) = (ne2, ne1, ne0).
+
+Matrices may be stored quantized: the gguf package quantizes the legacy
+types (Q4_0 ... Q8_0), llama.cpp's own ggml_quantize_chunk the K-quants.
+Two knobs make MoE files whose outputs must agree with another file's,
+which is how the tests check expert routing: ``identical_experts`` (every
+expert a copy of the dense FFN the same seed gives, so the MoE model computes
+what the dense one does) and ``expert_order`` (the same experts stored in
+another order).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+from collections.abc import Sequence
+from pathlib import Path
 
 import gguf
 import numpy as np
 
-ARCH = "llama"
-_NP_DTYPE = {gguf.GGMLQuantizationType.F16: np.float16,
-             gguf.GGMLQuantizationType.F32: np.float32}
-_FILE_TYPE = {gguf.GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
-              gguf.GGMLQuantizationType.F32: gguf.LlamaFileType.ALL_F32}
+Q = gguf.GGMLQuantizationType
+T = gguf.MODEL_TENSOR
+
+_FILE_TYPE = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
+              Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+              Q.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
+              Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
+              Q.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
+# Types the gguf package quantizes in numpy; the K-quants need llama.cpp.
+_NUMPY_QUANTS = {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+_GGML_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+# An expert stack type: one for gate, up and down, or a (gate, up, down) triple
+# (llama.cpp's Q4_K_M stores down as Q6_K).
+ExpertTypes = Q | tuple[Q, Q, Q]
 
 
 def _tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None) -> str:
     return gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
 
+
+# ---- weight types -------------------------------------------------------------------
+
+_ggml = None
+
+
+def _ggml_base():
+    """llama.cpp's ggml-base library, as llama-cpp-python ships it."""
+    global _ggml
+    if _ggml is None:
+        import llama_cpp
+        from llama_cpp._ctypes_extensions import load_shared_library
+
+        lib = load_shared_library("ggml-base", Path(llama_cpp.__file__).parent / "lib")
+        lib.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+        lib.ggml_row_size.restype = ctypes.c_size_t
+        # size_t ggml_quantize_chunk(type, const float * src, void * dst, int64_t start,
+        #                            int64_t nrows, int64_t n_per_row, const float * imatrix)
+        lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p]
+        lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+        _ggml = lib
+    return _ggml
+
+
+def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """`w` (..., cols) as `qtype`: F32 and F16 as numpy floats, any other type
+    as GGUF's raw bytes, (..., bytes per row), ready for GGUFWriter.add_tensor
+    with raw_dtype=qtype."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    cols = w.shape[-1]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if cols % block:
+        raise ValueError(f"{qtype.name} needs rows of a multiple of {block} values, got {cols}")
+    if qtype in _NUMPY_QUANTS:
+        return gguf.quants.quantize(w, qtype)
+    if qtype not in _GGML_QUANTS:
+        raise ValueError(f"cannot quantize to {qtype.name}")
+    lib = _ggml_base()
+    rows = w.reshape(-1, cols)
+    out = np.empty((rows.shape[0], lib.ggml_row_size(qtype, cols)), dtype=np.uint8)
+    lib.ggml_quantize_chunk(qtype, rows.ctypes.data, out.ctypes.data, 0, rows.shape[0], cols, None)
+    return out.reshape(*w.shape[:-1], out.shape[-1])
+
+
+# ---- copying GGUF metadata ------------------------------------------------------------
 
 def _field_value(field: gguf.ReaderField):
     """A reader field's value as GGUFWriter.add_key_value takes it. Strings stay
@@ -38,77 +111,269 @@ def _field_value(field: gguf.ReaderField):
     return field.contents()
 
 
-def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
-    """Copy every tokenizer.* key of `reader` into `writer`; return the vocabulary size."""
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(source: str) -> tuple[list[tuple], int]:
+    """The tokenizer.* keys of `source` as (key, value, type, sub_type), and the
+    vocabulary size. Parsing a real tokenizer takes seconds; tests write
+    several models with one tokenizer."""
+    reader = gguf.GGUFReader(source)
+    fields = []
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, _field_value(field), field.types[0], sub_type)
-    return len(reader.fields[gguf.Keys.Tokenizer.LIST].data)
+            fields.append((key, _field_value(field), field.types[0], sub_type))
+    return fields, len(reader.fields[gguf.Keys.Tokenizer.LIST].data)
+
+
+def copy_tokenizer(source: str | os.PathLike, writer: gguf.GGUFWriter) -> int:
+    """Copy every tokenizer.* key of the GGUF file `source` into `writer`;
+    return the vocabulary size."""
+    fields, n_vocab = _tokenizer_fields(str(source))
+    for key, value, vtype, sub_type in fields:
+        writer.add_key_value(key, value, vtype, sub_type)
+    return n_vocab
+
+
+# ---- random models --------------------------------------------------------------------
+
+class _RandomModel:
+    """One random model being written: its GGUF writer, tokenizer, random
+    number stream and the tensors every llama-family architecture shares.
+
+    Each matrix is N(0, gain^2/fan_in), so every block keeps the residual
+    stream at unit scale; the output matrix is scaled up so that logits spread
+    over several units and greedy decoding does not settle on one token.
+    """
+
+    def __init__(self, path, arch: str, tokenizer_source, *, seed: int, dtype: Q,
+                 norm_noise: float):
+        if dtype not in _FILE_TYPE:
+            raise ValueError(f"unsupported dtype {dtype!r}")
+        self.rng = np.random.default_rng(seed)
+        # Routers draw from a stream of their own, so that a MoE model's other
+        # tensors are those of the dense model with the same seed.
+        self.router_rng = np.random.default_rng([seed, 1])
+        self.dtype = dtype
+        self.norm_noise = norm_noise
+        self.writer = gguf.GGUFWriter(path, arch)
+        self.writer.add_file_type(_FILE_TYPE[dtype])
+        self.n_vocab = copy_tokenizer(tokenizer_source, self.writer)
+        self.writer.add_vocab_size(self.n_vocab)
+
+    def add(self, kind: T, layer: int | None, w: np.ndarray, dtype: Q | None = None) -> None:
+        qtype = self.dtype if dtype is None else dtype
+        self.writer.add_tensor(_tensor_name(kind, layer), quantize(w, qtype), raw_dtype=qtype)
+
+    def draw(self, shape: tuple[int, ...], gain: float = 1.0,
+             rng: np.random.Generator | None = None) -> np.ndarray:
+        """Random weights for matrices of shape[-1] columns."""
+        w = (rng or self.rng).standard_normal(shape, dtype=np.float32)
+        return w * np.float32(gain / np.sqrt(shape[-1]))
+
+    def matrix(self, kind: T, layer: int | None, rows: int, cols: int, *,
+               gain: float = 1.0) -> None:
+        """A (rows, cols) matrix."""
+        self.add(kind, layer, self.draw((rows, cols), gain))
+
+    def norm(self, kind: T, layer: int | None, n: int) -> None:
+        """An RMSNorm weight (F32, as converters store norms): ones, or with
+        norm_noise ones plus noise, so that a norm applied without its weight
+        shows in the logits."""
+        w = np.ones(n, dtype=np.float32)
+        if self.norm_noise:
+            w += self.rng.standard_normal(n, dtype=np.float32) * np.float32(self.norm_noise)
+        self.add(kind, layer, w, Q.F32)
+
+    def common_keys(self, *, name: str, n_ctx: int, n_embd: int, n_layer: int, n_ff: int,
+                    n_head: int, n_head_kv: int, rms_eps: float) -> None:
+        w = self.writer
+        w.add_name(name)
+        w.add_context_length(n_ctx)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(rms_eps)
+
+    def attention(self, i: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int) -> None:
+        self.norm(T.ATTN_NORM, i, n_embd)
+        self.matrix(T.ATTN_Q, i, n_head * head_dim, n_embd)        # (n_head*hd, n_embd)
+        self.matrix(T.ATTN_K, i, n_head_kv * head_dim, n_embd)     # (n_head_kv*hd, n_embd)
+        self.matrix(T.ATTN_V, i, n_head_kv * head_dim, n_embd)     # (n_head_kv*hd, n_embd)
+        self.matrix(T.ATTN_OUT, i, n_embd, n_head * head_dim)      # (n_embd, n_head*hd)
+
+    def dense_ffn(self, i: int, n_embd: int, n_ff: int) -> None:
+        self.norm(T.FFN_NORM, i, n_embd)
+        self.matrix(T.FFN_GATE, i, n_ff, n_embd)                  # (n_ff, n_embd)
+        self.matrix(T.FFN_UP, i, n_ff, n_embd)                    # (n_ff, n_embd)
+        self.matrix(T.FFN_DOWN, i, n_embd, n_ff)                  # (n_embd, n_ff)
+
+    def moe_ffn(self, i: int, n_embd: int, n_ff_exp: int, n_expert: int,
+                expert_dtype: ExpertTypes, *, identical: bool = False,
+                order: Sequence[int] | None = None) -> None:
+        """A router and n_expert SwiGLU experts, stored as expert_dtype (one
+        type, or one each for gate, up and down). With `identical` every
+        expert is the FFN dense_ffn would draw here; with `order` expert e is
+        stored at slot order[e] (router row and stacks alike)."""
+        types = expert_dtype if isinstance(expert_dtype, tuple) else (expert_dtype,) * 3
+        self.norm(T.FFN_NORM, i, n_embd)
+        # The router stays F32, as llama.cpp's quantizer leaves it: (n_expert, n_embd),
+        # logits ~ N(0, 1) so that routing weights vary between tokens.
+        router = self.draw((n_expert, n_embd), rng=self.router_rng)
+        stacks = {}
+        for kind, rows, cols in ((T.FFN_GATE_EXP, n_ff_exp, n_embd),    # (n_expert, n_ff_exp, n_embd)
+                                 (T.FFN_UP_EXP, n_ff_exp, n_embd),      # (n_expert, n_ff_exp, n_embd)
+                                 (T.FFN_DOWN_EXP, n_embd, n_ff_exp)):   # (n_expert, n_embd, n_ff_exp)
+            stacks[kind] = (np.broadcast_to(self.draw((rows, cols)), (n_expert, rows, cols))
+                            if identical else self.draw((n_expert, rows, cols)))
+        slot = np.arange(n_expert)
+        if order is not None:
+            if sorted(order) != list(range(n_expert)):
+                raise ValueError(f"expert_order must be a permutation of range({n_expert})")
+            slot = np.argsort(order)     # slot s holds expert slot[s]
+        self.add(T.FFN_GATE_INP, i, router[slot], Q.F32)
+        for (kind, w), qtype in zip(stacks.items(), types):
+            self.add(kind, i, w[slot], qtype)
+
+    def embeddings(self, n_embd: int) -> None:
+        # Rows at unit scale: (n_vocab, n_embd).
+        self.matrix(T.TOKEN_EMBD, None, self.n_vocab, n_embd, gain=float(np.sqrt(n_embd)))
+
+    def output(self, n_embd: int) -> None:
+        self.norm(T.OUTPUT_NORM, None, n_embd)
+        # (n_vocab, n_embd); logits ~ N(0, 4^2) on a unit-RMS final state.
+        self.matrix(T.OUTPUT, None, self.n_vocab, n_embd, gain=4.0)
+
+    def write(self) -> None:
+        try:
+            self.writer.write_header_to_file()
+            self.writer.write_kv_data_to_file()
+            self.writer.write_tensors_to_file()
+        finally:
+            self.writer.close()
+
+
+def _check_heads(n_embd: int, n_head: int, n_head_kv: int) -> None:
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+
+
+def _check_experts(n_expert: int, n_expert_used: int) -> None:
+    if not 0 < n_expert_used <= n_expert:
+        raise ValueError(f"need 0 < n_expert_used <= n_expert, got {n_expert_used} of {n_expert}")
 
 
 def write_tiny_llama(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
                      n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
-                     n_ff: int = 128, n_ctx: int = 512, seed: int = 0,
-                     dtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16) -> None:
+                     n_ff: int = 128, n_ctx: int = 512, seed: int = 0, dtype: Q = Q.F16,
+                     n_expert: int = 0, n_expert_used: int = 0,
+                     expert_dtype: ExpertTypes | None = None,
+                     identical_experts: bool = False, expert_order: Sequence[int] | None = None,
+                     norm_noise: float = 0.0) -> None:
     """Write a random llama model with `tokenizer_source`'s tokenizer to `path`.
 
-    Matrices are stored as `dtype` (F16 or F32), norms always as F32. Each
-    matrix is N(0, 1/fan_in), so every block keeps the residual stream at unit
-    scale; the output matrix is scaled up so that logits spread over several
-    units and greedy decoding does not settle on one token.
+    Matrices are stored as `dtype`, norms as F32 (ones, plus N(0, norm_noise^2)).
+    With n_expert > 0 every feed-forward block is a Mixtral-style mixture of
+    n_expert SwiGLU experts of width n_ff (stored as `expert_dtype`, default
+    `dtype`; or a (gate, up, down) triple), n_expert_used of them routed per token. identical_experts makes
+    every expert the FFN of the dense model with the same seed, so that the two
+    files compute the same function; expert_order stores expert e at slot
+    expert_order[e], the same model in another order.
     """
-    if dtype not in _NP_DTYPE:
-        raise ValueError(f"dtype must be F16 or F32, got {dtype!r}")
-    if n_embd % n_head or n_head % n_head_kv:
-        raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+    _check_heads(n_embd, n_head, n_head_kv)
+    if n_expert:
+        _check_experts(n_expert, n_expert_used)
     head_dim = n_embd // n_head
-    n_embd_kv = head_dim * n_head_kv            # width of K and V (grouped-query attention)
-    rng = np.random.default_rng(seed)
+    m = _RandomModel(path, "llama", tokenizer_source, seed=seed, dtype=dtype,
+                     norm_noise=norm_noise)
+    m.common_keys(name="tiny-random-llama" + ("-moe" if n_expert else ""), n_ctx=n_ctx,
+                  n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                  rms_eps=1e-5)
+    m.writer.add_rope_dimension_count(head_dim)
+    if n_expert:
+        m.writer.add_expert_count(n_expert)
+        m.writer.add_expert_used_count(n_expert_used)
+    m.embeddings(n_embd)
+    for i in range(n_layer):
+        m.attention(i, n_embd, n_head, n_head_kv, head_dim)
+        if n_expert:
+            m.moe_ffn(i, n_embd, n_ff, n_expert, expert_dtype or dtype,
+                      identical=identical_experts, order=expert_order)
+        else:
+            m.dense_ffn(i, n_embd, n_ff)
+    m.output(n_embd)
+    m.write()
 
-    def matrix(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
-        w = rng.standard_normal((rows, cols), dtype=np.float32) * (gain / np.sqrt(cols))
-        return w.astype(_NP_DTYPE[dtype])
 
-    def norm() -> np.ndarray:
-        return np.ones(n_embd, dtype=np.float32)
+def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
+                        n_layer: int = 2, n_embd: int = 128, n_head: int = 4, n_head_kv: int = 2,
+                        head_dim: int = 64, n_expert: int = 8, n_expert_used: int = 2,
+                        n_ff_exp: int = 64, n_ctx: int = 1024, seed: int = 0,
+                        dtype: Q = Q.F16, expert_dtype: ExpertTypes = Q.Q8_0,
+                        expert_order: Sequence[int] | None = None,
+                        norm_noise: float = 0.1) -> None:
+    """Write a random qwen3moe model with `tokenizer_source`'s tokenizer to `path`.
 
-    reader = gguf.GGUFReader(tokenizer_source)
-    writer = gguf.GGUFWriter(path, ARCH)
-    try:
-        writer.add_name("tiny-random-llama")
-        writer.add_file_type(_FILE_TYPE[dtype])
-        n_vocab = copy_tokenizer(reader, writer)
-        writer.add_vocab_size(n_vocab)
-        writer.add_context_length(n_ctx)
-        writer.add_embedding_length(n_embd)
-        writer.add_block_count(n_layer)
-        writer.add_feed_forward_length(n_ff)
-        writer.add_head_count(n_head)
-        writer.add_head_count_kv(n_head_kv)
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_rope_freq_base(10000.0)
-        writer.add_layer_norm_rms_eps(1e-5)
+    As Qwen3's: per-head RMSNorm of Q and K before NEOX RoPE, a head width of
+    its own (head_dim, stored as key_length/value_length; n_head * head_dim
+    need not be n_embd), and every feed-forward block a mixture of n_expert
+    SwiGLU experts of width n_ff_exp, routed by softmax, top n_expert_used and
+    renormalization of the chosen weights. expert_order as for write_tiny_llama.
+    """
+    if n_head % n_head_kv:
+        raise ValueError("n_head must divide by n_head_kv")
+    _check_experts(n_expert, n_expert_used)
+    m = _RandomModel(path, "qwen3moe", tokenizer_source, seed=seed, dtype=dtype,
+                     norm_noise=norm_noise)
+    # feed_forward_length is the dense width of the source model, unused by a
+    # model whose every block is MoE; converters write it all the same.
+    m.common_keys(name="tiny-random-qwen3moe", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer,
+                  n_ff=n_ff_exp * n_expert_used, n_head=n_head, n_head_kv=n_head_kv,
+                  rms_eps=1e-6)
+    m.writer.add_key_length(head_dim)
+    m.writer.add_value_length(head_dim)
+    m.writer.add_expert_count(n_expert)
+    m.writer.add_expert_used_count(n_expert_used)
+    m.writer.add_expert_feed_forward_length(n_ff_exp)
+    m.embeddings(n_embd)
+    for i in range(n_layer):
+        m.attention(i, n_embd, n_head, n_head_kv, head_dim)
+        m.norm(T.ATTN_Q_NORM, i, head_dim)
+        m.norm(T.ATTN_K_NORM, i, head_dim)
+        m.moe_ffn(i, n_embd, n_ff_exp, n_expert, expert_dtype, order=expert_order)
+    m.output(n_embd)
+    m.write()
 
-        T = gguf.MODEL_TENSOR
-        # Embedding rows at unit scale: (n_vocab, n_embd).
-        writer.add_tensor(_tensor_name(T.TOKEN_EMBD), matrix(n_vocab, n_embd, np.sqrt(n_embd)))
-        for i in range(n_layer):
-            writer.add_tensor(_tensor_name(T.ATTN_NORM, i), norm())
-            writer.add_tensor(_tensor_name(T.ATTN_Q, i), matrix(n_embd, n_embd))       # (n_head*hd, n_embd)
-            writer.add_tensor(_tensor_name(T.ATTN_K, i), matrix(n_embd_kv, n_embd))    # (n_head_kv*hd, n_embd)
-            writer.add_tensor(_tensor_name(T.ATTN_V, i), matrix(n_embd_kv, n_embd))    # (n_head_kv*hd, n_embd)
-            writer.add_tensor(_tensor_name(T.ATTN_OUT, i), matrix(n_embd, n_embd))     # (n_embd, n_head*hd)
-            writer.add_tensor(_tensor_name(T.FFN_NORM, i), norm())
-            writer.add_tensor(_tensor_name(T.FFN_GATE, i), matrix(n_ff, n_embd))       # (n_ff, n_embd)
-            writer.add_tensor(_tensor_name(T.FFN_UP, i), matrix(n_ff, n_embd))         # (n_ff, n_embd)
-            writer.add_tensor(_tensor_name(T.FFN_DOWN, i), matrix(n_embd, n_ff))       # (n_embd, n_ff)
-        writer.add_tensor(_tensor_name(T.OUTPUT_NORM), norm())
-        # (n_vocab, n_embd); logits ~ N(0, 4^2) on a unit-RMS final state.
-        writer.add_tensor(_tensor_name(T.OUTPUT), matrix(n_vocab, n_embd, 4.0))
 
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-    finally:
-        writer.close()
+# ---- the MoE fixtures ----------------------------------------------------------------------
+
+_MIXTRAL = dict(n_expert=4, n_expert_used=2, n_ctx=1024, norm_noise=0.1)
+
+# The MoE files tests/test_native_moe.py and benchmarks/bench_native.py share:
+# name -> (writer, keyword arguments). Float weights keep llama.cpp's results
+# independent of its batch size; quantized experts are what real MoE files
+# have (Qwen3-30B-A3B in miniature: head_dim 64 on n_embd 128, 8 Q8_0
+# experts of width 64, top 2; Mixtral: 4 experts as llama.cpp's Q4_K_M stores
+# them, gate/up Q4_K and down Q6_K (K-quants need rows of 256), Q8_0 elsewhere).
+MOE_FIXTURES = {
+    "qwen3moe-f32": (write_tiny_qwen3moe, dict(dtype=Q.F32, expert_dtype=Q.F32)),
+    "mixtral-f16": (write_tiny_llama, dict(n_embd=128, n_ff=128, **_MIXTRAL)),
+    "qwen3moe-q8_0": (write_tiny_qwen3moe, {}),
+    "mixtral-q4_k": (write_tiny_llama, dict(n_embd=256, n_ff=256, n_head=8, n_head_kv=4,
+                                            dtype=Q.Q8_0, expert_dtype=(Q.Q4_K, Q.Q4_K, Q.Q6_K),
+                                            **_MIXTRAL)),
+}
+
+
+def write_moe_fixture(name: str, directory: str | os.PathLike,
+                      tokenizer_source: str | os.PathLike, **overrides) -> Path:
+    """Write MOE_FIXTURES[name] (its keyword arguments updated by `overrides`)
+    to directory/<name>.gguf, unless it is there already; return the path."""
+    write, kwargs = MOE_FIXTURES[name]
+    path = Path(directory) / f"{name}.gguf"
+    if not path.exists():
+        write(path, tokenizer_source, **{**kwargs, **overrides})
+    return path
+

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..errors import InvalidArgumentError
 
-BACKENDS = ("llama", "onnx")
+BACKENDS = ("llama", "native", "onnx")
 
 
 def default_threads() -> int:

@@ -1,0 +1,246 @@
+/*
+ * bench_kernels.c — es_matvec speed per weight type, the run-time chosen
+ * kernels against the portable scalar ones, measured side by side.
+ *
+ *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/quants.c csrc/gguf.c -lm -o /tmp/bench_kernels
+ *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
+ *
+ * One thread. A forked child measures with EDGESPEC_KERNELS=scalar, then the
+ * parent with the default choice; each line gives ns per row, weight GB/s
+ * and the speed-up. Weights are random bytes with sane block scales.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "native.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dlfcn.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static const int32_t TYPES[] = {
+    ES_TYPE_F32,  ES_TYPE_F16,  ES_TYPE_BF16, ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0,
+    ES_TYPE_Q5_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K,
+};
+#define N_BENCH ((int) (sizeof(TYPES) / sizeof(TYPES[0])))
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next_u32(void) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t) (rng >> 16);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
+}
+
+// Random rows whose half scales are small normal numbers (no inf/nan).
+static uint8_t * random_rows(int32_t type, int64_t n, int64_t rows) {
+    const size_t rb = es_type_row_bytes(type, n);
+    uint8_t * w = malloc(rb * (size_t) rows);
+    for (size_t i = 0; i < rb * (size_t) rows; i++) w[i] = (uint8_t) next_u32();
+    const int32_t blk = es_type_block(type);
+    const size_t bb = rb / (size_t) (n / blk);
+    if (type == ES_TYPE_F32)
+        for (int64_t i = 0; i < n * rows; i++) ((float *) w)[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+    else if (type == ES_TYPE_F16 || type == ES_TYPE_BF16)
+        for (int64_t i = 0; i < n * rows; i++) {
+            const uint16_t base = type == ES_TYPE_F16 ? 0x3000 : 0x3E00;
+            ((uint16_t *) w)[i] = (uint16_t) (base | (next_u32() & (type == ES_TYPE_F16 ? 0x83FF : 0x807F)));
+        }
+    else
+        for (size_t b = 0; b < (size_t) rows * (size_t) (n / blk); b++) {
+            uint8_t * p = w + b * bb;
+            // Half scale fields: d (and m/dmin) at the front, Q6_K's d at the end.
+            const int off = type == ES_TYPE_Q6_K ? 208 : 0;
+            p[off + 1] = 0x1C;
+            if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K)
+                p[3] = 0x1C;
+        }
+    return w;
+}
+
+// ggml's CPU kernels, when a libggml-cpu is given.
+typedef void (*ggml_dot_fn)(int n, float * s, size_t bs, const void * x, size_t bx, const void * y,
+                            size_t by, int nrc);
+typedef void (*ggml_quant_fn)(const float * x, void * y, int64_t k);
+static ggml_dot_fn   ggml_dot[ES_TYPE_BF16 + 1];
+static ggml_quant_fn ggml_quant[ES_TYPE_BF16 + 1];  // by activation type
+
+static void load_ggml(const char * path) {
+    void * h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        fprintf(stderr, "error: %s\n", dlerror());
+        exit(2);
+    }
+    void (*init)(void) = (void (*)(void)) dlsym(h, "ggml_cpu_init");
+    if (init) init();
+    static const struct { int32_t type; const char * sym; } dots[] = {
+        {ES_TYPE_F32, "ggml_vec_dot_f32"},        {ES_TYPE_Q4_0, "ggml_vec_dot_q4_0_q8_0"},
+        {ES_TYPE_Q4_1, "ggml_vec_dot_q4_1_q8_1"}, {ES_TYPE_Q5_0, "ggml_vec_dot_q5_0_q8_0"},
+        {ES_TYPE_Q5_1, "ggml_vec_dot_q5_1_q8_1"}, {ES_TYPE_Q8_0, "ggml_vec_dot_q8_0_q8_0"},
+        {ES_TYPE_Q4_K, "ggml_vec_dot_q4_K_q8_K"}, {ES_TYPE_Q5_K, "ggml_vec_dot_q5_K_q8_K"},
+        {ES_TYPE_Q6_K, "ggml_vec_dot_q6_K_q8_K"},
+    };
+    for (size_t i = 0; i < sizeof(dots) / sizeof(dots[0]); i++)
+        ggml_dot[dots[i].type] = (ggml_dot_fn) dlsym(h, dots[i].sym);
+    ggml_quant[ES_TYPE_Q8_0] = (ggml_quant_fn) dlsym(h, "quantize_row_q8_0");
+    ggml_quant[ES_TYPE_Q8_1] = (ggml_quant_fn) dlsym(h, "quantize_row_q8_1");
+    ggml_quant[ES_TYPE_Q8_K] = (ggml_quant_fn) dlsym(h, "quantize_row_q8_K");
+}
+
+// ns per row of ggml's vec_dot for each type (NAN: none), on the same data;
+// also counts activation blocks where ggml's quantization differs from ours.
+static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row, int * quant_diff) {
+    float * x = malloc((size_t) n * sizeof(float));
+    float * y = malloc((size_t) rows * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+    for (int t = 0; t < N_BENCH; t++) {
+        const int32_t act = es_act_type(TYPES[t]);
+        ns_per_row[t] = NAN;
+        quant_diff[t] = 0;
+        if (es_type_row_bytes(TYPES[t], n) == 0) continue;
+        uint8_t * w = random_rows(TYPES[t], n, rows);
+        if (!ggml_dot[TYPES[t]] || (act != ES_TYPE_F32 && !ggml_quant[act])) {
+            free(w);
+            continue;
+        }
+        const size_t rb = es_type_row_bytes(TYPES[t], n), ab = es_type_row_bytes(act, n);
+        uint8_t * xq = malloc(ab), * ours = malloc(ab);
+        es_quantize_act(TYPES[t], x, ours, n);
+        if (act == ES_TYPE_F32) memcpy(xq, x, ab);
+        else ggml_quant[act](x, xq, n);
+        quant_diff[t] = memcmp(xq, ours, ab) != 0;
+        double best = INFINITY;
+        for (int r = 0; r <= reps; r++) {
+            const double t0 = now_s();
+            for (int64_t i = 0; i < rows; i++) ggml_dot[TYPES[t]]((int) n, &y[i], 0, w + (size_t) i * rb, 0, xq, 0, 1);
+            if (r) best = fmin(best, now_s() - t0);  // r = 0 warms up
+        }
+        ns_per_row[t] = 1e9 * best / (double) rows;
+        free(ours);
+        free(xq);
+        free(w);
+    }
+    free(y);
+    free(x);
+}
+
+// A verification batch of BATCH tokens: ns per weight row for BATCH
+// es_matvec calls and for one es_matmat (the same values, bit for bit).
+#define BATCH 8
+static void measure_batch(int64_t n, int64_t rows, int reps, double * matvec_ns, double * matmat_ns) {
+    float * x = malloc((size_t) n * sizeof(float));
+    float * y = malloc((size_t) rows * BATCH * sizeof(float));
+    for (int t = 0; t < N_BENCH; t++) {
+        matvec_ns[t] = matmat_ns[t] = NAN;
+        if (es_type_row_bytes(TYPES[t], n) == 0) continue;
+        uint8_t * w = random_rows(TYPES[t], n, rows);
+        const size_t ab = es_type_row_bytes(es_act_type(TYPES[t]), n);
+        uint8_t * xq = malloc(ab * BATCH);
+        for (int b = 0; b < BATCH; b++) {
+            for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+            es_quantize_act(TYPES[t], x, xq + (size_t) b * ab, n);
+        }
+        double best_v = INFINITY, best_m = INFINITY;
+        for (int r = 0; r <= reps; r++) {
+            double t0 = now_s();
+            for (int b = 0; b < BATCH; b++) es_matvec(TYPES[t], w, xq + (size_t) b * ab, n, 0, rows, y + b * rows);
+            const double tv = now_s() - t0;
+            t0 = now_s();
+            es_matmat(TYPES[t], w, xq, ab, BATCH, n, 0, rows, y, (size_t) rows);
+            const double tm = now_s() - t0;
+            if (r) best_v = fmin(best_v, tv), best_m = fmin(best_m, tm);  // r = 0 warms up
+        }
+        matvec_ns[t] = 1e9 * best_v / (double) rows;
+        matmat_ns[t] = 1e9 * best_m / (double) rows;
+        free(xq);
+        free(w);
+    }
+    free(y);
+    free(x);
+}
+
+// ns per row for each type, in TYPES order.
+static void measure(int64_t n, int64_t rows, int reps, double * ns_per_row) {
+    float * x = malloc((size_t) n * sizeof(float));
+    float * y = malloc((size_t) rows * sizeof(float));
+    for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
+    for (int t = 0; t < N_BENCH; t++) {
+        ns_per_row[t] = NAN;
+        if (es_type_row_bytes(TYPES[t], n) == 0) continue;  // n not whole blocks (K-quants: 256)
+        uint8_t * w = random_rows(TYPES[t], n, rows);
+        void * xq = malloc(es_type_row_bytes(es_act_type(TYPES[t]), n));
+        es_quantize_act(TYPES[t], x, xq, n);
+        es_matvec(TYPES[t], w, xq, n, 0, rows, y);  // warm up
+        double best = INFINITY;
+        for (int r = 0; r < reps; r++) {
+            const double t0 = now_s();
+            es_matvec(TYPES[t], w, xq, n, 0, rows, y);
+            best = fmin(best, now_s() - t0);
+        }
+        ns_per_row[t] = 1e9 * best / (double) rows;
+        free(xq);
+        free(w);
+    }
+    free(y);
+    free(x);
+}
+
+int main(int argc, char ** argv) {
+    const int64_t n    = argc > 1 ? atoll(argv[1]) : 2048;
+    const int64_t rows = argc > 2 ? atoll(argv[2]) : 4096;
+    const int     reps = argc > 3 ? atoi(argv[3]) : 20;
+    if (n <= 0 || n % 32 || rows <= 0 || reps <= 0) {
+        fprintf(stderr, "error: n must be a positive multiple of 32, rows and reps positive\n");
+        return 2;
+    }
+    double scalar[N_BENCH], fast[N_BENCH];
+    int fd[2];
+    if (pipe(fd) != 0) return 1;
+    const pid_t pid = fork();
+    if (pid == 0) {
+        setenv("EDGESPEC_KERNELS", "scalar", 1);
+        measure(n, rows, reps, scalar);
+        const ssize_t w = write(fd[1], scalar, sizeof(scalar));
+        _exit(w == (ssize_t) sizeof(scalar) ? 0 : 1);
+    }
+    int status = 0;
+    const ssize_t got = read(fd[0], scalar, sizeof(scalar));
+    waitpid(pid, &status, 0);
+    if (got != (ssize_t) sizeof(scalar) || status != 0) return 1;
+    measure(n, rows, reps, fast);
+    double ggml[N_BENCH];
+    int quant_diff[N_BENCH] = {0};
+    for (int t = 0; t < N_BENCH; t++) ggml[t] = NAN;
+    if (argc > 4) {
+        load_ggml(argv[4]);
+        measure_ggml(n, rows, reps, ggml, quant_diff);
+    }
+
+    printf("es_matvec, n=%lld, %lld rows, best of %d, 1 thread; kernels: %s\n", (long long) n,
+           (long long) rows, reps, es_kernels_name());
+    printf("%-5s %10s %10s %10s %8s %8s %9s %10s\n", "type", "scalar ns", "fast ns", "ggml ns",
+           "fast GB/s", "vs scalar", "vs ggml", "act==ggml");
+    for (int t = 0; t < N_BENCH; t++) {
+        const double bytes = (double) es_type_row_bytes(TYPES[t], n);
+        printf("%-5s %10.1f %10.1f %10.1f %8.2f %8.2fx %8.2fx %10s\n", es_type_name(TYPES[t]), scalar[t],
+               fast[t], ggml[t], bytes / fast[t], scalar[t] / fast[t], ggml[t] / fast[t],
+               isnan(ggml[t]) ? "-" : quant_diff[t] ? "DIFFERS" : "yes");
+    }
+    printf("(per row, lower is better; ratios > 1 mean ours is faster)\n");
+
+    double mv[N_BENCH], mm[N_BENCH];
+    measure_batch(n, rows, reps, mv, mm);
+    printf("\nbatch of %d tokens (%s): ns per weight row\n", BATCH, es_kernels_name());
+    printf("%-5s %12s %12s %8s\n", "type", "8x matvec", "matmat", "speedup");
+    for (int t = 0; t < N_BENCH; t++)
+        printf("%-5s %12.1f %12.1f %7.2fx\n", es_type_name(TYPES[t]), mv[t], mm[t], mv[t] / mm[t]);
+    return 0;
+}

@@ -1,0 +1,130 @@
+/*
+ * arch_qwen3moe.c — Qwen3 mixture-of-experts decoders (Qwen3-30B-A3B,
+ * Qwen3-235B-A22B), as llama.cpp's models/qwen3moe.cpp:
+ *
+ *   h = norm(x)
+ *   x += wo · attention(rope(qnorm(wq · h)), rope(knorm(wk · h)), wv · h)
+ *   x += moe(norm(x))    softmax router, top k, weights renormalised (moe.c)
+ *
+ * qnorm/knorm: RMSNorm of every head before RoPE. RoPE in the NEOX layout.
+ * A head's width is attention.key_length, so n_head * head_dim need not be
+ * n_embd. Every layer's FFN is a mixture of experts.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "native.h"
+
+static int load(es_model * m, char * err, size_t err_cap) {
+    int rc = ES_OK;
+    float rope_base = 10000.0f, scale = 1.0f;
+    int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff = 0;
+#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
+    TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
+    TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
+    TRY(es__key_i32(m, "attention.head_count", true, &m->n_head, err, err_cap));
+    TRY(es__key_i32(m, "attention.head_count_kv", false, &m->n_head_kv, err, err_cap));
+    TRY(es__key_i32(m, "attention.key_length", false, &m->head_dim, err, err_cap));
+    TRY(es__key_i32(m, "rope.dimension_count", false, &m->n_rot, err, err_cap));
+    TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
+    TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
+    TRY(es__key_f32(m, "rope.freq_base", false, &rope_base, err, err_cap));
+    TRY(es__key_i32(m, "expert_count", true, &n_expert, err, err_cap));
+    TRY(es__key_i32(m, "expert_used_count", true, &n_expert_used, err, err_cap));
+    TRY(es__key_i32(m, "expert_feed_forward_length", false, &n_ff_exp, err, err_cap));
+    TRY(es__key_i32(m, "feed_forward_length", false, &n_ff, err, err_cap));
+    TRY(es__rope_freq_scale(m, &scale, err, err_cap));
+    if (rc != ES_OK) return rc;
+    if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
+        snprintf(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
+                 (int) m->n_embd, (int) m->n_layer, (int) m->n_head);
+        return ES_ERR_FORMAT;
+    }
+    if (m->n_head_kv == 0) m->n_head_kv = m->n_head;
+    if (m->head_dim == 0) m->head_dim = m->n_embd / m->n_head;
+    if (m->n_rot == 0) m->n_rot = m->head_dim;
+    int32_t v_len = m->head_dim;
+    TRY(es__key_i32(m, "attention.value_length", false, &v_len, err, err_cap));
+    if (rc != ES_OK) return rc;
+    if (v_len != m->head_dim || m->n_rot != m->head_dim) {
+        snprintf(err, err_cap, "key length %d, value length %d and RoPE dimensions %d differ",
+                 (int) m->head_dim, (int) v_len, (int) m->n_rot);
+        return ES_ERR_UNSUPPORTED;
+    }
+    // One expert's width; files without the key give the width of the
+    // n_expert_used experts together (llama.cpp's fallback).
+    if (n_ff_exp == 0 && n_expert_used > 0) n_ff_exp = n_ff / n_expert_used;
+    m->n_ff = 0;  // no dense FFN
+    m->rope_type = ES_ROPE_NEOX;
+    m->embd_scale = 1.0f;
+
+    const int64_t D = m->n_embd, Q = (int64_t) m->n_head * m->head_dim;
+    const int64_t KV = (int64_t) m->n_head_kv * m->head_dim, HD = m->head_dim;
+    TRY(es__bind(m, -1, "token_embd", D, 0, true, &m->tok_embd, err, err_cap));
+    if (rc != ES_OK) return rc;
+    m->n_vocab = (int32_t) m->tok_embd.n_out;
+    TRY(es__bind(m, -1, "output_norm", D, 1, true, &m->output_norm, err, err_cap));
+    TRY(es__bind(m, -1, "output", D, m->n_vocab, false, &m->output, err, err_cap));
+    if (rc != ES_OK) return rc;
+    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
+
+    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
+    if (!m->layers) return ES_ERR_NO_MEMORY;
+    for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
+        es_layer * L = &m->layers[il];
+        L->rope_base = rope_base;
+        L->rope_scale = scale;
+        TRY(es__bind(m, il, "attn_norm", D, 1, true, &L->attn_norm, err, err_cap));
+        TRY(es__bind(m, il, "attn_q", D, Q, true, &L->wq, err, err_cap));
+        TRY(es__bind(m, il, "attn_k", D, KV, true, &L->wk, err, err_cap));
+        TRY(es__bind(m, il, "attn_v", D, KV, true, &L->wv, err, err_cap));
+        TRY(es__bind(m, il, "attn_output", Q, D, true, &L->wo, err, err_cap));
+        TRY(es__bind(m, il, "attn_q_norm", HD, 1, true, &L->attn_q_norm, err, err_cap));
+        TRY(es__bind(m, il, "attn_k_norm", HD, 1, true, &L->attn_k_norm, err, err_cap));
+        TRY(es__bind(m, il, "ffn_norm", D, 1, true, &L->ffn_norm, err, err_cap));
+    }
+    // llama.cpp renormalises the top-k weights of qwen3moe whatever the file's
+    // expert_weights_norm says (Qwen3's norm_topk_prob is true).
+    const es_moe_params mp = {
+        .n_layer = m->n_layer, .n_expert = n_expert, .n_expert_used = n_expert_used,
+        .n_embd = D, .n_ff = n_ff_exp, .norm_w = true,
+    };
+    TRY(es_experts_init(m->gguf, &mp, &m->experts, err, err_cap));
+#undef TRY
+    return rc;
+}
+
+static int layer(es_context * ctx, int32_t il) {
+    const es_model * m = ctx->model;
+    const es_layer * L = &m->layers[il];
+    const int32_t n = ctx->n;
+    const int64_t D = m->n_embd;
+
+    // Attention, with every head of Q and K RMS-normed before RoPE.
+    es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, n, D, m->norm_eps);
+    const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
+    float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
+    int rc = es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, n);
+    if (rc != ES_OK) return rc;
+    es__rms_norm(ctx->q, &L->attn_q_norm, ctx->q, (int64_t) n * m->n_head, m->head_dim,
+                 m->norm_eps);
+    es__rms_norm(ctx->k, &L->attn_k_norm, ctx->k, (int64_t) n * m->n_head_kv, m->head_dim,
+                 m->norm_eps);
+    es__rope(ctx, il, ctx->q, m->n_head);
+    es__rope(ctx, il, ctx->k, m->n_head_kv);
+    es__attention(ctx, il, 1.0f / sqrtf((float) m->head_dim));
+    const es_weight * wo = &L->wo;
+    rc = es__matmul(ctx, 1, &wo, ctx->att, &ctx->out, n);
+    if (rc != ES_OK) return rc;
+    es__add(ctx->x, ctx->out, (int64_t) n * D);
+
+    // The experts.
+    es__rms_norm(ctx->x, &L->ffn_norm, ctx->xn, n, D, m->norm_eps);
+    rc = es_moe_ffn(ctx->moe, ctx->pool, il, ctx->xn, n, ctx->out);
+    if (rc != ES_OK) return rc;
+    es__add(ctx->x, ctx->out, (int64_t) n * D);
+    return ES_OK;
+}
+
+const es_arch es__arch_qwen3moe = { .name = "qwen3moe", .load = load, .layer = layer };

@@ -1,0 +1,158 @@
+/*
+ * test_engine.c — the native engine (engine.c, arch_*.c) on the real models
+ * in $EDGESPEC_TEST_MODELS_DIR (set by tests/test_c_core.py), under ASan and
+ * UBSan there:
+ *   - a token's logits are bit-identical alone, in a chain batch and in a
+ *     tree batch among decoy siblings (batch invariance), with 1 or 2 threads;
+ *   - truncate rolls back exactly; bad tokens, parents, sizes and a full
+ *     context are refused with the cache as before;
+ *   - a missing file, and a file of another format, fail with a message.
+ * Numerical parity with llama.cpp is tested from Python (tests/test_native.py).
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "native.h"
+
+#include <dirent.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+
+enum { N_SEQ = 12, N_CTX = 64 };
+
+static es_context * new_context(es_model * m, int32_t n_threads) {
+    es_context_params p = es_context_default_params();
+    p.n_ctx = N_CTX;
+    p.n_batch = 32;
+    p.n_threads = n_threads;
+    es_context * ctx = NULL;
+    CHECK(es_context_init(m, &p, &ctx) == ES_OK);
+    return ctx;
+}
+
+// (n, n_vocab) copy of the last decode's logits.
+static float * copy_logits(const es_context * ctx, int32_t n, int32_t n_vocab) {
+    float * out = malloc((size_t) n * (size_t) n_vocab * sizeof *out);
+    if (out) memcpy(out, es_context_logits(ctx), (size_t) n * (size_t) n_vocab * sizeof *out);
+    return out;
+}
+
+static bool same_row(const float * a, const float * b, int32_t n_vocab) {
+    return memcmp(a, b, (size_t) n_vocab * sizeof *a) == 0;
+}
+
+static void check_model(const char * path) {
+    char err[256];
+    es_model * m = NULL;
+    const int rc = es_model_load(path, &m, err, sizeof err);
+    if (rc == ES_ERR_UNSUPPORTED) {  // a file of an architecture the engine lacks
+        printf("  %s: %s\n", path, err);
+        CHECK(err[0] != '\0');
+        return;
+    }
+    CHECK(rc == ES_OK);
+    if (rc != ES_OK) { fprintf(stderr, "%s: %s\n", path, err); return; }
+    const int32_t nv = es_model_n_vocab(m);
+    es_token seq[N_SEQ];
+    for (int32_t i = 0; i < N_SEQ; i++) seq[i] = (es_token) ((i * 7919 + 13) % nv);
+
+    for (int32_t n_threads = 1; n_threads <= 2; n_threads++) {
+        es_context * ctx = new_context(m, n_threads);
+        if (!ctx) break;
+        // One token at a time.
+        float * alone = malloc((size_t) N_SEQ * (size_t) nv * sizeof *alone);
+        for (int32_t i = 0; i < N_SEQ && alone; i++) {
+            CHECK(es_decode(ctx, &seq[i], NULL, 1, 0) == ES_OK);
+            memcpy(alone + (size_t) i * nv, es_context_logits(ctx), (size_t) nv * sizeof *alone);
+        }
+        CHECK(es_context_n_past(ctx) == N_SEQ);
+
+        // The same tokens as one chain batch.
+        CHECK(es_context_truncate(ctx, 0) == ES_OK);
+        CHECK(es_decode(ctx, seq, NULL, N_SEQ, 0) == ES_OK);
+        float * chain = copy_logits(ctx, N_SEQ, nv);
+        for (int32_t i = 0; i < N_SEQ && chain && alone; i++) {
+            CHECK(same_row(chain + (size_t) i * nv, alone + (size_t) i * nv, nv));
+        }
+
+        // A tree after seq[0..7]: the true path seq[8..11] interleaved with decoys.
+        CHECK(es_context_truncate(ctx, 8) == ES_OK);
+        const es_token d0 = (seq[8] + 1) % nv, d1 = (seq[9] + 1) % nv;
+        const es_token tree[7] = { d0, seq[8], seq[9], d1, seq[10], d0, seq[11] };
+        const int32_t parents[7] = { -1, -1, 1, 1, 2, 0, 4 };
+        CHECK(es_decode(ctx, tree, parents, 7, 0) == ES_OK);
+        const int32_t on_path[4] = { 1, 2, 4, 6 };
+        for (int32_t j = 0; j < 4 && alone; j++) {
+            CHECK(same_row(es_context_logits(ctx) + (size_t) on_path[j] * nv,
+                           alone + (size_t) (8 + j) * nv, nv));
+        }
+
+        // Rollback past the tree, then the chain's last tokens again.
+        CHECK(es_context_truncate(ctx, 8) == ES_OK);
+        CHECK(es_decode(ctx, &seq[8], NULL, 4, 3) == ES_OK);
+        if (alone) CHECK(same_row(es_context_logits(ctx), alone + (size_t) 11 * nv, nv));
+
+        // Refusals leave the cache as it was.
+        const es_token bad_tok[2] = { seq[0], nv };
+        const int32_t bad_par[2] = { -1, 1 };
+        CHECK(es_decode(ctx, bad_tok, NULL, 2, 0) == ES_ERR_INVALID_ARG);
+        CHECK(es_decode(ctx, seq, bad_par, 2, 0) == ES_ERR_INVALID_ARG);
+        CHECK(es_decode(ctx, seq, NULL, 0, 0) == ES_ERR_INVALID_ARG);
+        CHECK(es_decode(ctx, seq, NULL, 33, 0) == ES_ERR_INVALID_ARG);    // > n_batch
+        CHECK(es_decode(ctx, seq, NULL, 2, 3) == ES_ERR_INVALID_ARG);     // logits_from > n
+        CHECK(es_context_truncate(ctx, 13) == ES_ERR_INVALID_ARG);
+        CHECK(es_context_n_past(ctx) == N_SEQ);
+        es_token fill[32];
+        for (int32_t i = 0; i < 32; i++) fill[i] = seq[i % N_SEQ];
+        CHECK(es_decode(ctx, fill, NULL, 32, 32) == ES_OK);               // no logits rows
+        CHECK(es_decode(ctx, fill, NULL, 32, 31) == ES_ERR_CONTEXT_FULL); // 44 + 32 > 64
+        CHECK(es_context_n_past(ctx) == N_SEQ + 32);
+
+        free(chain);
+        free(alone);
+        es_context_free(ctx);
+    }
+    es_model_free(m);
+}
+
+static void test_bad_files(void) {
+    char err[256] = "";
+    es_model * m = (es_model *) 1;
+    CHECK(es_model_load("/nonexistent/model.gguf", &m, err, sizeof err) == ES_ERR_IO);
+    CHECK(m == NULL && err[0] != '\0');
+    // This very source file: not a GGUF.
+    err[0] = '\0';
+    CHECK(es_model_load(__FILE__, &m, err, sizeof err) == ES_ERR_FORMAT);
+    CHECK(m == NULL && err[0] != '\0');
+    CHECK(es_model_load(NULL, &m, err, sizeof err) == ES_ERR_INVALID_ARG);
+    CHECK(es_decode(NULL, NULL, NULL, 1, 0) == ES_ERR_INVALID_ARG);
+    es_model_free(NULL);
+    es_context_free(NULL);
+}
+
+int main(void) {
+    test_bad_files();
+    const char * dir = getenv("EDGESPEC_TEST_MODELS_DIR");
+    if (!dir || !*dir) {
+        printf("  EDGESPEC_TEST_MODELS_DIR not set: no real models run\n");
+        return check_report("test_engine");
+    }
+    DIR * d = opendir(dir);
+    CHECK(d != NULL);
+    int n_models = 0;
+    for (struct dirent * e; d && (e = readdir(d));) {
+        const size_t len = strlen(e->d_name);
+        if (len < 5 || strcmp(e->d_name + len - 5, ".gguf") != 0) continue;
+        char path[4096];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        printf("  %s\n", e->d_name);
+        check_model(path);
+        n_models++;
+    }
+    if (d) closedir(d);
+    CHECK(n_models > 0);
+    return check_report("test_engine");
+}

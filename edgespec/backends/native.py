@@ -1,0 +1,180 @@
+"""edgespec's own C inference engine (csrc/engine.c), through the cffi core.
+
+The weights run in C; the tokenizer and metadata come from llama.cpp's
+vocabulary-only load of the same file (``Vocab``), so tokens match the llama
+backend's exactly. Logits stay in the engine's buffer: ``decode`` returns the
+address of its first row.
+
+Every token's logits are bit-identical whether it is evaluated alone, in a
+chain or in a draft tree (the engine is batch invariant), so speculative
+decoding on this backend reproduces plain decoding at any context length.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._native import Closing, Owned, check, ffi, lib
+from ..errors import BackendError, ContextOverflowError, ModelFormatError, UnsupportedModelError
+from . import default_threads
+from .vocab import Vocab, VocabMixin
+
+_ERR_CAP = 512
+
+
+class NativeModel(Owned):
+    """An es_model: the mapped, validated GGUF and its bound weights."""
+
+    _free = lib.es_model_free
+
+    def __init__(self, path: Path):
+        out = ffi.new("es_model **")
+        err = ffi.new("char[]", _ERR_CAP)
+        status = lib.es_model_load(str(path).encode(), out, err, _ERR_CAP)
+        if status != lib.ES_OK:
+            reason = ffi.string(err).decode("utf-8", "replace") or ffi.string(lib.es_status_str(status)).decode()
+            if status == lib.ES_ERR_UNSUPPORTED:
+                raise UnsupportedModelError(f"{path}: {reason}")
+            if status in (lib.ES_ERR_FORMAT, lib.ES_ERR_IO):
+                raise ModelFormatError(f"{path}: {reason}")
+            check(status, "es_model_load")
+        self._ptr = out[0]
+        self.arch = ffi.string(lib.es_model_arch(self._ptr)).decode()
+        self.n_vocab = lib.es_model_n_vocab(self._ptr)
+        self.n_ctx_train = lib.es_model_n_ctx_train(self._ptr)
+
+
+class NativeContext(Owned):
+    """An es_context: thread pool, KV cache and logits over one NativeModel."""
+
+    _free = lib.es_context_free
+
+    def __init__(self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int):
+        params = lib.es_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_threads = threads
+        out = ffi.new("es_context **")
+        check(lib.es_context_init(model._ptr, ffi.new("es_context_params *", params), out),
+              f"native context of {n_ctx} tokens")
+        self._ptr = out[0]
+        self.model = model  # must outlive the context
+        self.n_ctx = lib.es_context_n_ctx(self._ptr)
+        self.n_batch = lib.es_context_n_batch(self._ptr)
+
+    @property
+    def n_past(self) -> int:
+        return lib.es_context_n_past(self._ptr)
+
+    def decode(self, tokens: list[int], parents: list[int] | None, logits_from: int) -> int:
+        """One es_decode; returns the address of the first kept logits row."""
+        n = len(tokens)
+        status = lib.es_decode(self._ptr, ffi.new("es_token[]", tokens),
+                               ffi.new("int32_t[]", parents) if parents is not None else ffi.NULL,
+                               n, logits_from)
+        if status == lib.ES_ERR_CONTEXT_FULL:
+            raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}")
+        check(status, "es_decode")
+        return int(ffi.cast("uintptr_t", lib.es_context_logits(self._ptr)))
+
+    def truncate(self, n_keep: int) -> None:
+        check(lib.es_context_truncate(self._ptr, n_keep), f"truncate to {n_keep} tokens")
+
+
+class NativeBackend(VocabMixin, Closing):
+    name = "native"
+    _ctx = _model = None
+    vocab = None
+
+    def __init__(self, path: Path, *, n_ctx: int = 4096, n_batch: int = 512,
+                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
+                 verbose: bool = False):
+        # gpu_layers and n_seq do not apply: the engine runs on the CPU, and
+        # draft trees need no sequences (a tree is one batch with parents).
+        self.path = Path(path)
+        self._model = NativeModel(self.path)
+        try:
+            self.vocab = Vocab.load(self.path, verbose=verbose)
+            if self.vocab.n_vocab != self._model.n_vocab:
+                raise ModelFormatError(f"{self.path}: the vocabulary has {self.vocab.n_vocab} tokens, "
+                                       f"the embeddings {self._model.n_vocab}")
+            self.threads = threads or default_threads()
+            self._ctx = NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads)
+        except BaseException:
+            self.close()
+            raise
+        self.n_vocab = self._model.n_vocab
+        self.n_ctx_train = self._model.n_ctx_train
+        self.arch = self._model.arch
+        self.n_ctx = self._ctx.n_ctx
+        self.n_batch = self._ctx.n_batch
+
+    # -- evaluation ---------------------------------------------------------
+
+    def _rewind(self, start: int) -> None:
+        """Make the cache hold exactly ``start`` tokens (callers resume there)."""
+        n_past = self._ctx.n_past
+        if start > n_past:
+            raise BackendError(f"decode at position {start}, but the cache holds {n_past} tokens")
+        if start < n_past:
+            self._ctx.truncate(start)
+
+    def decode(self, tokens: list[int], start: int, *, logits_from: int | None = None,
+               seq_id: int = 0) -> int:
+        """Evaluate ``tokens`` at positions ``start...``; returns the address of
+        (n_rows, n_vocab) float32 logits: one row per token of
+        ``tokens[logits_from:]``, or the last token's row when ``logits_from``
+        is None. Valid until the next decode. ``seq_id`` is ignored (one sequence)."""
+        n = len(tokens)
+        if n == 0:
+            raise BackendError("decode of an empty batch")
+        if start + n > self.n_ctx:
+            raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
+        first_row = n - 1 if logits_from is None else logits_from
+        last = (n - 1) // self.n_batch * self.n_batch  # prefill in chunks of n_batch
+        if first_row < last:
+            raise BackendError(f"{n} tokens with several logits rows do not fit one batch of {self.n_batch}")
+        self._rewind(start)
+        for done in range(0, last, self.n_batch):
+            self._ctx.decode(tokens[done:done + self.n_batch], None, self.n_batch)
+        return self._ctx.decode(tokens[last:], None, first_row - last)
+
+    def decode_tree(self, prefix: list[int], tokens: list[int], parents: list[int], start: int) -> int:
+        """Evaluate ``prefix`` (ending with the root token) from position
+        ``start`` and a draft tree below the root in one batch. Returns the
+        address of (n_nodes + 1, n_vocab) rows: the root's, then the nodes'.
+        Follow with ``drop_tree``."""
+        n_pre = len(prefix)
+        if n_pre == 0:
+            raise BackendError("decode_tree needs the root token")
+        if n_pre + len(tokens) > self.n_batch or start + n_pre + len(tokens) > self.n_ctx:
+            raise ContextOverflowError("the draft tree does not fit the context or the batch")
+        self._rewind(start)
+        root = n_pre - 1
+        batch_parents = list(range(-1, n_pre - 1)) + [root if p < 0 else n_pre + p for p in parents]
+        return self._ctx.decode(prefix + tokens, batch_parents, root)
+
+    def drop_tree(self, n_keep: int) -> None:
+        """After decode_tree: keep the first n_keep cells (the prefix)."""
+        self._ctx.truncate(n_keep)
+
+    def truncate(self, n_keep: int, seq_id: int = 0) -> None:
+        """Drop positions >= n_keep from the KV cache."""
+        if n_keep < self._ctx.n_past:
+            self._ctx.truncate(max(0, n_keep))
+
+    def clear(self) -> None:
+        self._ctx.truncate(0)
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+        if self.vocab is not None:
+            self.vocab.close()
+            self.vocab = None
+        if self._model is not None:
+            self._model.close()
+            self._model = None
+
+
+BACKEND = NativeBackend
