@@ -49,54 +49,20 @@ static int swa_pattern(es_model * m, char * err, size_t err_cap) {
 }
 
 static int load(es_model * m, char * err, size_t err_cap) {
-    int rc = ES_OK;
-    float rope_base = 10000.0f, rope_base_swa = 10000.0f, scale = 1.0f;
+    float rope_base, rope_base_swa = 10000.0f, scale;
+    int rc = es__load_attention_hparams(m, &rope_base, &scale, err, err_cap);
 #define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
-    TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
-    TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
     TRY(es__key_i32(m, "feed_forward_length", true, &m->n_ff, err, err_cap));
-    TRY(es__key_i32(m, "attention.head_count", true, &m->n_head, err, err_cap));
-    TRY(es__key_i32(m, "attention.head_count_kv", false, &m->n_head_kv, err, err_cap));
-    TRY(es__key_i32(m, "attention.key_length", false, &m->head_dim, err, err_cap));
-    TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
     TRY(es__key_i32(m, "attention.sliding_window", false, &m->n_swa, err, err_cap));
-    TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
-    TRY(es__key_f32(m, "rope.freq_base", false, &rope_base, err, err_cap));
     TRY(es__key_f32(m, "rope.freq_base_swa", false, &rope_base_swa, err, err_cap));
     TRY(es__key_f32(m, "final_logit_softcapping", false, &m->final_softcap, err, err_cap));
-    TRY(es__rope_freq_scale(m, &scale, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
-        snprintf(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
-                 (int) m->n_embd, (int) m->n_layer, (int) m->n_head);
-        return ES_ERR_FORMAT;
-    }
-    if (m->n_head_kv == 0) m->n_head_kv = m->n_head;
-    if (m->head_dim == 0) m->head_dim = m->n_embd / m->n_head;
-    int32_t v_len = m->head_dim;
-    TRY(es__key_i32(m, "attention.value_length", false, &v_len, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (v_len != m->head_dim) {
-        snprintf(err, err_cap, "key length %d and value length %d differ", (int) m->head_dim,
-                 (int) v_len);
-        return ES_ERR_UNSUPPORTED;
-    }
-    m->n_rot = m->head_dim;
     m->rope_type = ES_ROPE_NEOX;
     m->embd_scale = sqrtf((float) m->n_embd);
+    TRY(es__bind_embeddings(m, err, err_cap));
+    if (rc != ES_OK) return rc;
 
     const int64_t D = m->n_embd, HD = m->head_dim, Q = (int64_t) m->n_head * HD;
     const int64_t KV = (int64_t) m->n_head_kv * HD, F = m->n_ff;
-    TRY(es__bind(m, -1, "token_embd", D, 0, true, &m->tok_embd, err, err_cap));
-    if (rc != ES_OK) return rc;
-    m->n_vocab = (int32_t) m->tok_embd.n_out;
-    TRY(es__bind(m, -1, "output_norm", D, 1, true, &m->output_norm, err, err_cap));
-    TRY(es__bind(m, -1, "output", D, m->n_vocab, false, &m->output, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
-
-    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
-    if (!m->layers) return ES_ERR_NO_MEMORY;
     if (m->n_swa > 0) TRY(swa_pattern(m, err, err_cap));
     for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
         es_layer * L = &m->layers[il];

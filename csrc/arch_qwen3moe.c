@@ -11,66 +11,29 @@
  * n_embd. Every layer's FFN is a mixture of experts.
  */
 #include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
 
 #include "native.h"
 
 static int load(es_model * m, char * err, size_t err_cap) {
-    int rc = ES_OK;
-    float rope_base = 10000.0f, scale = 1.0f;
+    float rope_base, scale;
     int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff = 0;
+    int rc = es__load_attention_hparams(m, &rope_base, &scale, err, err_cap);
 #define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
-    TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
-    TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
-    TRY(es__key_i32(m, "attention.head_count", true, &m->n_head, err, err_cap));
-    TRY(es__key_i32(m, "attention.head_count_kv", false, &m->n_head_kv, err, err_cap));
-    TRY(es__key_i32(m, "attention.key_length", false, &m->head_dim, err, err_cap));
-    TRY(es__key_i32(m, "rope.dimension_count", false, &m->n_rot, err, err_cap));
-    TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
-    TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
-    TRY(es__key_f32(m, "rope.freq_base", false, &rope_base, err, err_cap));
     TRY(es__key_i32(m, "expert_count", true, &n_expert, err, err_cap));
     TRY(es__key_i32(m, "expert_used_count", true, &n_expert_used, err, err_cap));
     TRY(es__key_i32(m, "expert_feed_forward_length", false, &n_ff_exp, err, err_cap));
     TRY(es__key_i32(m, "feed_forward_length", false, &n_ff, err, err_cap));
-    TRY(es__rope_freq_scale(m, &scale, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
-        snprintf(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
-                 (int) m->n_embd, (int) m->n_layer, (int) m->n_head);
-        return ES_ERR_FORMAT;
-    }
-    if (m->n_head_kv == 0) m->n_head_kv = m->n_head;
-    if (m->head_dim == 0) m->head_dim = m->n_embd / m->n_head;
-    if (m->n_rot == 0) m->n_rot = m->head_dim;
-    int32_t v_len = m->head_dim;
-    TRY(es__key_i32(m, "attention.value_length", false, &v_len, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (v_len != m->head_dim || m->n_rot != m->head_dim) {
-        snprintf(err, err_cap, "key length %d, value length %d and RoPE dimensions %d differ",
-                 (int) m->head_dim, (int) v_len, (int) m->n_rot);
-        return ES_ERR_UNSUPPORTED;
-    }
     // One expert's width; files without the key give the width of the
     // n_expert_used experts together (llama.cpp's fallback).
     if (n_ff_exp == 0 && n_expert_used > 0) n_ff_exp = n_ff / n_expert_used;
     m->n_ff = 0;  // no dense FFN
     m->rope_type = ES_ROPE_NEOX;
     m->embd_scale = 1.0f;
+    TRY(es__bind_embeddings(m, err, err_cap));
+    if (rc != ES_OK) return rc;
 
     const int64_t D = m->n_embd, Q = (int64_t) m->n_head * m->head_dim;
     const int64_t KV = (int64_t) m->n_head_kv * m->head_dim, HD = m->head_dim;
-    TRY(es__bind(m, -1, "token_embd", D, 0, true, &m->tok_embd, err, err_cap));
-    if (rc != ES_OK) return rc;
-    m->n_vocab = (int32_t) m->tok_embd.n_out;
-    TRY(es__bind(m, -1, "output_norm", D, 1, true, &m->output_norm, err, err_cap));
-    TRY(es__bind(m, -1, "output", D, m->n_vocab, false, &m->output, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
-
-    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
-    if (!m->layers) return ES_ERR_NO_MEMORY;
     for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
         es_layer * L = &m->layers[il];
         L->rope_base = rope_base;

@@ -150,6 +150,58 @@ int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t er
     return rc;
 }
 
+// The attention hyperparameters every architecture here shares, read and
+// checked once: widths, heads, head size (key = value = RoPE dimensions),
+// training context, norm epsilon, RoPE base (default 10000) and linear scale.
+int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
+                               char * err, size_t err_cap) {
+    int rc = ES_OK;
+    *rope_base = 10000.0f;
+#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
+    TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
+    TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
+    TRY(es__key_i32(m, "attention.head_count", true, &m->n_head, err, err_cap));
+    TRY(es__key_i32(m, "attention.head_count_kv", false, &m->n_head_kv, err, err_cap));
+    TRY(es__key_i32(m, "attention.key_length", false, &m->head_dim, err, err_cap));
+    TRY(es__key_i32(m, "rope.dimension_count", false, &m->n_rot, err, err_cap));
+    TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
+    TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
+    TRY(es__key_f32(m, "rope.freq_base", false, rope_base, err, err_cap));
+    TRY(es__rope_freq_scale(m, rope_scale, err, err_cap));
+    if (rc != ES_OK) return rc;
+    if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
+        set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
+                (int) m->n_embd, (int) m->n_layer, (int) m->n_head);
+        return ES_ERR_FORMAT;
+    }
+    if (m->n_head_kv == 0) m->n_head_kv = m->n_head;
+    if (m->head_dim == 0) m->head_dim = m->n_embd / m->n_head;
+    if (m->n_rot == 0) m->n_rot = m->head_dim;
+    int32_t v_len = m->head_dim;
+    TRY(es__key_i32(m, "attention.value_length", false, &v_len, err, err_cap));
+#undef TRY
+    if (rc != ES_OK) return rc;
+    if (v_len != m->head_dim || m->n_rot != m->head_dim) {
+        set_err(err, err_cap, "key length %d, value length %d and RoPE dimensions %d differ",
+                (int) m->head_dim, (int) v_len, (int) m->n_rot);
+        return ES_ERR_UNSUPPORTED;
+    }
+    return ES_OK;
+}
+
+int es__bind_embeddings(es_model * m, char * err, size_t err_cap) {
+    const int64_t D = m->n_embd;
+    int rc = es__bind(m, -1, "token_embd", D, 0, true, &m->tok_embd, err, err_cap);
+    if (rc != ES_OK) return rc;
+    m->n_vocab = (int32_t) m->tok_embd.n_out;
+    rc = es__bind(m, -1, "output_norm", D, 1, true, &m->output_norm, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, -1, "output", D, m->n_vocab, false, &m->output, err, err_cap);
+    if (rc != ES_OK) return rc;
+    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
+    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
+    return m->layers ? ES_OK : ES_ERR_NO_MEMORY;
+}
+
 /* ---- model ---------------------------------------------------------------- */
 
 // Every weight a model binds, for the checks after loading.

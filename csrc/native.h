@@ -367,6 +367,14 @@ int es__key_f32(const es_model * m, const char * key, bool required, float * out
 // rope.scale_linear) unless rope.scaling.type is "none"; YaRN and LongRoPE
 // are ES_ERR_UNSUPPORTED.
 int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t err_cap);
+// Reads and checks the attention hyperparameters all architectures share
+// (n_embd, n_layer, n_head, n_head_kv, head_dim = value length = n_rot,
+// n_ctx_train, norm_eps), RoPE's base (default 10000) and linear scale.
+int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
+                               char * err, size_t err_cap);
+// Binds token_embd (sets n_vocab), output_norm and output (the embedding
+// when absent: tied), and allocates m->layers (n_layer, zeroed).
+int es__bind_embeddings(es_model * m, char * err, size_t err_cap);
 
 /* Shared blocks, over ctx->n token rows. Each row is computed the same way
  * whatever the batch, so results are batch invariant. */
