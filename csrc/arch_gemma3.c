@@ -61,18 +61,13 @@ static int load(es_model * m, char * err, size_t err_cap) {
     TRY(es__bind_embeddings(m, err, err_cap));
     if (rc != ES_OK) return rc;
 
-    const int64_t D = m->n_embd, HD = m->head_dim, Q = (int64_t) m->n_head * HD;
-    const int64_t KV = (int64_t) m->n_head_kv * HD, F = m->n_ff;
+    const int64_t D = m->n_embd, HD = m->head_dim, F = m->n_ff;
     if (m->n_swa > 0) TRY(swa_pattern(m, err, err_cap));
     for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
         es_layer * L = &m->layers[il];
         L->rope_base = L->swa ? rope_base_swa : rope_base;
         L->rope_scale = L->swa ? 1.0f : scale;
-        TRY(es__bind(m, il, "attn_norm", D, 1, true, &L->attn_norm, err, err_cap));
-        TRY(es__bind(m, il, "attn_q", D, Q, true, &L->wq, err, err_cap));
-        TRY(es__bind(m, il, "attn_k", D, KV, true, &L->wk, err, err_cap));
-        TRY(es__bind(m, il, "attn_v", D, KV, true, &L->wv, err, err_cap));
-        TRY(es__bind(m, il, "attn_output", Q, D, true, &L->wo, err, err_cap));
+        TRY(es__bind_attention(m, il, err, err_cap));
         TRY(es__bind(m, il, "attn_q_norm", HD, 1, true, &L->attn_q_norm, err, err_cap));
         TRY(es__bind(m, il, "attn_k_norm", HD, 1, true, &L->attn_k_norm, err, err_cap));
         TRY(es__bind(m, il, "post_attention_norm", D, 1, true, &L->attn_post_norm, err, err_cap));
@@ -95,10 +90,7 @@ static int layer(es_context * ctx, int32_t il) {
     // Attention, with per-head Q/K norms before RoPE and Q scaled after it
     // (llama.cpp scales Q and attends with scale 1; Gemma 3 27B would scale
     // by 1/sqrt(n_embd / n_head) instead — its 62 layers are told apart).
-    es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, n, D, m->norm_eps);
-    const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
-    float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
-    int rc = es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, n);
+    int rc = es__attention_inputs(ctx, il);
     if (rc != ES_OK) return rc;
     es__rms_norm(ctx->q, &L->attn_q_norm, ctx->q, (int64_t) n * m->n_head, hd, m->norm_eps);
     es__rope(ctx, il, ctx->q, m->n_head);

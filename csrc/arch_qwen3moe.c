@@ -32,17 +32,12 @@ static int load(es_model * m, char * err, size_t err_cap) {
     TRY(es__bind_embeddings(m, err, err_cap));
     if (rc != ES_OK) return rc;
 
-    const int64_t D = m->n_embd, Q = (int64_t) m->n_head * m->head_dim;
-    const int64_t KV = (int64_t) m->n_head_kv * m->head_dim, HD = m->head_dim;
+    const int64_t D = m->n_embd, HD = m->head_dim;
     for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
         es_layer * L = &m->layers[il];
         L->rope_base = rope_base;
         L->rope_scale = scale;
-        TRY(es__bind(m, il, "attn_norm", D, 1, true, &L->attn_norm, err, err_cap));
-        TRY(es__bind(m, il, "attn_q", D, Q, true, &L->wq, err, err_cap));
-        TRY(es__bind(m, il, "attn_k", D, KV, true, &L->wk, err, err_cap));
-        TRY(es__bind(m, il, "attn_v", D, KV, true, &L->wv, err, err_cap));
-        TRY(es__bind(m, il, "attn_output", Q, D, true, &L->wo, err, err_cap));
+        TRY(es__bind_attention(m, il, err, err_cap));
         TRY(es__bind(m, il, "attn_q_norm", HD, 1, true, &L->attn_q_norm, err, err_cap));
         TRY(es__bind(m, il, "attn_k_norm", HD, 1, true, &L->attn_k_norm, err, err_cap));
         TRY(es__bind(m, il, "ffn_norm", D, 1, true, &L->ffn_norm, err, err_cap));
@@ -65,10 +60,7 @@ static int layer(es_context * ctx, int32_t il) {
     const int64_t D = m->n_embd;
 
     // Attention, with every head of Q and K RMS-normed before RoPE.
-    es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, n, D, m->norm_eps);
-    const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
-    float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
-    int rc = es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, n);
+    int rc = es__attention_inputs(ctx, il);
     if (rc != ES_OK) return rc;
     es__rms_norm(ctx->q, &L->attn_q_norm, ctx->q, (int64_t) n * m->n_head, m->head_dim,
                  m->norm_eps);

@@ -202,6 +202,18 @@ int es__bind_embeddings(es_model * m, char * err, size_t err_cap) {
     return m->layers ? ES_OK : ES_ERR_NO_MEMORY;
 }
 
+int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap) {
+    es_layer * L = &m->layers[il];
+    const int64_t D = m->n_embd, Q = (int64_t) m->n_head * m->head_dim;
+    const int64_t KV = (int64_t) m->n_head_kv * m->head_dim;
+    int rc = es__bind(m, il, "attn_norm", D, 1, true, &L->attn_norm, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_q", D, Q, true, &L->wq, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_k", D, KV, true, &L->wk, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_v", D, KV, true, &L->wv, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_output", Q, D, true, &L->wo, err, err_cap);
+    return rc;
+}
+
 /* ---- model ---------------------------------------------------------------- */
 
 // Every weight a model binds, for the checks after loading.
@@ -630,6 +642,14 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
         const float inv = 1.0f / sum;
         for (int32_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
     }
+}
+
+int es__attention_inputs(es_context * ctx, int32_t il) {
+    const es_layer * L = &ctx->model->layers[il];
+    es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, ctx->n, ctx->model->n_embd, ctx->model->norm_eps);
+    const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
+    float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
+    return es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, ctx->n);
 }
 
 void es__attention(es_context * ctx, int32_t il, float kq_scale) {

@@ -372,6 +372,8 @@ int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t er
 // n_ctx_train, norm_eps), RoPE's base (default 10000) and linear scale.
 int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
                                char * err, size_t err_cap);
+// Binds layer il's attn_norm, attn_q, attn_k, attn_v and attn_output.
+int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap);
 // Binds token_embd (sets n_vocab), output_norm and output (the embedding
 // when absent: tied), and allocates m->layers (n_layer, zeroed).
 int es__bind_embeddings(es_model * m, char * err, size_t err_cap);
@@ -387,6 +389,8 @@ void es__rms_norm(const float * x, const es_weight * w, float * y, int64_t n_row
 // the same x; parallel over output rows.
 int  es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
                 float * const * y, int32_t n);
+// ctx->xn = layer il's attn_norm(ctx->x); ctx->q, k, v = xn times wq, wk, wv.
+int  es__attention_inputs(es_context * ctx, int32_t il);
 // RoPE in place on x (ctx->n, n_heads * head_dim), at ctx->pos, with layer il's base/scale.
 void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads);
 // Attention of layer il: stores ctx->k, ctx->v (after RoPE) in the cache, then
