@@ -46,6 +46,7 @@ def test_chat_session_on_a_terminal(smollm2_path):
     try:
         # Ctrl-C at the prompt drops the half-typed line: /stats runs as a command
         child.send("half a line")
+        child.expect_exact("half a line")  # echoed: the line editor holds it before the interrupt
         child.sendintr()
         child.expect_exact(PROMPT)
         child.sendline("/stats")
