@@ -689,6 +689,10 @@ static inline float gelu(float x) {
     return es_half_to_f32(es_f32_to_half(g));
 }
 
+void es__swiglu(float * g, const float * u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 static void glu_rows(void * arg, int32_t ith, int32_t nth) {
     const glu_job * job = arg;
     es_context * ctx = job->ctx;
@@ -698,7 +702,7 @@ static void glu_rows(void * arg, int32_t ith, int32_t nth) {
         if (job->act == ES_FFN_GELU) {
             for (int64_t i = 0; i < job->n_ff; i++) g[i] = gelu(g[i]) * u[i];
         } else {
-            for (int64_t i = 0; i < job->n_ff; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            es__swiglu(g, u, job->n_ff);
         }
     }
 }

@@ -401,7 +401,7 @@ static void step_swiglu(void * arg, int32_t ith, int32_t nth) {
         const int32_t dtype = m->view[e * 3 + ES_EXPERT_DOWN].type;
         float * g = m->gate + (size_t) pair * F;
         const float * u = m->up + (size_t) pair * F;
-        for (int64_t i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        es__swiglu(g, u, F);
         es_quantize_act(dtype, g, m->down_in + (size_t) pair * m->down_row, F);
     }
 }

@@ -400,5 +400,7 @@ void es__attention(es_context * ctx, int32_t il, float kq_scale);
 int  es__ffn(es_context * ctx, int32_t il, int32_t act);
 // x += y over n floats.
 void es__add(float * x, const float * y, int64_t n);
+// g = silu(g) * u over n floats (the SwiGLU of dense FFNs and experts alike).
+void es__swiglu(float * g, const float * u, int64_t n);
 
 #endif  // EDGESPEC_NATIVE_H
