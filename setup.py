@@ -1,16 +1,15 @@
-"""Build glue: the C core compiles into the cffi extension ``edgespec._core``.
+"""Build glue: the C core compiles into the cffi extension ``edgespec.capi._lib``.
 
-Metadata lives in pyproject.toml. The top-level ``models/`` folder (the
-built-in model manifest) is installed as the subpackage ``edgespec.models``;
-``edgespec.bench`` carries its prompt suites and results schema as data.
+Metadata lives in pyproject.toml. ``edgespec.models`` carries the built-in
+model manifest and ``edgespec.bench`` its prompt suites and results schema as
+package data.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
-    packages=["edgespec", "edgespec.backends", "edgespec.bench", "edgespec.drafters", "edgespec.models"],
-    package_dir={"edgespec.models": "models"},
+    packages=find_packages(include=["edgespec", "edgespec.*"]),
     package_data={"edgespec.models": ["*.json"],
                   "edgespec.bench": ["results.schema.json", "suites/*.jsonl", "suites/SOURCES.txt"]},
-    cffi_modules=["edgespec/_build_core.py:ffibuilder"],
+    cffi_modules=["edgespec/capi/build.py:ffibuilder"],
     zip_safe=False,
 )

@@ -2,7 +2,7 @@
  * bench_kernels.c — es_matvec speed per weight type, the run-time chosen
  * kernels against the portable scalar ones, measured side by side.
  *
- *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/quants.c csrc/gguf.c -lm -o /tmp/bench_kernels
+ *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/native/kernels/quants.c csrc/native/gguf.c csrc/base.c -lm -o /tmp/bench_kernels
  *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
  *
  * One thread. A forked child measures with EDGESPEC_KERNELS=scalar, then the
@@ -11,7 +11,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include "native.h"
+#include "native/native_internal.h"
 
 #include <math.h>
 #include <stdio.h>

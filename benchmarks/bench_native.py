@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec import registry
+from edgespec.models import registry
 from edgespec.backends import open_backend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec import Engine, onnx_export, registry
+from edgespec import Engine
+from edgespec.backends import onnx_export
+from edgespec.models import registry
 
 PROMPTS = [
     "The history of the printing press begins",

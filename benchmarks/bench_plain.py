@@ -19,7 +19,8 @@ import numpy as np
 import llama_cpp
 import llama_cpp.llama_cpp as lc
 
-from edgespec import Engine, registry
+from edgespec import Engine
+from edgespec.models import registry
 
 PROMPTS = [
     "The history of the printing press begins",

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from . import chat as chat_templates
-from . import registry
+from .chat import template as chat_templates
+from .models import registry
 from . import drafters as drafting
 from .backends import BACKENDS, open_backend, resolve_model
 from .drafters import Draft, DrafterConfig, Verified

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import registry
+from .models import registry
 from .drafters import Draft
 
 MAX_BATCH = 33            # cost curve covers batches of 1..MAX_BATCH tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._native import Owned, check, ffi, lib
+from .capi import Owned, check, ffi, lib
 from .errors import InvalidArgumentError
 
 

@@ -1,11 +1,11 @@
 """Session-wide model files: the two built-in models (pulled into the edgespec
-cache on first use, see edgespec.registry) and a tiny random llama that
+cache on first use, see edgespec.models.registry) and a tiny random llama that
 shares SmolLM2's tokenizer."""
 from __future__ import annotations
 
 import pytest
 
-from edgespec import registry
+from edgespec.models import registry
 from tiny_gguf import write_tiny_llama
 
 

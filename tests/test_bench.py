@@ -132,7 +132,7 @@ def test_mismatch_and_failing_peer_exit_nonzero(smollm2_path, tmp_path, monkeypa
 
     monkeypatch.setattr(Configuration, "run", corrupt)
     monkeypatch.setattr(LlamaCppPython, "run", broken)
-    from edgespec import cli_bench  # noqa: F401  (registers the command)
+    from edgespec.cli import bench as cli_bench  # noqa: F401  (registers the command)
     from edgespec.cli import app
     result = CliRunner().invoke(app, ["bench", *TINY, "--peers", "llama-cpp-python", "--out", str(tmp_path)])
     assert result.exit_code == 1, result.output

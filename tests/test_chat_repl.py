@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from edgespec import Engine
-from edgespec.chat_repl import ChatSession, read_template
+from edgespec.chat.repl import ChatSession, read_template
 from edgespec.engine import GenerationStats, Result, SpecStats
 from edgespec.errors import ContextOverflowError, InvalidArgumentError
 

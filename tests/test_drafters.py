@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-import edgespec.cli_drafter  # noqa: F401  (registers `drafter ngram`)
+import edgespec.cli.drafter  # noqa: F401  (registers `drafter ngram`)
 from edgespec import cli
 from edgespec.drafters import Draft, DrafterConfig, Verified, open_drafter
 from edgespec.drafters.cache import NgramCache, build_ngram_cache

@@ -1,4 +1,4 @@
-"""Fuzzing the C GGUF reader (csrc/gguf.c) with libFuzzer under ASan and UBSan.
+"""Fuzzing the C GGUF reader (csrc/native/gguf.c) with libFuzzer under ASan and UBSan.
 
 The target csrc/fuzz/fuzz_gguf.c opens every input with es_gguf_open_buffer
 and reads every tensor and key it reports; it crashes on any out-of-bounds

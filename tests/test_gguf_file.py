@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 
-from edgespec import gguf_file
+from edgespec.models import gguf as gguf_file
 from edgespec.errors import ModelFormatError, ModelNotFoundError
-from edgespec.gguf_file import GGUFArray, model_info, read_gguf
+from edgespec.models.gguf import GGUFArray, model_info, read_gguf
 
 N_TOKENS = 300  # more than KEEP_ARRAY_MAX, so the vocabulary takes the walk-only path
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -1,4 +1,4 @@
-"""The native engine's weight types (csrc/quants.c) on real tensors of the
+"""The native engine's weight types (csrc/native/kernels/quants.c) on real tensors of the
 built-in models: SmolLM2 (Q4_1, Q8_0) and Gemma 3 (Q5_0, Q4_K, Q6_K, Q8_0).
 
 Dequantization is checked against the `gguf` package's numpy reference
@@ -26,7 +26,7 @@ import llama_cpp
 ROWS = 48  # rows per tensor: enough blocks of every kind, fast
 
 
-class Tensor(ctypes.Structure):  # es_tensor, csrc/native.h
+class Tensor(ctypes.Structure):  # es_tensor, csrc/native/native_internal.h
     _fields_ = [("name", ctypes.c_char_p), ("type", ctypes.c_int32), ("n_dims", ctypes.c_int32),
                 ("ne", ctypes.c_int64 * 4), ("data", ctypes.c_void_p), ("nbytes", ctypes.c_size_t)]
 

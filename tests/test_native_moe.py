@@ -17,7 +17,7 @@ import pytest
 
 from edgespec.backends import open_backend
 from edgespec.errors import EdgespecError
-from edgespec.gguf_file import read_gguf
+from edgespec.models.gguf import read_gguf
 from tiny_gguf import MOE_FIXTURES, Q, write_moe_fixture, write_tiny_llama
 
 N_CTX = 1024

@@ -14,7 +14,8 @@ import numpy as np
 import onnx
 import pytest
 
-from edgespec import Engine, onnx_export
+from edgespec import Engine
+from edgespec.backends import onnx_export
 from edgespec.backends import open_backend
 from edgespec.errors import InvalidArgumentError, ModelFormatError
 

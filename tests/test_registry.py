@@ -13,15 +13,16 @@ import zipfile
 import pytest
 from typer.testing import CliRunner
 
-import edgespec.cli_models  # noqa: F401  (registers the `models` commands)
-from edgespec import cli, registry
+import edgespec.cli.models  # noqa: F401  (registers the `models` commands)
+from edgespec import cli
+from edgespec.models import registry
 from edgespec.errors import (
     InvalidArgumentError,
     ModelFetchError,
     ModelFormatError,
     ModelNotFoundError,
 )
-from edgespec.registry import ModelEntry, ModelPart
+from edgespec.models.registry import ModelEntry, ModelPart
 
 from test_gguf_file import write_gguf
 

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from edgespec._native import ffi, lib
+from edgespec.capi import ffi, lib
 
 
 def make_sampler(n_vocab: int, temperature: float = 0.0, top_k: int = 0,

@@ -11,7 +11,7 @@
  * every key is read through every getter (arrays element by element). The
  * sanitizers turn any stray read into a crash; a broken promise traps.
  */
-#include "native.h"
+#include "native/native_internal.h"
 
 #include <stdint.h>
 #include <string.h>

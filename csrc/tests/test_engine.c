@@ -11,7 +11,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include "native.h"
+#include "native/native_internal.h"
 
 #include <dirent.h>
 #include <stdint.h>

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native.h"
+#include "native/native_internal.h"
 #include "check.h"
 
 enum { D = 64, F = 32, E = 4, K = 2, NL = 2, T = 9 };   // n_embd, n_ff, experts, top-k, layers, tokens

@@ -18,7 +18,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include "native.h"
+#include "native/native_internal.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -65,7 +65,7 @@ def resolve_model(name: str, ref: str) -> Path:
     module = _module(name)
     if hasattr(module, "resolve_model"):
         return module.resolve_model(ref)
-    from .. import registry
+    from ..models import registry
 
     return registry.model_path_checked(ref)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
 
-from .._native import Closing
+from ..capi import Closing
 from ..errors import BackendError, ContextOverflowError, ModelFormatError
 from . import default_threads
 from .vocab import Vocab, VocabMixin, init_llama

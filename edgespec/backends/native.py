@@ -1,4 +1,4 @@
-"""edgespec's own C inference engine (csrc/engine.c), through the cffi core.
+"""edgespec's own C inference engine (csrc/native/), through the cffi core.
 
 The weights run in C; the tokenizer and metadata come from llama.cpp's
 vocabulary-only load of the same file (``Vocab``), so tokens match the llama
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._native import Closing, Owned, check, ffi, lib
+from ..capi import Closing, Owned, check, ffi, lib
 from ..errors import BackendError, ContextOverflowError, ModelFormatError, UnsupportedModelError
 from . import default_threads
 from .vocab import Vocab, VocabMixin

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import onnx_export, registry
-from .._native import Closing
+from ..models import registry
+from . import onnx_export
+from ..capi import Closing
 from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
 from . import default_threads
 from .vocab import Vocab, VocabMixin

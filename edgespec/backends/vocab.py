@@ -13,7 +13,7 @@ from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
 
-from .._native import Closing
+from ..capi import Closing
 from ..errors import ModelFormatError
 
 

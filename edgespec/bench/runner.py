@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import drafters as drafting
-from .. import registry
+from ..models import registry
 from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..planner import speedup_ceiling

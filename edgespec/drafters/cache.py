@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from .._native import Owned, check, ffi, lib
+from ..capi import Owned, check, ffi, lib
 from ..errors import DrafterError, InvalidArgumentError
 from . import Draft, DrafterConfig, Verified
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .._native import Owned, check, ffi, lib
+from ..capi import Owned, check, ffi, lib
 from . import Draft, DrafterConfig, Verified
 
 N_MIN = 1  # one-token matches are noisy, but the planner learns their acceptance apart

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .._native import Owned, check, ffi, lib
+from ..capi import Owned, check, ffi, lib
 from . import Draft, DrafterConfig, Verified
 
 TOP_K = 8    # candidates kept per token

@@ -1,0 +1,1293 @@
+/*
+ * quants.c — weight types: ggml's block layouts, row sizes, dequantization,
+ * activation quantization and the dot products behind es_matvec.
+ *
+ * Every weight type's dot product reads the activation row in a companion
+ * format (es_act_type): the weight's own type for float weights (activations
+ * rounded to F16 / BF16 as ggml's vec_dot_type does), Q8_0 / Q8_1 for the
+ * 32-element quants, Q8_K for the 256-element K-quants. The activation is quantized the
+ * way ggml's x86 build does it, so our logits stay within rounding of
+ * llama.cpp's.
+ *
+ * Three kernel sets share one table layout: portable scalar (always), AVX2 +
+ * FMA + F16C (x86-64, compiled per function with a target attribute and
+ * chosen with __builtin_cpu_supports, since the library is built without
+ * -march) and NEON (aarch64, where it is baseline). The choice is made once;
+ * EDGESPEC_KERNELS=scalar forces the scalar set. Activation quantization and
+ * dequantization are scalar in every set, so all sets see identical inputs.
+ *
+ * Batch invariance: es_matvec computes each row with one function whose
+ * reduction order depends only on n, never on the rows range or the thread.
+ */
+#define _POSIX_C_SOURCE 200809L  // pthread_once under -std=c11
+
+#include "native/native_internal.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ES_HAVE_AVX2 1
+#include <cpuid.h>
+#include <immintrin.h>
+#define ES_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+#if defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+/* ---- block layouts (ggml's, byte for byte) ------------------------------- */
+
+#define QK   32   // elements per block of the 32-element quants
+#define QK_K 256  // elements per super-block of the K-quants
+
+typedef uint16_t es_half;  // IEEE binary16 bits
+
+typedef struct { es_half d; uint8_t qs[QK / 2]; } block_q4_0;                  // x = (q - 8) d
+typedef struct { es_half d, m; uint8_t qs[QK / 2]; } block_q4_1;               // x = q d + m
+typedef struct { es_half d; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_0;   // x = (q - 16) d
+typedef struct { es_half d, m; uint8_t qh[4]; uint8_t qs[QK / 2]; } block_q5_1;// x = q d + m
+typedef struct { es_half d; int8_t qs[QK]; } block_q8_0;                       // x = q d
+typedef struct { es_half d, s; int8_t qs[QK]; } block_q8_1;                    // s = d sum(q)
+// K-quants: 8 sub-blocks of 32 with 6-bit scales and mins packed in 12 bytes.
+typedef struct { es_half d, dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; } block_q4_K;
+typedef struct {
+    es_half d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];  // fifth bits: bit 2j / 2j+1 of qh[l] for chunk j's low / high nibbles
+    uint8_t qs[QK_K / 2];
+} block_q5_K;
+typedef struct {
+    uint8_t ql[QK_K / 2];     // low 4 bits
+    uint8_t qh[QK_K / 4];     // high 2 bits
+    int8_t  scales[QK_K / 16];// one per 16 elements
+    es_half d;
+} block_q6_K;                 // x = d scale (q - 32)
+typedef struct {
+    float   d;
+    int8_t  qs[QK_K];
+    int16_t bsums[QK_K / 16];  // sums of qs in groups of 16 (for the K-quants' mins)
+} block_q8_K;
+
+_Static_assert(sizeof(block_q4_0) == 18, "q4_0 layout");
+_Static_assert(sizeof(block_q4_1) == 20, "q4_1 layout");
+_Static_assert(sizeof(block_q5_0) == 22, "q5_0 layout");
+_Static_assert(sizeof(block_q5_1) == 24, "q5_1 layout");
+_Static_assert(sizeof(block_q8_0) == 34, "q8_0 layout");
+_Static_assert(sizeof(block_q8_1) == 36, "q8_1 layout");
+_Static_assert(sizeof(block_q4_K) == 144, "q4_K layout");
+_Static_assert(sizeof(block_q5_K) == 176, "q5_K layout");
+_Static_assert(sizeof(block_q6_K) == 210, "q6_K layout");
+_Static_assert(sizeof(block_q8_K) == 292, "q8_K layout");
+
+/* ---- half and bfloat16 conversion ---------------------------------------- */
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float    bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float   half_to_f32(es_half h) { return es_half_to_f32(h); }
+static inline es_half f32_to_half(float f) { return es_f32_to_half(f); }
+
+static inline float bf16_to_f32(uint16_t b) { return bits_f32((uint32_t) b << 16); }
+
+// binary32 -> bfloat16, round to nearest even; a nan stays a (quiet) nan.
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t) ((u >> 16) | 64);
+    return (uint16_t) ((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+
+// Round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int).
+static inline int nearest_int(float v) {
+    const float big = v + 12582912.f;  // 1.5 * 2^23: the integer lands in the low mantissa bits
+    return (int) (f32_bits(big) & 0x007FFFFFu) - 0x00400000;
+}
+
+/* ---- type table ---------------------------------------------------------- */
+
+// Sizes and names come from the one ggml type table, es_type_info (gguf.c);
+// this section says which of those types the kernels implement.
+
+// The activation format of each weight type es_matvec takes; -1 for none.
+int32_t es_act_type(int32_t weight_type) {
+    switch (weight_type) {
+    case ES_TYPE_F32: case ES_TYPE_F16: case ES_TYPE_BF16:   return weight_type;
+    case ES_TYPE_Q4_0: case ES_TYPE_Q5_0: case ES_TYPE_Q8_0: return ES_TYPE_Q8_0;
+    case ES_TYPE_Q4_1: case ES_TYPE_Q5_1:                    return ES_TYPE_Q8_1;
+    case ES_TYPE_Q4_K: case ES_TYPE_Q5_K: case ES_TYPE_Q6_K: return ES_TYPE_Q8_K;
+    default:                                                 return -1;
+    }
+}
+
+// Weight types plus the activation-only formats (dequantized by tests).
+static bool implemented(int32_t type) {
+    return es_act_type(type) >= 0 || type == ES_TYPE_Q8_1 || type == ES_TYPE_Q8_K;
+}
+
+int32_t es_type_block(int32_t type) {
+    return implemented(type) ? es_type_info(type)->block : 0;
+}
+
+size_t es_type_row_bytes(int32_t type, int64_t n) {
+    if (!implemented(type) || n < 0) return 0;
+    const es_type_traits * t = es_type_info(type);
+    if (n % t->block) return 0;
+    return (size_t) (n / t->block) * (size_t) t->block_bytes;
+}
+
+const char * es_type_name(int32_t type) {
+    const es_type_traits * t = es_type_info(type);
+    return t ? t->name : "unknown";
+}
+
+/* ---- dequantization (scalar, shared by every kernel set) ----------------- */
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.
+static inline void scale_min_k4(int j, const uint8_t * q, uint8_t * sc, uint8_t * m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m  = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t) ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m  = (uint8_t) ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Q4_K / Q5_K scales and mins of one super-block, unpacked to 8 bytes each,
+// four at a time: scale_min_k4 on 32-bit words.
+static inline void unpack_scales_k4(const uint8_t * s, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t sc_lo = u[0] & 0x3F3F3F3Fu, m_lo = u[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    const uint32_t m_hi  = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, &sc_lo, 4), memcpy(sc + 4, &sc_hi, 4);
+    memcpy(m, &m_lo, 4), memcpy(m + 4, &m_hi, 4);
+}
+
+static void dequant_q4_0(const block_q4_0 * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = half_to_f32(x[i].d);
+        for (int j = 0; j < QK / 2; j++) {
+            y[j]          = ((x[i].qs[j] & 0xF) - 8) * d;
+            y[j + QK / 2] = ((x[i].qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void dequant_q4_1(const block_q4_1 * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = half_to_f32(x[i].d), m = half_to_f32(x[i].m);
+        for (int j = 0; j < QK / 2; j++) {
+            y[j]          = (x[i].qs[j] & 0xF) * d + m;
+            y[j + QK / 2] = (x[i].qs[j] >> 4) * d + m;
+        }
+    }
+}
+
+// Element j's fifth bit (j in 0..31) as 0 or 16.
+static inline int q5_high(uint32_t qh, int j) { return (int) ((qh >> j) & 1) << 4; }
+
+static void dequant_q5_0(const block_q5_0 * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = half_to_f32(x[i].d);
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        for (int j = 0; j < QK / 2; j++) {
+            y[j]          = (((x[i].qs[j] & 0xF) | q5_high(qh, j)) - 16) * d;
+            y[j + QK / 2] = (((x[i].qs[j] >> 4) | q5_high(qh, j + 16)) - 16) * d;
+        }
+    }
+}
+
+static void dequant_q5_1(const block_q5_1 * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = half_to_f32(x[i].d), m = half_to_f32(x[i].m);
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        for (int j = 0; j < QK / 2; j++) {
+            y[j]          = ((x[i].qs[j] & 0xF) | q5_high(qh, j)) * d + m;
+            y[j + QK / 2] = ((x[i].qs[j] >> 4) | q5_high(qh, j + 16)) * d + m;
+        }
+    }
+}
+
+static void dequant_q8_0(const block_q8_0 * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = half_to_f32(x[i].d);
+        for (int j = 0; j < QK; j++) y[j] = x[i].qs[j] * d;
+    }
+}
+
+static void dequant_q8_1(const block_q8_1 * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, y += QK) {
+        const float d = half_to_f32(x[i].d);
+        for (int j = 0; j < QK; j++) y[j] = x[i].qs[j] * d;
+    }
+}
+
+static void dequant_q4_K(const block_q4_K * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = half_to_f32(x[i].d), dmin = half_to_f32(x[i].dmin);
+        const uint8_t * q = x[i].qs;
+        // Four chunks of 64: 32 bytes whose low nibbles are sub-block 2j, high 2j+1.
+        for (int j = 0; j < 4; j++, q += 32) {
+            uint8_t sc, m;
+            scale_min_k4(2 * j, x[i].scales, &sc, &m);
+            const float d1 = d * sc, m1 = dmin * m;
+            scale_min_k4(2 * j + 1, x[i].scales, &sc, &m);
+            const float d2 = d * sc, m2 = dmin * m;
+            for (int l = 0; l < 32; l++) *y++ = d1 * (q[l] & 0xF) - m1;
+            for (int l = 0; l < 32; l++) *y++ = d2 * (q[l] >> 4) - m2;
+        }
+    }
+}
+
+static void dequant_q5_K(const block_q5_K * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = half_to_f32(x[i].d), dmin = half_to_f32(x[i].dmin);
+        const uint8_t * q = x[i].qs;
+        for (int j = 0; j < 4; j++, q += 32) {
+            uint8_t sc, m;
+            scale_min_k4(2 * j, x[i].scales, &sc, &m);
+            const float d1 = d * sc, m1 = dmin * m;
+            scale_min_k4(2 * j + 1, x[i].scales, &sc, &m);
+            const float d2 = d * sc, m2 = dmin * m;
+            for (int l = 0; l < 32; l++)
+                *y++ = d1 * ((q[l] & 0xF) + (((x[i].qh[l] >> (2 * j)) & 1) << 4)) - m1;
+            for (int l = 0; l < 32; l++)
+                *y++ = d2 * ((q[l] >> 4) + (((x[i].qh[l] >> (2 * j + 1)) & 1) << 4)) - m2;
+        }
+    }
+}
+
+// One 128-element half of a Q6_K super-block as values q - 32 (-32..31).
+// Quarter k (elements 32k .. 32k+31) takes, for lane l, the low (k < 2)
+// or high (k >= 2) nibble of ql[l + 32 (k & 1)] and bits 2k, 2k+1 of qh[l].
+static inline void q6_half(const uint8_t * ql, const uint8_t * qh, int8_t out[128]) {
+    for (int l = 0; l < 32; l++) {
+        out[l]      = (int8_t) (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+        out[l + 32] = (int8_t) (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        out[l + 64] = (int8_t) (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        out[l + 96] = (int8_t) (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+    }
+}
+
+static void dequant_q6_K(const block_q6_K * x, float * y, int64_t nb) {
+    int8_t q[128];
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = half_to_f32(x[i].d);
+        for (int h = 0; h < 2; h++) {  // halves of 128
+            q6_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+            const int8_t * sc = x[i].scales + 8 * h;
+            for (int e = 0; e < 128; e++) *y++ = d * sc[e / 16] * q[e];
+        }
+    }
+}
+
+static void dequant_q8_K(const block_q8_K * x, float * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++)
+        for (int j = 0; j < QK_K; j++) *y++ = x[i].d * x[i].qs[j];
+}
+
+void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
+    const int64_t blk = es_type_block(type);
+    if (blk == 0 || n <= 0 || n % blk) return;
+    const int64_t nb = n / blk;
+    switch (type) {
+    case ES_TYPE_F32:  memcpy(dst, src, (size_t) n * sizeof(float)); break;
+    case ES_TYPE_F16:  for (int64_t i = 0; i < n; i++) dst[i] = half_to_f32(((const es_half *) src)[i]); break;
+    case ES_TYPE_BF16: for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *) src)[i]); break;
+    case ES_TYPE_Q4_0: dequant_q4_0(src, dst, nb); break;
+    case ES_TYPE_Q4_1: dequant_q4_1(src, dst, nb); break;
+    case ES_TYPE_Q5_0: dequant_q5_0(src, dst, nb); break;
+    case ES_TYPE_Q5_1: dequant_q5_1(src, dst, nb); break;
+    case ES_TYPE_Q8_0: dequant_q8_0(src, dst, nb); break;
+    case ES_TYPE_Q8_1: dequant_q8_1(src, dst, nb); break;
+    case ES_TYPE_Q4_K: dequant_q4_K(src, dst, nb); break;
+    case ES_TYPE_Q5_K: dequant_q5_K(src, dst, nb); break;
+    case ES_TYPE_Q6_K: dequant_q6_K(src, dst, nb); break;
+    case ES_TYPE_Q8_K: dequant_q8_K(src, dst, nb); break;
+    default: break;
+    }
+}
+
+/* ---- activation quantization (scalar, shared by every kernel set) -------- */
+
+// ggml's x86 quantize_row_q8_0 / q8_1: d = amax / 127 stored as half,
+// q = round-half-even(x * 127 / amax); Q8_1 adds s = half(d * sum(q)).
+static void quantize_q8_0(const float * x, block_q8_0 * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+        y[i].d = f32_to_half(amax / 127.f);
+        for (int j = 0; j < QK; j++) y[i].qs[j] = (int8_t) nearest_int(x[j] * id);
+    }
+}
+
+static void quantize_q8_1(const float * x, block_q8_1 * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d  = amax / 127.f;
+        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            y[i].qs[j] = (int8_t) nearest_int(x[j] * id);
+            sum += y[i].qs[j];
+        }
+        y[i].d = f32_to_half(d);
+        y[i].s = f32_to_half(d * (float) sum);
+    }
+}
+
+// ggml's quantize_row_q8_K: the element of largest magnitude maps to -127
+// (scale -127 / max), d = 1 / scale kept as float, plus sums of 16.
+static void quantize_q8_K(const float * x, block_q8_K * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += QK_K) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QK_K; j++) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        if (amax == 0.0f) {
+            memset(&y[i], 0, sizeof(y[i]));
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < QK_K; j++) {
+            const int v = nearest_int(iscale * x[j]);
+            y[i].qs[j] = (int8_t) (v < 127 ? v : 127);
+        }
+        for (int g = 0; g < QK_K / 16; g++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += y[i].qs[16 * g + j];
+            y[i].bsums[g] = (int16_t) sum;
+        }
+        y[i].d = 1.0f / iscale;
+    }
+}
+
+void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n) {
+    const int32_t act = es_act_type(weight_type);
+    const int64_t blk = es_type_block(act);
+    if (blk == 0 || n <= 0 || n % blk) return;
+    switch (act) {
+    case ES_TYPE_F32:  memcpy(dst, x, (size_t) n * sizeof(float)); break;
+    case ES_TYPE_F16:  for (int64_t i = 0; i < n; i++) ((es_half *) dst)[i] = f32_to_half(x[i]); break;
+    case ES_TYPE_BF16: for (int64_t i = 0; i < n; i++) ((uint16_t *) dst)[i] = f32_to_bf16(x[i]); break;
+    case ES_TYPE_Q8_0: quantize_q8_0(x, dst, n / QK); break;
+    case ES_TYPE_Q8_1: quantize_q8_1(x, dst, n / QK); break;
+    case ES_TYPE_Q8_K: quantize_q8_K(x, dst, n / QK_K); break;
+    default: break;
+    }
+}
+
+/* ---- scalar dot products ------------------------------------------------- */
+
+// Each returns dot(weight row w, activation row a) over n elements. Integer
+// block sums are exact; floats accumulate block by block in order.
+typedef float (*vec_dot_fn)(int64_t n, const void * w, const void * a);
+// The same for 4 activation rows a_stride bytes apart, into out[0..3]; bit
+// for bit what vec_dot_fn gives for each.
+typedef void (*vec_dot4_fn)(int64_t n, const void * w, const void * a, size_t a_stride, float * out);
+
+static float dot_f32_scalar(int64_t n, const void * w, const void * a) {
+    const float * x = w, * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+// F16 and BF16 weights against activations of the same type; products and
+// sums in F32, as ggml_vec_dot_f16 / _bf16.
+static float dot_f16_scalar(int64_t n, const void * w, const void * a) {
+    const es_half * x = w, * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
+    return sum;
+}
+
+static float dot_bf16_scalar(int64_t n, const void * w, const void * a) {
+    const uint16_t * x = w, * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
+    return sum;
+}
+
+static float dot_q4_0_scalar(int64_t n, const void * w, const void * a) {
+    const block_q4_0 * x = w;
+    const block_q8_0 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += ((x[i].qs[j] & 0xF) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK / 2];
+        sum += (float) sumi * (half_to_f32(x[i].d) * half_to_f32(y[i].d));
+    }
+    return sum;
+}
+
+static float dot_q4_1_scalar(int64_t n, const void * w, const void * a) {
+    const block_q4_1 * x = w;
+    const block_q8_1 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += (x[i].qs[j] & 0xF) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK / 2];
+        // sum((q d + m) y_d y_q) = d y_d sum(q y_q) + m s
+        sum += (float) sumi * (half_to_f32(x[i].d) * half_to_f32(y[i].d)) +
+               half_to_f32(x[i].m) * half_to_f32(y[i].s);
+    }
+    return sum;
+}
+
+static float dot_q5_0_scalar(int64_t n, const void * w, const void * a) {
+    const block_q5_0 * x = w;
+    const block_q8_0 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += (((x[i].qs[j] & 0xF) | q5_high(qh, j)) - 16) * y[i].qs[j] +
+                    (((x[i].qs[j] >> 4) | q5_high(qh, j + 16)) - 16) * y[i].qs[j + QK / 2];
+        sum += (float) sumi * (half_to_f32(x[i].d) * half_to_f32(y[i].d));
+    }
+    return sum;
+}
+
+static float dot_q5_1_scalar(int64_t n, const void * w, const void * a) {
+    const block_q5_1 * x = w;
+    const block_q8_1 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += ((x[i].qs[j] & 0xF) | q5_high(qh, j)) * y[i].qs[j] +
+                    ((x[i].qs[j] >> 4) | q5_high(qh, j + 16)) * y[i].qs[j + QK / 2];
+        sum += (float) sumi * (half_to_f32(x[i].d) * half_to_f32(y[i].d)) +
+               half_to_f32(x[i].m) * half_to_f32(y[i].s);
+    }
+    return sum;
+}
+
+static float dot_q8_0_scalar(int64_t n, const void * w, const void * a) {
+    const block_q8_0 * x = w;
+    const block_q8_0 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK; j++) sumi += x[i].qs[j] * y[i].qs[j];
+        sum += (float) sumi * (half_to_f32(x[i].d) * half_to_f32(y[i].d));
+    }
+    return sum;
+}
+
+// A K-quant super-block's float part: d y_d sum(scale q y_q) - dmin y_d sum(min bsum).
+static inline float k_block(float d, float dmin, float yd, int sumi, int summ) {
+    return (d * yd) * (float) sumi - (dmin * yd) * (float) summ;
+}
+
+static float dot_q4_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q4_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            uint8_t sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, x[i].scales, &sc1, &m1);
+            scale_min_k4(2 * j + 1, x[i].scales, &sc2, &m2);
+            int s1 = 0, s2 = 0;
+            for (int l = 0; l < 32; l++) {
+                s1 += (q[l] & 0xF) * q8[l];
+                s2 += (q[l] >> 4) * q8[l + 32];
+            }
+            sumi += sc1 * s1 + sc2 * s2;
+            summ += m1 * (y[i].bsums[4 * j] + y[i].bsums[4 * j + 1]) +
+                    m2 * (y[i].bsums[4 * j + 2] + y[i].bsums[4 * j + 3]);
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, summ);
+    }
+    return sum;
+}
+
+static float dot_q5_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q5_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            uint8_t sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, x[i].scales, &sc1, &m1);
+            scale_min_k4(2 * j + 1, x[i].scales, &sc2, &m2);
+            int s1 = 0, s2 = 0;
+            for (int l = 0; l < 32; l++) {
+                s1 += ((q[l] & 0xF) | (((x[i].qh[l] >> (2 * j)) & 1) << 4)) * q8[l];
+                s2 += ((q[l] >> 4) | (((x[i].qh[l] >> (2 * j + 1)) & 1) << 4)) * q8[l + 32];
+            }
+            sumi += sc1 * s1 + sc2 * s2;
+            summ += m1 * (y[i].bsums[4 * j] + y[i].bsums[4 * j + 1]) +
+                    m2 * (y[i].bsums[4 * j + 2] + y[i].bsums[4 * j + 3]);
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, summ);
+    }
+    return sum;
+}
+
+static float dot_q6_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q6_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int sumi = 0;
+        int8_t q[128];
+        for (int h = 0; h < 2; h++) {
+            q6_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+            const int8_t * q8 = y[i].qs + 128 * h;
+            for (int g = 0; g < 8; g++) {  // groups of 16 sharing a scale
+                int s = 0;
+                for (int e = 16 * g; e < 16 * g + 16; e++) s += q[e] * q8[e];
+                sumi += x[i].scales[8 * h + g] * s;
+            }
+        }
+        sum += (half_to_f32(x[i].d) * y[i].d) * (float) sumi;
+    }
+    return sum;
+}
+
+/* ---- AVX2 dot products --------------------------------------------------- */
+
+#if defined(ES_HAVE_AVX2)
+
+// binary16 -> binary32 for every half, filled (from half_to_f32) before the
+// AVX2 set is published. A lookup is one load, where vcvtph2ps would compete
+// with the broadcasts for the shuffle port in the per-block scale products.
+static float half_table[1 << 16];
+
+static void init_half_table(void) {
+    for (uint32_t h = 0; h < (1u << 16); h++) half_table[h] = half_to_f32((es_half) h);
+}
+
+static inline float h2f(es_half h) { return half_table[h]; }
+
+static inline ES_AVX2 float hsum_f32x8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+// 16 bytes of nibbles -> 32 bytes: low nibbles (elements 0..15), then high
+// (16..31). A broadcast load and a blend instead of an insert, which would
+// compete with the scale broadcasts for the shuffle port.
+static inline ES_AVX2 __m256i unpack_nibbles(const uint8_t * p) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) p));
+    const __m256i v = _mm256_blend_epi32(b, _mm256_srli_epi16(b, 4), 0xF0);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes, 0xFF where bit j of qh is set.
+static inline ES_AVX2 __m256i expand_bits(const uint8_t * p) {
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    // Byte j takes qh's byte j / 8, then tests bit j % 8 of it.
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int) qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((int64_t) 0x8040201008040201ull);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// 8 lanes of pairwise-summed u8 x s8 products as int32 (4 products per lane).
+static inline ES_AVX2 __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// The same for s8 x s8, moving x's sign onto y (|x| <= 128 fits u8).
+static inline ES_AVX2 __m256i dot_s8s8(__m256i x, __m256i y) {
+    return dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+
+static ES_AVX2 float dot_f32_avx2(int64_t n, const void * w, const void * a) {
+    const float * x = w, * y = a;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8 * k), _mm256_loadu_ps(y + i + 8 * k), acc[k]);
+    for (; i + 8 <= n; i += 8)
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc[0]);
+    float sum = hsum_f32x8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+static inline ES_AVX2 __m256 load_f16x8(const es_half * p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+}
+
+static inline ES_AVX2 __m256 load_bf16x8(const uint16_t * p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) p)), 16));
+}
+
+static ES_AVX2 float dot_f16_avx2(int64_t n, const void * w, const void * a) {
+    const es_half * x = w, * y = a;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; k++)
+            acc[k] = _mm256_fmadd_ps(load_f16x8(x + i + 8 * k), load_f16x8(y + i + 8 * k), acc[k]);
+    for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(load_f16x8(x + i), load_f16x8(y + i), acc[0]);
+    float sum = hsum_f32x8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
+    return sum;
+}
+
+static ES_AVX2 float dot_bf16_avx2(int64_t n, const void * w, const void * a) {
+    const uint16_t * x = w, * y = a;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 2; k++)
+            acc[k] = _mm256_fmadd_ps(load_bf16x8(x + i + 8 * k), load_bf16x8(y + i + 8 * k), acc[k]);
+    float sum = hsum_f32x8(_mm256_add_ps(acc[0], acc[1]));
+    for (; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
+    return sum;
+}
+
+// The 32-element quants: per block, 8 int32 lanes of exact partial sums as
+// floats (the *_sums functions), times d_x d_y, accumulated by FMA.
+static inline ES_AVX2 __m256 q4_0_sums(const block_q4_0 * x, const block_q8_0 * y) {
+    const __m256i qx = _mm256_sub_epi8(unpack_nibbles(x->qs), _mm256_set1_epi8(8));
+    return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
+}
+
+static inline ES_AVX2 __m256 q4_1_sums(const block_q4_1 * x, const block_q8_1 * y) {
+    return _mm256_cvtepi32_ps(dot_u8s8(unpack_nibbles(x->qs), _mm256_loadu_si256((const __m256i *) y->qs)));
+}
+
+static inline ES_AVX2 __m256 q5_0_sums(const block_q5_0 * x, const block_q8_0 * y) {
+    // q - 16 as a signed byte: the nibble where the fifth bit is set,
+    // else the nibble with 0xF0 on top (nibble - 16 in two's complement).
+    const __m256i hi = _mm256_andnot_si256(expand_bits(x->qh), _mm256_set1_epi8((char) 0xF0));
+    const __m256i qx = _mm256_or_si256(unpack_nibbles(x->qs), hi);
+    return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
+}
+
+static inline ES_AVX2 __m256 q5_1_sums(const block_q5_1 * x, const block_q8_1 * y) {
+    const __m256i hi = _mm256_and_si256(expand_bits(x->qh), _mm256_set1_epi8(0x10));
+    const __m256i qx = _mm256_or_si256(unpack_nibbles(x->qs), hi);
+    return _mm256_cvtepi32_ps(dot_u8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
+}
+
+static inline ES_AVX2 __m256 q8_0_sums(const block_q8_0 * x, const block_q8_0 * y) {
+    const __m256i qx = _mm256_loadu_si256((const __m256i *) x->qs);
+    return _mm256_cvtepi32_ps(dot_s8s8(qx, _mm256_loadu_si256((const __m256i *) y->qs)));
+}
+
+// NT activation rows against one weight row, each exactly as a single row
+// would be (es_matmat's results are es_matvec's bit for bit); the weight
+// blocks are loaded and unpacked once for all NT (the compiler merges the
+// identical unpacking in the unrolled token loop). Per token, even blocks go
+// to acc0 and odd ones to acc1: two FMA chains in registers. With a min
+// (Q4_1, Q5_1), m_x s_y sums the same way in m0 / m1.
+#define DOT32(NAME, NT, block_t, act_t, SUMS, MIN_TERM)                                      \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_t * x = w;                                                              \
+        const act_t *   y[NT];                                                              \
+        __m256 acc0[NT], acc1[NT];                                                          \
+        float  m0[NT], m1[NT];                                                              \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            y[t] = (const act_t *) ((const uint8_t *) a + (size_t) t * a_stride);           \
+            acc0[t] = acc1[t] = _mm256_setzero_ps();                                        \
+            m0[t] = m1[t] = 0.0f;                                                           \
+        }                                                                                   \
+        const int64_t nb = n / QK;                                                          \
+        int64_t i = 0;                                                                      \
+        for (; i + 1 < nb; i += 2) {                                                        \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                          \
+                acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[t][i].d)),     \
+                                          SUMS(x + i, y[t] + i), acc0[t]);                  \
+                acc1[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i + 1].d) * h2f(y[t][i + 1].d)), \
+                                          SUMS(x + i + 1, y[t] + i + 1), acc1[t]);          \
+                m0[t] += MIN_TERM(x, y[t], i);                                              \
+                m1[t] += MIN_TERM(x, y[t], i + 1);                                          \
+            }                                                                               \
+        }                                                                                   \
+        if (i < nb) {                                                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                          \
+                acc0[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * h2f(y[t][i].d)),     \
+                                          SUMS(x + i, y[t] + i), acc0[t]);                  \
+                m0[t] += MIN_TERM(x, y[t], i);                                              \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            out[t] = hsum_f32x8(_mm256_add_ps(acc0[t], acc1[t])) + (m0[t] + m1[t]);         \
+        }                                                                                   \
+    }
+
+// Block i's m_x s_y: the types with a min (Q4_1, Q5_1 against Q8_1), or none
+// (m0, m1 stay 0 and the final + 0 folds away).
+#define WITH_MIN(x, y, i) (h2f((x)[i].m) * h2f((y)[i].s))
+#define NO_MIN(x, y, i)   0.0f
+
+// es_matvec's kernel: the one-token instance.
+#define DOT_ONE(T)                                                                            \
+    static ES_AVX2 float dot_##T##_avx2(int64_t n, const void * w, const void * a) {        \
+        float r;                                                                            \
+        dot1_##T##_avx2(n, w, a, 0, &r);                                                    \
+        return r;                                                                           \
+    }
+
+// Each type: the one-row kernel (es_matvec) and the four-row one (es_matmat).
+#define DOT32_TYPE(T, block_t, act_t, MIN_TERM)                                             \
+    DOT32(dot1_##T##_avx2, 1, block_t, act_t, T##_sums, MIN_TERM)                           \
+    DOT32(dot4_##T##_avx2, 4, block_t, act_t, T##_sums, MIN_TERM)                           \
+    DOT_ONE(T)
+
+DOT32_TYPE(q4_0, block_q4_0, block_q8_0, NO_MIN)
+DOT32_TYPE(q5_0, block_q5_0, block_q8_0, NO_MIN)
+DOT32_TYPE(q8_0, block_q8_0, block_q8_0, NO_MIN)
+DOT32_TYPE(q4_1, block_q4_1, block_q8_1, WITH_MIN)
+DOT32_TYPE(q5_1, block_q5_1, block_q8_1, WITH_MIN)
+
+// Byte masks for _mm256_shuffle_epi8 over 8 int16 in both 128-bit lanes:
+// BCAST16[k] repeats int16 k in every lane; PAIR16[k] int16 2k in the low
+// lane and 2k + 1 in the high one.
+static const uint8_t BCAST16[8][32] = {
+#define B(k) {2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, \
+              2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1, 2*k, 2*k+1}
+    B(0), B(1), B(2), B(3), B(4), B(5), B(6), B(7),
+#undef B
+};
+static const uint8_t PAIR16[4][32] = {
+#define P(k) {4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, 4*k, 4*k+1, \
+              4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3, 4*k+2, 4*k+3}
+    P(0), P(1), P(2), P(3),
+#undef P
+};
+
+static inline ES_AVX2 __m256i shuffle16(__m256i v, const uint8_t mask[32]) {
+    return _mm256_shuffle_epi8(v, _mm256_loadu_si256((const __m256i *) mask));
+}
+
+// 8 bytes -> 8 int16 in both 128-bit lanes (zero- or sign-extended).
+static inline ES_AVX2 __m256i u8x8_to_i16x2(const uint8_t * p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) p)));
+}
+static inline ES_AVX2 __m256i s8x8_to_i16x2(const int8_t * p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *) p)));
+}
+
+// sum over sub-blocks of min[j] * (bsums[2j] + bsums[2j+1]), exact.
+static inline ES_AVX2 int k4_mins(const uint8_t m[8], const int16_t * bsums) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *) bsums);  // 16 x int16
+    const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) m));
+    __m128i p = _mm_madd_epi16(mins, pairs);  // 4 x int32
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(p);
+}
+
+// The K-quants: each super-block's exact int32 sums for one token (the
+// *_sumi functions; weight-only work such as unpacking is shared by the
+// compiler when the token loop below is unrolled), then the float part.
+static inline ES_AVX2 __m256i q4_K_sumi(const block_q4_K * x, const block_q8_K * y, __m256i scales) {
+    const uint8_t * q  = x->qs;
+    const int8_t *  q8 = y->qs;
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
+        const __m256i lo = _mm256_and_si256(bits, _mm256_set1_epi8(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F));
+        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
+        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
+    }
+    return sumi;
+}
+
+static inline ES_AVX2 __m256i q5_K_sumi(const block_q5_K * x, const block_q8_K * y, __m256i scales) {
+    const uint8_t * q  = x->qs;
+    const int8_t *  q8 = y->qs;
+    const __m256i hbits = _mm256_loadu_si256((const __m256i *) x->qh);
+    const __m256i one = _mm256_set1_epi8(1);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *) q);
+        // Bit 2j (2j+1) of each qh byte, moved to bit 4; 16-bit shifts
+        // are fine since the AND keeps only each byte's own bit.
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one), 4);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi8(0x0F)), h0);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), _mm256_set1_epi8(0x0F)), h1);
+        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) q8));
+        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (q8 + 32)));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, shuffle16(scales, BCAST16[2 * j])));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, shuffle16(scales, BCAST16[2 * j + 1])));
+    }
+    return sumi;
+}
+
+static inline ES_AVX2 __m256i q6_K_sumi(const block_q6_K * x, const block_q8_K * y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    const int8_t * sc = x->scales;
+    // sum sc (q - 32) y = sum sc q y - 32 sum_g sc_g bsum_g: the offset once
+    // per super-block from the group sums, not per element.
+    const __m256i bsums = _mm256_loadu_si256((const __m256i *) y->bsums);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc));
+    const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++, sc += 8) {
+        const __m256i scales = s8x8_to_i16x2(sc);
+        const uint8_t * ql = x->ql + 64 * h;
+        const int8_t *  q8 = y->qs + 128 * h;
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *) ql);
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *) (ql + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *) (x->qh + 32 * h));
+        // Quarters k = 0..3 of the 128 elements, values 0..63.
+        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+        const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+        const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+        const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+        // q y pairwise in int16 (<= 2 * 63 * 127); lanes 0..7 of quarter k
+        // hold elements 0..15 (scale 2k), lanes 8..15 elements 16..31 (2k+1).
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(q0, _mm256_loadu_si256((const __m256i *) q8)),
+                                             shuffle16(scales, PAIR16[0]));
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, _mm256_loadu_si256((const __m256i *) (q8 + 32))),
+                                             shuffle16(scales, PAIR16[1]));
+        const __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, _mm256_loadu_si256((const __m256i *) (q8 + 64))),
+                                             shuffle16(scales, PAIR16[2]));
+        const __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(q3, _mm256_loadu_si256((const __m256i *) (q8 + 96))),
+                                             shuffle16(scales, PAIR16[3]));
+        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+    }
+    return _mm256_sub_epi32(sumi, offset);
+}
+
+// Q4_K / Q5_K for NT tokens: per super-block d y_d sumi by FMA, minus
+// dmin y_d sum(min bsum) summed apart.
+#define DOT_K4(NAME, NT, block_t, SUMI)                                                       \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_t *    x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        float  summ[NT];                                                                    \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+            summ[t] = 0.0f;                                                                 \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            uint8_t sc[8], m[8];                                                            \
+            unpack_scales_k4(x[i].scales, sc, m);                                           \
+            const __m256i scales = u8x8_to_i16x2(sc);                                       \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                          \
+                const float yd = y[t][i].d;                                                 \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * yd),                  \
+                                         _mm256_cvtepi32_ps(SUMI(x + i, y[t] + i, scales)), acc[t]); \
+                summ[t] += (h2f(x[i].dmin) * yd) * (float) k4_mins(m, y[t][i].bsums);       \
+            }                                                                               \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]) - summ[t]; \
+    }
+
+#define DOT_Q6K(NAME, NT)                                                                     \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_q6_K * x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                              \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++)                            \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(x[i].d) * y[t][i].d),           \
+                                         _mm256_cvtepi32_ps(q6_K_sumi(x + i, y[t] + i)), acc[t]); \
+        }                                                                                   \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);   \
+    }
+
+DOT_K4(dot1_q4_K_avx2, 1, block_q4_K, q4_K_sumi)
+DOT_K4(dot4_q4_K_avx2, 4, block_q4_K, q4_K_sumi)
+DOT_K4(dot1_q5_K_avx2, 1, block_q5_K, q5_K_sumi)
+DOT_K4(dot4_q5_K_avx2, 4, block_q5_K, q5_K_sumi)
+DOT_Q6K(dot1_q6_K_avx2, 1)
+DOT_Q6K(dot4_q6_K_avx2, 4)
+
+DOT_ONE(q4_K)
+DOT_ONE(q5_K)
+DOT_ONE(q6_K)
+
+#endif  // ES_HAVE_AVX2
+
+/* ---- NEON dot products --------------------------------------------------- */
+
+#if defined(__ARM_NEON) && defined(__aarch64__)
+
+// sum of x[k] * y[k] over 16 signed bytes, as 4 int32 lanes.
+static inline int32x4_t dot_s8x16(int8x16_t x, int8x16_t y) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdupq_n_s32(0), x, y);
+#else
+    const int16x8_t lo = vmull_s8(vget_low_s8(x), vget_low_s8(y));
+    const int16x8_t hi = vmull_high_s8(x, y);
+    return vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi));
+#endif
+}
+
+static float dot_f32_neon(int64_t n, const void * w, const void * a) {
+    const float * x = w, * y = a;
+    float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 4; k++) acc[k] = vfmaq_f32(acc[k], vld1q_f32(x + i + 4 * k), vld1q_f32(y + i + 4 * k));
+    float sum = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+    for (; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+static float dot_f16_neon(int64_t n, const void * w, const void * a) {
+    const es_half * x = w, * y = a;
+    float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(x + i));
+        const float16x8_t g = vreinterpretq_f16_u16(vld1q_u16(y + i));
+        acc[0] = vfmaq_f32(acc[0], vcvt_f32_f16(vget_low_f16(h)), vcvt_f32_f16(vget_low_f16(g)));
+        acc[1] = vfmaq_f32(acc[1], vcvt_high_f32_f16(h), vcvt_high_f32_f16(g));
+    }
+    float sum = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
+    for (; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
+    return sum;
+}
+
+static float dot_q4_0_neon(int64_t n, const void * w, const void * a) {
+    const block_q4_0 * x = w;
+    const block_q8_0 * y = a;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / QK; i++) {
+        const uint8x16_t b = vld1q_u8(x[i].qs);
+        const int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vdupq_n_s8(8));
+        const int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vdupq_n_s8(8));
+        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
+    }
+    return vaddvq_f32(acc);
+}
+
+static float dot_q4_1_neon(int64_t n, const void * w, const void * a) {
+    const block_q4_1 * x = w;
+    const block_q8_1 * y = a;
+    float32x4_t acc = vdupq_n_f32(0);
+    float summs = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        const uint8x16_t b = vld1q_u8(x[i].qs);
+        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F)));
+        const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
+        summs += half_to_f32(x[i].m) * half_to_f32(y[i].s);
+    }
+    return vaddvq_f32(acc) + summs;
+}
+
+// 16 bits of qh starting at bit `from` -> 16 bytes of 0x10 where set.
+static inline int8x16_t q5_bits_neon(uint32_t qh, int from) {
+    static const uint8_t mask[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x8_t b0 = vdup_n_u8((uint8_t) (qh >> from)), b1 = vdup_n_u8((uint8_t) (qh >> (from + 8)));
+    const uint8x16_t set = vtstq_u8(vcombine_u8(b0, b1), vld1q_u8(mask));
+    return vreinterpretq_s8_u8(vandq_u8(set, vdupq_n_u8(0x10)));
+}
+
+static float dot_q5_0_neon(int64_t n, const void * w, const void * a) {
+    const block_q5_0 * x = w;
+    const block_q8_0 * y = a;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        const uint8x16_t b = vld1q_u8(x[i].qs);
+        const int8x16_t lo = vsubq_s8(vorrq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), q5_bits_neon(qh, 0)),
+                                      vdupq_n_s8(16));
+        const int8x16_t hi = vsubq_s8(vorrq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), q5_bits_neon(qh, 16)),
+                                      vdupq_n_s8(16));
+        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
+    }
+    return vaddvq_f32(acc);
+}
+
+static float dot_q8_0_neon(int64_t n, const void * w, const void * a) {
+    const block_q8_0 * x = w;
+    const block_q8_0 * y = a;
+    float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
+    for (int64_t i = 0; i < n / QK; i++) {
+        const int32x4_t s = vaddq_s32(dot_s8x16(vld1q_s8(x[i].qs), vld1q_s8(y[i].qs)),
+                                      dot_s8x16(vld1q_s8(x[i].qs + 16), vld1q_s8(y[i].qs + 16)));
+        acc[i & 1] = vfmaq_n_f32(acc[i & 1], vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
+    }
+    return vaddvq_f32(vaddq_f32(acc[0], acc[1]));
+}
+
+static float dot_bf16_neon(int64_t n, const void * w, const void * a) {
+    const uint16_t * x = w, * y = a;
+    float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const uint16x8_t h = vld1q_u16(x + i), g = vld1q_u16(y + i);
+        acc[0] = vfmaq_f32(acc[0], vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)),
+                           vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(g), 16)));
+        acc[1] = vfmaq_f32(acc[1], vreinterpretq_f32_u32(vshll_high_n_u16(h, 16)),
+                           vreinterpretq_f32_u32(vshll_high_n_u16(g, 16)));
+    }
+    float sum = vaddvq_f32(vaddq_f32(acc[0], acc[1]));
+    for (; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
+    return sum;
+}
+
+static float dot_q5_1_neon(int64_t n, const void * w, const void * a) {
+    const block_q5_1 * x = w;
+    const block_q8_1 * y = a;
+    float32x4_t acc = vdupq_n_f32(0);
+    float summs = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        const uint8x16_t b = vld1q_u8(x[i].qs);
+        const int8x16_t lo = vorrq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), q5_bits_neon(qh, 0));
+        const int8x16_t hi = vorrq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), q5_bits_neon(qh, 16));
+        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
+        summs += half_to_f32(x[i].m) * half_to_f32(y[i].s);
+    }
+    return vaddvq_f32(acc) + summs;
+}
+
+// The K-quants compute each super-block's integer sums with NEON and the
+// float part exactly as the scalar kernels do, so results match them bit
+// for bit.
+
+// sum of 32 u8 weights (0..31, in two vectors) times 32 int8 activations.
+static inline int32_t dot32_neon(uint8x16_t w0, uint8x16_t w1, const int8_t * q8) {
+    return vaddvq_s32(vaddq_s32(dot_s8x16(vreinterpretq_s8_u8(w0), vld1q_s8(q8)),
+                                dot_s8x16(vreinterpretq_s8_u8(w1), vld1q_s8(q8 + 16))));
+}
+
+static inline int k4_mins_scalar(const uint8_t m[8], const int16_t * bsums) {
+    int summ = 0;
+    for (int j = 0; j < 8; j++) summ += m[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return summ;
+}
+
+static float dot_q4_K_neon(int64_t n, const void * w, const void * a) {
+    const block_q4_K * x = w;
+    const block_q8_K * y = a;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        uint8_t sc[8], m[8];
+        unpack_scales_k4(x[i].scales, sc, m);
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        int sumi = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            const uint8x16_t b0 = vld1q_u8(q), b1 = vld1q_u8(q + 16);
+            sumi += sc[2 * j] * dot32_neon(vandq_u8(b0, m4), vandq_u8(b1, m4), q8);
+            sumi += sc[2 * j + 1] * dot32_neon(vshrq_n_u8(b0, 4), vshrq_n_u8(b1, 4), q8 + 32);
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, k4_mins_scalar(m, y[i].bsums));
+    }
+    return sum;
+}
+
+static float dot_q5_K_neon(int64_t n, const void * w, const void * a) {
+    const block_q5_K * x = w;
+    const block_q8_K * y = a;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), b4 = vdupq_n_u8(0x10);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        uint8_t sc[8], m[8];
+        unpack_scales_k4(x[i].scales, sc, m);
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        const uint8x16_t h0 = vld1q_u8(x[i].qh), h1 = vld1q_u8(x[i].qh + 16);
+        int sumi = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            const uint8x16_t b0 = vld1q_u8(q), b1 = vld1q_u8(q + 16);
+            // Fifth bits: bit 2j of qh[l] for the low nibbles, 2j + 1 for the high.
+            const uint8x16_t bl = vdupq_n_u8((uint8_t) (1u << (2 * j))), bh = vdupq_n_u8((uint8_t) (2u << (2 * j)));
+            const uint8x16_t lo0 = vorrq_u8(vandq_u8(b0, m4), vandq_u8(vtstq_u8(h0, bl), b4));
+            const uint8x16_t lo1 = vorrq_u8(vandq_u8(b1, m4), vandq_u8(vtstq_u8(h1, bl), b4));
+            const uint8x16_t hi0 = vorrq_u8(vshrq_n_u8(b0, 4), vandq_u8(vtstq_u8(h0, bh), b4));
+            const uint8x16_t hi1 = vorrq_u8(vshrq_n_u8(b1, 4), vandq_u8(vtstq_u8(h1, bh), b4));
+            sumi += sc[2 * j] * dot32_neon(lo0, lo1, q8);
+            sumi += sc[2 * j + 1] * dot32_neon(hi0, hi1, q8 + 32);
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, k4_mins_scalar(m, y[i].bsums));
+    }
+    return sum;
+}
+
+static float dot_q6_K_neon(int64_t n, const void * w, const void * a) {
+    const block_q6_K * x = w;
+    const block_q8_K * y = a;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(3);
+    const int8x16_t  o32 = vdupq_n_s8(32);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int sumi = 0;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t * ql = x[i].ql + 64 * h;
+            const uint8_t * qh = x[i].qh + 32 * h;
+            const int8_t *  q8 = y[i].qs + 128 * h;
+            const int8_t *  sc = x[i].scales + 8 * h;
+            for (int l = 0; l < 32; l += 16) {  // groups of 16: scale index 2k + l / 16
+                const uint8x16_t a0 = vld1q_u8(ql + l), a1 = vld1q_u8(ql + 32 + l), hb = vld1q_u8(qh + l);
+                const uint8x16_t q[4] = {
+                    vorrq_u8(vandq_u8(a0, m4), vshlq_n_u8(vandq_u8(hb, m2), 4)),
+                    vorrq_u8(vandq_u8(a1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m2), 4)),
+                    vorrq_u8(vshrq_n_u8(a0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m2), 4)),
+                    vorrq_u8(vshrq_n_u8(a1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4)),
+                };
+                for (int k = 0; k < 4; k++) {
+                    const int8x16_t v = vsubq_s8(vreinterpretq_s8_u8(q[k]), o32);
+                    sumi += sc[2 * k + l / 16] * vaddvq_s32(dot_s8x16(v, vld1q_s8(q8 + 32 * k + l)));
+                }
+            }
+        }
+        sum += (half_to_f32(x[i].d) * y[i].d) * (float) sumi;
+    }
+    return sum;
+}
+
+#endif  // __ARM_NEON && __aarch64__
+
+/* ---- dispatch ------------------------------------------------------------ */
+
+#define N_TYPES (ES_TYPE_BF16 + 1)  // dot tables cover ids 0..BF16
+
+typedef struct {
+    const char * name;
+    vec_dot_fn   dot[N_TYPES];   // NULL: not a weight type
+    vec_dot4_fn  dot4[N_TYPES];  // NULL: es_matmat calls dot once per row
+} kernel_set;
+
+#define SCALAR_DOTS                                                            \
+    [ES_TYPE_F32] = dot_f32_scalar, [ES_TYPE_F16] = dot_f16_scalar,            \
+    [ES_TYPE_BF16] = dot_bf16_scalar, [ES_TYPE_Q4_0] = dot_q4_0_scalar,        \
+    [ES_TYPE_Q4_1] = dot_q4_1_scalar, [ES_TYPE_Q5_0] = dot_q5_0_scalar,        \
+    [ES_TYPE_Q5_1] = dot_q5_1_scalar, [ES_TYPE_Q8_0] = dot_q8_0_scalar,        \
+    [ES_TYPE_Q4_K] = dot_q4_K_scalar, [ES_TYPE_Q5_K] = dot_q5_K_scalar,        \
+    [ES_TYPE_Q6_K] = dot_q6_K_scalar
+
+static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}};
+
+#if defined(ES_HAVE_AVX2)
+static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
+    [ES_TYPE_F32] = dot_f32_avx2, [ES_TYPE_F16] = dot_f16_avx2, [ES_TYPE_BF16] = dot_bf16_avx2,
+    [ES_TYPE_Q4_0] = dot_q4_0_avx2, [ES_TYPE_Q4_1] = dot_q4_1_avx2, [ES_TYPE_Q5_0] = dot_q5_0_avx2,
+    [ES_TYPE_Q5_1] = dot_q5_1_avx2, [ES_TYPE_Q8_0] = dot_q8_0_avx2,
+    [ES_TYPE_Q4_K] = dot_q4_K_avx2, [ES_TYPE_Q5_K] = dot_q5_K_avx2, [ES_TYPE_Q6_K] = dot_q6_K_avx2,
+}, .dot4 = {
+    [ES_TYPE_Q4_0] = dot4_q4_0_avx2, [ES_TYPE_Q4_1] = dot4_q4_1_avx2, [ES_TYPE_Q5_0] = dot4_q5_0_avx2,
+    [ES_TYPE_Q5_1] = dot4_q5_1_avx2, [ES_TYPE_Q8_0] = dot4_q8_0_avx2,
+    [ES_TYPE_Q4_K] = dot4_q4_K_avx2, [ES_TYPE_Q5_K] = dot4_q5_K_avx2, [ES_TYPE_Q6_K] = dot4_q6_K_avx2,
+}};
+#endif
+
+#if defined(__ARM_NEON) && defined(__aarch64__)
+static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
+    [ES_TYPE_F32] = dot_f32_neon, [ES_TYPE_F16] = dot_f16_neon, [ES_TYPE_BF16] = dot_bf16_neon,
+    [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
+    [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
+    [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
+}};
+#endif
+
+static const kernel_set * choose_kernels(void) {
+    const char * env = getenv("EDGESPEC_KERNELS");
+    if (env && strcmp(env, "scalar") == 0) return &KERNELS_SCALAR;
+#if defined(ES_HAVE_AVX2)
+    // F16C through cpuid: not every compiler's __builtin_cpu_supports knows it.
+    unsigned eax, ebx, ecx = 0, edx;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
+        init_half_table();
+        return &KERNELS_AVX2;
+    }
+#endif
+#if defined(__ARM_NEON) && defined(__aarch64__)
+    return &KERNELS_NEON;
+#endif
+    return &KERNELS_SCALAR;
+}
+
+// Chosen once, on first use from any thread (the AVX2 set's half table is
+// filled before any thread can use it).
+static pthread_once_t     g_once = PTHREAD_ONCE_INIT;
+static const kernel_set * g_kernels;
+
+static void choose_once(void) { g_kernels = choose_kernels(); }
+
+static const kernel_set * kernels(void) {
+    pthread_once(&g_once, choose_once);
+    return g_kernels;
+}
+
+const char * es_kernels_name(void) { return kernels()->name; }
+
+void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t r0, int64_t r1, float * y) {
+    const size_t row_bytes = es_type_row_bytes(type, n);
+    const vec_dot_fn dot = type >= 0 && type < N_TYPES ? kernels()->dot[type] : NULL;
+    if (!dot || row_bytes == 0) return;
+    const uint8_t * row = (const uint8_t *) w + (size_t) r0 * row_bytes;
+    for (int64_t r = r0; r < r1; r++, row += row_bytes) y[r - r0] = dot(n, row, xq);
+}
+
+void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok, int64_t n,
+               int64_t r0, int64_t r1, float * y, size_t y_stride) {
+    const size_t row_bytes = es_type_row_bytes(type, n);
+    const kernel_set * k = kernels();
+    const vec_dot_fn  dot  = type >= 0 && type < N_TYPES ? k->dot[type] : NULL;
+    const vec_dot4_fn dot4 = type >= 0 && type < N_TYPES ? k->dot4[type] : NULL;
+    if (!dot || row_bytes == 0) return;
+    // Rows outer, tokens inner: a weight row is read once for all tokens.
+    const uint8_t * row = (const uint8_t *) w + (size_t) r0 * row_bytes;
+    for (int64_t r = r0; r < r1; r++, row += row_bytes) {
+        int32_t t = 0;
+        if (dot4) {
+            for (; t + 4 <= n_tok; t += 4) {
+                float out[4];
+                dot4(n, row, (const uint8_t *) xq + (size_t) t * xq_stride, xq_stride, out);
+                for (int32_t j = 0; j < 4; j++) y[(size_t) (t + j) * y_stride + (size_t) (r - r0)] = out[j];
+            }
+        }
+        for (; t < n_tok; t++)
+            y[(size_t) t * y_stride + (size_t) (r - r0)] = dot(n, row, (const uint8_t *) xq + (size_t) t * xq_stride);
+    }
+}

@@ -1,0 +1,804 @@
+/*
+ * engine.c — the native engine: es_model / es_context, the KV cache, the
+ * blocks every architecture shares, and es_decode.
+ *
+ *   model        GGUF mapped and validated (gguf.c), architecture found by
+ *                general.architecture in es__archs, tensors bound by arch->load
+ *   context      thread pool, F16 KV cache, batch buffers, logits
+ *   blocks       RMSNorm, RoPE, attention, matmul, dense FFN
+ *   es_decode    positions and visibility of a chain or tree batch, embeddings,
+ *                arch->layer for every layer, final norm, output matmul
+ *
+ * Batch invariance: every token row goes through the same sequence of
+ * operations whatever the batch or thread count — matmuls are per-row
+ * es_matvec calls (fixed reduction order), attention reduces over the cells a
+ * token sees in ascending cell order — so a token's logits are bit-identical
+ * alone, in a chain or in a tree. Exact speculative decoding relies on it.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "native/native_internal.h"
+
+extern const es_arch es__arch_llama;
+extern const es_arch es__arch_gemma3;
+extern const es_arch es__arch_qwen3moe;
+
+const es_arch * const es__archs[] = {
+    &es__arch_llama,
+    &es__arch_gemma3,
+    &es__arch_qwen3moe,
+    NULL,
+};
+
+/* ---- small helpers ------------------------------------------------------- */
+
+static void set_err(char * err, size_t err_cap, const char * fmt, ...) {
+    if (!err || err_cap == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_cap, fmt, ap);
+    va_end(ap);
+}
+
+// Runs fn over the pool, or on the calling thread alone when the work is one
+// row (a decode step): a pool round trip costs more than the work then.
+static void run(es_context * ctx, es_pool_fn fn, void * arg, int32_t n_rows) {
+    if (n_rows <= 1) fn(arg, 0, 1);
+    else es_pool_run(ctx->pool, fn, arg);
+}
+
+/* ---- binding tensors and keys -------------------------------------------- */
+
+int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
+             bool required, es_weight * out, char * err, size_t err_cap) {
+    char name[96];
+    if (il < 0) snprintf(name, sizeof name, "%s.weight", kind);
+    else snprintf(name, sizeof name, "blk.%d.%s.weight", (int) il, kind);
+    memset(out, 0, sizeof *out);
+    const es_tensor * t = es_gguf_find_tensor(m->gguf, name);
+    if (!t) {
+        if (!required) return ES_OK;
+        set_err(err, err_cap, "tensor %s is missing", name);
+        return ES_ERR_FORMAT;
+    }
+    const int64_t want_out = n_out > 0 ? n_out : t->ne[1];
+    if (t->ne[0] != n_in || t->ne[1] != want_out || t->ne[2] != 1 || t->ne[3] != 1) {
+        set_err(err, err_cap, "tensor %s has shape (%lld, %lld, %lld, %lld), expected (%lld, %lld)",
+                name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
+                (long long) t->ne[3], (long long) n_in, (long long) want_out);
+        return ES_ERR_FORMAT;
+    }
+    if (es_type_row_bytes(t->type, n_in) == 0 || es_act_type(t->type) < 0) {
+        set_err(err, err_cap, "tensor %s: weight type %s is not supported", name,
+                es_type_name(t->type));
+        return ES_ERR_UNSUPPORTED;
+    }
+    // Norm vectors are read as floats directly.
+    if (want_out == 1 && t->type != ES_TYPE_F32) {
+        set_err(err, err_cap, "tensor %s: expected F32, found %s", name, es_type_name(t->type));
+        return ES_ERR_UNSUPPORTED;
+    }
+    *out = (es_weight) { .data = t->data, .type = t->type, .n_in = n_in, .n_out = want_out };
+    return ES_OK;
+}
+
+static int key_num(const es_model * m, const char * key, bool required, double * out,
+                   char * err, size_t err_cap) {
+    char full[128];
+    snprintf(full, sizeof full, "%s.%s", m->arch->name, key);
+    int64_t i;
+    float f;
+    if (es_gguf_get_i64(m->gguf, full, &i)) { *out = (double) i; return 1; }
+    if (es_gguf_get_f32(m->gguf, full, &f)) { *out = f; return 1; }
+    if (!required) return 0;
+    set_err(err, err_cap, "metadata key %s is missing", full);
+    return ES_ERR_FORMAT;
+}
+
+int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
+                char * err, size_t err_cap) {
+    double v;
+    const int rc = key_num(m, key, required, &v, err, err_cap);
+    if (rc <= 0) return rc;
+    if (v != floor(v) || v < 0 || v > (double) INT32_MAX) {
+        set_err(err, err_cap, "metadata key %s.%s = %g is out of range", m->arch->name, key, v);
+        return ES_ERR_FORMAT;
+    }
+    *out = (int32_t) v;
+    return ES_OK;
+}
+
+int es__key_f32(const es_model * m, const char * key, bool required, float * out,
+                char * err, size_t err_cap) {
+    double v;
+    const int rc = key_num(m, key, required, &v, err, err_cap);
+    if (rc <= 0) return rc;
+    if (!isfinite(v)) {
+        set_err(err, err_cap, "metadata key %s.%s is not finite", m->arch->name, key);
+        return ES_ERR_FORMAT;
+    }
+    *out = (float) v;
+    return ES_OK;
+}
+
+int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t err_cap) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", m->arch->name);
+    const char * type = es_gguf_get_str(m->gguf, key);
+    *scale = 1.0f;
+    if (type && strcmp(type, "none") == 0) return ES_OK;
+    if (type && strcmp(type, "linear") != 0) {
+        set_err(err, err_cap, "RoPE scaling '%.32s' is not supported", type);
+        return ES_ERR_UNSUPPORTED;
+    }
+    float factor = 0.0f;
+    int rc = es__key_f32(m, "rope.scaling.factor", false, &factor, err, err_cap);
+    if (rc == ES_OK && factor == 0.0f) rc = es__key_f32(m, "rope.scale_linear", false, &factor, err, err_cap);
+    if (rc == ES_OK && factor < 0.0f) {
+        set_err(err, err_cap, "RoPE scaling factor %g is negative", factor);
+        rc = ES_ERR_FORMAT;
+    }
+    if (factor > 0.0f) *scale = 1.0f / factor;
+    return rc;
+}
+
+// The attention hyperparameters every architecture here shares, read and
+// checked once: widths, heads, head size (key = value = RoPE dimensions),
+// training context, norm epsilon, RoPE base (default 10000) and linear scale.
+int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
+                               char * err, size_t err_cap) {
+    int rc = ES_OK;
+    *rope_base = 10000.0f;
+#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
+    TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
+    TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
+    TRY(es__key_i32(m, "attention.head_count", true, &m->n_head, err, err_cap));
+    TRY(es__key_i32(m, "attention.head_count_kv", false, &m->n_head_kv, err, err_cap));
+    TRY(es__key_i32(m, "attention.key_length", false, &m->head_dim, err, err_cap));
+    TRY(es__key_i32(m, "rope.dimension_count", false, &m->n_rot, err, err_cap));
+    TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
+    TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
+    TRY(es__key_f32(m, "rope.freq_base", false, rope_base, err, err_cap));
+    TRY(es__rope_freq_scale(m, rope_scale, err, err_cap));
+    if (rc != ES_OK) return rc;
+    if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
+        set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
+                (int) m->n_embd, (int) m->n_layer, (int) m->n_head);
+        return ES_ERR_FORMAT;
+    }
+    if (m->n_head_kv == 0) m->n_head_kv = m->n_head;
+    if (m->head_dim == 0) m->head_dim = m->n_embd / m->n_head;
+    if (m->n_rot == 0) m->n_rot = m->head_dim;
+    int32_t v_len = m->head_dim;
+    TRY(es__key_i32(m, "attention.value_length", false, &v_len, err, err_cap));
+#undef TRY
+    if (rc != ES_OK) return rc;
+    if (v_len != m->head_dim || m->n_rot != m->head_dim) {
+        set_err(err, err_cap, "key length %d, value length %d and RoPE dimensions %d differ",
+                (int) m->head_dim, (int) v_len, (int) m->n_rot);
+        return ES_ERR_UNSUPPORTED;
+    }
+    return ES_OK;
+}
+
+int es__bind_embeddings(es_model * m, char * err, size_t err_cap) {
+    const int64_t D = m->n_embd;
+    int rc = es__bind(m, -1, "token_embd", D, 0, true, &m->tok_embd, err, err_cap);
+    if (rc != ES_OK) return rc;
+    m->n_vocab = (int32_t) m->tok_embd.n_out;
+    rc = es__bind(m, -1, "output_norm", D, 1, true, &m->output_norm, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, -1, "output", D, m->n_vocab, false, &m->output, err, err_cap);
+    if (rc != ES_OK) return rc;
+    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
+    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
+    return m->layers ? ES_OK : ES_ERR_NO_MEMORY;
+}
+
+int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap) {
+    es_layer * L = &m->layers[il];
+    const int64_t D = m->n_embd, Q = (int64_t) m->n_head * m->head_dim;
+    const int64_t KV = (int64_t) m->n_head_kv * m->head_dim;
+    int rc = es__bind(m, il, "attn_norm", D, 1, true, &L->attn_norm, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_q", D, Q, true, &L->wq, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_k", D, KV, true, &L->wk, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_v", D, KV, true, &L->wv, err, err_cap);
+    if (rc == ES_OK) rc = es__bind(m, il, "attn_output", Q, D, true, &L->wo, err, err_cap);
+    return rc;
+}
+
+/* ---- model ---------------------------------------------------------------- */
+
+// Every weight a model binds, for the checks after loading.
+static int32_t model_weights(const es_model * m, const es_weight ** out, int32_t cap) {
+    int32_t n = 0;
+#define ADD(w) do { if ((w).data && n < cap) out[n++] = &(w); } while (0)
+    ADD(m->tok_embd);
+    ADD(m->output_norm);
+    ADD(m->output);
+    for (int32_t il = 0; il < m->n_layer; il++) {
+        const es_layer * L = &m->layers[il];
+        ADD(L->attn_norm); ADD(L->wq); ADD(L->wk); ADD(L->wv); ADD(L->wo);
+        ADD(L->attn_q_norm); ADD(L->attn_k_norm); ADD(L->attn_post_norm);
+        ADD(L->ffn_norm); ADD(L->ffn_gate); ADD(L->ffn_up); ADD(L->ffn_down);
+        ADD(L->ffn_post_norm);
+    }
+#undef ADD
+    return n;
+}
+
+enum { WEIGHTS_PER_LAYER = 13 };
+
+// A tensor the architecture does not read (a bias, RoPE factors, ...) means
+// a variant this engine would get wrong: refuse it rather than ignore it.
+static int check_all_used(const es_model * m, char * err, size_t err_cap) {
+    const int32_t cap = 3 + WEIGHTS_PER_LAYER * m->n_layer;
+    const es_weight ** ws = malloc((size_t) cap * sizeof *ws);
+    if (!ws) return ES_ERR_NO_MEMORY;
+    const int32_t nw = model_weights(m, ws, cap);
+    int rc = ES_OK;
+    for (int64_t i = 0; i < es_gguf_n_tensors(m->gguf) && rc == ES_OK; i++) {
+        const es_tensor * t = es_gguf_tensor_at(m->gguf, i);
+        bool used = false;
+        for (int32_t j = 0; j < nw && !used; j++) used = ws[j]->data == t->data;
+        if (!used && m->experts) {
+            int il;
+            char kind[32];
+            used = sscanf(t->name, "blk.%d.%31[a-z_].weight", &il, kind) == 2 &&
+                   il >= 0 && il < m->n_layer &&
+                   (!strcmp(kind, "ffn_gate_inp") || !strcmp(kind, "ffn_gate_exps") ||
+                    !strcmp(kind, "ffn_up_exps") || !strcmp(kind, "ffn_down_exps"));
+        }
+        if (!used) {
+            set_err(err, err_cap, "tensor %s is not used by the %s architecture of this engine "
+                    "(an unsupported variant)", t->name, m->arch->name);
+            rc = ES_ERR_UNSUPPORTED;
+        }
+    }
+    free(ws);
+    return rc;
+}
+
+static int check_hparams(const es_model * m, char * err, size_t err_cap) {
+    if (m->n_embd <= 0 || m->n_layer <= 0 || m->n_head <= 0 || m->n_head_kv <= 0 ||
+        m->head_dim <= 0 || m->n_vocab <= 0 || m->n_head % m->n_head_kv != 0 ||
+        m->n_rot <= 0 || m->n_rot > m->head_dim || m->n_rot % 2 != 0 || m->n_swa < 0 ||
+        !(m->norm_eps > 0) || m->n_layer > 4096 || m->n_head > 4096 || m->head_dim > 4096) {
+        set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d, "
+                "n_head_kv %d, head_dim %d, n_rot %d, n_vocab %d", (int) m->n_embd,
+                (int) m->n_layer, (int) m->n_head, (int) m->n_head_kv, (int) m->head_dim,
+                (int) m->n_rot, (int) m->n_vocab);
+        return ES_ERR_FORMAT;
+    }
+    return ES_OK;
+}
+
+int es_model_load(const char * path, es_model ** out, char * err, size_t err_cap) {
+    if (err && err_cap) err[0] = '\0';
+    if (!path || !out) {
+        set_err(err, err_cap, "no path given");
+        return ES_ERR_INVALID_ARG;
+    }
+    *out = NULL;
+    es_model * m = calloc(1, sizeof *m);
+    if (!m) return ES_ERR_NO_MEMORY;
+    int rc = es_gguf_open(path, &m->gguf, err, err_cap);
+    if (rc != ES_OK) { free(m); return rc; }
+
+    const char * arch = es_gguf_get_str(m->gguf, "general.architecture");
+    if (!arch) {
+        set_err(err, err_cap, "metadata key general.architecture is missing");
+        es_model_free(m);
+        return ES_ERR_FORMAT;
+    }
+    for (int i = 0; es__archs[i]; i++) {
+        if (strcmp(es__archs[i]->name, arch) == 0) m->arch = es__archs[i];
+    }
+    if (!m->arch) {
+        char names[256] = "";
+        for (int i = 0; es__archs[i]; i++) {
+            strncat(names, i ? ", " : "", sizeof names - strlen(names) - 1);
+            strncat(names, es__archs[i]->name, sizeof names - strlen(names) - 1);
+        }
+        set_err(err, err_cap, "architecture '%.64s' is not supported by the native engine "
+                "(supported: %s)", arch, names);
+        es_model_free(m);
+        return ES_ERR_UNSUPPORTED;
+    }
+    m->n_ctx_train = 0;
+    rc = m->arch->load(m, err, err_cap);
+    if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
+    if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
+    if (rc != ES_OK) {
+        es_model_free(m);
+        return rc;
+    }
+    *out = m;
+    return ES_OK;
+}
+
+void es_model_free(es_model * m) {
+    if (!m) return;
+    es_experts_free(m->experts);
+    free(m->layers);
+    es_gguf_close(m->gguf);
+    free(m);
+}
+
+const char * es_model_arch(const es_model * m) { return m && m->arch ? m->arch->name : ""; }
+int32_t es_model_n_vocab(const es_model * m) { return m ? m->n_vocab : 0; }
+int32_t es_model_n_ctx_train(const es_model * m) { return m ? m->n_ctx_train : 0; }
+
+/* ---- context --------------------------------------------------------------- */
+
+es_context_params es_context_default_params(void) {
+    return (es_context_params) { .n_ctx = 4096, .n_batch = 512, .n_threads = 0 };
+}
+
+// The widest activation row (bytes) any of the model's dense weights reads.
+static size_t widest_act_row(const es_model * m) {
+    const int32_t cap = 3 + WEIGHTS_PER_LAYER * m->n_layer;
+    const es_weight ** ws = malloc((size_t) cap * sizeof *ws);
+    if (!ws) return 0;
+    const int32_t nw = model_weights(m, ws, cap);
+    size_t row = 0;
+    for (int32_t j = 0; j < nw; j++) {
+        const size_t r = es_type_row_bytes(es_act_type(ws[j]->type), ws[j]->n_in);
+        row = r > row ? r : row;
+    }
+    free(ws);
+    return row;
+}
+
+int es_context_init(es_model * m, const es_context_params * params, es_context ** out) {
+    if (!m || !out) return ES_ERR_INVALID_ARG;
+    *out = NULL;
+    const es_context_params p = params ? *params : es_context_default_params();
+    int32_t n_ctx = p.n_ctx > 0 ? p.n_ctx : m->n_ctx_train;
+    if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
+    int32_t n_threads = p.n_threads;
+    if (n_threads <= 0) {
+        const long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
+    }
+    const int32_t n_batch = p.n_batch < n_ctx ? p.n_batch : n_ctx;
+
+    es_context * c = calloc(1, sizeof *c);
+    if (!c) return ES_ERR_NO_MEMORY;
+    c->model = m;
+    c->n_ctx = n_ctx;
+    c->n_batch = n_batch;
+    c->n_threads = n_threads;
+    int rc = es_pool_init(n_threads, &c->pool);
+    if (rc == ES_OK && m->experts) rc = es_moe_init(m->experts, n_batch, &c->moe);
+    if (rc != ES_OK) { es_context_free(c); return rc; }
+
+    const size_t B = (size_t) n_batch, D = (size_t) m->n_embd, HD = (size_t) m->head_dim;
+    // The cache is the one allocation a large n_ctx could make overflow size_t.
+    if ((double) m->n_layer * m->n_head_kv * n_ctx * (double) HD > (double) (SIZE_MAX / 8)) {
+        es_context_free(c);
+        return ES_ERR_NO_MEMORY;
+    }
+    const size_t kv = (size_t) m->n_layer * (size_t) m->n_head_kv * (size_t) n_ctx * HD;
+    const size_t ff = m->n_ff > 0 ? (size_t) m->n_ff : 1;
+    c->act_row  = widest_act_row(m);
+    c->k_cache  = calloc(kv, sizeof *c->k_cache);
+    c->v_cache  = calloc(kv, sizeof *c->v_cache);
+    c->cell_pos = calloc((size_t) n_ctx, sizeof *c->cell_pos);
+    c->pos      = malloc(B * sizeof *c->pos);
+    c->sees     = malloc(B * B);
+    c->x        = malloc(B * D * sizeof *c->x);
+    c->xn       = malloc(B * D * sizeof *c->xn);
+    c->q        = malloc(B * (size_t) m->n_head * HD * sizeof *c->q);
+    c->k        = malloc(B * (size_t) m->n_head_kv * HD * sizeof *c->k);
+    c->v        = malloc(B * (size_t) m->n_head_kv * HD * sizeof *c->v);
+    c->att      = malloc(B * (size_t) m->n_head * HD * sizeof *c->att);
+    c->ff_gate  = malloc(B * ff * sizeof *c->ff_gate);
+    c->ff_up    = malloc(B * ff * sizeof *c->ff_up);
+    c->out      = malloc(B * D * sizeof *c->out);
+    c->act      = malloc(3 * B * (c->act_row ? c->act_row : 1));
+    c->scratch  = malloc((size_t) n_threads * ((size_t) n_ctx + 3 * HD) * sizeof *c->scratch);
+    if (!c->act_row || !c->k_cache || !c->v_cache || !c->cell_pos || !c->pos || !c->sees ||
+        !c->x || !c->xn || !c->q || !c->k || !c->v || !c->att || !c->ff_gate || !c->ff_up ||
+        !c->out || !c->act || !c->scratch) {
+        es_context_free(c);
+        return ES_ERR_NO_MEMORY;
+    }
+    *out = c;
+    return ES_OK;
+}
+
+void es_context_free(es_context * c) {
+    if (!c) return;
+    free(c->logits);
+    free(c->scratch);
+    free(c->act);
+    free(c->out);
+    free(c->ff_up);
+    free(c->ff_gate);
+    free(c->att);
+    free(c->v);
+    free(c->k);
+    free(c->q);
+    free(c->xn);
+    free(c->x);
+    free(c->sees);
+    free(c->pos);
+    free(c->cell_pos);
+    free(c->v_cache);
+    free(c->k_cache);
+    es_moe_free(c->moe);
+    es_pool_free(c->pool);
+    free(c);
+}
+
+int32_t es_context_n_ctx(const es_context * c) { return c ? c->n_ctx : 0; }
+int32_t es_context_n_batch(const es_context * c) { return c ? c->n_batch : 0; }
+int32_t es_context_n_past(const es_context * c) { return c ? c->n_past : 0; }
+const float * es_context_logits(const es_context * c) { return c ? c->logits : NULL; }
+
+int es_context_truncate(es_context * c, int32_t n_keep) {
+    if (!c || n_keep < 0 || n_keep > c->n_past) return ES_ERR_INVALID_ARG;
+    c->n_past = n_keep;
+    return ES_OK;
+}
+
+/* ---- blocks: norms, residuals --------------------------------------------- */
+
+// As ggml_rms_norm: the sum of squares in double, then a float scale; the
+// weight multiplies afterwards (a separate ggml_mul in llama.cpp).
+void es__rms_norm(const float * x, const es_weight * w, float * y, int64_t n_rows, int64_t dim,
+                  float eps) {
+    const float * g = w && w->data ? (const float *) w->data : NULL;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const float * xr = x + r * dim;
+        float * yr = y + r * dim;
+        double sum = 0.0;
+        for (int64_t i = 0; i < dim; i++) sum += (double) (xr[i] * xr[i]);
+        const float scale = 1.0f / sqrtf((float) (sum / (double) dim) + eps);
+        if (g) for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * scale) * g[i];
+        else   for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * scale;
+    }
+}
+
+void es__add(float * x, const float * y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* ---- blocks: matmul -------------------------------------------------------- */
+
+typedef struct matmul_job {
+    int32_t           n_w;
+    const es_weight * w[3];
+    float           * y[3];     // (n, w->n_out)
+    const uint8_t   * xq[3];    // (n, xq_row) activations in w's format
+    size_t            xq_row[3];
+    // Conversion of x into the formats: format f from x with weight type wtype[f].
+    const float     * x;        // (n, n_in)
+    int64_t           n_in;
+    int32_t           n_fmt;
+    int32_t           fmt_wtype[3];
+    uint8_t         * fmt_buf[3];
+    size_t            fmt_row[3];
+    int32_t           n;
+} matmul_job;
+
+static void matmul_quantize(void * arg, int32_t ith, int32_t nth) {
+    matmul_job * job = arg;
+    for (int32_t t = ith; t < job->n; t += nth) {
+        for (int32_t f = 0; f < job->n_fmt; f++) {
+            es_quantize_act(job->fmt_wtype[f], job->x + (size_t) t * job->n_in,
+                            job->fmt_buf[f] + (size_t) t * job->fmt_row[f], job->n_in);
+        }
+    }
+}
+
+static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
+    matmul_job * job = arg;
+    int64_t total = 0;
+    for (int32_t i = 0; i < job->n_w; i++) total += job->w[i]->n_out;
+    // This thread's share of the rows of all weights, concatenated.
+    const int64_t g0 = total * ith / nth, g1 = total * (ith + 1) / nth;
+    int64_t base = 0;
+    for (int32_t i = 0; i < job->n_w; i++) {
+        const es_weight * w = job->w[i];
+        const int64_t r0 = g0 > base ? g0 - base : 0;
+        const int64_t r1 = g1 - base < w->n_out ? g1 - base : w->n_out;
+        base += w->n_out;
+        if (r0 >= r1) continue;
+        // Rows outer, tokens inner: each weight row is read once for the batch.
+        es_matmat(w->type, w->data, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
+                  job->y[i] + r0, (size_t) w->n_out);
+    }
+}
+
+int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
+               float * const * y, int32_t n) {
+    if (n_w < 1 || n_w > 3 || n < 0 || n > ctx->n_batch) return ES_ERR_INVALID_ARG;
+    if (n == 0) return ES_OK;
+    matmul_job job = { .n_w = n_w, .x = x, .n_in = w[0]->n_in, .n = n };
+    for (int32_t i = 0; i < n_w; i++) {
+        const int32_t act = es_act_type(w[i]->type);
+        int32_t f = 0;
+        while (f < job.n_fmt && es_act_type(job.fmt_wtype[f]) != act) f++;
+        if (f == job.n_fmt) {
+            job.fmt_wtype[f] = w[i]->type;
+            job.fmt_row[f] = es_type_row_bytes(act, job.n_in);
+            job.fmt_buf[f] = ctx->act + (size_t) f * (size_t) ctx->n_batch * ctx->act_row;
+            job.n_fmt++;
+        }
+        job.w[i] = w[i];
+        job.y[i] = y[i];
+        job.xq[i] = job.fmt_buf[f];
+        job.xq_row[i] = job.fmt_row[f];
+    }
+    run(ctx, matmul_quantize, &job, n);
+    es_pool_run(ctx->pool, matmul_rows, &job);
+    return ES_OK;
+}
+
+/* ---- blocks: RoPE ---------------------------------------------------------- */
+
+// As ggml's rope (no YaRN): theta_i = pos * base^(-2i/n_rot) built by
+// repeated float multiplication, scaled by freq_scale; cosf/sinf of it.
+void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads) {
+    const es_model * m = ctx->model;
+    const es_layer * L = &m->layers[il];
+    const int32_t hd = m->head_dim, n_rot = m->n_rot, half = n_rot / 2;
+    const float theta_scale = powf(L->rope_base, -2.0f / (float) n_rot);
+    float * cs = ctx->scratch;  // (n_rot) cos, sin pairs; calling thread's slice
+    for (int32_t t = 0; t < ctx->n; t++) {
+        float theta = (float) ctx->pos[t];
+        for (int32_t i = 0; i < half; i++) {
+            const float th = L->rope_scale * theta;
+            cs[2 * i] = cosf(th);
+            cs[2 * i + 1] = sinf(th);
+            theta *= theta_scale;
+        }
+        for (int32_t h = 0; h < n_heads; h++) {
+            float * v = x + ((size_t) t * n_heads + h) * hd;
+            for (int32_t i = 0; i < half; i++) {
+                // NORM: adjacent pairs; NEOX: the two halves of the rotated dims.
+                const int32_t a = m->rope_type == ES_ROPE_NEOX ? i : 2 * i;
+                const int32_t b = m->rope_type == ES_ROPE_NEOX ? i + half : 2 * i + 1;
+                const float x0 = v[a], x1 = v[b], c = cs[2 * i], s = cs[2 * i + 1];
+                v[a] = x0 * c - x1 * s;
+                v[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/* ---- blocks: attention ----------------------------------------------------- */
+
+typedef struct attn_job {
+    es_context * ctx;
+    int32_t      il;
+    float        kq_scale;
+} attn_job;
+
+// One (token, head) per task, tasks striped over threads. Scores over the
+// cells the token sees, softmax and the weighted sum of V rows, all in
+// ascending cell order: the same arithmetic whichever batch the token is in.
+static void attn_heads(void * arg, int32_t ith, int32_t nth) {
+    const attn_job * job = arg;
+    es_context * ctx = job->ctx;
+    const es_model * m = ctx->model;
+    const es_layer * L = &m->layers[job->il];
+    const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
+    const int32_t n_past = ctx->n_past;
+    float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
+    float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
+    float * qa  = qr + hd;               // (hd floats of room) qr in the F16 dot's activation
+                                         //   format (F32 or F16: at most 4 bytes a value)
+    float * vr  = qa;                    // (hd) one V row as floats, after the scores
+    float * acc = vr + hd;               // (hd)
+    for (int32_t task = ith; task < ctx->n * n_head; task += nth) {
+        const int32_t t = task / n_head, h = task % n_head, g = h / group;
+        const int32_t p = ctx->pos[t];
+        const size_t head = ((size_t) job->il * m->n_head_kv + g) * (size_t) ctx->n_ctx;
+        const uint16_t * K = ctx->k_cache + head * hd;  // (n_ctx, hd)
+        const uint16_t * V = ctx->v_cache + head * hd;  // (n_ctx, hd)
+        const uint8_t * sees = ctx->sees + (size_t) t * ctx->n_batch;
+        const int32_t end = n_past + t + 1;  // the token's own cell is its last candidate
+        // Cells before c0 fall out of a sliding window.
+        int32_t c0 = 0;
+        if (L->swa) {
+            while (c0 < n_past && p - ctx->cell_pos[c0] >= m->n_swa) c0++;
+        }
+        const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
+        for (int32_t d = 0; d < hd; d++) qr[d] = es_half_to_f32(es_f32_to_half(q[d]));
+        es_quantize_act(ES_TYPE_F16, qr, qa, hd);
+        es_matvec(ES_TYPE_F16, K, qa, hd, c0, end, scores + c0);
+
+        float max = -INFINITY;
+        for (int32_t c = c0; c < end; c++) {
+            const bool seen = c < n_past ? true : sees[c - n_past] != 0;
+            if (!seen || (L->swa && p - ctx->cell_pos[c] >= m->n_swa)) {
+                scores[c] = -INFINITY;
+                continue;
+            }
+            scores[c] *= job->kq_scale;
+            max = scores[c] > max ? scores[c] : max;
+        }
+        float sum = 0.0f;
+        memset(acc, 0, (size_t) hd * sizeof *acc);
+        for (int32_t c = c0; c < end; c++) {
+            if (scores[c] == -INFINITY) continue;
+            const float e = expf(scores[c] - max);
+            sum += e;
+            const uint16_t * vc = V + (size_t) c * hd;
+            for (int32_t d = 0; d < hd; d++) vr[d] = es_half_to_f32(vc[d]);
+            for (int32_t d = 0; d < hd; d++) acc[d] += e * vr[d];
+        }
+        float * o = ctx->att + ((size_t) t * n_head + h) * hd;
+        const float inv = 1.0f / sum;
+        for (int32_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+    }
+}
+
+int es__attention_inputs(es_context * ctx, int32_t il) {
+    const es_layer * L = &ctx->model->layers[il];
+    es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, ctx->n, ctx->model->n_embd, ctx->model->norm_eps);
+    const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
+    float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
+    return es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, ctx->n);
+}
+
+void es__attention(es_context * ctx, int32_t il, float kq_scale) {
+    const es_model * m = ctx->model;
+    const int32_t hd = m->head_dim, n_kv = m->n_head_kv;
+    // The batch's K and V into its cells, as F16 (llama.cpp's cache type).
+    for (int32_t t = 0; t < ctx->n; t++) {
+        for (int32_t g = 0; g < n_kv; g++) {
+            const size_t cell = (((size_t) il * n_kv + g) * ctx->n_ctx + ctx->n_past + t) * hd;
+            const float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
+            const float * v = ctx->v + ((size_t) t * n_kv + g) * hd;
+            for (int32_t d = 0; d < hd; d++) {
+                ctx->k_cache[cell + d] = es_f32_to_half(k[d]);
+                ctx->v_cache[cell + d] = es_f32_to_half(v[d]);
+            }
+        }
+    }
+    attn_job job = { .ctx = ctx, .il = il, .kq_scale = kq_scale };
+    run(ctx, attn_heads, &job, ctx->n * m->n_head);
+}
+
+/* ---- blocks: feed-forward -------------------------------------------------- */
+
+typedef struct glu_job {
+    es_context * ctx;
+    int32_t      act;
+    int64_t      n_ff;
+} glu_job;
+
+// ggml's GELU (tanh form) as llama.cpp evaluates it on CPU: through a table
+// indexed by the F16 input, holding F16 outputs.
+static inline float gelu(float x) {
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const float h = es_half_to_f32(es_f32_to_half(x));
+    const float g = 0.5f * h * (1.0f + tanhf(0.79788456080286535588f * h * (1.0f + 0.044715f * h * h)));
+    return es_half_to_f32(es_f32_to_half(g));
+}
+
+void es__swiglu(float * g, const float * u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+static void glu_rows(void * arg, int32_t ith, int32_t nth) {
+    const glu_job * job = arg;
+    es_context * ctx = job->ctx;
+    for (int32_t t = ith; t < ctx->n; t += nth) {
+        float * g = ctx->ff_gate + (size_t) t * job->n_ff;
+        const float * u = ctx->ff_up + (size_t) t * job->n_ff;
+        if (job->act == ES_FFN_GELU) {
+            for (int64_t i = 0; i < job->n_ff; i++) g[i] = gelu(g[i]) * u[i];
+        } else {
+            es__swiglu(g, u, job->n_ff);
+        }
+    }
+}
+
+int es__ffn(es_context * ctx, int32_t il, int32_t act) {
+    const es_layer * L = &ctx->model->layers[il];
+    const es_weight * gu[2] = { &L->ffn_gate, &L->ffn_up };
+    float * gu_out[2] = { ctx->ff_gate, ctx->ff_up };
+    int rc = es__matmul(ctx, 2, gu, ctx->xn, gu_out, ctx->n);
+    if (rc != ES_OK) return rc;
+    glu_job job = { .ctx = ctx, .act = act, .n_ff = L->ffn_gate.n_out };
+    run(ctx, glu_rows, &job, ctx->n);
+    const es_weight * down = &L->ffn_down;
+    return es__matmul(ctx, 1, &down, ctx->ff_gate, &ctx->out, ctx->n);
+}
+
+/* ---- es_decode -------------------------------------------------------------- */
+
+// Positions and visibility: token i sits at its parent's position + 1 and
+// sees its ancestors in the batch and itself.
+static int plan_batch(es_context * ctx, const int32_t * parents, int32_t n) {
+    const int32_t base = ctx->n_past > 0 ? ctx->cell_pos[ctx->n_past - 1] + 1 : 0;
+    const size_t B = (size_t) ctx->n_batch;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t par = parents ? parents[i] : i - 1;
+        if (par < -1 || par >= i) return ES_ERR_INVALID_ARG;
+        uint8_t * row = ctx->sees + (size_t) i * B;
+        if (par < 0) {
+            memset(row, 0, (size_t) n);
+            ctx->pos[i] = base;
+        } else {
+            memcpy(row, ctx->sees + (size_t) par * B, (size_t) n);
+            ctx->pos[i] = ctx->pos[par] + 1;
+        }
+        row[i] = 1;
+    }
+    for (int32_t i = 0; i < n; i++) ctx->cell_pos[ctx->n_past + i] = ctx->pos[i];
+    return ES_OK;
+}
+
+// Room for rows logits rows; the buffer grows on demand (a vocabulary of
+// 262k makes n_batch rows a gigabyte).
+static int reserve_logits(es_context * ctx, int32_t rows) {
+    const size_t need = (size_t) rows * (size_t) ctx->model->n_vocab;
+    if (need <= ctx->logits_cap) return ES_OK;
+    float * l = malloc(need * sizeof *l);
+    if (!l) return ES_ERR_NO_MEMORY;
+    free(ctx->logits);
+    ctx->logits = l;
+    ctx->logits_cap = need;
+    return ES_OK;
+}
+
+int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents, int32_t n,
+              int32_t logits_from) {
+    if (!ctx || !tokens || n <= 0 || n > ctx->n_batch || logits_from < 0 || logits_from > n) {
+        return ES_ERR_INVALID_ARG;
+    }
+    const es_model * m = ctx->model;
+    for (int32_t i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= m->n_vocab) return ES_ERR_INVALID_ARG;
+    }
+    if (ctx->n_past + n > ctx->n_ctx) return ES_ERR_CONTEXT_FULL;
+    int rc = plan_batch(ctx, parents, n);
+    if (rc == ES_OK) rc = reserve_logits(ctx, n - logits_from);
+    if (rc != ES_OK) return rc;
+    ctx->n = n;
+
+    // Token embeddings.
+    const int64_t D = m->n_embd;
+    const size_t emb_row = es_type_row_bytes(m->tok_embd.type, D);
+    for (int32_t t = 0; t < n; t++) {
+        float * x = ctx->x + (size_t) t * D;
+        es_dequantize_row(m->tok_embd.type, (const uint8_t *) m->tok_embd.data +
+                          (size_t) tokens[t] * emb_row, x, D);
+        if (m->embd_scale != 1.0f) for (int64_t i = 0; i < D; i++) x[i] *= m->embd_scale;
+    }
+    for (int32_t il = 0; il < m->n_layer; il++) {
+        rc = m->arch->layer(ctx, il);
+        if (rc != ES_OK) { ctx->n = 0; return rc; }
+    }
+
+    // Output rows: final norm, then the vocabulary projection.
+    const int32_t rows = n - logits_from;
+    float * xo = ctx->x + (size_t) logits_from * D;
+    es__rms_norm(xo, &m->output_norm, ctx->xn, rows, D, m->norm_eps);
+    const es_weight * out_w = &m->output;
+    rc = es__matmul(ctx, 1, &out_w, ctx->xn, &ctx->logits, rows);
+    if (rc != ES_OK) { ctx->n = 0; return rc; }
+    if (m->final_softcap > 0.0f) {
+        const float c = m->final_softcap, inv = 1.0f / c;
+        const size_t nl = (size_t) rows * (size_t) m->n_vocab;
+        for (size_t i = 0; i < nl; i++) ctx->logits[i] = tanhf(ctx->logits[i] * inv) * c;
+    }
+
+    ctx->n_past += n;
+    ctx->n = 0;
+    return ES_OK;
+}

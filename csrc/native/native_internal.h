@@ -1,0 +1,406 @@
+/*
+ * native.h — the native engine's internal seams, not part of the public ABI.
+ *
+ *   gguf.c        GGUF v3 reader: mmap, strict validation, tensor and key lookup
+ *   quants.c      weight types: row sizes, dequantization, dot products
+ *                 (scalar, AVX2, NEON; chosen once at run time)
+ *   threadpool.c  a small pool of spinning workers for one parallel loop at a time
+ *   engine.c      es_model / es_context: loading, KV cache, shared blocks
+ *                 (norms, RoPE, attention, matmul, FFN, MoE routing), es_decode
+ *   arch_*.c      one file per architecture: hyperparameters, tensor binding,
+ *                 the layer loop; found by name through es__archs[]
+ */
+#ifndef EDGESPEC_NATIVE_H
+#define EDGESPEC_NATIVE_H
+
+#include "native/es_native.h"
+
+#include <string.h>
+
+/* ---- GGUF reader (gguf.c) ------------------------------------------------ */
+
+// ggml's type ids, as stored in GGUF tensor infos.
+enum es_type {
+    ES_TYPE_F32  = 0,  ES_TYPE_F16  = 1,  ES_TYPE_Q4_0 = 2,  ES_TYPE_Q4_1 = 3,
+    ES_TYPE_Q5_0 = 6,  ES_TYPE_Q5_1 = 7,  ES_TYPE_Q8_0 = 8,  ES_TYPE_Q8_1 = 9,
+    ES_TYPE_Q2_K = 10, ES_TYPE_Q3_K = 11, ES_TYPE_Q4_K = 12, ES_TYPE_Q5_K = 13,
+    ES_TYPE_Q6_K = 14, ES_TYPE_Q8_K = 15, ES_TYPE_BF16 = 30,
+};
+
+// Block geometry of every ggml type a GGUF may name, whether or not the
+// kernels support it: the reader sizes tensors with it.
+typedef struct es_type_traits {
+    const char * name;         // "Q4_K", ...
+    int32_t      block;        // elements per block (1 for plain types)
+    int32_t      block_bytes;  // bytes per block
+} es_type_traits;
+
+// NULL for an id ggml does not define (or has retired).
+const es_type_traits * es_type_info(int32_t type);
+
+typedef struct es_gguf es_gguf;
+
+typedef struct es_tensor {
+    const char * name;    // NUL-terminated, owned by the es_gguf
+    int32_t      type;    // enum es_type
+    int32_t      n_dims;  // 1..4
+    int64_t      ne[4];   // elements per dimension, ne[0] innermost (a row); unused dims 1
+    const void * data;    // inside the mapping, aligned to general.alignment
+    size_t       nbytes;  // checked against the file size
+} es_tensor;
+
+// Maps and validates a GGUF v3 file: every count, offset, size, string
+// length, alignment and type id is checked against the file before use.
+// err as for es_model_load.
+int  es_gguf_open(const char * path, es_gguf ** out, char * err, size_t err_cap);
+// The same over a caller's buffer, which must outlive the es_gguf (fuzzing, tests).
+int  es_gguf_open_buffer(const void * data, size_t size, es_gguf ** out, char * err, size_t err_cap);
+void es_gguf_close(es_gguf * g);
+
+int64_t           es_gguf_n_tensors(const es_gguf * g);
+const es_tensor * es_gguf_tensor_at(const es_gguf * g, int64_t i);
+const es_tensor * es_gguf_find_tensor(const es_gguf * g, const char * name);  // NULL: absent
+
+// Metadata keys in file order (dumps, the fuzz target); NULL out of range.
+int64_t      es_gguf_n_kv(const es_gguf * g);
+const char * es_gguf_key_at(const es_gguf * g, int64_t i);
+
+// Metadata lookups; false when the key is absent or of another kind.
+// Integers of any width convert when the value fits.
+bool         es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out);
+bool         es_gguf_get_f32(const es_gguf * g, const char * key, float * out);  // f32 or f64
+bool         es_gguf_get_bool(const es_gguf * g, const char * key, bool * out);
+const char * es_gguf_get_str(const es_gguf * g, const char * key);  // NUL-terminated, owned by g
+// A numeric array: its element type (GGUF value type id), length and data
+// (little-endian, inside the mapping). Per-layer hyperparameters use these.
+bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, uint64_t * n,
+                     const void ** data);
+
+/* ---- weight types and kernels (quants.c) --------------------------------- */
+
+// IEEE binary16 <-> binary32, exact and table-free (inline: KV cache and
+// attention use them per element). es_f32_to_half rounds to nearest even,
+// as F16C's vcvtps2ph and ggml's converters do; overflow gives inf.
+static inline float es_half_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t) h << 16, sign = w & 0x80000000u, two_w = w + w;
+    uint32_t u;
+    float f;
+    // Normals: exponent and mantissa moved into place, rebiased by a scale.
+    u = (two_w >> 4) + (0xE0u << 23);
+    memcpy(&f, &u, 4);
+    const float normal = f * 0x1.0p-112f;
+    // Subnormals: the mantissa as the low bits of 0.5's significand, minus 0.5.
+    u = (two_w >> 17) | (126u << 23);
+    memcpy(&f, &u, 4);
+    const float subnormal = f - 0.5f;
+    memcpy(&u, two_w < (1u << 27) ? &subnormal : &normal, 4);
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t es_f32_to_half(float x) {
+    // Scaling up then down rounds the mantissa to half precision in float.
+    float base = (x < 0 ? -x : x) * 0x1.0p+112f * 0x1.0p-110f;
+    uint32_t w, bits;
+    memcpy(&w, &x, 4);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    bias = (bias >> 1) + 0x07800000u;
+    float fb;
+    memcpy(&fb, &bias, 4);
+    base = fb + base;
+    memcpy(&bits, &base, 4);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t) ((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// Elements per block (1 for float types); 0 for a type this build lacks.
+int32_t es_type_block(int32_t type);
+// Bytes of a row of n elements; 0 when unsupported or n is not a block multiple.
+size_t  es_type_row_bytes(int32_t type, int64_t n);
+const char * es_type_name(int32_t type);
+
+void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
+
+// A weight type's dot product reads activations in a companion format:
+// the weight's own type for F32/F16/BF16 (activations rounded to F16 / BF16),
+// Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 (Q8_0 plus block sums) for Q4_1/Q5_1, Q8_K
+// for the K-quants — ggml's vec_dot_type for each, which keeps logits within
+// rounding of llama.cpp's. -1 for a type es_matvec does not take.
+int32_t es_act_type(int32_t weight_type);
+// Converts one activation row x (n floats) into es_act_type(weight_type)
+// blocks at dst (es_type_row_bytes(es_act_type(weight_type), n) bytes).
+void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n);
+
+// y[r - r0] = dot(row r of w, xq) for r in [r0, r1). w: rows of n elements,
+// es_type_row_bytes(type, n) apart; xq from es_quantize_act. Each dot
+// reduces in a fixed order, whatever r0, r1 or the thread running it.
+void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
+               int64_t r0, int64_t r1, float * y);
+// es_matvec for n_tok activation rows at once (a verification batch): row t
+// of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
+// (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
+// unpack each weight block once for several tokens (AVX2: the quantized
+// types, four tokens at a time).
+void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
+               int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
+
+// Which kernels es_matvec uses: "avx2", "neon" or "scalar". The environment
+// variable EDGESPEC_KERNELS=scalar forces the portable path (tests compare them).
+const char * es_kernels_name(void);
+
+/* ---- thread pool (threadpool.c) ------------------------------------------ */
+
+typedef struct es_pool es_pool;
+
+// fn(arg, ith, nth) runs once for each share ith = 0..nth-1, nth = the pool
+// size. Shares run concurrently on the pool's threads, but a thread may run
+// several one after another (the caller takes over the shares of workers
+// that are slow to start), so fn must never wait for another share.
+typedef void (*es_pool_fn)(void * arg, int32_t ith, int32_t nth);
+
+// n_threads >= 1 (the caller plus n_threads - 1 workers). ES_OK,
+// ES_ERR_INVALID_ARG, ES_ERR_NO_MEMORY (also when a thread cannot start).
+int     es_pool_init(int32_t n_threads, es_pool ** out);
+void    es_pool_free(es_pool * pool);  // NULL is a no-op
+int32_t es_pool_size(const es_pool * pool);
+// Runs all nth shares of fn and returns when they are done. One run at a
+// time: not to be called concurrently or from inside fn.
+void    es_pool_run(es_pool * pool, es_pool_fn fn, void * arg);
+
+/* ---- mixture of experts (moe.c) ----------------------------------------- */
+
+// Most experts a layer may have (llama.cpp's LLAMA_MAX_EXPERTS).
+#define ES_MOE_MAX_EXPERTS 1024
+
+// The three matrices of one SwiGLU expert.
+enum es_expert_matrix {
+    ES_EXPERT_GATE = 0,  // (n_ff, n_embd)
+    ES_EXPERT_UP   = 1,  // (n_ff, n_embd)
+    ES_EXPERT_DOWN = 2,  // (n_embd, n_ff)
+};
+
+// One expert matrix as es_matvec reads it: rows of `type`,
+// es_type_row_bytes(type, row length) apart.
+typedef struct es_expert_view {
+    const void * data;
+    int32_t      type;   // enum es_type; need not be the file's
+} es_expert_view;
+
+// The per-expert access path: es_moe_ffn reaches expert weights through
+// this alone. get() fills *out for (layer, expert, es_expert_matrix) and may
+// produce the data on demand (a cache of experts: read from disk, or a
+// low-precision copy); the view stays valid until put() is called with it.
+// es_moe_ffn gets every matrix of the experts a batch routes to before it
+// computes, on the calling thread, and puts them all back before it
+// returns. get returns ES_OK or a status, which es_moe_ffn returns; a view
+// of a type es_matvec does not take makes es_moe_ffn fail with ES_ERR_UNSUPPORTED.
+typedef struct es_expert_provider {
+    void * self;
+    int  (*get)(void * self, int32_t layer, int32_t expert, int32_t which, es_expert_view * out);
+    void (*put)(void * self, int32_t layer, int32_t expert, int32_t which,
+                const es_expert_view * view);
+} es_expert_provider;
+
+typedef struct es_moe_params {
+    int32_t n_layer;        // every layer has experts
+    int32_t n_expert;       // experts per layer, <= ES_MOE_MAX_EXPERTS
+    int32_t n_expert_used;  // experts per token (top-k)
+    int64_t n_embd;
+    int64_t n_ff;           // one expert's hidden width
+    // Gating is softmax over all experts, then the top k (Mixtral, Qwen
+    // MoE); norm_w divides the k weights by their sum (llama.cpp's norm_w).
+    bool    norm_w;
+} es_moe_params;
+
+// A model's experts: per layer blk.N.ffn_gate_inp (n_expert, n_embd) and
+// blk.N.ffn_{gate,up,down}_exps, bound from g (which must outlive it) and
+// checked against p: ES_ERR_FORMAT names a missing or misshapen tensor,
+// ES_ERR_UNSUPPORTED a weight type the kernels lack. Expert matrices are
+// served from the mapping, or with EDGESPEC_EXPERTS=f32 in the environment
+// as F32 copies made on demand (the path an expert cache takes; tests);
+// another value of EDGESPEC_EXPERTS is ES_ERR_UNSUPPORTED.
+typedef struct es_experts es_experts;
+int  es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** out,
+                     char * err, size_t err_cap);
+void es_experts_free(es_experts * ex);
+const es_moe_params * es_experts_params(const es_experts * ex);
+// The provider es_moe_ffn reads experts through, and its replacement: an
+// expert cache wraps the default one (it serves any es_type per expert, so
+// experts may be mixed-precision copies), tests inject failures. The struct
+// is copied; its self must outlive the es_experts' use.
+const es_expert_provider * es_experts_provider(const es_experts * ex);
+void es_experts_set_provider(es_experts * ex, const es_expert_provider * provider);
+
+// One context's scratch for es_moe_ffn, for batches of up to n_batch tokens;
+// ex must outlive it.
+typedef struct es_moe es_moe;
+int  es_moe_init(const es_experts * ex, int32_t n_batch, es_moe ** out);
+void es_moe_free(es_moe * moe);
+
+// The MoE feed-forward block of layer il: x (n_tokens, n_embd), the normed
+// input, to out (n_tokens, n_embd) = sum over the token's top-k experts,
+// best first, of weight * down(silu(gate(x)) * up(x)). Each token's row
+// depends on that row alone (batch invariance). ES_ERR_INVALID_ARG: bad
+// layer or n_tokens > n_batch; otherwise as the provider's get.
+int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32_t n_tokens,
+                float * out);
+
+/* ---- engine (engine.c, arch_*.c) ----------------------------------------- */
+
+// A bound weight as es_matvec reads it: n_out rows of n_in elements of type,
+// es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
+// Norm vectors are one F32 row. data NULL: the model has no such tensor.
+typedef struct es_weight {
+    const void * data;   // inside the GGUF mapping
+    int32_t      type;   // enum es_type
+    int64_t      n_in;   // elements per row
+    int64_t      n_out;  // rows
+} es_weight;
+
+// RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
+// (x[2i], x[2i+1]) (llama); NEOX rotates (x[i], x[i + n_rot/2]) (gemma3, qwen3moe).
+enum es_rope_type { ES_ROPE_NORM = 0, ES_ROPE_NEOX = 2 };
+
+// The feed-forward activations of es__ffn: silu(gate) * up, gelu(gate) * up.
+enum es_ffn_act { ES_FFN_SILU = 0, ES_FFN_GELU = 1 };
+
+typedef struct es_layer {
+    es_weight attn_norm;       // (n_embd)
+    es_weight wq;              // (n_head * head_dim, n_embd)
+    es_weight wk, wv;          // (n_head_kv * head_dim, n_embd)
+    es_weight wo;              // (n_embd, n_head * head_dim)
+    es_weight attn_q_norm;     // (head_dim) per-head RMSNorm of Q before RoPE; gemma3, qwen3moe
+    es_weight attn_k_norm;     // (head_dim) the same for K
+    es_weight attn_post_norm;  // (n_embd) on the attention output; gemma3
+    es_weight ffn_norm;        // (n_embd)
+    es_weight ffn_gate;        // (n_ff, n_embd); absent in MoE layers (model->experts)
+    es_weight ffn_up;          // (n_ff, n_embd)
+    es_weight ffn_down;        // (n_embd, n_ff)
+    es_weight ffn_post_norm;   // (n_embd) on the FFN output; gemma3
+    bool      swa;             // sliding-window layer: sees keys less than n_swa positions back
+    float     rope_base;       // this layer's RoPE frequency base
+    float     rope_scale;      // and frequency scale (1: none)
+} es_layer;
+
+typedef struct es_context es_context;
+typedef struct es_arch es_arch;
+
+struct es_model {
+    es_gguf       * gguf;          // owned: every es_weight points into it
+    const es_arch * arch;
+    // Hyperparameters, filled by arch->load.
+    int32_t n_vocab, n_ctx_train;
+    int32_t n_embd, n_layer;
+    int32_t n_head, n_head_kv, head_dim;  // head_dim: key and value length alike
+    int32_t n_ff;                         // dense FFN width (0 in an all-MoE model)
+    int32_t n_rot;                        // rotated dimensions of a head (<= head_dim)
+    int32_t rope_type;                    // enum es_rope_type
+    int32_t n_swa;                        // sliding window of swa layers; 0: none
+    float   norm_eps;                     // RMSNorm epsilon
+    float   embd_scale;                   // token embeddings are multiplied by it (1: none)
+    float   final_softcap;                // logits = c * tanh(logits / c); 0: off
+    es_weight    tok_embd;                // (n_vocab, n_embd)
+    es_weight    output_norm;             // (n_embd)
+    es_weight    output;                  // (n_vocab, n_embd); tok_embd when tied
+    es_layer   * layers;                  // (n_layer), owned
+    es_experts * experts;                 // owned; NULL for a dense model
+};
+
+// One architecture, found by general.architecture in es__archs.
+struct es_arch {
+    const char * name;
+    // Reads the hyperparameters (m->gguf is open) and binds every tensor
+    // (es__bind); ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line err.
+    int (*load)(es_model * m, char * err, size_t err_cap);
+    // One decoder layer over the batch: ctx->x (ctx->n, n_embd) in place.
+    int (*layer)(es_context * ctx, int32_t il);
+};
+
+extern const es_arch * const es__archs[];  // NULL-terminated
+
+// What the shared blocks and the architectures' layers work on. Batch
+// buffers hold up to n_batch token rows; ctx->n rows are in use.
+struct es_context {
+    es_model * model;
+    es_pool  * pool;       // owned
+    es_moe   * moe;        // owned; NULL for a dense model
+    int32_t    n_ctx, n_batch, n_threads;
+    int32_t    n_past;     // cells in use in the KV cache
+    uint16_t * k_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16, after RoPE
+    uint16_t * v_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16
+    int32_t  * cell_pos;   // (n_ctx) position of the token in each cell
+    // The batch being evaluated.
+    int32_t    n;          // tokens; their cells are n_past .. n_past + n - 1
+    int32_t  * pos;        // (n_batch) positions
+    uint8_t  * sees;       // (n_batch, n_batch) sees[i * n_batch + j]: token i attends to batch token j
+    float    * x;          // (n_batch, n_embd) residual stream
+    float    * xn;         // (n_batch, n_embd) a block's normed input
+    float    * q;          // (n_batch, n_head * head_dim)
+    float    * k;          // (n_batch, n_head_kv * head_dim)
+    float    * v;          // (n_batch, n_head_kv * head_dim)
+    float    * att;        // (n_batch, n_head * head_dim) attention output, per head
+    float    * ff_gate;    // (n_batch, n_ff)
+    float    * ff_up;      // (n_batch, n_ff)
+    float    * out;        // (n_batch, n_embd) a block's output, before the residual add
+    uint8_t  * act;        // (n_batch, act_row) matmul inputs in es_act_type format
+    size_t     act_row;    // bytes: the widest activation row any weight needs
+    float    * scratch;    // (n_threads, n_ctx + head_dim) attention scores and a V row
+    float    * logits;     // (rows, n_vocab) rows [logits_from, n) of the last es_decode
+    size_t     logits_cap; // floats allocated at logits; grows on demand
+};
+
+// Binds blk.<il>.<kind>.weight (il < 0: <kind>.weight) as an (n_in, n_out)
+// matrix (n_out = 1: a vector) of a type the kernels implement. Absent and
+// not required: *out zeroed, ES_OK. Errors name the tensor.
+int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
+             bool required, es_weight * out, char * err, size_t err_cap);
+// Reads <arch>.<key> (an integer or float) into *out; absent and not
+// required: *out unchanged. Errors name the key.
+int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
+                char * err, size_t err_cap);
+int es__key_f32(const es_model * m, const char * key, bool required, float * out,
+                char * err, size_t err_cap);
+// RoPE frequency scale as llama.cpp derives it: 1 / rope.scaling.factor (or
+// rope.scale_linear) unless rope.scaling.type is "none"; YaRN and LongRoPE
+// are ES_ERR_UNSUPPORTED.
+int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t err_cap);
+// Reads and checks the attention hyperparameters all architectures share
+// (n_embd, n_layer, n_head, n_head_kv, head_dim = value length = n_rot,
+// n_ctx_train, norm_eps), RoPE's base (default 10000) and linear scale.
+int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
+                               char * err, size_t err_cap);
+// Binds layer il's attn_norm, attn_q, attn_k, attn_v and attn_output.
+int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap);
+// Binds token_embd (sets n_vocab), output_norm and output (the embedding
+// when absent: tied), and allocates m->layers (n_layer, zeroed).
+int es__bind_embeddings(es_model * m, char * err, size_t err_cap);
+
+/* Shared blocks, over ctx->n token rows. Each row is computed the same way
+ * whatever the batch, so results are batch invariant. */
+
+// y = x / rms(x) * w, for n_rows rows of dim (w: (dim) F32, or data NULL: no weight).
+// x and y may be the same.
+void es__rms_norm(const float * x, const es_weight * w, float * y, int64_t n_rows, int64_t dim,
+                  float eps);
+// y (n, w->n_out) = x (n, w->n_in) times w^T, for up to three weights reading
+// the same x; parallel over output rows.
+int  es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
+                float * const * y, int32_t n);
+// ctx->xn = layer il's attn_norm(ctx->x); ctx->q, k, v = xn times wq, wk, wv.
+int  es__attention_inputs(es_context * ctx, int32_t il);
+// RoPE in place on x (ctx->n, n_heads * head_dim), at ctx->pos, with layer il's base/scale.
+void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads);
+// Attention of layer il: stores ctx->k, ctx->v (after RoPE) in the cache, then
+// ctx->att = softmax(q k^T * kq_scale) v over the cells each token sees.
+void es__attention(es_context * ctx, int32_t il, float kq_scale);
+// ctx->out = down(act(gate(xn)) * up(xn)) for layer il's dense FFN.
+int  es__ffn(es_context * ctx, int32_t il, int32_t act);
+// x += y over n floats.
+void es__add(float * x, const float * y, int64_t n);
+// g = silu(g) * u over n floats (the SwiGLU of dense FFNs and experts alike).
+void es__swiglu(float * g, const float * u, int64_t n);
+
+#endif  // EDGESPEC_NATIVE_H

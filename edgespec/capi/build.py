@@ -1,0 +1,52 @@
+"""cffi out-of-line API build of the C core (csrc/) as ``edgespec.capi._lib``
+(``pip install -e .``, or ``python setup.py build_ext --inplace`` after a C change).
+
+The cdef is the public headers themselves (the shared base, then the
+speculative core and the inference engine), less the preprocessor lines, so
+the Python view of the ABI cannot drift from them.
+"""
+import pathlib
+import re
+
+from cffi import FFI
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+HEADERS = ("es_base.h", "spec/es_spec.h", "native/es_native.h")
+SOURCES = sorted(str(p.relative_to(ROOT)) for p in
+                 [CSRC / "base.c", *CSRC.glob("spec/**/*.c"), *CSRC.glob("native/**/*.c")])
+
+
+def public_cdef() -> str:
+    keep = []
+    for header in HEADERS:
+        text = (CSRC / header).read_text()
+        text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)  # block comments
+        text = re.sub(r"//[^\n]*", "", text)                # line comments
+        skip = 0
+        for line in text.splitlines():
+            s = line.strip()
+            if s.startswith("#ifdef __cplusplus"):
+                skip = 1
+                continue
+            if skip:
+                if s.startswith("#endif"):
+                    skip = 0
+                continue
+            if s.startswith("#") or s in {"}", 'extern "C" {'}:
+                continue
+            keep.append(line)
+    return "\n".join(keep)
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(public_cdef())
+ffibuilder.set_source(
+    "edgespec.capi._lib",
+    "".join(f'#include "{h}"\n' for h in HEADERS),
+    sources=SOURCES,
+    include_dirs=[str(CSRC.relative_to(ROOT))],
+    extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread"],
+    extra_link_args=["-pthread"],  # the native engine's thread pool; older glibc needs it
+    libraries=["m"],
+)

@@ -1,0 +1,83 @@
+"""`edgespec models list | pull | path | info`: thin commands over edgespec.models.registry
+and edgespec.models.gguf. Errors are raised as EdgespecError; edgespec.cli.main
+prints them as one line with exit code 2."""
+from __future__ import annotations
+
+import json
+
+import typer
+
+from ..models import registry
+from . import models_app
+from ..models.gguf import ModelInfo, model_info
+
+
+@models_app.command("list")
+def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print a JSON array.")) -> None:
+    """List the built-in models and whether each is downloaded (* = default)."""
+    models = registry.list_models()
+    if as_json:
+        typer.echo(json.dumps(models, indent=2))
+        return
+    rows = [(("* " if m["default"] else "  ") + m["name"], _mb(m["size"]),
+             "yes" if m["cached"] else "no", m["description"]) for m in models]
+    header = ("  NAME", "SIZE", "CACHED", "DESCRIPTION")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    for r in [header, *rows]:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    typer.echo(f"\ncache: {registry.models_dir()}")
+
+
+@models_app.command("pull")
+def pull_cmd(name: str = typer.Argument(..., help="A built-in model name (see `edgespec models list`).")) -> None:
+    """Download a built-in model into the cache (skipped if already there)."""
+    typer.echo(registry.pull(name))
+
+
+@models_app.command("path")
+def path_cmd(ref: str = typer.Argument(..., help="A built-in name, a .gguf path, or hf:owner/repo/file.gguf.")) -> None:
+    """Print the local file of a model, downloading it first if needed.
+    The path is the last line of stdout."""
+    typer.echo(registry.resolve(ref))
+
+
+@models_app.command("info")
+def info_cmd(
+    ref: str = typer.Argument(..., help="A built-in name, a .gguf path, or hf:owner/repo/file.gguf."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Show a model's architecture, size, quantization, vocabulary and chat template."""
+    info = model_info(registry.resolve(ref))
+    if as_json:
+        typer.echo(json.dumps(info.to_dict(), indent=2))
+    else:
+        for label, value in _info_rows(info):
+            typer.echo(f"{label:<16}{value}")
+
+
+def _info_rows(i: ModelInfo) -> list[tuple[str, str]]:
+    def opt(v) -> str:
+        return "?" if v is None else str(v)
+
+    types = ", ".join(f"{t} x{n}" for t, n in sorted(i.tensor_types.items(), key=lambda kv: -kv[1]))
+    heads = opt(i.n_heads) + (f" (kv {i.n_kv_heads})" if i.n_kv_heads is not None else "")
+    template = f"yes ({len(i.chat_template)} chars)" if i.has_chat_template else "no"
+    return [
+        ("file", f"{i.path} ({_mb(i.file_size)}, GGUF v{i.gguf_version})"),
+        ("name", opt(i.name)),
+        ("architecture", opt(i.architecture)),
+        ("parameters", f"{i.n_params / 1e6:.1f}M in {i.n_tensors} tensors"),
+        ("file type", opt(i.file_type)),
+        ("tensor types", types or "-"),
+        ("vocabulary", opt(i.vocab_size)),
+        ("context length", opt(i.context_length)),
+        ("embedding", opt(i.embedding_length)),
+        ("layers", opt(i.n_layers)),
+        ("heads", heads),
+        ("bos / eos", f"{opt(i.bos_token_id)} / {opt(i.eos_token_id)}"),
+        ("chat template", template),
+    ]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"

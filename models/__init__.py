@@ -1,1 +1,0 @@
-"""Built-in model manifest (manifest.json), installed as ``edgespec.models``."""
