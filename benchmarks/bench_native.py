@@ -60,7 +60,7 @@ def all_logits(backend, tokens: list[int], n_chunk: int | None = None) -> np.nda
     n_chunk = n_chunk or backend.n_batch
     for start in range(0, len(tokens), n_chunk):
         chunk = tokens[start:start + n_chunk]
-        rows.append(logits_rows(backend, backend.decode(chunk, start, logits_from=0), len(chunk)))
+        rows.append(logits_rows(backend, backend.decode(chunk, logits_from=0), len(chunk)))
     return np.concatenate(rows)
 
 
@@ -68,7 +68,7 @@ def greedy(backend, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """n greedy tokens after prompt, and at each step the gap between the
     best two logits (how near a tie the choice was)."""
     backend.clear()
-    row = logits_rows(backend, backend.decode(prompt, 0), 1)[0]
+    row = logits_rows(backend, backend.decode(prompt), 1)[0]
     out, gaps = [], []
     while True:
         top2 = np.partition(row, -2)[-2:]
@@ -76,7 +76,7 @@ def greedy(backend, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         gaps.append(float(abs(top2[1] - top2[0])))
         if len(out) == n:
             return out, gaps
-        row = logits_rows(backend, backend.decode(out[-1:], len(prompt) + len(out) - 1), 1)[0]
+        row = logits_rows(backend, backend.decode(out[-1:]), 1)[0]
 
 
 def parity_text() -> str:
@@ -116,11 +116,11 @@ def time_backend(backend, prompt: list[int], n_decode: int) -> tuple[float, floa
     """(prefill tokens/s, decode tokens/s) of one greedy run."""
     backend.clear()
     t0 = time.perf_counter()
-    row = logits_rows(backend, backend.decode(prompt, 0), 1)[0]
+    row = logits_rows(backend, backend.decode(prompt), 1)[0]
     t1 = time.perf_counter()
     tok = int(row.argmax())
     for i in range(n_decode):
-        row = logits_rows(backend, backend.decode([tok], len(prompt) + i), 1)[0]
+        row = logits_rows(backend, backend.decode([tok]), 1)[0]
         tok = int(row.argmax())
     t2 = time.perf_counter()
     return len(prompt) / (t1 - t0), n_decode / (t2 - t1)

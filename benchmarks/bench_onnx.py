@@ -46,8 +46,7 @@ def logits_agreement(llama: Engine, onnx: Engine, n_tokens: int) -> dict:
         rows = []
         for engine in (llama, onnx):
             engine.backend.clear()
-            engine._kv_tokens = []  # the cache no longer holds what the engine remembers
-            rows.append(_rows(engine.backend.decode(seq, 0, logits_from=len(prompt_tokens) - 1), n, v))
+            rows.append(_rows(engine.backend.decode(seq, logits_from=len(prompt_tokens) - 1), n, v))
         a, b = rows
         max_abs = max(max_abs, float(np.abs(a - b).max()))
         diffs.append(((a - b) ** 2).mean())
@@ -85,7 +84,7 @@ def main() -> None:
                     tps = {}
                     for name, engine in (("llama", llama), ("onnx", onnx)) if r % 2 == 0 else \
                             (("onnx", onnx), ("llama", llama)):
-                        engine._kv_tokens = []
+                        engine.forget_prefix()
                         result = engine.generate(prompt, max_tokens=args.tokens, drafter="none")
                         tps[name] = result.stats.tokens_per_s
                         speed[name].append(tps[name])

@@ -5,22 +5,27 @@
         for piece in engine.stream("Tell me a story", max_tokens=64):
             print(piece, end="", flush=True)
 
-An Engine is not thread-safe: one generation at a time (serve queues requests).
+An Engine may be shared between threads: generations run one at a time, in
+the order they ask (``blocking=False`` raises EngineBusyError instead of
+waiting), and ``cancel()`` from any thread stops the running one within one
+target step or one chunk of prompt evaluation.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from .chat import template as chat_templates
-from .models import registry
 from . import drafters as drafting
-from .backends import BACKENDS, open_backend, resolve_model
-from .drafters import Draft, DrafterConfig, Verified
-from .errors import ContextOverflowError, InvalidArgumentError
+from .backends import BACKENDS, Interrupted, open_backend, resolve_model
+from .chat import template as chat_templates
+from .drafters import Draft, Drafter, DrafterConfig, Verified
+from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
+                     InvalidArgumentError)
+from .models import registry
 from .planner import Planner, batch_costs
 from .sampling import Sampler, SamplingParams
 from .text import TextStream
@@ -79,7 +84,7 @@ class GenerationStats:
     n_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    stop_reason: str = ""          # "eos", "stop", "length" or "context"
+    stop_reason: str = ""          # "eos", "stop", "length", "context", "cancelled"; "" if closed early
     seed: int = 0
     drafter: str = "none"
     spec: SpecStats | None = None   # None for plain decoding
@@ -111,29 +116,140 @@ class Result:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
+@dataclass
+class Step:
+    """One target step of a generation, as the step generator yields it."""
+
+    tokens: list[int]        # appended to the text: accepted draft tokens, then the target's own
+    seconds: float           # wall time of the step (the first: prompt evaluation)
+    drafted: int = 0         # draft tokens (tree nodes) verified
+    accepted: int = 0        # of those, accepted
+    source: str = ""         # the drafter of the draft ("" for a plain step)
+    cached: int = 0          # the first step: prompt tokens whose K/V the cache already held
+
+
+@dataclass
+class _Request:
+    """One generation's validated inputs."""
+
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    drafter: str
+
+
+class Generation(Iterator[str]):
+    """A generation in progress: iterating yields its text pieces (never a
+    split UTF-8 character); ``result`` holds the whole Result once it ends.
+
+    It takes the engine when the first piece is asked for and gives it back
+    when it ends: exhausted, ``close()``d, cancelled, failed or collected.
+    """
+
+    def __init__(self, engine: "Engine", request: _Request, blocking: bool):
+        self.result: Result | None = None
+        self._engine = engine
+        self._request = request
+        self._blocking = blocking
+        self._pieces: Iterator[str] | None = None
+        self._cancel = threading.Event()
+        self._done = False
+        self.owner: int | None = None   # the thread that started it
+        self.executing = False          # inside __next__ right now
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop within one target step (or one chunk of prompt evaluation)."""
+        self._cancel.set()
+
+    def __next__(self) -> str:
+        if self._done:
+            raise StopIteration
+        if self._pieces is None:
+            self._engine._take(self, self._blocking)
+            self._pieces = self._engine._pieces(self._request, self)
+        self.executing = True
+        try:
+            return next(self._pieces)
+        except BaseException:
+            self._finish()
+            raise
+        finally:
+            self.executing = False
+
+    def close(self) -> None:
+        """End the generation now; ``result`` then holds what was generated."""
+        if self._pieces is not None and not self._done:
+            try:
+                self._pieces.close()
+            finally:
+                self._finish()
+        self._done = True
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._give_back(self)
+
+    def __del__(self):
+        self.close()
+
+
+def _encodable(text: str, what: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (no lone surrogates), else an InvalidArgumentError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"{what} is not valid text: {e.reason} at character {e.start}") from None
+    return text
+
+
+def _whole(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be a whole number >= {minimum}, got {value!r}"[:200])
+
+
+def _check_threads(threads: int | None, force: bool) -> None:
+    if threads is None:
+        return
+    _whole("threads", threads, 1)
+    cores = os.cpu_count() or 1
+    if threads > 4 * cores and not force:
+        raise InvalidArgumentError(f"threads {threads} is more than 4 x the {cores} CPUs of this machine "
+                                   "(force_threads / --force-threads allows it)")
+
+
 class Engine:
     """A loaded model and its context.
 
     ``model``: a built-in name (``edgespec models list``), a GGUF path or
     ``hf:owner/repo/file.gguf`` (with ``backend="onnx"`` also a folder from
-    ``edgespec export-onnx``; a GGUF is exported on first use). ``n_ctx`` is
-    capped at the model's training context. ``gpu_layers`` offloads layers
-    when llama.cpp was built with Metal/CUDA/Vulkan. ``draft_backend`` runs
-    the draft model on another backend than the target; ``ep`` is the ONNX
-    Runtime execution provider of whichever of them is onnx (cpu, qnn,
-    openvino, dml, coreml, cuda).
+    ``edgespec export-onnx``; a GGUF is exported on first use). ``gpu_layers``
+    offloads layers when llama.cpp was built with Metal/CUDA/Vulkan.
+    ``draft_backend`` runs the draft model on another backend than the
+    target; ``ep`` is the ONNX Runtime execution provider of whichever of
+    them is onnx (cpu, qnn, openvino, dml, coreml, cuda). ``n_ctx`` defaults
+    to 4096 tokens or the model's training context if smaller; a larger one
+    than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
+    ``force_threads``.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, backend: str = "llama",
-                 threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
+                 threads: int | None = None, n_ctx: int | None = None, n_batch: int = 512,
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
                  draft_backend: str | None = None, ep: str | None = None,
                  ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
-                 verbose: bool = False):
-        if threads is not None and threads <= 0:
-            raise InvalidArgumentError(f"threads must be > 0, got {threads}")
-        if n_ctx <= 0 or n_batch <= 0:
-            raise InvalidArgumentError("n_ctx and n_batch must be > 0")
+                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False):
+        _check_threads(threads, force_threads)
+        _whole("n_batch", n_batch, 1)
+        _whole("gpu_layers", gpu_layers, 0)
+        _whole("draft_max", draft_max, 1)
+        if n_ctx is not None:
+            _whole("n_ctx", n_ctx, 1)
         if not 1 <= draft_max < min(n_batch, 64):
             raise InvalidArgumentError(f"draft_max must be in [1, {min(n_batch, 64) - 1}], got {draft_max}")
         for name in (backend, draft_backend or backend):
@@ -148,21 +264,31 @@ class Engine:
         self.model_path: Path = resolve_model(backend, self.model_ref)
         self.backend = open_backend(backend, self.model_path, n_ctx=n_ctx, n_batch=n_batch,
                                     threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
-                                    ep=ep, verbose=verbose)
+                                    ep=ep, ctx_extend=ctx_extend, verbose=verbose)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
                                              draft_model=draft_model, draft_backend=draft_backend,
                                              ep=ep, ngram_cache=ngram_cache,
                                              threads=threads, n_ctx=self.backend.n_ctx)
-        self._drafters: dict[str, drafting.Drafter] = {}
+        self._drafters: dict[str, Drafter] = {}
         self._costs: list[float] | None = None
         self._planner: Planner | None = None
-        self._kv_tokens: list[int] = []  # what the KV cache holds, in order, between generations
         self.last_result: Result | None = None
         self._chat_template: str | None = None
+        # Sharing between threads: _busy is held by the running generation;
+        # _state guards the fields below it and lets close() wait for readers.
+        self._busy = threading.Lock()
+        self._state = threading.Condition()
+        self._running: Generation | None = None
+        self._readers = 0       # calls reading the model outside a generation (tokenizing)
+        self._closed = False
         if self.drafter != "none":
-            self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
+            try:
+                self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
+            except BaseException:
+                self._free()
+                raise
 
-    def _open_drafters(self, name: str) -> list:
+    def _open_drafters(self, name: str) -> list[Drafter]:
         names = {"none": [], "auto": drafting.auto_members(self._drafter_config)}.get(name, [name])
         for n in names:
             if n not in self._drafters:
@@ -171,22 +297,97 @@ class Engine:
 
     def batch_costs(self, remeasure: bool = False) -> list[float]:
         """This machine's target batch cost curve (see edgespec.planner)."""
+        with self._exclusive():
+            return self._batch_costs(remeasure)
+
+    def _batch_costs(self, remeasure: bool = False) -> list[float]:
         if self._costs is None or remeasure:
-            self._kv_tokens = []  # measuring may clear the cache
             self._costs = batch_costs(self.backend, remeasure=remeasure)
         return self._costs
 
     def forget_prefix(self) -> None:
         """Make the next generation evaluate its whole prompt instead of reusing
         the K/V of the previous one's common prefix (benchmarks time prefill so)."""
-        self._kv_tokens = []
+        with self._exclusive():
+            self.backend.clear()
+
+    # -- sharing between threads --------------------------------------------
+
+    def _take(self, gen: Generation | None, blocking: bool = True) -> None:
+        """Hold the engine for ``gen`` (None: a short exclusive call). A stream
+        this thread left suspended is closed first: it can never resume
+        correctly once another generation has used the cache."""
+        me = threading.get_ident()
+        with self._state:
+            self._check_open()
+            stale = self._running
+        if stale is not None and stale.owner == me and not stale.executing:
+            stale.close()
+        if not self._busy.acquire(blocking):
+            raise EngineBusyError("the engine is running another generation (blocking=False)")
+        with self._state:
+            if self._closed:
+                self._busy.release()
+                raise EngineClosedError("the engine was closed")
+            self._running = gen
+            if gen is not None:
+                gen.owner = me
+
+    def _give_back(self, gen: Generation | None) -> None:
+        with self._state:
+            if self._running is gen:
+                self._running = None
+        self._busy.release()
+
+    def _exclusive(self):
+        engine = self
+
+        class _Hold:
+            def __enter__(self):
+                engine._take(None)
+
+            def __exit__(self, *exc):
+                engine._give_back(None)
+
+        return _Hold()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine was closed")
+
+    def cancel(self) -> bool:
+        """Stop the running generation within one step (thread-safe); its result
+        says ``stop_reason="cancelled"``. Returns whether one was running."""
+        with self._state:
+            gen = self._running
+        if gen is None:
+            return False
+        gen.cancel()
+        return True
 
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
+        """Free the model. A generation running in another thread is cancelled
+        and waited for; later calls raise EngineClosedError. Safe to call twice."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            running = self._running
+        if running is not None:
+            if running.owner == threading.get_ident() and not running.executing:
+                running.close()
+            else:
+                running.cancel()
+        with self._busy:
+            with self._state:
+                self._state.wait_for(lambda: self._readers == 0)
+            self._free()
+
+    def _free(self) -> None:
         for d in self._drafters.values():
-            if hasattr(d, "close"):
-                d.close()
+            d.close()
         self._drafters.clear()
         self.backend.close()
 
@@ -198,17 +399,37 @@ class Engine:
 
     # -- text -----------------------------------------------------------------
 
+    def _reading(self):
+        """Guard for calls that read the model outside a generation."""
+        engine = self
+
+        class _Read:
+            def __enter__(self):
+                with engine._state:
+                    engine._check_open()
+                    engine._readers += 1
+
+            def __exit__(self, *exc):
+                with engine._state:
+                    engine._readers -= 1
+                    engine._state.notify_all()
+
+        return _Read()
+
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self.backend.tokenize(text, add_special=add_special)
+        with self._reading():
+            return self.backend.tokenize(text, add_special=add_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return b"".join(self.backend.piece(t) for t in tokens).decode("utf-8", "replace")
+        with self._reading():
+            return b"".join(self.backend.piece(t) for t in tokens).decode("utf-8", "replace")
 
     @property
     def chat_template(self) -> str | None:
         """The Jinja chat template chats are rendered with: the one set here,
         else the model's own (GGUF metadata), else None."""
-        return self._chat_template or self.backend.metadata("tokenizer.chat_template")
+        with self._reading():
+            return self._chat_template or self.backend.metadata("tokenizer.chat_template")
 
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
@@ -220,19 +441,26 @@ class Engine:
             raise InvalidArgumentError(f"model {self.model_ref} has no chat template in its metadata; "
                                        "pass a template file or use plain prompts")
         b = self.backend
-        return chat_templates.render(template, messages, bos_token=b.token_text(b.bos_token),
-                                     eos_token=b.token_text(b.eos_token))
+        with self._reading():
+            bos, eos = b.token_text(b.bos_token), b.token_text(b.eos_token)
+        return chat_templates.render(template, messages, bos_token=bos, eos_token=eos)
 
     def _prompt_tokens(self, prompt: str | None, messages: Sequence[dict] | None) -> list[int]:
         if messages is not None:
-            tokens = self.backend.tokenize(self.render_chat(messages), parse_special=True)
-            bos = self.backend.bos_token
+            text = _encodable(self.render_chat(messages), "the chat")
+            with self._reading():
+                tokens = self.backend.tokenize(text, parse_special=True)
+                bos = self.backend.bos_token
             if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
                 tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
             return tokens
-        if not isinstance(prompt, str) or not prompt:
+        if not isinstance(prompt, str):
+            raise InvalidArgumentError(f"prompt must be a str, not {type(prompt).__name__}")
+        if not prompt:
             raise InvalidArgumentError("prompt is empty")
-        return self.backend.tokenize(prompt)
+        _encodable(prompt, "prompt")
+        with self._reading():
+            return self.backend.tokenize(prompt)
 
     # -- generation -------------------------------------------------------------
 
@@ -244,11 +472,13 @@ class Engine:
         min_p, repeat_penalty, repeat_last_n, seed (random when None), stop
         (strings), chat (wrap ``prompt`` as one user message), drafter (this
         call's drafter instead of the engine's: none, ngram, recycle, cache,
-        model, auto).
+        model, auto), blocking (False: raise EngineBusyError rather than wait
+        for another thread's generation).
         """
-        for _ in self.stream(prompt, messages=messages, **options):
+        gen = self.stream(prompt, messages=messages, **options)
+        for _ in gen:
             pass
-        return self.last_result
+        return gen.result
 
     def chat(self, messages: Sequence[dict], **options) -> Result:
         return self.generate(messages=messages, **options)
@@ -256,11 +486,13 @@ class Engine:
     def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                max_tokens: int = 256, stop: Sequence[str] | str | None = None,
                chat: bool = False, seed: int | None = None, drafter: str | None = None,
-               **sampling) -> Iterator[str]:
-        """Yield text pieces as they are generated; ``last_result`` holds the
-        whole result once the iterator is exhausted."""
-        if max_tokens <= 0:
-            raise InvalidArgumentError(f"max_tokens must be > 0, got {max_tokens}")
+               blocking: bool = True, **sampling) -> Generation:
+        """Validate the request and return its Generation: iterate it for text
+        pieces; its ``result`` (and ``last_result``) holds the whole Result
+        once it ends. Nothing runs until the first piece is asked for."""
+        self._check_open()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise InvalidArgumentError(f"max_tokens must be a whole number > 0, got {max_tokens!r}")
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
         params = SamplingParams(seed=seed, **sampling)
@@ -268,19 +500,19 @@ class Engine:
             if not prompt:
                 raise InvalidArgumentError("prompt is empty")
             messages = [{"role": "user", "content": prompt}]
-        stop = [stop] if isinstance(stop, str) else list(stop or ())
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+            raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
+        stop = list(stop or ())
+        name = drafting.check_name(drafter or self.drafter)
         tokens = self._prompt_tokens(prompt, messages)
         n_ctx = self.backend.n_ctx
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
                                        "(raise n_ctx or shorten the prompt)")
-        name = drafting.check_name(drafter or self.drafter)
-        members = self._open_drafters(name)
-        if members and self._planner is None:
-            self._planner = Planner(self.batch_costs())
-        return self._generate(tokens, params, max_tokens, stop, name, members)
+        return Generation(self, _Request(tokens, params, max_tokens, stop, name), blocking)
 
-    def _choose_draft(self, drafters, context: list[int], room: int, may_skip: bool) -> Draft:
+    def _choose_draft(self, drafters: list[Drafter], context: list[int], room: int, may_skip: bool) -> Draft:
         """Ask each drafter for a draft and keep the part of one that pays most
         on this machine (or nothing: a plain step)."""
         planner = self._planner
@@ -301,48 +533,79 @@ class Engine:
                 best, best_value = draft, value
         return best
 
-    def _generate(self, prompt_tokens: list[int], params: SamplingParams, max_tokens: int,
-                  stop: list[str], drafter_name: str, drafters: list) -> Iterator[str]:
-        """The one decoding loop: each target step evaluates the last token plus
-        a draft (possibly empty) and keeps what verification accepts."""
+    def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
+               may_skip: bool, max_tokens: int, cancel: threading.Event) -> Iterator[Step]:
+        """The speculative loop as a step generator: the first step evaluates
+        the prompt (reusing the cache's common prefix) and samples one token;
+        every later step evaluates the last token plus a draft (possibly
+        empty) and yields what verification keeps. The backend's record of its
+        cache is settled whenever a step is yielded."""
+        backend, planner = self.backend, self._planner
+        t0 = time.perf_counter()
+        kept = backend.reuse_prefix(prompt_tokens)
+        logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
+        new = sampler.verify(logits, [])
+        context = prompt_tokens + new
+        produced = len(new)
+        yield Step(new, time.perf_counter() - t0, cached=kept)
+        while len(context) < backend.n_ctx and not cancel.is_set():
+            # Tokens of the text not in the cache yet: the root (the last one),
+            # preceded by a tree step's accepted path.
+            pending = context[backend.n_past:]
+            room = min(max_tokens - produced - 1, backend.n_ctx - len(context) - 1,
+                       backend.n_batch - len(pending))
+            draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
+            ts = time.perf_counter()
+            if draft.parents is not None:
+                logits = backend.decode_tree(pending, draft.tokens, draft.parents, draft.node_depths())
+            else:
+                logits = backend.decode(pending + draft.tokens, logits_from=len(pending) - 1)
+            new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
+            n_acc = len(new) - 1
+            if draft.parents is not None:
+                backend.drop_tree()
+            else:
+                backend.truncate(backend.n_past - (len(draft) - n_acc))  # the rejected tail
+            step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source)
+            if drafters:
+                planner.record_step_time(step.seconds, len(pending) + len(draft))
+                planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
+                verified = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
+                for d in drafters:
+                    d.accept(verified)
+            context.extend(new)
+            produced += len(new)
+            yield step
+
+    def _pieces(self, request: _Request, gen: Generation) -> Iterator[str]:
+        """Runs under the engine: turns steps into text pieces, stopping exactly
+        where plain decoding would (end of generation, stop string,
+        max_tokens, full context, cancel)."""
+        drafters = self._open_drafters(request.drafter)
+        if drafters and self._planner is None:
+            self._planner = Planner(self._batch_costs())
         backend = self.backend
-        planner = self._planner
-        may_skip = drafter_name == "auto"  # an explicitly chosen drafter always drafts
-        stats = GenerationStats(prompt_tokens=len(prompt_tokens), seed=params.seed, drafter=drafter_name)
+        prompt = request.prompt_tokens
+        stats = GenerationStats(prompt_tokens=len(prompt), seed=request.sampling.seed, drafter=request.drafter)
         spec = stats.spec = SpecStats() if drafters else None
         out: list[int] = []
-        text = TextStream(stop)
-        context = list(prompt_tokens)
-        with Sampler(params, backend.n_vocab) as sampler:
-            for t in prompt_tokens:
+        text = TextStream(request.stop)
+        t_decode = None
+        with Sampler(request.sampling, backend.n_vocab) as sampler:
+            for t in prompt:
                 sampler.accept(t)
             for d in drafters:
-                if hasattr(d, "set_sampling"):
-                    d.set_sampling(params)
-                d.begin(prompt_tokens)
-            # Reuse the K/V of the longest common prefix with the previous
-            # generation (a chat's earlier turns); the last prompt token is
-            # always evaluated, its row gives the first token.
-            kv, self._kv_tokens = self._kv_tokens, []  # unknown until this generation settles
-            reuse, limit = 0, min(len(kv), len(prompt_tokens) - 1)
-            while reuse < limit and kv[reuse] == prompt_tokens[reuse]:
-                reuse += 1
-            if reuse == 0:
-                backend.clear()
-            elif reuse < len(kv):
-                backend.truncate(reuse)
-            stats.cached_tokens = reuse
-            t0 = time.perf_counter()
-            logits = backend.decode(prompt_tokens[reuse:], reuse)
-            t1 = time.perf_counter()
-            stats.prefill_s = t1 - t0
-            n_past = len(prompt_tokens)          # tokens whose K/V the cache holds
-            new = sampler.verify(logits, [])  # the first token comes from the prompt's row
-            context.extend(new)
-            settled = True                       # the cache holds exactly context[:n_past]
+                d.begin(prompt, request.sampling)
+            steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
+                                request.max_tokens, gen._cancel)
             try:
-                while True:
-                    for token in new:
+                for step in steps:
+                    if t_decode is None:
+                        t_decode = time.perf_counter()
+                        stats.prefill_s, stats.cached_tokens = step.seconds, step.cached
+                    elif spec is not None:
+                        spec.count(step.source, step.drafted, step.accepted)
+                    for token in step.tokens:
                         if backend.is_eog(token):
                             stats.stop_reason = "eos"
                             break
@@ -353,54 +616,23 @@ class Engine:
                         if text.stopped:
                             stats.stop_reason = "stop"
                             break
-                        if len(out) >= max_tokens:
+                        if len(out) >= request.max_tokens:
                             stats.stop_reason = "length"
                             break
                     if stats.stop_reason:
                         break
-                    if len(context) >= backend.n_ctx:
-                        stats.stop_reason = "context"
-                        break
-                    # Tokens of the text not in the KV cache yet: the root (the
-                    # last one), preceded by a tree step's accepted path.
-                    pending = context[n_past:]
-                    root = context[-1]
-                    room = min(max_tokens - len(out) - 1, backend.n_ctx - len(context) - 1,
-                               backend.n_batch - len(pending))
-                    draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
-                    settled = False
-                    ts = time.perf_counter()
-                    if draft.parents is not None:
-                        logits = backend.decode_tree(pending, draft.tokens, draft.parents, n_past)
-                    else:
-                        logits = backend.decode(pending + draft.tokens, n_past, logits_from=len(pending) - 1)
-                    new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
-                    n_acc = len(new) - 1
-                    n_past += len(pending)
-                    if draft.parents is not None:
-                        backend.drop_tree(n_past)
-                    else:
-                        n_past += n_acc
-                        if n_acc < len(draft.tokens):
-                            backend.truncate(n_past)
-                    context.extend(new)
-                    settled = True
-                    if spec is not None:
-                        planner.record_step_time(time.perf_counter() - ts, len(pending) + len(draft))
-                        planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
-                        spec.count(draft.source, len(draft), n_acc)
-                        step = Verified(draft, n_acc, new, logits, [root] + draft.tokens)
-                        for d in drafters:
-                            d.accept(step)
+                else:
+                    stats.stop_reason = "cancelled" if gen.cancelled else "context"
                 tail = text.finish()
                 if tail:
                     yield tail
+            except Interrupted:
+                stats.stop_reason = "cancelled"
             finally:
-                if settled:
-                    self._kv_tokens = context[:n_past]
-                stats.decode_s = time.perf_counter() - t1
+                steps.close()
+                stats.decode_s = time.perf_counter() - t_decode if t_decode is not None else 0.0
                 stats.n_tokens = len(out)
                 if spec is not None:
-                    spec.planner = planner.summary()
+                    spec.planner = self._planner.summary()
                     spec.drafters = {d.name: d.stats() for d in drafters}
-                self.last_result = Result(text=text.text, tokens=out, stats=stats)
+                gen.result = self.last_result = Result(text=text.text, tokens=out, stats=stats)

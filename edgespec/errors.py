@@ -31,6 +31,14 @@ class ContextOverflowError(EdgespecError):
     """The prompt (plus what must be generated) does not fit the context window."""
 
 
+class EngineClosedError(EdgespecError):
+    """The engine (or backend) was used after ``close()``."""
+
+
+class EngineBusyError(EdgespecError):
+    """A non-blocking call found the engine running another generation."""
+
+
 class BackendError(EdgespecError):
     """The inference backend (llama.cpp, native, onnxruntime) failed."""
 

@@ -52,13 +52,13 @@ def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[flo
     while len(tokens) < prefix + MAX_BATCH:
         tokens += tokens
     backend.clear()
-    backend.decode(tokens[:prefix], 0)
+    backend.decode(tokens[:prefix])
     times = {}
     for k in MEASURED:
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
-            backend.decode(tokens[prefix:prefix + k], prefix, logits_from=0)
+            backend.decode(tokens[prefix:prefix + k], logits_from=0)
             best = min(best, time.perf_counter() - t0)
             backend.truncate(prefix)
         times[k] = best

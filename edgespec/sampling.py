@@ -21,6 +21,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            _require(name, getattr(self, name), (int, float))
+        for name in ("top_k", "repeat_last_n", "seed"):
+            _require(name, getattr(self, name), (int,))
         if not math.isfinite(self.temperature) or self.temperature < 0 or (
                 self.temperature > 0 and self.temperature < 1e-6):
             raise InvalidArgumentError(f"temperature must be 0 (greedy) or in [1e-6, inf), got {self.temperature}")
@@ -28,18 +32,25 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise InvalidArgumentError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise InvalidArgumentError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
             raise InvalidArgumentError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
-        if self.repeat_last_n < 0:
-            raise InvalidArgumentError(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+        if not 0 <= self.repeat_last_n < 2**31:
+            raise InvalidArgumentError(f"repeat_last_n must be in [0, 2**31), got {self.repeat_last_n}")
         if not 0 <= self.seed < 2**64:
             raise InvalidArgumentError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _require(name: str, value, kinds: tuple[type, ...]) -> None:
+    """A sampling parameter of the wrong type is an InvalidArgumentError, not a TypeError."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        want = "a whole number" if kinds == (int,) else "a number"
+        raise InvalidArgumentError(f"{name} must be {want}, got {value!r}"[:200])
 
 
 class Sampler(Owned):

@@ -402,8 +402,8 @@ class Handler(BaseHTTPRequestHandler):
         self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self._created = int(time.time())
         text = "".join(self._generated(pieces))
-        pieces.close()   # sets last_result, also when stopped early
-        result = self.server.engine.last_result
+        pieces.close()   # sets its result, also when stopped early
+        result = pieces.result
         finish = FINISH_REASON.get(result.stats.stop_reason, "stop")
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -443,7 +443,7 @@ class Handler(BaseHTTPRequestHandler):
         for piece in self._generated(pieces):
             self._event(chunk({"content": piece} if chat else piece))
         pieces.close()
-        result = self.server.engine.last_result
+        result = pieces.result
         extras = self._extras(result)
         final = chunk({} if chat else "", FINISH_REASON.get(result.stats.stop_reason, "stop"))
         final["edgespec"] = extras["edgespec"]

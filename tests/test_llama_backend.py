@@ -34,11 +34,11 @@ def text(backend):
 def test_batched_rows_equal_single_token_rows(backend, text, k):
     base = 100
     backend.clear()
-    backend.decode(text[:base], 0)
-    singles = [rows(backend, backend.decode([text[base + i]], base + i), 1)[0] for i in range(k)]
+    backend.decode(text[:base])
+    singles = [rows(backend, backend.decode([text[base + i]]), 1)[0] for i in range(k)]
     backend.clear()
-    backend.decode(text[:base], 0)
-    batch = rows(backend, backend.decode(text[base:base + k], base, logits_from=0), k)
+    backend.decode(text[:base])
+    batch = rows(backend, backend.decode(text[base:base + k], logits_from=0), k)
     for i in range(k):
         assert np.array_equal(batch[i], singles[i])
 
@@ -51,19 +51,20 @@ def test_tree_rows_and_drop_tree(backend, text):
     tokens, parents = [a, x, b, y, c], [-1, -1, 0, 1, 2]
 
     backend.clear()
-    backend.decode(prefix, 0)
-    tree = rows(backend, backend.decode_tree([root], tokens, parents, base), 6)
-    backend.drop_tree(base + 1)
+    backend.decode(prefix)
+    tree = rows(backend, backend.decode_tree([root], tokens, parents, [1, 1, 2, 2, 3]), 6)
+    backend.drop_tree()
+    assert backend.n_past == base + 1
     # after the drop the cache holds the prefix and the root: the accepted
     # path is evaluated again, as the engine does with its next batch
-    after = rows(backend, backend.decode([a, b, c], base + 1, logits_from=0), 3)
+    after = rows(backend, backend.decode([a, b, c], logits_from=0), 3)
 
     backend.clear()
-    backend.decode(prefix, 0)
-    chain = rows(backend, backend.decode([root, a, b, c], base, logits_from=0), 4)
+    backend.decode(prefix)
+    chain = rows(backend, backend.decode([root, a, b, c], logits_from=0), 4)
     backend.clear()
-    backend.decode(prefix, 0)
-    other = rows(backend, backend.decode([root, x, y], base, logits_from=0), 3)
+    backend.decode(prefix)
+    other = rows(backend, backend.decode([root, x, y], logits_from=0), 3)
 
     assert np.array_equal(tree[0], chain[0])     # root
     assert np.array_equal(tree[1], chain[1])     # a
@@ -76,9 +77,9 @@ def test_tree_rows_and_drop_tree(backend, text):
 
 def test_truncate_rolls_back(backend, text):
     backend.clear()
-    backend.decode(text[:50], 0)
-    ref = rows(backend, backend.decode([text[50]], 50), 1)[0]
-    backend.decode([7, 8, 9], 51, logits_from=0)  # a rejected draft
+    backend.decode(text[:50])
+    ref = rows(backend, backend.decode([text[50]]), 1)[0]
+    backend.decode([7, 8, 9], logits_from=0)  # a rejected draft
     backend.truncate(50)
-    again = rows(backend, backend.decode([text[50]], 50), 1)[0]
+    again = rows(backend, backend.decode([text[50]]), 1)[0]
     assert np.array_equal(ref, again)

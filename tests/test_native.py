@@ -19,7 +19,8 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends import open_backend
-from edgespec.errors import BackendError, ModelFormatError, UnsupportedModelError
+from edgespec.drafters import Draft
+from edgespec.errors import InvalidArgumentError, ModelFormatError, UnsupportedModelError
 from tiny_gguf import Q, write_tiny_llama
 
 N_CTX = 512
@@ -37,20 +38,20 @@ def rows(b, addr: int, n: int) -> np.ndarray:
 
 def batched(b, tokens: list[int]) -> np.ndarray:
     b.clear()
-    return rows(b, b.decode(tokens, 0, logits_from=0), len(tokens))
+    return rows(b, b.decode(tokens, logits_from=0), len(tokens))
 
 
 def one_by_one(b, tokens: list[int]) -> np.ndarray:
     b.clear()
-    return np.concatenate([rows(b, b.decode([t], i), 1) for i, t in enumerate(tokens)])
+    return np.concatenate([rows(b, b.decode([t]), 1) for t in tokens])
 
 
 def greedy(b, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
     b.clear()
-    logits = [rows(b, b.decode(prompt, 0), 1)[0]]
+    logits = [rows(b, b.decode(prompt), 1)[0]]
     out = [int(logits[-1].argmax())]
     while len(out) < n:
-        logits.append(rows(b, b.decode(out[-1:], len(prompt) + len(out) - 1), 1)[0])
+        logits.append(rows(b, b.decode(out[-1:]), 1)[0])
         out.append(int(logits[-1].argmax()))
     return out, logits
 
@@ -130,8 +131,10 @@ def test_batch_invariance_chain_and_tree(native_smollm2):
     nodes = [decoy[0], cont[0], decoy[1], cont[1], cont[2], decoy[2], cont[3]]
     parents = [-1, -1, 0, 1, 3, 3, 4]
     nb.clear()
-    tree = rows(nb, nb.decode_tree(pre, nodes, parents, 0), len(nodes) + 1)
-    nb.drop_tree(len(pre))
+    depths = Draft(nodes, parents).node_depths()
+    tree = rows(nb, nb.decode_tree(pre, nodes, parents, depths), len(nodes) + 1)
+    nb.drop_tree()
+    assert nb.n_past == len(pre)
     assert np.array_equal(tree[0], alone[15])
     for node, pos in ((1, 16), (3, 17), (4, 18), (6, 19)):
         assert np.array_equal(tree[node + 1], alone[pos])
@@ -141,10 +144,13 @@ def test_prefill_in_chunks_of_n_batch(native_smollm2, smollm2_path):
     tokens = native_smollm2.tokenize(TEXT)[:24]
     whole = batched(native_smollm2, tokens)
     with open_backend("native", smollm2_path, n_ctx=N_CTX, n_batch=8, threads=2) as small:
-        assert np.array_equal(rows(small, small.decode(tokens, 0), 1)[0], whole[-1])
-        assert np.array_equal(rows(small, small.decode(tokens, 0, logits_from=17), 7), whole[17:])
-        with pytest.raises(BackendError):
-            small.decode(tokens, 0, logits_from=8)  # rows from two chunks
+        assert np.array_equal(rows(small, small.decode(tokens), 1)[0], whole[-1])
+        small.clear()
+        assert np.array_equal(rows(small, small.decode(tokens, logits_from=17), 7), whole[17:])
+        small.clear()
+        with pytest.raises(InvalidArgumentError, match="16 logits rows do not fit one batch of 8"):
+            small.decode(tokens, logits_from=8)
+        assert small.n_past == 0  # a refused call leaves the cache as it was
 
 
 def test_truncate_rolls_back_exactly(native_smollm2):
@@ -152,9 +158,9 @@ def test_truncate_rolls_back_exactly(native_smollm2):
     a, b, c = nb.tokenize(TEXT)[:12], nb.tokenize(" storm winter ships"), nb.tokenize(" lamp beam")
     fresh = batched(nb, a + c)[len(a):]
     nb.clear()
-    nb.decode(a + b, 0)
+    nb.decode(a + b)
     nb.truncate(len(a))
-    again = rows(nb, nb.decode(c, len(a), logits_from=0), len(c))
+    again = rows(nb, nb.decode(c, logits_from=0), len(c))
     assert np.array_equal(fresh, again)
 
 

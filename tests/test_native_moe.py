@@ -60,13 +60,15 @@ def backend(name: str, path, n_batch: int = 128):
 
 
 def logits_rows(b, tokens: list[int], start: int = 0, chunk: int | None = None) -> np.ndarray:
-    """(len(tokens), n_vocab) logits of `tokens` at positions start..., decoded
-    `chunk` tokens a batch (default: the backend's n_batch)."""
+    """(len(tokens), n_vocab) logits of `tokens` at positions start... (the
+    cache is cut back to `start` first), decoded `chunk` tokens a batch
+    (default: the backend's n_batch)."""
     chunk = chunk or b.n_batch
+    b.truncate(start)
     out = []
     for i in range(0, len(tokens), chunk):
         part = tokens[i:i + chunk]
-        addr = b.decode(part, start + i, logits_from=0)
+        addr = b.decode(part, logits_from=0)
         rows = (ctypes.c_float * (len(part) * b.n_vocab)).from_address(addr)
         out.append(np.ctypeslib.as_array(rows).reshape(len(part), b.n_vocab).copy())
     return np.concatenate(out)

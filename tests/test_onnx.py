@@ -155,9 +155,9 @@ def test_logits_agree_with_llama(llama_engine, export_dir):
             seq = prompt_tokens + result.tokens
             n = len(result.tokens) + 1
             target.clear()
-            ref = _rows(target.decode(seq, 0, logits_from=len(prompt_tokens) - 1), n, n_vocab)
-            llama_engine._kv_tokens = []  # the engine's cache bookkeeping no longer holds
-            got = _rows(backend.decode(seq, 0, logits_from=len(prompt_tokens) - 1), n, n_vocab)
+            ref = _rows(target.decode(seq, logits_from=len(prompt_tokens) - 1), n, n_vocab)
+            backend.clear()
+            got = _rows(backend.decode(seq, logits_from=len(prompt_tokens) - 1), n, n_vocab)
             top2 = np.sort(ref, axis=-1)[:, -2:]
             clear = top2[:, 1] - top2[:, 0] > 0.5
             same = ref.argmax(-1) == got.argmax(-1)
@@ -226,13 +226,13 @@ def test_static_shapes_export_runs_like_the_dynamic_one(tmp_path, smollm2_path, 
                                   "The capital of Italy is")
         assert len(tokens) > onnx_export.STATIC_SEQ  # two padded calls
         n, v = len(tokens), dynamic.n_vocab
-        a = _rows(dynamic.decode(tokens, 0, logits_from=0), n, v)
-        b = _rows(static.decode(tokens, 0, logits_from=0), n, v)
+        a = _rows(dynamic.decode(tokens, logits_from=0), n, v)
+        b = _rows(static.decode(tokens, logits_from=0), n, v)
         np.testing.assert_allclose(a, b, atol=1e-4)
         for be in (static, dynamic):
             be.truncate(10)
-        a = _rows(dynamic.decode_tree([tokens[10]], [5, 6, 7], [-1, 0, -1], 10), 4, v)
-        b = _rows(static.decode_tree([tokens[10]], [5, 6, 7], [-1, 0, -1], 10), 4, v)
+        a = _rows(dynamic.decode_tree([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1]), 4, v)
+        b = _rows(static.decode_tree([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1]), 4, v)
         np.testing.assert_allclose(a, b, atol=1e-4)
     finally:
         static.close()

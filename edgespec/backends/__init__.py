@@ -1,7 +1,8 @@
 """Inference backends, one module each, found by name: ``edgespec.backends.<name>``.
 
-A backend evaluates tokens into a KV cache and exposes logits rows by address;
-everything above it (sampling, verification, drafting) is backend-agnostic.
+Each module's ``BACKEND`` subclasses ``base.Backend``, which owns the KV-cache
+protocol; a backend supplies only evaluation and truncation. Everything above
+(sampling, verification, drafting) is backend-agnostic.
 """
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import importlib
 import inspect
 import os
 from pathlib import Path
-from typing import Protocol
 
 from ..errors import InvalidArgumentError
+from .base import Backend, Interrupted  # noqa: F401  (the contract, re-exported)
 
 BACKENDS = ("llama", "native", "onnx")
 
@@ -21,35 +22,6 @@ def default_threads() -> int:
     logical CPUs use half of them."""
     n = os.cpu_count() or 1
     return n if n <= 4 else n // 2
-
-
-class Backend(Protocol):
-    """What the engine needs from a backend.
-
-    Logits are exposed by address: ``decode`` returns where the first row of
-    (n_rows, n_vocab) float32 logits lies, valid until the next ``decode``.
-    """
-
-    name: str
-    n_vocab: int
-    n_ctx: int
-    n_batch: int
-    threads: int
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]: ...
-    def piece(self, token: int) -> bytes: ...
-    def is_eog(self, token: int) -> bool: ...
-    def token_text(self, token: int) -> str: ...
-    def metadata(self, key: str) -> str | None: ...
-    bos_token: int
-    eos_token: int
-    def decode(self, tokens: list[int], start: int, *, logits_from: int | None = None,
-               seq_id: int = 0) -> int: ...
-    def decode_tree(self, prefix: list[int], tokens: list[int], parents: list[int], start: int) -> int: ...
-    def drop_tree(self, n_keep: int) -> None: ...
-    def truncate(self, n_keep: int, seq_id: int = 0) -> None: ...
-    def clear(self) -> None: ...
-    def close(self) -> None: ...
 
 
 def _module(name: str):

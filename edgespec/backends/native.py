@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..capi import Closing, Owned, check, ffi, lib
-from ..errors import BackendError, ContextOverflowError, ModelFormatError, UnsupportedModelError
+from ..capi import Owned, check, ffi, lib
+from ..errors import ContextOverflowError, ModelFormatError, UnsupportedModelError
 from . import default_threads
+from .base import Backend, context_size
 from .vocab import Vocab, VocabMixin
 
 _ERR_CAP = 512
@@ -80,16 +81,17 @@ class NativeContext(Owned):
         check(lib.es_context_truncate(self._ptr, n_keep), f"truncate to {n_keep} tokens")
 
 
-class NativeBackend(VocabMixin, Closing):
+class NativeBackend(VocabMixin, Backend):
     name = "native"
     _ctx = _model = None
     vocab = None
 
-    def __init__(self, path: Path, *, n_ctx: int = 4096, n_batch: int = 512,
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
                  threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
-                 verbose: bool = False):
+                 ctx_extend: bool = False, verbose: bool = False):
         # gpu_layers and n_seq do not apply: the engine runs on the CPU, and
         # draft trees need no sequences (a tree is one batch with parents).
+        super().__init__()
         self.path = Path(path)
         self._model = NativeModel(self.path)
         try:
@@ -98,6 +100,8 @@ class NativeBackend(VocabMixin, Closing):
                 raise ModelFormatError(f"{self.path}: the vocabulary has {self.vocab.n_vocab} tokens, "
                                        f"the embeddings {self._model.n_vocab}")
             self.threads = threads or default_threads()
+            n_ctx = context_size(n_ctx, self._model.n_ctx_train, extend=ctx_extend)
+            self._check_kv_memory(n_ctx)
             self._ctx = NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads)
         except BaseException:
             self.close()
@@ -108,64 +112,17 @@ class NativeBackend(VocabMixin, Closing):
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
 
-    # -- evaluation ---------------------------------------------------------
+    # -- primitives (base.Backend owns the protocol) -------------------------
 
-    def _rewind(self, start: int) -> None:
-        """Make the cache hold exactly ``start`` tokens (callers resume there)."""
-        n_past = self._ctx.n_past
-        if start > n_past:
-            raise BackendError(f"decode at position {start}, but the cache holds {n_past} tokens")
-        if start < n_past:
-            self._ctx.truncate(start)
+    def _evaluate(self, tokens: list[int], positions: list[int], parents: list[int] | None,
+                  logits_from: int) -> int:
+        # es_decode derives the positions from the parents itself.
+        return self._ctx.decode(tokens, parents, logits_from)
 
-    def decode(self, tokens: list[int], start: int, *, logits_from: int | None = None,
-               seq_id: int = 0) -> int:
-        """Evaluate ``tokens`` at positions ``start...``; returns the address of
-        (n_rows, n_vocab) float32 logits: one row per token of
-        ``tokens[logits_from:]``, or the last token's row when ``logits_from``
-        is None. Valid until the next decode. ``seq_id`` is ignored (one sequence)."""
-        n = len(tokens)
-        if n == 0:
-            raise BackendError("decode of an empty batch")
-        if start + n > self.n_ctx:
-            raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
-        first_row = n - 1 if logits_from is None else logits_from
-        last = (n - 1) // self.n_batch * self.n_batch  # prefill in chunks of n_batch
-        if first_row < last:
-            raise BackendError(f"{n} tokens with several logits rows do not fit one batch of {self.n_batch}")
-        self._rewind(start)
-        for done in range(0, last, self.n_batch):
-            self._ctx.decode(tokens[done:done + self.n_batch], None, self.n_batch)
-        return self._ctx.decode(tokens[last:], None, first_row - last)
-
-    def decode_tree(self, prefix: list[int], tokens: list[int], parents: list[int], start: int) -> int:
-        """Evaluate ``prefix`` (ending with the root token) from position
-        ``start`` and a draft tree below the root in one batch. Returns the
-        address of (n_nodes + 1, n_vocab) rows: the root's, then the nodes'.
-        Follow with ``drop_tree``."""
-        n_pre = len(prefix)
-        if n_pre == 0:
-            raise BackendError("decode_tree needs the root token")
-        if n_pre + len(tokens) > self.n_batch or start + n_pre + len(tokens) > self.n_ctx:
-            raise ContextOverflowError("the draft tree does not fit the context or the batch")
-        self._rewind(start)
-        root = n_pre - 1
-        batch_parents = list(range(-1, n_pre - 1)) + [root if p < 0 else n_pre + p for p in parents]
-        return self._ctx.decode(prefix + tokens, batch_parents, root)
-
-    def drop_tree(self, n_keep: int) -> None:
-        """After decode_tree: keep the first n_keep cells (the prefix)."""
+    def _truncate(self, n_keep: int) -> None:
         self._ctx.truncate(n_keep)
 
-    def truncate(self, n_keep: int, seq_id: int = 0) -> None:
-        """Drop positions >= n_keep from the KV cache."""
-        if n_keep < self._ctx.n_past:
-            self._ctx.truncate(max(0, n_keep))
-
-    def clear(self) -> None:
-        self._ctx.truncate(0)
-
-    def close(self) -> None:
+    def _close(self) -> None:
         if self._ctx is not None:
             self._ctx.close()
             self._ctx = None

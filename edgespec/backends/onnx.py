@@ -21,9 +21,9 @@ import numpy as np
 
 from ..models import registry
 from . import onnx_export
-from ..capi import Closing
-from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
+from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from . import default_threads
+from .base import Backend, context_size
 from .vocab import Vocab, VocabMixin
 
 # --ep name -> ONNX Runtime execution provider
@@ -65,15 +65,16 @@ def resolve_model(ref: str, *, weights: str = "int4") -> Path:
     return onnx_export.cached_export(gguf, onnx_export.check_weights(weights), model_ref=ref)
 
 
-class OnnxBackend(VocabMixin, Closing):
+class OnnxBackend(VocabMixin, Backend):
     name = "onnx"
     _session = None
     vocab = None
 
-    def __init__(self, path: Path, *, n_ctx: int = 4096, n_batch: int = 512,
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
                  threads: int | None = None, ep: str | None = None, verbose: bool = False):
         import onnxruntime as ort
 
+        super().__init__()
         self.ep = ep = ep or "cpu"
         providers = [provider(ep)] + (["CPUExecutionProvider"] if ep != "cpu" else [])
         self.folder = Path(path)
@@ -99,10 +100,12 @@ class OnnxBackend(VocabMixin, Closing):
             # Fixed shapes: calls of `seq` tokens (padded), a cache of `ctx` slots of
             # which the last `seq` take a call's padding.
             self._chunk = self.static["seq"]
-            self.n_ctx = min(n_ctx, self.static["ctx"] - self._chunk)
+            self.n_ctx = context_size(n_ctx, self.static["ctx"] - self._chunk, extend=None,
+                                      limit_name="the static graph's cache")
             self._kv_shape = (1, cfg["n_head_kv"], self.static["ctx"], cfg["head_dim"])
         else:
-            self.n_ctx = min(n_ctx, self.n_ctx_train)  # RoPE tables cover the training context
+            # The graph's RoPE tables cover the training context and no more.
+            self.n_ctx = context_size(n_ctx, self.n_ctx_train, extend=None)
             self._kv_shape = (1, cfg["n_head_kv"], 0, cfg["head_dim"])
         self.n_batch = min(n_batch, self.n_ctx)
         if not self.static:
@@ -120,7 +123,8 @@ class OnnxBackend(VocabMixin, Closing):
             raise BackendError(f"onnxruntime could not load {self.path} on {ep}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
         self._outputs = ["logits"] + [f"present.{i}.{k}" for i in range(self.n_layer) for k in ("key", "value")]
-        self.clear()
+        self._kv = [np.zeros(self._kv_shape, dtype=np.float16)] * (2 * self.n_layer)
+        self._n = 0  # cache slots written
 
     # -- evaluation ---------------------------------------------------------
 
@@ -130,7 +134,7 @@ class OnnxBackend(VocabMixin, Closing):
         tokens, or the static graph's fixed width, padded); keeps the logits of
         rows >= first_row, C-contiguous float32 (n - first_row, n_vocab), alive
         until the next call, and returns their address."""
-        start, n = self.n_past, len(tokens)
+        start, n = self._n, len(tokens)
         kept = []
         for a in range(0, n, self._chunk):
             b = min(a + self._chunk, n)
@@ -179,74 +183,35 @@ class OnnxBackend(VocabMixin, Closing):
             logits = logits[wanted]
         return np.ascontiguousarray(logits, dtype=np.float32)
 
-    @property
-    def n_past(self) -> int:
-        """Positions the KV cache holds."""
-        return self._n
+    # -- primitives (base.Backend owns the protocol) -------------------------
 
-    def decode(self, tokens: list[int], start: int, *, logits_from: int | None = None,
-               seq_id: int = 0) -> int:
-        """Evaluate ``tokens`` at positions ``start...`` (the cache is cut back to
-        ``start`` first). Returns the address of one logits row per token of
-        ``tokens[logits_from:]`` (the last token's alone when None), valid
-        until the next call."""
-        n = len(tokens)
-        if n == 0:
-            raise BackendError("decode of an empty batch")
-        if start + n > self.n_ctx:
-            raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
-        if start > self.n_past:
-            raise BackendError(f"decode at position {start} but the KV cache holds {self.n_past}")
-        self.truncate(start)
+    def _evaluate(self, tokens: list[int], positions: list[int], parents: list[int] | None,
+                  logits_from: int) -> int:
+        """One evaluation under an additive mask (n, n_past + n): token i sees
+        the cache, itself and its ancestors in the batch (for a chain, every
+        earlier token)."""
+        n, start = len(tokens), self._n
         bias = np.zeros((n, start + n), dtype=np.float32)
-        bias[:, start:] = np.triu(np.full((n, n), MASKED), 1)  # causal among the new tokens
-        return self._forward(tokens, list(range(start, start + n)), bias,
-                             n - 1 if logits_from is None else logits_from)
+        if parents is None:
+            bias[:, start:] = np.triu(np.full((n, n), MASKED), 1)
+        else:
+            bias[:, start:] = MASKED
+            for i in range(n):
+                node = i
+                while node >= 0:
+                    bias[i, start + node] = 0
+                    node = parents[node]
+        return self._forward(tokens, positions, bias, logits_from)
 
-    def decode_tree(self, prefix: list[int], tokens: list[int], parents: list[int], start: int) -> int:
-        """Evaluate ``prefix`` (ending with the root token) from position
-        ``start`` and a draft tree below the root in one call: the mask lets
-        each node see the cache, the prefix and its ancestors. Returns the
-        address of (n_nodes + 1, n_vocab) rows: the root's, then the nodes'.
-        Follow with ``drop_tree``."""
-        n, k = len(tokens), len(prefix)
-        self.truncate(start)
-        depth = [0] * n
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        root_pos = start + k - 1
-        if start + k + n > self.n_ctx:
-            raise ContextOverflowError("the draft tree does not fit the context")
-        m = k + n
-        bias = np.full((m, start + m), MASKED, dtype=np.float32)
-        bias[:, :start] = 0
-        bias[:, start:start + k] = np.triu(np.full((k, k), MASKED), 1)[np.minimum(np.arange(m), k - 1)]
-        for j in range(n):  # node j: itself and its ancestors
-            node = j
-            while node >= 0:
-                bias[k + j, start + k + node] = 0
-                node = parents[node]
-        positions = list(range(start, start + k)) + [root_pos + d for d in depth]
-        return self._forward(prefix + tokens, positions, bias, k - 1)
-
-    def drop_tree(self, n_keep: int) -> None:
-        """After decode_tree: keep positions < n_keep (the prefix), drop the nodes."""
-        self.truncate(n_keep)
-
-    def truncate(self, n_keep: int, seq_id: int = 0) -> None:
-        """Drop positions >= n_keep from the KV cache (a static cache keeps its
-        slots; the mask hides them until they are written again)."""
+    def _truncate(self, n_keep: int) -> None:
+        """Keep the first n_keep slots (a static cache keeps its slots; the
+        mask hides them until they are written again)."""
         if n_keep < self._n:
             if not self.static:
                 self._kv = [np.ascontiguousarray(a[:, :, :n_keep]) for a in self._kv]
             self._n = n_keep
 
-    def clear(self) -> None:
-        empty = np.zeros(self._kv_shape, dtype=np.float16)
-        self._kv = [empty] * (2 * self.n_layer)
-        self._n = 0
-
-    def close(self) -> None:
+    def _close(self) -> None:
         self._session = None
         if self.vocab is not None:
             self.vocab.close()

@@ -147,7 +147,6 @@ class ChatSession:
             self._note(f"(context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)} "
                        "from the conversation)")
         engine = self.engine
-        before = engine.last_result
         printed: list[str] = []
         interrupted = False
         pieces = None
@@ -166,7 +165,7 @@ class ChatSession:
         finally:
             if pieces is not None:
                 pieces.close()  # stops the generation; its stats are kept
-        result = engine.last_result if engine.last_result is not before else None
+        result = pieces.result if pieces is not None else None
         answer = result.text if result is not None and not interrupted else "".join(printed)
         if answer:
             self.history.append({"role": "assistant", "content": answer})

@@ -15,6 +15,8 @@ def _raise(message: str):
 
 
 def validate_messages(messages: Sequence[dict]) -> list[dict]:
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidArgumentError(f"messages must be a list of objects, not {type(messages).__name__}")
     if not messages:
         raise InvalidArgumentError("messages must not be empty")
     out = []

@@ -1,17 +1,19 @@
 """Drafters: cheap proposers of tokens that the target model verifies.
 
-A drafter is a handful of verbs (see ``Drafter``); each kind lives in its own
-module ``edgespec.drafters.<name>`` exposing ``DRAFTER`` (its class), found by
-name. The heavy data structures (n-gram index and cache, recycling matrix)
+A drafter is a handful of verbs (the ``Drafter`` base class); each kind lives in
+its own module ``edgespec.drafters.<name>`` exposing ``DRAFTER`` (its class),
+found by name. The heavy data structures (n-gram index and cache, recycling matrix)
 are in the C core; these modules are thin.
 """
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from ..errors import InvalidArgumentError
+from ..sampling import SamplingParams
 
 DRAFTERS = ("none", "ngram", "recycle", "cache", "model", "auto")
 
@@ -70,13 +72,17 @@ class DrafterConfig:
     n_ctx: int = 4096
 
 
-class Drafter(Protocol):
+class Drafter(ABC):
+    """The drafter protocol. Each verb has a default but ``draft``."""
+
     name: str
-    costly: bool  # drafting spends real time per token (a draft model): ask only for what pays
+    costly: bool = False  # drafting spends real time per token (a draft model): ask only for what pays
 
-    def begin(self, prompt: Sequence[int]) -> None:
-        """A new generation starts; ``prompt`` is its whole context."""
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        """A new generation starts: ``prompt`` is its whole context, ``sampling``
+        how the target chooses tokens (a draft model drafts the same way)."""
 
+    @abstractmethod
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
         """Propose up to ``max_tokens`` tokens (tree nodes) following ``context``
         (prompt + output so far; its last token is the root)."""
@@ -86,6 +92,10 @@ class Drafter(Protocol):
 
     def stats(self) -> dict:
         """Drafter-specific counters for the result's stats."""
+        return {}
+
+    def close(self) -> None:
+        """Free what the drafter owns; safe to call twice."""
 
 
 def open_drafter(name: str, config: DrafterConfig) -> Drafter:

@@ -18,7 +18,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from ..capi import Owned, check, ffi, lib
 from ..errors import DrafterError, InvalidArgumentError
-from . import Draft, DrafterConfig, Verified
+from ..sampling import SamplingParams
+from . import Draft, Drafter, DrafterConfig, Verified
 
 N_MAX_LIMIT = 8        # es_ngram_cache_init accepts n_max in [1, 8]
 DYNAMIC_N_MAX = 4      # context lengths the session's own cache counts
@@ -89,9 +90,8 @@ class NgramCache(Owned):
 # ---------------------------------------------------------------------------
 
 
-class CacheDrafter:
+class CacheDrafter(Drafter):
     name = "cache"
-    costly = False
 
     def __init__(self, config: DrafterConfig):
         if not config.ngram_cache:
@@ -128,7 +128,7 @@ class CacheDrafter:
             lo = max(0, j - n_max)
             check(lib.es_ngram_cache_add(self.dynamic._ptr, self._buf + lo, j + 1 - lo), "es_ngram_cache_add")
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         self.n_drafts = self.n_drafted = 0
         self.dynamic.close()
         self.dynamic = NgramCache(DYNAMIC_N_MAX)

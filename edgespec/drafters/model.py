@@ -15,7 +15,7 @@ import numpy as np
 from ..backends import open_backend, resolve_model
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError
 from ..sampling import Sampler, SamplingParams
-from . import Draft, DrafterConfig, Verified
+from . import Draft, Drafter, DrafterConfig
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
 
@@ -43,7 +43,7 @@ def check_compatible(target, draft, draft_ref: str) -> None:
                 f"draft model {draft_ref}: token {t} is {b!r} but the target's is {a!r}")
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     name = "model"
     costly = True
 
@@ -53,43 +53,31 @@ class ModelDrafter:
         # The draft model may run on another backend and device than the target
         # (e.g. on an NPU through onnxruntime while llama.cpp runs the target).
         name = config.draft_backend or config.target.name
+        # Its cache follows the target's text, also past its own training context.
         self.backend = open_backend(name, resolve_model(name, config.draft_model), n_ctx=config.n_ctx,
-                                    threads=config.threads, ep=config.ep)
+                                    threads=config.threads, ep=config.ep, ctx_extend=True)
         try:
             check_compatible(config.target, self.backend, config.draft_model)
         except Exception:
             self.backend.close()
             raise
         self.n_vocab = self.backend.n_vocab
-        self._cached: list[int] = []   # tokens whose K/V the draft cache holds, in order
         self._sampler: Sampler | None = None
         self._probs = np.empty((0, self.n_vocab), dtype=np.float32)  # (max_draft, n_vocab) q rows
         self.n_drafts = 0
         self.n_evaluated = 0
 
-    def set_sampling(self, params: SamplingParams) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """Draft with the target's sampling settings on an RNG stream of its own."""
         if self._sampler is not None:
             self._sampler.close()
-        self._sampler = Sampler(replace(params, seed=params.seed ^ DRAFT_SEED_XOR), self.n_vocab)
-
-    def begin(self, prompt: Sequence[int]) -> None:
-        pass
+        self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
 
     def _sync(self, context: Sequence[int]) -> int:
         """Bring the cache up to ``context``; returns the last row's logits address."""
-        keep = 0
-        limit = min(len(self._cached), len(context) - 1)  # always re-evaluate the last token
-        while keep < limit and self._cached[keep] == context[keep]:
-            keep += 1
-        if keep < len(self._cached):
-            self.backend.truncate(keep)
-            del self._cached[keep:]
-        new = list(context[keep:])
-        self.n_evaluated += len(new)
-        logits = self.backend.decode(new, keep)
-        self._cached.extend(new)
-        return logits
+        keep = self.backend.reuse_prefix(context)
+        self.n_evaluated += len(context) - keep
+        return self.backend.decode(context[keep:])
 
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
         if max_tokens <= 0 or len(context) + max_tokens >= self.backend.n_ctx:
@@ -115,13 +103,9 @@ class ModelDrafter:
             self._sampler.accept(tok)
             tokens.append(tok)
             if i + 1 < max_tokens:
-                logits = self.backend.decode([tok], len(self._cached))
-                self._cached.append(tok)
+                logits = self.backend.decode([tok])
                 self.n_evaluated += 1
         return Draft(tokens=tokens, probs=None if greedy else self._probs.ctypes.data, source=self.name)
-
-    def accept(self, step: Verified) -> None:
-        pass  # the next draft() syncs the cache with the text it is given
 
     def stats(self) -> dict:
         return {"drafts": self.n_drafts, "draft_tokens_evaluated": self.n_evaluated}
@@ -129,6 +113,7 @@ class ModelDrafter:
     def close(self) -> None:
         if self._sampler is not None:
             self._sampler.close()
+            self._sampler = None
         self.backend.close()
 
 

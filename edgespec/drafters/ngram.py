@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..capi import Owned, check, ffi, lib
-from . import Draft, DrafterConfig, Verified
+from ..sampling import SamplingParams
+from . import Draft, Drafter, DrafterConfig, Verified
 
 N_MIN = 1  # one-token matches are noisy, but the planner learns their acceptance apart
 N_MAX = 8
@@ -56,9 +57,8 @@ class NgramIndex(Owned):
         return ffi.unpack(self._out, n), self._match[0]
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
-    costly = False
 
     def __init__(self, config: DrafterConfig):
         self.index = NgramIndex()
@@ -71,7 +71,7 @@ class NgramDrafter:
         self.match_len_sum = 0    # sum of the matched suffix lengths
         self.n_drafted = 0        # tokens proposed
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         self._reset_counters()
         self.index.reset()
         self.index.append(prompt)

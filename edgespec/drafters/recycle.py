@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..capi import Owned, check, ffi, lib
-from . import Draft, DrafterConfig, Verified
+from ..sampling import SamplingParams
+from . import Draft, Drafter, DrafterConfig, Verified
 
 TOP_K = 8    # candidates kept per token
 BRANCH = 4   # children of the root; deeper levels halve it, down to chains
@@ -53,9 +54,8 @@ class Recycle(Owned):
         return ffi.unpack(self._tokens, n), ffi.unpack(self._parents, n)
 
 
-class RecycleDrafter:
+class RecycleDrafter(Drafter):
     name = "recycle"
-    costly = False
 
     def __init__(self, config: DrafterConfig):
         # The matrix outlives generations: what followed a token in one text
@@ -69,7 +69,7 @@ class RecycleDrafter:
         self.n_nodes = 0       # nodes proposed in them
         self.n_updates = 0     # logits rows learned from
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         self._reset_counters()  # the matrix itself is learned from verification steps only
 
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:

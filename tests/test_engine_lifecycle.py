@@ -1,0 +1,105 @@
+"""Engine lifecycle and bounds on every backend: calls after close() raise
+EngineClosedError (never read freed memory), an abandoned stream never lets
+the next prompt continue the other prompt's text, and out-of-range sizes are
+refused with a message naming the limit before anything is allocated."""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from edgespec import Engine
+from edgespec.backends import onnx_export
+from edgespec.errors import EngineClosedError, InvalidArgumentError
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx_dir(tmp_path_factory, tiny_llama_path):
+    return onnx_export.export(tiny_llama_path, tmp_path_factory.mktemp("lifecycle") / "tiny-fp32",
+                              weights="fp32", progress=False)
+
+
+@pytest.fixture(params=["llama", "native", "onnx"])
+def model(request, tiny_llama_path):
+    """(model reference, backend) for the tiny llama on each backend."""
+    if request.param == "onnx":
+        return str(request.getfixturevalue("tiny_onnx_dir")), "onnx"
+    return str(tiny_llama_path), request.param
+
+
+def test_calls_after_close_raise_engine_closed(model):
+    ref, backend = model
+    engine = Engine(ref, backend=backend, threads=1, n_ctx=256, draft_max=4)
+    pending = engine.stream("Hello", max_tokens=3)
+    engine.close()
+    for call in (lambda: engine.generate("Hello", max_tokens=3), lambda: engine.stream("Hello"),
+                 lambda: next(pending), lambda: engine.tokenize("Hello"), lambda: engine.chat_template,
+                 lambda: engine.detokenize([1, 2]), lambda: engine.forget_prefix()):
+        with pytest.raises(EngineClosedError):
+            call()
+    engine.close()
+
+
+def test_an_abandoned_stream_is_finalized_by_the_next_call(model):
+    ref, backend = model
+    a, b = "The lighthouse keeper climbed the stairs", "Numbers: 1, 2, 3, 4,"
+    with Engine(ref, backend=backend, threads=1, n_ctx=256, draft_max=4) as fresh:
+        want_a = fresh.generate(a, max_tokens=12).tokens
+        want_b = fresh.generate(b, max_tokens=12).tokens
+    with Engine(ref, backend=backend, threads=1, n_ctx=256, draft_max=4, drafter="ngram") as engine:
+        stream = engine.stream(a, max_tokens=12)
+        next(stream)
+        next(stream)
+        assert engine.generate(b, max_tokens=12).tokens == want_b
+        del stream
+        gc.collect()            # the abandoned generator is collected after the later generation
+        assert engine.generate(a, max_tokens=12).tokens == want_a
+        assert engine.generate(b, max_tokens=12).tokens == want_b
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"n_ctx": 7}, "context must hold 16 to"),
+    ({"n_ctx": 4294967360}, "context must hold 16 to"),
+    ({"n_ctx": 100000}, "exceeds the model's training context of 512"),
+    ({"threads": 4 * (os.cpu_count() or 1) + 1}, "force_threads"),
+    ({"threads": 0}, "threads must be a whole number >= 1"),
+    ({"gpu_layers": -5}, "gpu_layers must be a whole number >= 0"),
+    ({"n_batch": "8"}, "n_batch must be a whole number"),
+])
+def test_sizes_out_of_range_are_refused_naming_the_limit(model, options, message):
+    ref, backend = model
+    with pytest.raises(InvalidArgumentError, match=message):
+        Engine(ref, backend=backend, **options)
+
+
+def test_extending_the_context_is_explicit_and_checked_against_memory(tiny_llama_path):
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=1024, ctx_extend=True) as engine:
+        assert engine.backend.n_ctx >= 1024
+    with pytest.raises(InvalidArgumentError, match="GiB of memory is available"):
+        Engine(str(tiny_llama_path), threads=1, n_ctx=2**31 - 1, ctx_extend=True)
+
+
+def test_default_context_is_capped_at_the_training_context(tiny_llama_path):
+    with Engine(str(tiny_llama_path), threads=1, backend="native") as engine:
+        assert engine.backend.n_ctx == 512
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda e: e.generate(b"hi"), "prompt must be a str, not bytes"),
+    (lambda e: e.generate("hi", stop=5), "stop must be a string or a list of strings"),
+    (lambda e: e.generate("\ud800 hi"), "prompt is not valid text: surrogates not allowed"),
+    (lambda e: e.chat([{"role": "user", "content": "\udfff"}]), "the chat is not valid text"),
+    (lambda e: e.chat("hi"), "messages must be a list of objects, not str"),
+    (lambda e: e.chat([{"role": ["user"], "content": "hi"}]), "message 0 has role"),
+    (lambda e: e.chat(5), "messages must be a list"),
+    (lambda e: e.generate("hi", max_tokens=2.5), "max_tokens must be a whole number"),
+    (lambda e: e.generate("hi", temperature="hot"), "temperature must be a number"),
+    (lambda e: e.generate("hi", top_k=2**40), r"top_k must be in \[0, 2\*\*31\)"),
+    (lambda e: e.generate("hi", seed="x"), "seed must be a whole number"),
+])
+def test_bad_arguments_are_typed_errors(tiny_llama_path, call, message):
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=256) as engine:
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(engine)
+        assert engine.generate("Hello", max_tokens=2).stats.n_tokens == 2
