@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -510,6 +511,24 @@ def test_hf_download_and_errors(monkeypatch, tmp_path):
     fake_hub(monkeypatch, raising(RepositoryNotFoundError("404")))
     with pytest.raises(ModelNotFoundError, match="not found on the Hugging Face Hub"):
         registry.resolve("hf:owner/repo/x.gguf")
+
+
+def test_hf_offline_is_one_line_without_the_hub_retry_warnings(monkeypatch, caplog):
+    def download(repo_id, filename):
+        retry_log = logging.getLogger("huggingface_hub.utils._http")
+        for attempt in range(1, 6):
+            retry_log.warning("'[Errno -2] Name or service not known' thrown while requesting HEAD")
+            retry_log.warning(f"Retrying in 1s [Retry {attempt}/5].")
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub\n...")
+    fake_hub(monkeypatch, download)
+    hub_log = logging.getLogger("huggingface_hub")
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ModelFetchError) as exc:
+            registry.resolve("hf:owner/repo/x.gguf")
+    assert str(exc.value) == ("could not reach the Hugging Face Hub for 'hf:owner/repo/x.gguf' "
+                              "(is this machine offline?): An error happened while trying to "
+                              "locate the file on the Hub")
+    assert caplog.records == [] and hub_log.level == logging.NOTSET
 
 
 # ---------------------------------------------------------------------------

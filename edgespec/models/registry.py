@@ -31,6 +31,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -522,10 +523,17 @@ def _hf_download(ref: str) -> Path:
     except ImportError:
         raise ModelFetchError(f"'{ref}' needs huggingface_hub: "
                               "pip install 'edgespec[hf]'") from None
+    # Offline, the hub logs two warnings per retry (five of them) before it gives
+    # up; the error below says it in one line.
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
     try:
         return Path(hf_hub_download(repo_id=repo_id, filename=filename))
     except Exception as e:
         raise _hub_error(ref, e) from e
+    finally:
+        hub_log.setLevel(level)
 
 
 def _hub_error(ref: str, e: Exception) -> Exception:
