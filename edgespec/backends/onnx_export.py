@@ -449,7 +449,8 @@ class _Builder:
 
     def attention(self, i: int, x: str, pos: str, bias: str, slots: str | None,
                   rope: tuple[str, str]) -> tuple[str, str, str]:
-        """One attention block on normed x (1, S, E); returns (out, present_k, present_v)."""
+        """One attention block on normed x (1, S, E), S + 1 rows in the dynamic graph (the
+        last a copy, kept out of the cache); returns (out, present_k, present_v)."""
         cfg, g = self.cfg, self.g
         p = f"blk.{i}."
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
