@@ -21,6 +21,21 @@ need: past and present are (1, n_head_kv, C, head_dim), the new entries are
 scattered into the slots given by an extra input ``cache_slots`` int64 (S,),
 and attention runs over all C slots (T = C) under the mask.
 
+Row invariance: a token's logits must not depend on how many tokens share its
+call, or speculative greedy output would part from plain decoding (a plain step
+evaluates one token, a verification step several). ONNX Runtime's CPU kernels
+do not promise that: on AVX2, 4-bit MatMulNBits sends a one-row product to a
+GEMV kernel that applies zero points inside the integer dot product and a
+multi-row one to a GEMM kernel that corrects them afterwards with block sums,
+and the two round differently (up to 0.7 in smollm2-135m's logits). So the
+dynamic graph never multiplies a lone row: it appends a copy of its last token
+(id, position, mask row) to every call, as row S, and drops that row's key and
+value before they reach the cache; the output norm and head likewise see the R
+requested rows plus a copy of the last, dropped from the logits. With S + 1 >= 2
+rows, and the copy the only row that can be left over when MLAS splits rows
+into tiles of 128 or pairs, every real row goes through the same kernels
+whatever S is. A static graph's calls all have S rows already.
+
 Operators (ONNX Runtime contrib ops, com.microsoft, where they help):
     MatMulNBits                       every linear layer in int4/int8 exports. GGUF Q4_0 and
                                       Q4_1 blocks of 32 map onto 4-bit blocks exactly: Q4_0's
@@ -56,7 +71,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, ModelFormatError
 
 FORMAT = "edgespec-onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2             # 2: the dynamic graph pads every call with a copy of its last row
 CONFIG_FILE = "edgespec-onnx.json"
 MODEL_FILE = "model.onnx"
 WEIGHTS = ("int4", "int8", "fp16", "fp32")
@@ -278,6 +293,7 @@ class _Builder:
         self.progress = progress
         self._q8_consts = False
         self._q8_shapes: set[int] = set()
+        self._indices: set[str] = set()
 
     def tensor(self, name: str):
         t = self.tensors.get(name)
@@ -412,9 +428,29 @@ class _Builder:
         g.shape("attn.out_shape", [1, -1, H * D])
         g.const("attn.scale", np.array(1.0 / np.sqrt(D), np.float32))
 
+    def index(self, name: str, values: list[int]) -> str:
+        """An int64 constant for Slice, written once."""
+        if name not in self._indices:
+            self._indices.add(name)
+            self.g.const(name, np.array(values, np.int64))
+        return name
+
+    def repeat_last_row(self, x: str, axis: int) -> str:
+        """x with its last entry along ``axis`` (the token axis) appended once more."""
+        last = self.g.op("Slice", [x, self.index("pad.minus1", [-1]),
+                                   self.index("pad.max", [np.iinfo(np.int64).max]),
+                                   self.index(f"pad.axis{axis}", [axis])])
+        return self.g.op("Concat", [x, last], axis=axis)
+
+    def drop_last_row(self, x: str) -> str:
+        """(1, S + 1, ...) -> (1, S, ...)"""
+        return self.g.op("Slice", [x, self.index("pad.zero", [0]), self.index("pad.minus1", [-1]),
+                                   self.index("pad.axis1", [1])])
+
     def attention(self, i: int, x: str, pos: str, bias: str, slots: str | None,
                   rope: tuple[str, str]) -> tuple[str, str, str]:
-        """One attention block on normed x (1, S, E); returns (out, present_k, present_v)."""
+        """One attention block on normed x (1, S, E), S + 1 rows in the dynamic graph (the
+        last a copy, kept out of the cache); returns (out, present_k, present_v)."""
         cfg, g = self.cfg, self.g
         p = f"blk.{i}."
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -424,6 +460,8 @@ class _Builder:
         cos, sin = rope
         q = g.op("RotaryEmbedding", [q, pos, cos, sin], domain=MS_DOMAIN, interleaved=1, num_heads=H)
         k = g.op("RotaryEmbedding", [k, pos, cos, sin], domain=MS_DOMAIN, interleaved=1, num_heads=KV)
+        if not self.static:  # build()'s copy of the last row does not enter the cache
+            k, v = self.drop_last_row(k), self.drop_last_row(v)
         # (1, S, KV*D) -> (1, KV, S, D)
         k = g.op("Transpose", [g.op("Reshape", [k, "attn.kv_heads"])], perm=[0, 2, 1, 3])
         v = g.op("Transpose", [g.op("Reshape", [v, "attn.kv_heads"])], perm=[0, 2, 1, 3])
@@ -483,7 +521,11 @@ class _Builder:
         rope = (g.const("rope.cos", cos), g.const("rope.sin", sin))
         embed, head = self.embedding_and_head()
         self.attention_consts()
-        h = embed("input_ids")                                                # (1, S, E)
+        ids, pos, bias, rows = "input_ids", "position_ids", "attention_bias", "logits_rows"
+        if not self.static:  # one row more, a copy of the last (see the module's docstring)
+            ids, pos, bias, rows = (self.repeat_last_row(ids, 1), self.repeat_last_row(pos, 1),
+                                    self.repeat_last_row(bias, 2), self.repeat_last_row(rows, 0))
+        h = embed(ids)                                                        # (1, S (+ 1), E)
         eps = cfg.rms_eps
         x = g.op("RMSNormalization", [h, self.vector("blk.0.attn_norm.weight")],
                  axis=-1, epsilon=eps)
@@ -491,7 +533,7 @@ class _Builder:
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(f"past.{i}.{kind}", TensorProto.FLOAT16,
                                                             [1, KV, past_len, D]))
-            attn, pk, pv = self.attention(i, x, "position_ids", "attention_bias", slots, rope)
+            attn, pk, pv = self.attention(i, x, pos, bias, slots, rope)
             # residual + attention, normed for the FFN; the sum is the new residual
             x, _, _, h = g.op("SkipSimplifiedLayerNormalization",
                               [attn, h, self.vector(f"blk.{i}.ffn_norm.weight")], n_out=4,
@@ -500,7 +542,7 @@ class _Builder:
             nxt = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.n_layer else "output_norm.weight"
             if i + 1 == cfg.n_layer:  # only the requested rows reach the output norm and head
                 h = g.op("Add", [f, h])
-                h = g.op("Gather", [h, "logits_rows"], axis=1)
+                h = g.op("Gather", [h, rows], axis=1)
                 x = g.op("RMSNormalization", [h, self.vector(nxt)], axis=-1, epsilon=eps)
             else:
                 x, _, _, h = g.op("SkipSimplifiedLayerNormalization", [f, h, self.vector(nxt)], n_out=4,
@@ -510,6 +552,8 @@ class _Builder:
                 g.nodes.append(helper.make_node("Identity", [name], [out], name=f"{out}.out"))
                 outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT16, [1, KV, total, D]))
         logits = head(x)
+        if not self.static:
+            logits = self.drop_last_row(logits)
         g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits.out"))
         graph = helper.make_graph(g.nodes, f"edgespec-{cfg.arch}", inputs, outputs, g.inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
