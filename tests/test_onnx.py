@@ -201,13 +201,16 @@ def test_a_token_s_logits_do_not_depend_on_its_call(request, shapes):
         prompt = backend.tokenize("The capital of France is Paris, and the capital of")
         following = backend.tokenize(" Germany is Berlin. The capital of Italy is Rome.")[:8]
         n = len(prompt)
-        backend.decode(prompt, 0)
-        alone = np.concatenate([_rows(backend.decode([t], n + i), 1, v) for i, t in enumerate(following)])
+        backend.decode(prompt)
+        alone = np.concatenate([_rows(backend.decode([t]), 1, v) for t in following])
         for k in range(2, len(following) + 1):
-            rows = _rows(backend.decode(following[:k], n, logits_from=0), k, v)
+            backend.truncate(n)
+            rows = _rows(backend.decode(following[:k], logits_from=0), k, v)
             assert np.array_equal(rows, alone[:k]), f"{k} rows: max |diff| {np.abs(rows - alone[:k]).max()}"
         sibling = following[5]  # node 0 beside the chain following[1] <- following[2]
-        rows = _rows(backend.decode_tree([following[0]], [sibling, following[1], following[2]], [-1, -1, 1], n), 4, v)
+        backend.truncate(n)
+        rows = _rows(backend.decode_tree([following[0]], [sibling, following[1], following[2]], [-1, -1, 1],
+                                         [1, 1, 2]), 4, v)
         assert np.array_equal(rows[[0, 2, 3]], alone[:3])
     finally:
         backend.close()
