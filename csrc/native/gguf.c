@@ -580,7 +580,7 @@ static int place_tensors(es_gguf * g, const uint64_t * offsets, uint64_t data_st
     if (g->n_tensors == 0) return ES_OK;
     if (data_start > g->size) {
         return fail(err, err_cap, ES_ERR_FORMAT,
-                    "tensor data would start at byte %llu, past the end of the file (%zu bytes)",
+                    "tensor data would start at byte %llu, past the end of the file (%zu bytes): truncated",
                     (unsigned long long) data_start, g->size);
     }
     uint64_t room = g->size - data_start;
@@ -597,7 +597,7 @@ static int place_tensors(es_gguf * g, const uint64_t * offsets, uint64_t data_st
                             printable(t->name, buf), (unsigned long long) offsets[i], t->nbytes, g->size);
             }
             return fail(err, err_cap, ES_ERR_FORMAT,
-                        "tensor %s: data ends at byte %llu past the end of the file (%zu bytes)",
+                        "tensor %s: data ends at byte %llu, past the end of the file (%zu bytes): truncated",
                         printable(t->name, buf), (unsigned long long) (start + t->nbytes), g->size);
         }
         t->data = g->data + data_start + offsets[i];
