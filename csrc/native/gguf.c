@@ -401,11 +401,11 @@ bool es_gguf_value_at(const es_gguf * g, int64_t i, es_gguf_value * out) {
 }
 
 int es_gguf_array_elems(const es_gguf_value * arr, es_gguf_value * out, uint64_t cap) {
-    if (!arr || arr->type != ES_GGUF_ARRAY || arr->elem_type < 0 || arr->elem_type >= GV_COUNT ||
-        (arr->n && !out)) {
+    if (!arr || arr->type != ES_GGUF_ARRAY || arr->elem_type < 0 || arr->elem_type >= GV_COUNT) {
         return ES_ERR_INVALID_ARG;
     }
     if (cap < arr->n) return ES_ERR_BUFFER_TOO_SMALL;
+    if (arr->n && !out) return ES_ERR_INVALID_ARG;
     // The array was bounds-checked when the file was opened: walk it.
     const uint8_t * p = arr->data;
     for (uint64_t i = 0; i < arr->n; i++) {
