@@ -1265,18 +1265,17 @@ static const kernel_set * kernels(void) {
 int es_kernels_select(const char * name) {
     if (!name) return ES_ERR_INVALID_ARG;
     pthread_once(&g_once, find_kernels);
-    if (strcmp(name, "auto") == 0) {
-        g_kernels = g_available[0];
-        return ES_OK;
+    const kernel_set * chosen = strcmp(name, "auto") == 0 ? g_available[0] : NULL;
+    for (int32_t i = 0; i < g_n_available && !chosen; i++) {
+        if (strcmp(name, g_available[i]->name) == 0) chosen = g_available[i];
     }
-    for (int32_t i = 0; i < g_n_available; i++) {
-        if (strcmp(name, g_available[i]->name) == 0) {
-            g_kernels = g_available[i];
-            return ES_OK;
-        }
+    if (!chosen) {
+        const bool known = strcmp(name, "avx2") == 0 || strcmp(name, "neon") == 0;
+        return known ? ES_ERR_UNSUPPORTED : ES_ERR_INVALID_ARG;
     }
-    const bool known = strcmp(name, "avx2") == 0 || strcmp(name, "neon") == 0;
-    return known ? ES_ERR_UNSUPPORTED : ES_ERR_INVALID_ARG;
+    // Written only on a change: selecting the set in use races with nothing.
+    if (g_kernels != chosen) g_kernels = chosen;
+    return ES_OK;
 }
 
 const char * es_kernels_name(void) { return kernels()->name; }
