@@ -234,7 +234,7 @@ def test_bad_magic(corrupt):
 
 @pytest.mark.parametrize("version", [1, 4, 7])
 def test_unsupported_version(corrupt, version):
-    assert f"GGUF version {version} is not supported" in format_error(
+    assert f"unsupported GGUF version {version} (supported: 2, 3)" in format_error(
         corrupt(lambda d: put(d, 4, "<I", version)))
 
 

@@ -656,9 +656,9 @@ static int parse(es_gguf * g, char * err, size_t err_cap) {
     if ((rc = read_uint(&c, 4, &version, "the version"))) return rc;
     // Version 2 differs from 3 only in that 3 may be big-endian, which is refused here.
     if (version != 2 && version != 3) {
-        return fail(err, err_cap, ES_ERR_FORMAT, "GGUF version %llu%s is not supported (versions 2 and 3)",
+        return fail(err, err_cap, ES_ERR_FORMAT, "unsupported GGUF version %llu (supported: 2, 3)%s",
                     (unsigned long long) version,
-                    version == 0x02000000u || version == 0x03000000u ? " (a big-endian file)" : "");
+                    version == 0x02000000u || version == 0x03000000u ? ": a big-endian file" : "");
     }
     g->version = (int32_t) version;
     if ((rc = read_uint(&c, 8, &n_tensors, "the tensor count"))) return rc;

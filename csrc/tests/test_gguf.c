@@ -384,9 +384,9 @@ static void test_header(void) {
     free(b.p);
     expect_patch_fail(0, 'X', 1, "bad magic");
     s.version = 1;
-    expect_fail(&s, ES_ERR_FORMAT, "version 1 is not supported");
+    expect_fail(&s, ES_ERR_FORMAT, "unsupported GGUF version 1 (supported: 2, 3)");
     s.version = 4;
-    expect_fail(&s, ES_ERR_FORMAT, "version 4 is not supported");
+    expect_fail(&s, ES_ERR_FORMAT, "unsupported GGUF version 4");
     s.version = 0x03000000u;
     expect_fail(&s, ES_ERR_FORMAT, "big-endian");
     s.version = 0x02000000u;
