@@ -5,9 +5,9 @@
  *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/native/kernels/quants.c csrc/native/gguf.c csrc/base.c -lm -o /tmp/bench_kernels
  *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
  *
- * One thread. A forked child measures with EDGESPEC_KERNELS=scalar, then the
- * parent with the default choice; each line gives ns per row, weight GB/s
- * and the speed-up. Weights are random bytes with sane block scales.
+ * One thread. Measured with the scalar kernels (es_kernels_select), then with
+ * the best this CPU runs; each line gives ns per row, weight GB/s and the
+ * speed-up. Weights are random bytes with sane block scales.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -18,9 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dlfcn.h>
-#include <sys/wait.h>
 #include <time.h>
-#include <unistd.h>
 
 static const int32_t TYPES[] = {
     ES_TYPE_F32,  ES_TYPE_F16,  ES_TYPE_BF16, ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0,
@@ -202,19 +200,9 @@ int main(int argc, char ** argv) {
         return 2;
     }
     double scalar[N_BENCH], fast[N_BENCH];
-    int fd[2];
-    if (pipe(fd) != 0) return 1;
-    const pid_t pid = fork();
-    if (pid == 0) {
-        setenv("EDGESPEC_KERNELS", "scalar", 1);
-        measure(n, rows, reps, scalar);
-        const ssize_t w = write(fd[1], scalar, sizeof(scalar));
-        _exit(w == (ssize_t) sizeof(scalar) ? 0 : 1);
-    }
-    int status = 0;
-    const ssize_t got = read(fd[0], scalar, sizeof(scalar));
-    waitpid(pid, &status, 0);
-    if (got != (ssize_t) sizeof(scalar) || status != 0) return 1;
+    if (es_kernels_select("scalar") != ES_OK) return 1;
+    measure(n, rows, reps, scalar);
+    if (es_kernels_select("auto") != ES_OK) return 1;
     measure(n, rows, reps, fast);
     double ggml[N_BENCH];
     int quant_diff[N_BENCH] = {0};

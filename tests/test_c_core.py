@@ -29,4 +29,7 @@ def test_c_unit_tests_pass_under_sanitizers(tmp_path, smollm2_path, gemma_path, 
                            env={**os.environ, "EDGESPEC_TEST_MODELS_DIR": str(models)})
     assert ctest.returncode == 0, ctest.stdout + ctest.stderr
     ran = re.search(r"100% tests passed(?:, 0 tests failed)? out of (\d+)", ctest.stdout)
-    assert ran and int(ran.group(1)) >= 3, ctest.stdout  # sampling, verify, drafting
+    programs = sorted(p.stem for p in (ROOT / "csrc" / "tests").glob("test_*.c"))
+    assert ran and int(ran.group(1)) == len(programs), ctest.stdout  # every one of them ran
+    for name in programs:
+        assert re.search(rf"Test +#\d+: {name} \.+ +Passed", ctest.stdout), (name, ctest.stdout)

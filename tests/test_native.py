@@ -19,8 +19,9 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends import open_backend
+from edgespec.capi import ffi, lib
 from edgespec.drafters import Draft
-from edgespec.errors import InvalidArgumentError, ModelFormatError, UnsupportedModelError
+from edgespec.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from tiny_gguf import Q, write_tiny_llama
 
 N_CTX = 512
@@ -191,7 +192,7 @@ def test_speculative_equals_plain_past_256_positions(smollm2_path, plain_past_25
 # -- bad inputs ------------------------------------------------------------------
 
 def test_missing_and_truncated_files(tmp_path, smollm2_path):
-    with pytest.raises(ModelFormatError) as e:
+    with pytest.raises(ModelNotFoundError) as e:
         open_backend("native", tmp_path / "absent.gguf")
     assert "absent.gguf" in str(e.value) and "\n" not in str(e.value)
     cut = tmp_path / "cut.gguf"
@@ -199,6 +200,45 @@ def test_missing_and_truncated_files(tmp_path, smollm2_path):
     with pytest.raises(ModelFormatError) as e:
         open_backend("native", cut)
     assert "cut.gguf" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_native_load_checks_the_file_once(tmp_path, smollm2_path, monkeypatch):
+    """The native backend resolves a model without the Python-side check:
+    es_model_load validates the whole file (and still names it)."""
+    from edgespec.backends import resolve_model
+    from edgespec.models import gguf as gguf_reader
+
+    opened = []
+    monkeypatch.setattr(gguf_reader.GGUFFile, "__init__",
+                        lambda self, path: opened.append(path) or pytest.fail("checked twice"))
+    assert resolve_model("native", str(smollm2_path)) == smollm2_path
+    assert not opened
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2_path.read_bytes()[:3_000_000])
+    with pytest.raises(ModelFormatError, match="cut.gguf: .*truncated"):
+        Engine(str(cut), backend="native")
+
+
+def test_kernels_from_the_environment(tiny_llama_path, monkeypatch):
+    """EDGESPEC_KERNELS picks the C kernels for the process; the scalar set
+    agrees with the best one within float rounding; a set the CPU lacks is
+    an InvalidArgumentError naming the ones it has."""
+    tokens = list(range(1, 17))
+    with open_backend("native", tiny_llama_path, n_ctx=64, threads=1) as b:
+        best = ffi.string(lib.es_kernels_name()).decode()
+        want = batched(b, tokens)
+    monkeypatch.setenv("EDGESPEC_KERNELS", "scalar")
+    with open_backend("native", tiny_llama_path, n_ctx=64, threads=1) as b:
+        assert ffi.string(lib.es_kernels_name()) == b"scalar"
+        got = batched(b, tokens)
+    assert np.allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    lacking = "neon" if best == "avx2" else "avx2"
+    monkeypatch.setenv("EDGESPEC_KERNELS", lacking)
+    with pytest.raises(InvalidArgumentError, match=f"EDGESPEC_KERNELS={lacking}: .*available: auto, .*scalar"):
+        open_backend("native", tiny_llama_path, n_ctx=64)
+    monkeypatch.delenv("EDGESPEC_KERNELS")
+    with open_backend("native", tiny_llama_path, n_ctx=64, threads=1):
+        assert ffi.string(lib.es_kernels_name()).decode() == best
 
 
 def test_unsupported_architecture(tmp_path):

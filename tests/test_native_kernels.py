@@ -26,7 +26,7 @@ import llama_cpp
 ROWS = 48  # rows per tensor: enough blocks of every kind, fast
 
 
-class Tensor(ctypes.Structure):  # es_tensor, csrc/native/native_internal.h
+class Tensor(ctypes.Structure):  # es_tensor, csrc/native/es_native.h
     _fields_ = [("name", ctypes.c_char_p), ("type", ctypes.c_int32), ("n_dims", ctypes.c_int32),
                 ("ne", ctypes.c_int64 * 4), ("data", ctypes.c_void_p), ("nbytes", ctypes.c_size_t)]
 
@@ -42,7 +42,7 @@ def lib(native_lib_path):
     lib.es_gguf_tensor_at.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.es_gguf_tensor_at.restype = ctypes.POINTER(Tensor)
     lib.es_dequantize_row.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    lib.es_dequantize_row.restype = None
+    lib.es_dequantize_row.restype = ctypes.c_int
     lib.es_type_row_bytes.argtypes = [ctypes.c_int32, ctypes.c_int64]
     lib.es_type_row_bytes.restype = ctypes.c_size_t
     lib.es_act_type.argtypes = [ctypes.c_int32]
@@ -116,7 +116,7 @@ def check_tensor(lib, t, qtype):
     want = dequantize(raw, qtype).reshape(rows, n).astype(np.float32)
     got = np.empty_like(want)
     for r in range(rows):
-        lib.es_dequantize_row(int(qtype), raw[r].ctypes.data, got[r].ctypes.data, n)
+        assert lib.es_dequantize_row(int(qtype), raw[r].ctypes.data, got[r].ctypes.data, n) == 0
     bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
     assert bad.size == 0, (f"{t.name.decode()} ({qtype.name}): {bad.size} values differ, first at "
                            f"{bad[0]}: {got.flat[bad[0]]!r} vs {want.flat[bad[0]]!r}")

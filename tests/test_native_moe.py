@@ -17,7 +17,7 @@ import pytest
 
 from edgespec.backends import open_backend
 from edgespec.errors import EdgespecError
-from edgespec.models.gguf import read_gguf
+from edgespec.models.gguf import GGUFFile
 from tiny_gguf import MOE_FIXTURES, Q, write_moe_fixture, write_tiny_llama
 
 N_CTX = 1024
@@ -119,8 +119,8 @@ def test_llama_cpp_loads_moe_fixture(fixture):
     assert np.isfinite(logits).all()
     assert (logits.std(axis=1) > 1.0).all()
     assert len(set(logits.argmax(axis=1))) > 48   # positions prefer different tokens
-    types = {t.name.split(".")[-2]: t.ggml_type for t in read_gguf(path).tensors
-             if t.name.startswith("blk.0.")}
+    with GGUFFile(path) as f:
+        types = {t.name.split(".")[-2]: t.ggml_type for t in f.tensors if t.name.startswith("blk.0.")}
     expected = kwargs.get("expert_dtype", kwargs.get("dtype", Q.Q8_0 if arch == "qwen3moe"
                                                               else Q.F16))
     if not isinstance(expected, tuple):

@@ -1,5 +1,5 @@
 /*
- * fuzz_gguf.c — libFuzzer target for the GGUF reader (csrc/gguf.c).
+ * fuzz_gguf.c — libFuzzer target for the GGUF reader (csrc/native/gguf.c).
  *
  *   cmake -S . -B build-fuzz -DEDGESPEC_FUZZ=ON -DCMAKE_C_COMPILER=clang
  *   cmake --build build-fuzz --target fuzz_gguf
@@ -8,12 +8,14 @@
  * Each input is opened with es_gguf_open_buffer. A failure must come with a
  * one-line message; a success must describe only bytes of the input: every
  * tensor lies inside it, is found by its name and is read end to end, and
- * every key is read through every getter (arrays element by element). The
+ * every key is read through every getter, and through es_gguf_value_at and
+ * es_gguf_array_elems (arrays element by element, nested ones too). The
  * sanitizers turn any stray read into a crash; a broken promise traps.
  */
 #include "native/native_internal.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 // Bytes of one element of each numeric GGUF value type (0: string, array).
@@ -32,6 +34,36 @@ static void touch(const void * p, size_t n) {
     sink = acc;
 }
 
+// v's bytes lie inside the input; arrays' elements, recursively, too.
+static void walk_value(const es_gguf_value * v, const uint8_t * data, size_t size, int depth) {
+    REQUIRE(depth < 8 && v->type >= 0 && v->type < 13);
+    const uint8_t * p = v->data;
+    REQUIRE(p >= data && p <= data + size);
+    const size_t room = size - (size_t) (p - data);
+    if (v->type == ES_GGUF_STRING) {
+        REQUIRE(v->n <= room);
+        touch(p, (size_t) v->n);
+        return;
+    }
+    if (v->type != ES_GGUF_ARRAY) {
+        REQUIRE(v->n == 1 && ELEM_SIZE[v->type] <= room);
+        touch(p, ELEM_SIZE[v->type]);
+        return;
+    }
+    REQUIRE(v->elem_type >= 0 && v->elem_type < 13);
+    REQUIRE(es_gguf_array_elems(v, NULL, 0) == (v->n ? ES_ERR_BUFFER_TOO_SMALL : ES_OK));
+    if (v->n == 0) return;
+    REQUIRE(v->n <= room);  // every element takes at least a byte
+    es_gguf_value * elems = malloc((size_t) v->n * sizeof *elems);
+    if (!elems) return;
+    REQUIRE(es_gguf_array_elems(v, elems, v->n) == ES_OK);
+    for (uint64_t i = 0; i < v->n; i++) {
+        REQUIRE(elems[i].type == v->elem_type);
+        walk_value(&elems[i], data, size, depth + 1);
+    }
+    free(elems);
+}
+
 static void walk(const es_gguf * g, const uint8_t * data, size_t size) {
     for (int64_t i = 0; i < es_gguf_n_tensors(g); i++) {
         const es_tensor * t = es_gguf_tensor_at(g, i);
@@ -48,6 +80,10 @@ static void walk(const es_gguf * g, const uint8_t * data, size_t size) {
     for (int64_t i = 0; i < es_gguf_n_kv(g); i++) {
         const char * key = es_gguf_key_at(g, i);
         REQUIRE(key != NULL);
+        es_gguf_value v;
+        REQUIRE(es_gguf_value_at(g, i, &v) && v.type == es_gguf_key_type(g, i));
+        REQUIRE(es_gguf_find_key(g, key) == i);
+        walk_value(&v, data, size, 0);
         int64_t iv;
         float fv;
         bool bv;

@@ -12,6 +12,128 @@ extern "C" {
 #endif
 
 /* ========================================================================
+ * GGUF reader
+ *
+ * A GGUF file (v2 or v3, little-endian) mapped read-only and validated
+ * before anything is handed out: every count, offset, size, string length,
+ * alignment and type id is checked against the file, so a damaged or hostile
+ * file ends in ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line reason.
+ * Keys, tensor names and string values are NUL-terminated copies owned by the
+ * es_gguf; tensor data, arrays and es_gguf_value data point into the mapping.
+ * Everything a getter returns is valid until es_gguf_close.
+ * ======================================================================== */
+
+// ggml's type ids, as stored in GGUF tensor infos.
+enum es_type {
+    ES_TYPE_F32  = 0,  ES_TYPE_F16  = 1,  ES_TYPE_Q4_0 = 2,  ES_TYPE_Q4_1 = 3,
+    ES_TYPE_Q5_0 = 6,  ES_TYPE_Q5_1 = 7,  ES_TYPE_Q8_0 = 8,  ES_TYPE_Q8_1 = 9,
+    ES_TYPE_Q2_K = 10, ES_TYPE_Q3_K = 11, ES_TYPE_Q4_K = 12, ES_TYPE_Q5_K = 13,
+    ES_TYPE_Q6_K = 14, ES_TYPE_Q8_K = 15, ES_TYPE_BF16 = 30,
+};
+
+// Block geometry of every ggml type a GGUF may name, whether or not the
+// kernels support it: the reader sizes tensors with it.
+typedef struct es_type_traits {
+    const char * name;         // "Q4_K", ...; static
+    int32_t      block;        // elements per block (1 for plain types)
+    int32_t      block_bytes;  // bytes per block
+} es_type_traits;
+
+// NULL for an id ggml does not define (or has retired); static storage.
+const es_type_traits * es_type_info(int32_t type);
+// es_type_info(type)->name, or "unknown"; static.
+const char * es_type_name(int32_t type);
+
+// GGUF metadata value types, as stored in the file.
+enum es_gguf_type {
+    ES_GGUF_U8 = 0,  ES_GGUF_I8 = 1,   ES_GGUF_U16 = 2,    ES_GGUF_I16 = 3,   ES_GGUF_U32 = 4,
+    ES_GGUF_I32 = 5, ES_GGUF_F32 = 6,  ES_GGUF_BOOL = 7,   ES_GGUF_STRING = 8, ES_GGUF_ARRAY = 9,
+    ES_GGUF_U64 = 10, ES_GGUF_I64 = 11, ES_GGUF_F64 = 12,
+};
+
+typedef struct es_gguf es_gguf;
+
+typedef struct es_tensor {
+    const char * name;    // NUL-terminated, owned by the es_gguf
+    int32_t      type;    // enum es_type
+    int32_t      n_dims;  // 1..4
+    int64_t      ne[4];   // elements per dimension, ne[0] innermost (a row); unused dims 1
+    const void * data;    // (nbytes) inside the mapping, aligned to general.alignment
+    size_t       nbytes;  // checked against the file size
+} es_tensor;
+
+// Maps and validates a GGUF file. On failure *out stays NULL and, when err
+// is not NULL, err holds a NUL-terminated one-line reason (truncated to
+// err_cap bytes) that does not repeat the path. ES_ERR_IO: missing,
+// unreadable or not a regular file; ES_ERR_FORMAT: damaged, not GGUF, or a
+// version other than 2 and 3; ES_ERR_UNSUPPORTED: a tensor type id ggml
+// does not define; ES_ERR_INVALID_ARG: a NULL path or out.
+int  es_gguf_open(const char * path, es_gguf ** out, char * err, size_t err_cap);
+// The same over a caller's buffer, which must outlive the es_gguf (fuzzing, tests).
+int  es_gguf_open_buffer(const void * data, size_t size, es_gguf ** out, char * err, size_t err_cap);
+void es_gguf_close(es_gguf * g);  // NULL is a no-op
+
+int32_t es_gguf_version(const es_gguf * g);    // 2 or 3
+int64_t es_gguf_alignment(const es_gguf * g);  // general.alignment, or its default 32
+// Byte offset of the tensor data section in the file (a multiple of the alignment).
+int64_t es_gguf_data_offset(const es_gguf * g);
+
+int64_t           es_gguf_n_tensors(const es_gguf * g);
+const es_tensor * es_gguf_tensor_at(const es_gguf * g, int64_t i);           // NULL out of range
+const es_tensor * es_gguf_find_tensor(const es_gguf * g, const char * name);  // NULL: absent
+
+// Metadata keys in file order; NULL / -1 out of range or absent.
+int64_t      es_gguf_n_kv(const es_gguf * g);
+const char * es_gguf_key_at(const es_gguf * g, int64_t i);
+int64_t      es_gguf_find_key(const es_gguf * g, const char * key);
+int32_t      es_gguf_key_type(const es_gguf * g, int64_t i);  // enum es_gguf_type
+
+// Metadata lookups by key; false when the key is absent or of another kind.
+// Integers of any width convert when the value fits.
+bool         es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out);
+bool         es_gguf_get_f32(const es_gguf * g, const char * key, float * out);  // f32 or f64
+bool         es_gguf_get_bool(const es_gguf * g, const char * key, bool * out);
+const char * es_gguf_get_str(const es_gguf * g, const char * key);  // NUL-terminated, owned by g
+// A numeric array: its element type (enum es_gguf_type), length and data
+// (little-endian, inside the mapping). Per-layer hyperparameters use these.
+bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, uint64_t * n,
+                     const void ** data);
+
+// Any value, as it lies in the file (dumps, the Python reader).
+typedef struct es_gguf_value {
+    int32_t      type;       // enum es_gguf_type
+    int32_t      elem_type;  // ES_GGUF_ARRAY: the elements' type; otherwise -1
+    uint64_t     n;          // ES_GGUF_STRING: bytes; ES_GGUF_ARRAY: elements; scalars: 1
+    const void * data;       // inside the mapping: a scalar's little-endian bytes, a string's
+                             // bytes (no NUL), an array's first element
+} es_gguf_value;
+
+// The value of key i; false out of range.
+bool es_gguf_value_at(const es_gguf * g, int64_t i, es_gguf_value * out);
+// The elements of arr (an ES_GGUF_ARRAY value from es_gguf_value_at or from
+// this function) into out[0 .. arr->n): strings and nested arrays have no
+// fixed size, so they are found by walking the array. ES_ERR_INVALID_ARG:
+// arr is not an array; ES_ERR_BUFFER_TOO_SMALL: cap < arr->n.
+int  es_gguf_array_elems(const es_gguf_value * arr, es_gguf_value * out, uint64_t cap);
+
+/* ========================================================================
+ * Weight types and kernels
+ * ======================================================================== */
+
+// Converts n elements (whole blocks) of a weight type to floats.
+// ES_ERR_UNSUPPORTED: a type the kernels lack; ES_ERR_INVALID_ARG: n <= 0
+// or not a multiple of the type's block.
+int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
+
+// The kernel set the dot products run on, for the whole process: "avx2",
+// "neon" or "scalar" ("auto": the best this CPU runs; the default).
+// ES_ERR_UNSUPPORTED: a set this CPU (or build) lacks; ES_ERR_INVALID_ARG: an
+// unknown name. Not to be called while any es_decode runs.
+int          es_kernels_select(const char * name);
+const char * es_kernels_name(void);                 // the set in use; static
+const char * es_kernels_available(int32_t i);      // i-th set this CPU runs, best first; NULL past the end
+
+/* ========================================================================
  * Native inference engine
  *
  * edgespec's own forward pass over a GGUF file (mmap'd, validated before
@@ -27,11 +149,25 @@ extern "C" {
 typedef struct es_model   es_model;
 typedef struct es_context es_context;
 
-// Loads a GGUF file. On failure *out stays NULL and, when err is not NULL,
-// err holds a NUL-terminated one-line reason (truncated to err_cap bytes).
-// ES_ERR_IO: unreadable; ES_ERR_FORMAT: damaged or not GGUF v3;
-// ES_ERR_UNSUPPORTED: an architecture or weight type this build lacks.
-int  es_model_load(const char * path, es_model ** out, char * err, size_t err_cap);
+// How es_model_load serves experts' weights (MoE models).
+enum es_experts_mode {
+    ES_EXPERTS_MAPPED = 0,  // straight from the mapping
+    ES_EXPERTS_F32    = 1,  // F32 copies made on demand (the path an expert cache takes; tests)
+};
+
+typedef struct es_model_params {
+    int32_t experts;  // enum es_experts_mode; default ES_EXPERTS_MAPPED
+} es_model_params;
+
+es_model_params es_model_default_params(void);
+
+// Loads and fully validates a GGUF file (params NULL: the defaults). On
+// failure *out stays NULL and err is as for es_gguf_open. ES_ERR_IO,
+// ES_ERR_FORMAT: as es_gguf_open, or tensors and keys the architecture
+// needs missing or misshapen; ES_ERR_UNSUPPORTED: an architecture or weight
+// type this build lacks; ES_ERR_INVALID_ARG: a NULL path or out, a bad params field.
+int  es_model_load(const char * path, const es_model_params * params, es_model ** out,
+                   char * err, size_t err_cap);
 void es_model_free(es_model * model);
 
 const char * es_model_arch(const es_model * model);  // "llama", "gemma3", ...; owned by model
@@ -40,7 +176,7 @@ int32_t es_model_n_ctx_train(const es_model * model);
 
 typedef struct es_context_params {
     int32_t n_ctx;      // KV cache capacity in tokens; <= 0: the model's training context; default 4096
-    int32_t n_batch;    // most tokens one es_decode takes; default 512
+    int32_t n_batch;    // most tokens one es_decode takes (at most n_ctx: larger is cut); default 512
     int32_t n_threads;  // worker threads; <= 0: one per online CPU; default 0
 } es_context_params;
 

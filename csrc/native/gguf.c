@@ -1,5 +1,5 @@
 /*
- * gguf.c — a strict GGUF v3 reader.
+ * gguf.c — a strict GGUF reader (versions 2 and 3: the same layout).
  *
  * A GGUF file is: header (magic "GGUF", version, tensor count, key count),
  * key/value metadata, tensor infos (name, dims, type, offset), padding to
@@ -64,12 +64,7 @@ const es_type_traits * es_type_info(int32_t type) {
  * The reader's state
  * ======================================================================== */
 
-// GGUF metadata value types.
-enum {
-    GV_U8 = 0, GV_I8 = 1, GV_U16 = 2, GV_I16 = 3, GV_U32 = 4, GV_I32 = 5, GV_F32 = 6,
-    GV_BOOL = 7, GV_STRING = 8, GV_ARRAY = 9, GV_U64 = 10, GV_I64 = 11, GV_F64 = 12,
-    GV_COUNT = 13,
-};
+#define GV_COUNT 13  // enum es_gguf_type's values are 0 .. GV_COUNT - 1
 
 // Bytes of one scalar of each value type; 0 for string and array.
 static const uint8_t GV_SIZE[GV_COUNT] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
@@ -85,16 +80,17 @@ static const char * const GV_NAME[GV_COUNT] = {
 
 typedef struct es_kv {
     char *    key;       // owned, NUL-terminated
-    int32_t   type;      // GV_*
+    int32_t   type;      // enum es_gguf_type
+    const uint8_t * raw; // the value's bytes inside the mapping (a string's after its length)
     union {              // scalars: integers widened by sign, floats to double
         uint64_t u;
         int64_t  i;
         double   f;
     } num;
-    char *    str;       // GV_STRING: owned copy of the value
-    int32_t   arr_type;  // GV_ARRAY: element type
-    uint64_t  arr_n;     // GV_ARRAY: element count
-    const uint8_t * arr_data;  // GV_ARRAY: first element, inside the mapping
+    char *    str;       // ES_GGUF_STRING: owned copy of the value
+    int32_t   arr_type;  // ES_GGUF_ARRAY: element type
+    uint64_t  arr_n;     // ES_GGUF_ARRAY: element count; ES_GGUF_STRING: bytes
+    const uint8_t * arr_data;  // ES_GGUF_ARRAY: first element, inside the mapping
 } es_kv;
 
 struct es_gguf {
@@ -102,6 +98,9 @@ struct es_gguf {
     size_t          size;
     void *          map;     // the mmap'd file (munmap on close), or NULL
     void *          heap;    // the file read into memory (free on close), or NULL
+    int32_t         version;     // 2 or 3
+    uint64_t        alignment;   // general.alignment or DEFAULT_ALIGNMENT
+    uint64_t        data_start;  // byte offset of the tensor data section
     es_kv *         kvs;     // (n_kv)
     int64_t         n_kv;
     es_tensor *     tensors; // (n_tensors), in file order
@@ -248,7 +247,7 @@ static int parse_array_body(cursor * c, int32_t elem_type, uint64_t n, int depth
 // Checks a scalar that has rules of its own (bools are 0 or 1).
 static int check_scalar(cursor * c, int32_t type, const uint8_t * p, const char * key) {
     char buf[72];
-    if (type == GV_BOOL && p[0] > 1) {
+    if (type == ES_GGUF_BOOL && p[0] > 1) {
         return fail(c->err, c->err_cap, ES_ERR_FORMAT, "key %s: bool value %u is neither 0 nor 1",
                     printable(key, buf), p[0]);
     }
@@ -266,7 +265,7 @@ static int parse_array(cursor * c, int depth, const char * key, int32_t * elem_t
         return fail(c->err, c->err_cap, ES_ERR_FORMAT, "key %s: unknown array element type %llu",
                     printable(key, buf), (unsigned long long) t);
     }
-    if (t == GV_ARRAY && depth + 1 >= MAX_ARRAY_DEPTH) {
+    if (t == ES_GGUF_ARRAY && depth + 1 >= MAX_ARRAY_DEPTH) {
         return fail(c->err, c->err_cap, ES_ERR_FORMAT, "key %s: arrays nested deeper than %d",
                     printable(key, buf), MAX_ARRAY_DEPTH);
     }
@@ -279,15 +278,15 @@ static int parse_array(cursor * c, int depth, const char * key, int32_t * elem_t
 static int parse_array_body(cursor * c, int32_t elem_type, uint64_t n, int depth, const char * key) {
     char buf[72];
     // The smallest an element can be bounds n before any loop runs.
-    size_t min = GV_SIZE[elem_type] ? GV_SIZE[elem_type] : elem_type == GV_STRING ? 8 : 12;
+    size_t min = GV_SIZE[elem_type] ? GV_SIZE[elem_type] : elem_type == ES_GGUF_STRING ? 8 : 12;
     if (n > left(c) / min) {
         return fail(c->err, c->err_cap, ES_ERR_FORMAT,
                     "key %s: array of %llu %s values at byte %zu does not fit in the file (%zu bytes)",
                     printable(key, buf), (unsigned long long) n, GV_NAME[elem_type], c->pos, c->size);
     }
-    if (elem_type == GV_BOOL) {
+    if (elem_type == ES_GGUF_BOOL) {
         for (uint64_t i = 0; i < n; i++) {
-            int rc = check_scalar(c, GV_BOOL, c->p + c->pos + i, key);
+            int rc = check_scalar(c, ES_GGUF_BOOL, c->p + c->pos + i, key);
             if (rc) return rc;
         }
     }
@@ -297,7 +296,7 @@ static int parse_array_body(cursor * c, int32_t elem_type, uint64_t n, int depth
     }
     for (uint64_t i = 0; i < n; i++) {
         int rc;
-        if (elem_type == GV_STRING) {
+        if (elem_type == ES_GGUF_STRING) {
             const uint8_t * s;
             uint64_t len;
             rc = read_str(c, &s, &len, "an array string");
@@ -323,14 +322,17 @@ static int parse_value(cursor * c, es_kv * kv) {
                     printable(kv->key, buf), (unsigned long long) t);
     }
     kv->type = (int32_t) t;
-    if (t == GV_STRING) {
+    kv->raw = c->p + c->pos;
+    if (t == ES_GGUF_STRING) {
         const uint8_t * s;
         uint64_t len;
         if ((rc = read_str(c, &s, &len, "a string value"))) return rc;
+        kv->raw = s;
+        kv->arr_n = len;
         if (!(kv->str = copy_str(s, len))) return ES_ERR_NO_MEMORY;
         return ES_OK;
     }
-    if (t == GV_ARRAY) return parse_array(c, 0, kv->key, &kv->arr_type, &kv->arr_n, &kv->arr_data);
+    if (t == ES_GGUF_ARRAY) return parse_array(c, 0, kv->key, &kv->arr_type, &kv->arr_n, &kv->arr_data);
 
     int n = GV_SIZE[t];
     if (left(c) < (size_t) n) return read_uint(c, n, &kv->num.u, "a value");  // the error
@@ -339,15 +341,30 @@ static int parse_value(cursor * c, es_kv * kv) {
     uint64_t u = load_le(p, n);
     c->pos += (size_t) n;
     switch (t) {
-        case GV_I8:  kv->num.i = (int8_t) u; break;
-        case GV_I16: kv->num.i = (int16_t) u; break;
-        case GV_I32: kv->num.i = (int32_t) u; break;
-        case GV_I64: kv->num.i = (int64_t) u; break;
-        case GV_F32: { uint32_t b = (uint32_t) u; float f; memcpy(&f, &b, 4); kv->num.f = f; break; }
-        case GV_F64: memcpy(&kv->num.f, &u, 8); break;
+        case ES_GGUF_I8:  kv->num.i = (int8_t) u; break;
+        case ES_GGUF_I16: kv->num.i = (int16_t) u; break;
+        case ES_GGUF_I32: kv->num.i = (int32_t) u; break;
+        case ES_GGUF_I64: kv->num.i = (int64_t) u; break;
+        case ES_GGUF_F32: { uint32_t b = (uint32_t) u; float f; memcpy(&f, &b, 4); kv->num.f = f; break; }
+        case ES_GGUF_F64: memcpy(&kv->num.f, &u, 8); break;
         default:     kv->num.u = u; break;  // unsigned integers and bool
     }
     return ES_OK;
+}
+
+// Where a validated array's body (v: an ES_GGUF_ARRAY value) ends.
+static const uint8_t * nested_end(const es_gguf_value * v) {
+    const uint8_t * p = v->data;
+    if (GV_SIZE[v->elem_type]) return p + v->n * GV_SIZE[v->elem_type];
+    for (uint64_t i = 0; i < v->n; i++) {
+        if (v->elem_type == ES_GGUF_STRING) {
+            p += 8 + load_le(p, 8);
+        } else {
+            const es_gguf_value sub = {ES_GGUF_ARRAY, (int32_t) load_le(p, 4), load_le(p + 4, 8), p + 12};
+            p = nested_end(&sub);
+        }
+    }
+    return p;
 }
 
 static const es_kv * find_kv(const es_gguf * g, const char * key) {
@@ -356,13 +373,61 @@ static const es_kv * find_kv(const es_gguf * g, const char * key) {
     return i < 0 ? NULL : &g->kvs[i];
 }
 
-static bool is_signed(int32_t t) { return t == GV_I8 || t == GV_I16 || t == GV_I32 || t == GV_I64; }
-static bool is_unsigned(int32_t t) { return t == GV_U8 || t == GV_U16 || t == GV_U32 || t == GV_U64; }
+static bool is_signed(int32_t t) { return t == ES_GGUF_I8 || t == ES_GGUF_I16 || t == ES_GGUF_I32 || t == ES_GGUF_I64; }
+static bool is_unsigned(int32_t t) { return t == ES_GGUF_U8 || t == ES_GGUF_U16 || t == ES_GGUF_U32 || t == ES_GGUF_U64; }
 
 int64_t es_gguf_n_kv(const es_gguf * g) { return g ? g->n_kv : 0; }
 
 const char * es_gguf_key_at(const es_gguf * g, int64_t i) {
     return g && i >= 0 && i < g->n_kv ? g->kvs[i].key : NULL;
+}
+
+int64_t es_gguf_find_key(const es_gguf * g, const char * key) {
+    const es_kv * kv = find_kv(g, key);
+    return kv ? kv - g->kvs : -1;
+}
+
+int32_t es_gguf_key_type(const es_gguf * g, int64_t i) {
+    return g && i >= 0 && i < g->n_kv ? g->kvs[i].type : -1;
+}
+
+bool es_gguf_value_at(const es_gguf * g, int64_t i, es_gguf_value * out) {
+    if (!g || !out || i < 0 || i >= g->n_kv) return false;
+    const es_kv * kv = &g->kvs[i];
+    *out = (es_gguf_value) {kv->type, -1, 1, kv->raw};
+    if (kv->type == ES_GGUF_STRING) out->n = kv->arr_n;
+    if (kv->type == ES_GGUF_ARRAY) *out = (es_gguf_value) {kv->type, kv->arr_type, kv->arr_n, kv->arr_data};
+    return true;
+}
+
+int es_gguf_array_elems(const es_gguf_value * arr, es_gguf_value * out, uint64_t cap) {
+    if (!arr || arr->type != ES_GGUF_ARRAY || arr->elem_type < 0 || arr->elem_type >= GV_COUNT) {
+        return ES_ERR_INVALID_ARG;
+    }
+    if (cap < arr->n) return ES_ERR_BUFFER_TOO_SMALL;
+    if (arr->n && !out) return ES_ERR_INVALID_ARG;
+    // The array was bounds-checked when the file was opened: walk it.
+    const uint8_t * p = arr->data;
+    for (uint64_t i = 0; i < arr->n; i++) {
+        es_gguf_value * v = &out[i];
+        v->type = arr->elem_type;
+        v->elem_type = -1;
+        v->n = 1;
+        if (GV_SIZE[arr->elem_type]) {
+            v->data = p;
+            p += GV_SIZE[arr->elem_type];
+        } else if (arr->elem_type == ES_GGUF_STRING) {
+            v->n = load_le(p, 8);
+            v->data = p + 8;
+            p += 8 + v->n;
+        } else {  // a nested array: element type, count, then its elements
+            v->elem_type = (int32_t) load_le(p, 4);
+            v->n = load_le(p + 4, 8);
+            v->data = p + 12;
+            p = nested_end(v);
+        }
+    }
+    return ES_OK;
 }
 
 bool es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out) {
@@ -381,27 +446,27 @@ bool es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out) {
 
 bool es_gguf_get_f32(const es_gguf * g, const char * key, float * out) {
     const es_kv * kv = find_kv(g, key);
-    if (!kv || (kv->type != GV_F32 && kv->type != GV_F64)) return false;
+    if (!kv || (kv->type != ES_GGUF_F32 && kv->type != ES_GGUF_F64)) return false;
     *out = (float) kv->num.f;
     return true;
 }
 
 bool es_gguf_get_bool(const es_gguf * g, const char * key, bool * out) {
     const es_kv * kv = find_kv(g, key);
-    if (!kv || kv->type != GV_BOOL) return false;
+    if (!kv || kv->type != ES_GGUF_BOOL) return false;
     *out = kv->num.u != 0;
     return true;
 }
 
 const char * es_gguf_get_str(const es_gguf * g, const char * key) {
     const es_kv * kv = find_kv(g, key);
-    return kv && kv->type == GV_STRING ? kv->str : NULL;
+    return kv && kv->type == ES_GGUF_STRING ? kv->str : NULL;
 }
 
 bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, uint64_t * n,
                      const void ** data) {
     const es_kv * kv = find_kv(g, key);
-    if (!kv || kv->type != GV_ARRAY || !GV_SIZE[kv->arr_type]) return false;
+    if (!kv || kv->type != ES_GGUF_ARRAY || !GV_SIZE[kv->arr_type]) return false;
     *elem_type = kv->arr_type;
     *n = kv->arr_n;
     *data = kv->arr_data;
@@ -411,6 +476,10 @@ bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, u
 /* ========================================================================
  * Tensors
  * ======================================================================== */
+
+int32_t es_gguf_version(const es_gguf * g) { return g ? g->version : 0; }
+int64_t es_gguf_alignment(const es_gguf * g) { return g ? (int64_t) g->alignment : 0; }
+int64_t es_gguf_data_offset(const es_gguf * g) { return g ? (int64_t) g->data_start : 0; }
 
 int64_t es_gguf_n_tensors(const es_gguf * g) { return g ? g->n_tensors : 0; }
 
@@ -511,7 +580,7 @@ static int place_tensors(es_gguf * g, const uint64_t * offsets, uint64_t data_st
     if (g->n_tensors == 0) return ES_OK;
     if (data_start > g->size) {
         return fail(err, err_cap, ES_ERR_FORMAT,
-                    "tensor data would start at byte %llu, past the end of the file (%zu bytes)",
+                    "tensor data would start at byte %llu, past the end of the file (%zu bytes): truncated",
                     (unsigned long long) data_start, g->size);
     }
     uint64_t room = g->size - data_start;
@@ -528,7 +597,7 @@ static int place_tensors(es_gguf * g, const uint64_t * offsets, uint64_t data_st
                             printable(t->name, buf), (unsigned long long) offsets[i], t->nbytes, g->size);
             }
             return fail(err, err_cap, ES_ERR_FORMAT,
-                        "tensor %s: data ends at byte %llu past the end of the file (%zu bytes)",
+                        "tensor %s: data ends at byte %llu, past the end of the file (%zu bytes): truncated",
                         printable(t->name, buf), (unsigned long long) (start + t->nbytes), g->size);
         }
         t->data = g->data + data_start + offsets[i];
@@ -561,16 +630,17 @@ static int read_alignment(const es_gguf * g, uint64_t * out, char * err, size_t 
     const es_kv * kv = find_kv(g, "general.alignment");
     *out = DEFAULT_ALIGNMENT;
     if (!kv) return ES_OK;
-    int64_t a;
-    if (!es_gguf_get_i64(g, "general.alignment", &a)) {
-        return fail(err, err_cap, ES_ERR_FORMAT, "general.alignment is a %s, not an integer",
+    // The format says u32; llama.cpp asserts (aborts) on any other type.
+    if (kv->type != ES_GGUF_U32) {
+        return fail(err, err_cap, ES_ERR_FORMAT, "general.alignment is a %s, not a u32",
                     GV_NAME[kv->type]);
     }
-    if (a <= 0 || a > (int64_t) UINT32_MAX || (a & (a - 1))) {
-        return fail(err, err_cap, ES_ERR_FORMAT,
-                    "general.alignment %lld is not a power of two that fits 32 bits", (long long) a);
+    const uint64_t a = kv->num.u;
+    if (a == 0 || (a & (a - 1))) {
+        return fail(err, err_cap, ES_ERR_FORMAT, "general.alignment %llu is not a power of two",
+                    (unsigned long long) a);
     }
-    *out = (uint64_t) a;
+    *out = a;
     return ES_OK;
 }
 
@@ -584,11 +654,13 @@ static int parse(es_gguf * g, char * err, size_t err_cap) {
         return fail(err, err_cap, ES_ERR_FORMAT, "not a GGUF file (bad magic)");
     }
     if ((rc = read_uint(&c, 4, &version, "the version"))) return rc;
-    if (version != 3) {
-        return fail(err, err_cap, ES_ERR_FORMAT, "GGUF version %llu%s is not supported (only version 3)",
+    // Version 2 differs from 3 only in that 3 may be big-endian, which is refused here.
+    if (version != 2 && version != 3) {
+        return fail(err, err_cap, ES_ERR_FORMAT, "unsupported GGUF version %llu (supported: 2, 3)%s",
                     (unsigned long long) version,
-                    version == 0x03000000u ? " (a big-endian file)" : "");
+                    version == 0x02000000u || version == 0x03000000u ? ": a big-endian file" : "");
     }
+    g->version = (int32_t) version;
     if ((rc = read_uint(&c, 8, &n_tensors, "the tensor count"))) return rc;
     if ((rc = read_uint(&c, 8, &n_kv, "the key count"))) return rc;
     if (n_kv > left(&c) / MIN_KV_BYTES) {
@@ -617,6 +689,7 @@ static int parse(es_gguf * g, char * err, size_t err_cap) {
     }
     uint64_t alignment;
     if ((rc = read_alignment(g, &alignment, err, err_cap))) return rc;
+    g->alignment = alignment;
 
     // Tensor infos.
     if (n_tensors > left(&c) / MIN_TENSOR_BYTES) {
@@ -641,6 +714,7 @@ static int parse(es_gguf * g, char * err, size_t err_cap) {
     }
     // The data section starts at the next multiple of the alignment.
     uint64_t data_start = c.pos + (alignment - c.pos % alignment) % alignment;
+    g->data_start = data_start;
     if (!rc) rc = place_tensors(g, offsets, data_start, err, err_cap);
     free(offsets);
     return rc;
@@ -708,15 +782,15 @@ int es_gguf_open(const char * path, es_gguf ** out, char * err, size_t err_cap) 
     if (out) *out = NULL;
     if (!path || !out) return fail(err, err_cap, ES_ERR_INVALID_ARG, "invalid argument");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fail(err, err_cap, ES_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    if (fd < 0) return fail(err, err_cap, ES_ERR_IO, "cannot open: %s", strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return fail(err, err_cap, ES_ERR_IO, "%s is not a regular file", path);
+        return fail(err, err_cap, ES_ERR_IO, "not a regular file");
     }
     if ((uint64_t) st.st_size > SIZE_MAX) {
         close(fd);
-        return fail(err, err_cap, ES_ERR_IO, "%s is too large to map", path);
+        return fail(err, err_cap, ES_ERR_IO, "too large to map");
     }
     es_gguf * g = calloc(1, sizeof(es_gguf));
     if (!g) {
@@ -735,7 +809,7 @@ int es_gguf_open(const char * path, es_gguf ** out, char * err, size_t err_cap) 
             int e = errno;
             close(fd);
             free(g);
-            return fail(err, err_cap, ES_ERR_IO, "cannot read %s: %s", path, strerror(e));
+            return fail(err, err_cap, ES_ERR_IO, "cannot read: %s", strerror(e));
         }
     }
     close(fd);  // the mapping stays valid without the descriptor

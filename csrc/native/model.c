@@ -1,6 +1,6 @@
 /*
- * engine.c — the native engine: es_model / es_context, the KV cache, the
- * blocks every architecture shares, and es_decode.
+ * model.c — the native engine: es_model / es_context, the KV cache, the
+ * blocks every architecture shares (the MoE block is moe.c's), and es_decode.
  *
  *   model        GGUF mapped and validated (gguf.c), architecture found by
  *                general.architecture in es__archs, tensors bound by arch->load
@@ -280,15 +280,26 @@ static int check_hparams(const es_model * m, char * err, size_t err_cap) {
     return ES_OK;
 }
 
-int es_model_load(const char * path, es_model ** out, char * err, size_t err_cap) {
+es_model_params es_model_default_params(void) {
+    return (es_model_params) { .experts = ES_EXPERTS_MAPPED };
+}
+
+int es_model_load(const char * path, const es_model_params * params, es_model ** out,
+                  char * err, size_t err_cap) {
     if (err && err_cap) err[0] = '\0';
+    if (out) *out = NULL;
     if (!path || !out) {
         set_err(err, err_cap, "no path given");
         return ES_ERR_INVALID_ARG;
     }
-    *out = NULL;
+    const es_model_params p = params ? *params : es_model_default_params();
+    if (p.experts != ES_EXPERTS_MAPPED && p.experts != ES_EXPERTS_F32) {
+        set_err(err, err_cap, "unknown experts mode %d", (int) p.experts);
+        return ES_ERR_INVALID_ARG;
+    }
     es_model * m = calloc(1, sizeof *m);
     if (!m) return ES_ERR_NO_MEMORY;
+    m->params = p;
     int rc = es_gguf_open(path, &m->gguf, err, err_cap);
     if (rc != ES_OK) { free(m); return rc; }
 

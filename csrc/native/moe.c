@@ -85,7 +85,7 @@ static void mapped_put(void * self, int32_t il, int32_t expert, int32_t which,
     (void) self; (void) il; (void) expert; (void) which; (void) view;
 }
 
-// The dequantizing provider (EDGESPEC_EXPERTS=f32): an F32 copy of the
+// The dequantizing provider (ES_EXPERTS_F32): an F32 copy of the
 // mapped slab, made on get and freed on put. It takes the path a cache of
 // experts will take (a buffer filled on demand, of another type than the
 // file's), so tests can check that path against the mapped one.
@@ -128,13 +128,11 @@ int es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** ou
                  (int) p->n_expert_used, (int) p->n_expert, ES_MOE_MAX_EXPERTS);
         return ES_ERR_FORMAT;
     }
-    const char * mode = getenv("EDGESPEC_EXPERTS");
-    const bool f32 = mode && strcmp(mode, "f32") == 0;
-    if (mode && *mode && !f32) {
-        snprintf(err, err_cap, "EDGESPEC_EXPERTS=%s is not an expert provider of this build "
-                 "(f32, or unset)", mode);
-        return ES_ERR_UNSUPPORTED;
+    if (p->experts != ES_EXPERTS_MAPPED && p->experts != ES_EXPERTS_F32) {
+        snprintf(err, err_cap, "unknown experts mode %d", (int) p->experts);
+        return ES_ERR_INVALID_ARG;
     }
+    const bool f32 = p->experts == ES_EXPERTS_F32;
 
     es_experts * ex = calloc(1, sizeof *ex);
     if (!ex) return ES_ERR_NO_MEMORY;

@@ -1,14 +1,18 @@
 /*
- * native.h — the native engine's internal seams, not part of the public ABI.
+ * native_internal.h — the native engine's internal seams, not part of the
+ * public ABI (the GGUF reader, weight-type names and the kernel choice are
+ * public: es_native.h).
  *
- *   gguf.c        GGUF v3 reader: mmap, strict validation, tensor and key lookup
- *   quants.c      weight types: row sizes, dequantization, dot products
- *                 (scalar, AVX2, NEON; chosen once at run time)
- *   threadpool.c  a small pool of spinning workers for one parallel loop at a time
- *   engine.c      es_model / es_context: loading, KV cache, shared blocks
- *                 (norms, RoPE, attention, matmul, FFN, MoE routing), es_decode
- *   arch_*.c      one file per architecture: hyperparameters, tensor binding,
- *                 the layer loop; found by name through es__archs[]
+ *   gguf.c            GGUF v2/v3 reader: mmap, strict validation, tensor and key lookup
+ *   kernels/quants.c  weight types: row sizes, dequantization, dot products
+ *                     (scalar, AVX2, NEON; es_kernels_select picks the set)
+ *   threadpool.c      a small pool of spinning workers for one parallel loop at a time
+ *   moe.c             experts: binding, the per-expert access path, routing and
+ *                     the MoE feed-forward block
+ *   model.c           es_model / es_context: loading, KV cache, shared blocks
+ *                     (norms, RoPE, attention, matmul, dense FFN), es_decode
+ *   arch/<name>.c     one file per architecture: hyperparameters, tensor binding,
+ *                     the layer loop; found by name through es__archs[]
  */
 #ifndef EDGESPEC_NATIVE_H
 #define EDGESPEC_NATIVE_H
@@ -16,65 +20,6 @@
 #include "native/es_native.h"
 
 #include <string.h>
-
-/* ---- GGUF reader (gguf.c) ------------------------------------------------ */
-
-// ggml's type ids, as stored in GGUF tensor infos.
-enum es_type {
-    ES_TYPE_F32  = 0,  ES_TYPE_F16  = 1,  ES_TYPE_Q4_0 = 2,  ES_TYPE_Q4_1 = 3,
-    ES_TYPE_Q5_0 = 6,  ES_TYPE_Q5_1 = 7,  ES_TYPE_Q8_0 = 8,  ES_TYPE_Q8_1 = 9,
-    ES_TYPE_Q2_K = 10, ES_TYPE_Q3_K = 11, ES_TYPE_Q4_K = 12, ES_TYPE_Q5_K = 13,
-    ES_TYPE_Q6_K = 14, ES_TYPE_Q8_K = 15, ES_TYPE_BF16 = 30,
-};
-
-// Block geometry of every ggml type a GGUF may name, whether or not the
-// kernels support it: the reader sizes tensors with it.
-typedef struct es_type_traits {
-    const char * name;         // "Q4_K", ...
-    int32_t      block;        // elements per block (1 for plain types)
-    int32_t      block_bytes;  // bytes per block
-} es_type_traits;
-
-// NULL for an id ggml does not define (or has retired).
-const es_type_traits * es_type_info(int32_t type);
-
-typedef struct es_gguf es_gguf;
-
-typedef struct es_tensor {
-    const char * name;    // NUL-terminated, owned by the es_gguf
-    int32_t      type;    // enum es_type
-    int32_t      n_dims;  // 1..4
-    int64_t      ne[4];   // elements per dimension, ne[0] innermost (a row); unused dims 1
-    const void * data;    // inside the mapping, aligned to general.alignment
-    size_t       nbytes;  // checked against the file size
-} es_tensor;
-
-// Maps and validates a GGUF v3 file: every count, offset, size, string
-// length, alignment and type id is checked against the file before use.
-// err as for es_model_load.
-int  es_gguf_open(const char * path, es_gguf ** out, char * err, size_t err_cap);
-// The same over a caller's buffer, which must outlive the es_gguf (fuzzing, tests).
-int  es_gguf_open_buffer(const void * data, size_t size, es_gguf ** out, char * err, size_t err_cap);
-void es_gguf_close(es_gguf * g);
-
-int64_t           es_gguf_n_tensors(const es_gguf * g);
-const es_tensor * es_gguf_tensor_at(const es_gguf * g, int64_t i);
-const es_tensor * es_gguf_find_tensor(const es_gguf * g, const char * name);  // NULL: absent
-
-// Metadata keys in file order (dumps, the fuzz target); NULL out of range.
-int64_t      es_gguf_n_kv(const es_gguf * g);
-const char * es_gguf_key_at(const es_gguf * g, int64_t i);
-
-// Metadata lookups; false when the key is absent or of another kind.
-// Integers of any width convert when the value fits.
-bool         es_gguf_get_i64(const es_gguf * g, const char * key, int64_t * out);
-bool         es_gguf_get_f32(const es_gguf * g, const char * key, float * out);  // f32 or f64
-bool         es_gguf_get_bool(const es_gguf * g, const char * key, bool * out);
-const char * es_gguf_get_str(const es_gguf * g, const char * key);  // NUL-terminated, owned by g
-// A numeric array: its element type (GGUF value type id), length and data
-// (little-endian, inside the mapping). Per-layer hyperparameters use these.
-bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, uint64_t * n,
-                     const void ** data);
 
 /* ---- weight types and kernels (quants.c) --------------------------------- */
 
@@ -120,9 +65,6 @@ static inline uint16_t es_f32_to_half(float x) {
 int32_t es_type_block(int32_t type);
 // Bytes of a row of n elements; 0 when unsupported or n is not a block multiple.
 size_t  es_type_row_bytes(int32_t type, int64_t n);
-const char * es_type_name(int32_t type);
-
-void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
 
 // A weight type's dot product reads activations in a companion format:
 // the weight's own type for F32/F16/BF16 (activations rounded to F16 / BF16),
@@ -146,10 +88,6 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
 // types, four tokens at a time).
 void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
                int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
-
-// Which kernels es_matvec uses: "avx2", "neon" or "scalar". The environment
-// variable EDGESPEC_KERNELS=scalar forces the portable path (tests compare them).
-const char * es_kernels_name(void);
 
 /* ---- thread pool (threadpool.c) ------------------------------------------ */
 
@@ -210,6 +148,7 @@ typedef struct es_moe_params {
     int32_t n_expert_used;  // experts per token (top-k)
     int64_t n_embd;
     int64_t n_ff;           // one expert's hidden width
+    int32_t experts;        // enum es_experts_mode: how the default provider serves matrices
     // Gating is softmax over all experts, then the top k (Mixtral, Qwen
     // MoE); norm_w divides the k weights by their sum (llama.cpp's norm_w).
     bool    norm_w;
@@ -218,10 +157,9 @@ typedef struct es_moe_params {
 // A model's experts: per layer blk.N.ffn_gate_inp (n_expert, n_embd) and
 // blk.N.ffn_{gate,up,down}_exps, bound from g (which must outlive it) and
 // checked against p: ES_ERR_FORMAT names a missing or misshapen tensor,
-// ES_ERR_UNSUPPORTED a weight type the kernels lack. Expert matrices are
-// served from the mapping, or with EDGESPEC_EXPERTS=f32 in the environment
-// as F32 copies made on demand (the path an expert cache takes; tests);
-// another value of EDGESPEC_EXPERTS is ES_ERR_UNSUPPORTED.
+// ES_ERR_UNSUPPORTED a weight type the kernels lack, ES_ERR_INVALID_ARG an
+// unknown p->experts. Expert matrices are served as p->experts says: from
+// the mapping, or as F32 copies made on demand.
 typedef struct es_experts es_experts;
 int  es_experts_init(const es_gguf * g, const es_moe_params * p, es_experts ** out,
                      char * err, size_t err_cap);
@@ -248,7 +186,7 @@ void es_moe_free(es_moe * moe);
 int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32_t n_tokens,
                 float * out);
 
-/* ---- engine (engine.c, arch_*.c) ----------------------------------------- */
+/* ---- engine (model.c, arch/<name>.c) ----------------------------------------- */
 
 // A bound weight as es_matvec reads it: n_out rows of n_in elements of type,
 // es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
@@ -291,6 +229,7 @@ typedef struct es_arch es_arch;
 struct es_model {
     es_gguf       * gguf;          // owned: every es_weight points into it
     const es_arch * arch;
+    es_model_params params;        // as es_model_load got them
     // Hyperparameters, filled by arch->load.
     int32_t n_vocab, n_ctx_train;
     int32_t n_embd, n_layer;
@@ -347,7 +286,10 @@ struct es_context {
     float    * out;        // (n_batch, n_embd) a block's output, before the residual add
     uint8_t  * act;        // (n_batch, act_row) matmul inputs in es_act_type format
     size_t     act_row;    // bytes: the widest activation row any weight needs
-    float    * scratch;    // (n_threads, n_ctx + head_dim) attention scores and a V row
+    float    * scratch;    // (n_threads, n_ctx + 3 * head_dim) per thread: attention scores
+                           // (n_ctx), the query rounded and in activation format, a V row
+                           // and an accumulator (3 * head_dim); RoPE's (n_rot) cos, sin
+                           // pairs use the calling thread's slice
     float    * logits;     // (rows, n_vocab) rows [logits_from, n) of the last es_decode
     size_t     logits_cap; // floats allocated at logits; grows on demand
 };

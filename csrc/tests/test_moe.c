@@ -4,10 +4,9 @@
  * es_moe_ffn against a double-precision reference computed from the
  * dequantized weights (F32 experts in layer 0, Q8_0 in layer 1), batch
  * invariance over batch sizes and thread counts, the F32-copy provider
- * (EDGESPEC_EXPERTS=f32), a provider that mixes Q8_0 and F32 experts in one
+ * (ES_EXPERTS_F32), a provider that mixes Q8_0 and F32 experts in one
  * layer and fails on demand, and the bind errors that name the tensor.
  */
-#define _POSIX_C_SOURCE 200809L   // setenv
 
 #include <math.h>
 #include <stdint.h>
@@ -184,9 +183,12 @@ static es_moe_params params(void) {
     return p;
 }
 
-// out (T, D) of layer il for the T tokens of x, in batches of `batch` tokens.
-static void run(const es_gguf * g, int n_threads, int batch, int il, const float * x, float * out) {
+// out (T, D) of layer il for the T tokens of x, in batches of `batch` tokens,
+// with experts served as `experts` (enum es_experts_mode) says.
+static void run_experts(const es_gguf * g, int32_t experts, int n_threads, int batch, int il,
+                        const float * x, float * out) {
     es_moe_params p = params();
+    p.experts = experts;
     es_experts * ex = NULL;
     es_moe * moe = NULL;
     es_pool * pool = NULL;
@@ -200,6 +202,10 @@ static void run(const es_gguf * g, int n_threads, int batch, int il, const float
     es_pool_free(pool);
     es_moe_free(moe);
     es_experts_free(ex);
+}
+
+static void run(const es_gguf * g, int n_threads, int batch, int il, const float * x, float * out) {
+    run_experts(g, ES_EXPERTS_MAPPED, n_threads, batch, il, x, out);
 }
 
 static void test_against_reference(const es_gguf * g, const float * x) {
@@ -240,9 +246,7 @@ static void test_f32_provider(const es_gguf * g, const float * x) {
     static float mapped[T * D], copies[T * D];
     for (int il = 0; il < NL; il++) {
         run(g, 2, T, il, x, mapped);
-        setenv("EDGESPEC_EXPERTS", "f32", 1);
-        run(g, 2, T, il, x, copies);
-        unsetenv("EDGESPEC_EXPERTS");
+        run_experts(g, ES_EXPERTS_F32, 2, T, il, x, copies);
         if (LAYER_TYPE[il] == ES_TYPE_F32) {
             CHECK(memcmp(mapped, copies, sizeof mapped) == 0);   // the same weights and kernels
         } else {
@@ -251,13 +255,12 @@ static void test_f32_provider(const es_gguf * g, const float * x) {
             CHECK(max_diff > 0 && max_diff < 3e-2);    // F32 activations instead of Q8_0
         }
     }
-    setenv("EDGESPEC_EXPERTS", "fp8", 1);
     es_moe_params p = params();
+    p.experts = 7;
     es_experts * ex = NULL;
     char err[128];
-    CHECK(es_experts_init(g, &p, &ex, err, sizeof err) == ES_ERR_UNSUPPORTED);
-    CHECK(ex == NULL && strstr(err, "EDGESPEC_EXPERTS=fp8") != NULL);
-    unsetenv("EDGESPEC_EXPERTS");
+    CHECK(es_experts_init(g, &p, &ex, err, sizeof err) == ES_ERR_INVALID_ARG);
+    CHECK(ex == NULL && strstr(err, "unknown experts mode 7") != NULL);
 }
 
 /* A provider over the default one, as an expert cache is: the even experts

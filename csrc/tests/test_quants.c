@@ -9,9 +9,9 @@
  *  - es_matvec on random rows of every weight type against a double-precision
  *    dot of the dequantized weight and activation rows (relative 1e-5 of the
  *    sum of |terms|; Q4_1 / Q5_1 also allow for Q8_1's sum s stored as half);
- *  - the run-time kernels against the scalar ones (a forked child with
- *    EDGESPEC_KERNELS=scalar): not bit-exact across kernel sets (their float
- *    sums group differently), within the same 1e-5 relative bound;
+ *  - the best kernels against the scalar ones (es_kernels_select): not
+ *    bit-exact across kernel sets (their float sums group differently),
+ *    within the same 1e-5 relative bound; the selection's refusals;
  *  - within one kernel set, bit-identical rows for any split of the rows range;
  *  - the thread pool: every thread runs once per call, nth as asked, many
  *    calls, repeated init/free.
@@ -23,8 +23,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "check.h"
 
@@ -49,7 +47,7 @@ static float next_float(void) { return (float) (next_u32() % 2000001) / 1000000.
 // Checks es_dequantize_row(type) of the n-element row src against want exactly.
 static void check_dequant(int32_t type, const void * src, const float * want, int n) {
     float got[256];
-    es_dequantize_row(type, src, got, n);
+    CHECK(es_dequantize_row(type, src, got, n) == ES_OK);
     int bad = 0;
     for (int i = 0; i < n; i++) bad += got[i] != want[i];
     if (bad) fprintf(stderr, "%s: %d of %d values differ\n", es_type_name(type), bad, n);
@@ -74,6 +72,12 @@ static void test_type_table(void) {
     CHECK(es_act_type(ES_TYPE_Q4_1) == ES_TYPE_Q8_1 && es_act_type(ES_TYPE_Q5_K) == ES_TYPE_Q8_K);
     CHECK(es_act_type(ES_TYPE_Q8_K) == -1 && es_act_type(ES_TYPE_Q3_K) == -1);
     CHECK(strcmp(es_type_name(ES_TYPE_Q5_0), "Q5_0") == 0);
+    CHECK(strcmp(es_type_name(99), "unknown") == 0);
+    float f[32];
+    const uint8_t zeros[34] = {0};
+    CHECK(es_dequantize_row(ES_TYPE_Q2_K, zeros, f, 256) == ES_ERR_UNSUPPORTED);  // not implemented
+    CHECK(es_dequantize_row(ES_TYPE_Q8_0, zeros, f, 16) == ES_ERR_INVALID_ARG);   // not a whole block
+    CHECK(es_dequantize_row(ES_TYPE_Q8_0, zeros, f, 0) == ES_ERR_INVALID_ARG);
     const char * k = es_kernels_name();
     CHECK(strcmp(k, "avx2") == 0 || strcmp(k, "neon") == 0 || strcmp(k, "scalar") == 0);
 }
@@ -415,28 +419,10 @@ static void run_matvecs(mv_results * out, bool check_ref) {
 static void test_matvec(void) {
     mv_results * scalar = calloc(1, sizeof(mv_results));
     mv_results * fast   = calloc(1, sizeof(mv_results));
-    int fd[2];
-    CHECK(pipe(fd) == 0);
-    const pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {  // the scalar kernels, chosen before any kernel use here
-        setenv("EDGESPEC_KERNELS", "scalar", 1);
-        run_matvecs(scalar, true);
-        const bool ok = strcmp(es_kernels_name(), "scalar") == 0 && n_failed == 0;
-        const ssize_t w = write(fd[1], scalar, sizeof(*scalar));
-        _exit(ok && w == (ssize_t) sizeof(*scalar) ? 0 : 1);
-    }
-    size_t got = 0;
-    while (got < sizeof(*scalar)) {
-        const ssize_t r = read(fd[0], (char *) scalar + got, sizeof(*scalar) - got);
-        if (r <= 0) break;
-        got += (size_t) r;
-    }
-    int status = 1;
-    waitpid(pid, &status, 0);
-    CHECK(got == sizeof(*scalar) && WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    close(fd[0]), close(fd[1]);
-
+    CHECK(es_kernels_select("scalar") == ES_OK && strcmp(es_kernels_name(), "scalar") == 0);
+    run_matvecs(scalar, true);
+    CHECK(es_kernels_select("auto") == ES_OK);
+    CHECK(strcmp(es_kernels_name(), es_kernels_available(0)) == 0);
     run_matvecs(fast, true);
     printf("kernels: %s\n", es_kernels_name());
     for (int t = 0; t < N_WT; t++) {
@@ -495,8 +481,33 @@ static void test_pool(void) {
     es_pool_free(NULL);
 }
 
+// The sets this CPU runs end with scalar; a set it lacks and an unknown name
+// are refused, leaving the choice as it was.
+static void test_kernel_selection(void) {
+    int32_t n = 0;
+    while (es_kernels_available(n)) n++;
+    CHECK(n >= 1 && strcmp(es_kernels_available(n - 1), "scalar") == 0);
+    CHECK(es_kernels_available(-1) == NULL);
+    bool has_avx2 = false, has_neon = false;
+    for (int32_t i = 0; i < n; i++) {
+        has_avx2 |= strcmp(es_kernels_available(i), "avx2") == 0;
+        has_neon |= strcmp(es_kernels_available(i), "neon") == 0;
+    }
+    CHECK(!(has_avx2 && has_neon));
+    CHECK(es_kernels_select(has_avx2 ? "neon" : "avx2") == ES_ERR_UNSUPPORTED);
+    CHECK(es_kernels_select("sse9") == ES_ERR_INVALID_ARG);
+    CHECK(es_kernels_select(NULL) == ES_ERR_INVALID_ARG);
+    CHECK(strcmp(es_kernels_name(), es_kernels_available(0)) == 0);
+    for (int32_t i = 0; i < n; i++) {
+        CHECK(es_kernels_select(es_kernels_available(i)) == ES_OK);
+        CHECK(strcmp(es_kernels_name(), es_kernels_available(i)) == 0);
+    }
+    CHECK(es_kernels_select("auto") == ES_OK);
+}
+
 int main(void) {
-    test_matvec();  // first: it forks a child that must choose its kernels itself
+    test_kernel_selection();
+    test_matvec();
     test_type_table();
     test_half_conversion();
     test_dequant_float_types();

@@ -37,7 +37,6 @@ The rules, the same on every backend:
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 from ..capi import Closing

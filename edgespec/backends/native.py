@@ -11,15 +11,48 @@ decoding on this backend reproduces plain decoding at any context length.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from ..capi import Owned, check, ffi, lib
-from ..errors import ContextOverflowError, ModelFormatError, UnsupportedModelError
+from ..capi import ERR_CAP, Owned, check, check_file, ffi, lib
+from ..errors import ContextOverflowError, InvalidArgumentError, ModelFormatError
+from ..models import registry
 from . import default_threads
 from .base import Backend, context_size
 from .vocab import Vocab, VocabMixin
 
-_ERR_CAP = 512
+# EDGESPEC_EXPERTS: how MoE experts' weights are served (unset: from the mapping).
+_EXPERTS_MODES = {"": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
+
+
+def resolve_model(ref: str) -> Path:
+    """The GGUF file of ``ref``, not checked here: es_model_load validates all
+    of it before anything else (llama.cpp's vocabulary load included) reads it."""
+    return registry.resolve(ref)
+
+
+def select_kernels() -> None:
+    """The kernel set named by EDGESPEC_KERNELS (unset: the best this CPU
+    runs), for the whole process. A set the CPU lacks is an InvalidArgumentError."""
+    name = os.environ.get("EDGESPEC_KERNELS") or "auto"
+    if lib.es_kernels_select(name.encode()) != lib.ES_OK:
+        available, i = [], 0
+        while (k := lib.es_kernels_available(i)) != ffi.NULL:
+            available.append(ffi.string(k).decode())
+            i += 1
+        raise InvalidArgumentError(f"EDGESPEC_KERNELS={name}: not a kernel set this CPU runs "
+                                   f"(available: auto, {', '.join(available)})")
+
+
+def model_params():
+    """es_model_params from the environment (EDGESPEC_EXPERTS)."""
+    params = lib.es_model_default_params()
+    mode = os.environ.get("EDGESPEC_EXPERTS", "")
+    if mode not in _EXPERTS_MODES:
+        raise InvalidArgumentError(f"EDGESPEC_EXPERTS={mode} is not an expert provider of this "
+                                   "build (f32, or unset)")
+    params.experts = _EXPERTS_MODES[mode]
+    return params
 
 
 class NativeModel(Owned):
@@ -28,16 +61,12 @@ class NativeModel(Owned):
     _free = lib.es_model_free
 
     def __init__(self, path: Path):
+        params = ffi.new("es_model_params *", model_params())
+        select_kernels()
         out = ffi.new("es_model **")
-        err = ffi.new("char[]", _ERR_CAP)
-        status = lib.es_model_load(str(path).encode(), out, err, _ERR_CAP)
-        if status != lib.ES_OK:
-            reason = ffi.string(err).decode("utf-8", "replace") or ffi.string(lib.es_status_str(status)).decode()
-            if status == lib.ES_ERR_UNSUPPORTED:
-                raise UnsupportedModelError(f"{path}: {reason}")
-            if status in (lib.ES_ERR_FORMAT, lib.ES_ERR_IO):
-                raise ModelFormatError(f"{path}: {reason}")
-            check(status, "es_model_load")
+        err = ffi.new("char[]", ERR_CAP)
+        check_file(lib.es_model_load(str(path).encode(), params, out, err, ERR_CAP), err, path,
+                   "es_model_load")
         self._ptr = out[0]
         self.arch = ffi.string(lib.es_model_arch(self._ptr)).decode()
         self.n_vocab = lib.es_model_n_vocab(self._ptr)

@@ -14,7 +14,6 @@ backend's.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np

@@ -68,7 +68,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..capi import lib
 from ..errors import InvalidArgumentError, ModelFormatError
+from ..models.gguf import GGUFFile, GGUFTensor
 
 FORMAT = "edgespec-onnx"
 FORMAT_VERSION = 2             # 2: the dynamic graph pads every call with a copy of its last row
@@ -106,16 +108,16 @@ class DecoderConfig:
     tied_output: bool
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
+def _field(reader: GGUFFile, key: str, default=None):
+    value = reader.get(key)
+    if value is None:
         if default is None:
-            raise ModelFormatError(f"GGUF metadata has no {key}")
+            raise ModelFormatError(f"{reader.path}: GGUF metadata has no {key}")
         return default
-    return f.contents()
+    return value
 
 
-def read_config(reader) -> DecoderConfig:
+def read_config(reader: GGUFFile) -> DecoderConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelFormatError(f"architecture '{arch}' cannot be exported to ONNX yet "
@@ -212,28 +214,22 @@ def requantize8(w: np.ndarray) -> NBits:
     return NBits(8, q.astype(np.uint8), d.astype(np.float32).reshape(-1))
 
 
-def dequantize(tensor) -> np.ndarray:
+def dequantize(tensor: GGUFTensor) -> np.ndarray:
     """A GGUF tensor as (rows, cols) float32 = numpy's view of GGUF's (ne0, ne1) reversed."""
-    import gguf
-
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return np.asarray(w, dtype=np.float32).reshape(int(tensor.shape[-1]), int(tensor.shape[0]))
+    return tensor.dequantize().reshape(int(tensor.shape[-1]), int(tensor.shape[0]))
 
 
-def matrix_nbits(tensor, weights: str) -> NBits:
+def matrix_nbits(tensor: GGUFTensor, weights: str) -> NBits:
     """A GGUF matrix as MatMulNBits blocks: 4-bit blocks map exactly under int4,
     Q8_0 maps exactly, anything else is requantized to 8 bits."""
-    import gguf
-
-    qt = gguf.GGMLQuantizationType
     k, n = int(tensor.shape[0]), int(tensor.shape[1])
     if k % BLOCK:
         raise ModelFormatError(f"{tensor.name}: rows of {k} values do not split into blocks of {BLOCK}")
-    if weights == "int4" and tensor.tensor_type == qt.Q4_0:
+    if weights == "int4" and tensor.ggml_type == lib.ES_TYPE_Q4_0:
         return q4_0_blocks(tensor.data, n, k)
-    if weights == "int4" and tensor.tensor_type == qt.Q4_1:
+    if weights == "int4" and tensor.ggml_type == lib.ES_TYPE_Q4_1:
         return q4_1_blocks(tensor.data, n, k)
-    if tensor.tensor_type == qt.Q8_0:
+    if tensor.ggml_type == lib.ES_TYPE_Q8_0:
         return q8_0_blocks(tensor.data, n, k)
     return requantize8(dequantize(tensor))
 
@@ -285,8 +281,8 @@ class _Graph:
 class _Builder:
     """Writes one decoder graph; each GGUF tensor is read once and dropped."""
 
-    def __init__(self, reader, cfg: DecoderConfig, weights: str, static: tuple[int, int] | None,
-                 progress):
+    def __init__(self, reader: GGUFFile, cfg: DecoderConfig, weights: str,
+                 static: tuple[int, int] | None, progress):
         self.r, self.cfg, self.weights, self.static = reader, cfg, weights, static
         self.tensors = {t.name: t for t in reader.tensors}
         self.g = _Graph()
@@ -304,7 +300,7 @@ class _Builder:
 
     def vector(self, name: str) -> str:
         t = self.tensor(name)
-        return self.g.const(name, np.asarray(t.data, dtype=np.float32).reshape(-1))
+        return self.g.const(name, t.dequantize().reshape(-1))
 
     def nbits_inputs(self, name: str, w: NBits) -> list[str]:
         g = self.g
@@ -603,7 +599,6 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     ``out_dir`` (new or empty). Everything is written into a temporary folder
     next to it and renamed into place at the end: an interrupted export leaves
     nothing under ``out_dir``."""
-    import gguf
     import onnx
 
     from ..models.registry import _Progress
@@ -612,17 +607,19 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir).expanduser().absolute()
     check_out_dir(out_dir)
+    reader = GGUFFile(gguf_path)  # validated; closed when the graph is built
     try:
-        reader = gguf.GGUFReader(gguf_path)
-    except Exception as e:  # gguf raises ValueError/struct errors on damaged files
-        raise ModelFormatError(f"{gguf_path}: not a readable GGUF file ({e})") from e
-    cfg = read_config(reader)
+        cfg = read_config(reader)
+    except BaseException:
+        reader.close()
+        raise
     static = (STATIC_SEQ, STATIC_CTX) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
     bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".part", dir=out_dir.parent))
     try:
-        model = _Builder(reader, cfg, weights, static, bar.update).build()
+        with reader:
+            model = _Builder(reader, cfg, weights, static, bar.update).build()
         bar.note("writing and checking the graph")
         onnx.save_model(model, str(tmp / MODEL_FILE))
         del model

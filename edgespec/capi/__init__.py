@@ -1,9 +1,12 @@
 """Raw layer over the C core: ``ffi``/``lib`` from the cffi extension, and the
-one helper that turns a C status code into a typed exception."""
+helpers that turn a C status code into a typed exception."""
 from __future__ import annotations
 
+import os
+
 from ._lib import ffi, lib  # noqa: F401  (re-exported for the wrappers)
-from ..errors import NativeError, NativeInvalidArgument, NativeOutOfMemory
+from ..errors import (ModelFormatError, ModelNotFoundError, NativeError, NativeInvalidArgument,
+                      NativeOutOfMemory, UnsupportedModelError)
 
 _BY_STATUS = {
     lib.ES_ERR_INVALID_ARG: NativeInvalidArgument,
@@ -17,6 +20,27 @@ def check(status: int, where: str) -> int:
         return status
     text = ffi.string(lib.es_status_str(status)).decode()
     raise _BY_STATUS.get(status, NativeError)(status, where, text)
+
+
+ERR_CAP = 512  # bytes of the err buffers handed to es_gguf_open / es_model_load
+
+
+def check_file(status: int, err, path: os.PathLike | str, where: str) -> None:
+    """The status and one-line ``err`` text of a C call that opened the model
+    file ``path`` (es_gguf_open, es_model_load) as a typed exception naming
+    the file: ModelNotFoundError when it does not exist, UnsupportedModelError
+    for what this build cannot run, ModelFormatError for a damaged or
+    unreadable file."""
+    if status == lib.ES_OK:
+        return
+    if status == lib.ES_ERR_IO and not os.path.lexists(path):
+        raise ModelNotFoundError(f"{path}: no such file")
+    reason = ffi.string(err).decode("utf-8", "replace") or ffi.string(lib.es_status_str(status)).decode()
+    if status == lib.ES_ERR_UNSUPPORTED:
+        raise UnsupportedModelError(f"{path}: {reason}")
+    if status in (lib.ES_ERR_FORMAT, lib.ES_ERR_IO):
+        raise ModelFormatError(f"{path}: {reason}")
+    check(status, where)
 
 
 class Closing:

@@ -508,7 +508,7 @@ def model_path_checked(ref: str) -> Path:
     """resolve(ref), then validate the GGUF header so that a bad file fails with
     ModelFormatError here instead of inside llama.cpp."""
     path = resolve(ref)
-    gguf.read_gguf(path)
+    gguf.check_gguf(path)
     return path
 
 

@@ -43,7 +43,7 @@ static int load(es_model * m, char * err, size_t err_cap) {
         // Mixtral: softmax gating, the top-k weights renormalised (llama.cpp: norm_w).
         const es_moe_params mp = {
             .n_layer = m->n_layer, .n_expert = n_expert, .n_expert_used = n_expert_used,
-            .n_embd = D, .n_ff = F, .norm_w = true,
+            .n_embd = D, .n_ff = F, .experts = m->params.experts, .norm_w = true,
         };
         rc = es_experts_init(m->gguf, &mp, &m->experts, err, err_cap);
         m->n_ff = 0;  // no dense FFN

@@ -46,7 +46,7 @@ static int load(es_model * m, char * err, size_t err_cap) {
     // expert_weights_norm says (Qwen3's norm_topk_prob is true).
     const es_moe_params mp = {
         .n_layer = m->n_layer, .n_expert = n_expert, .n_expert_used = n_expert_used,
-        .n_embd = D, .n_ff = n_ff_exp, .norm_w = true,
+        .n_embd = D, .n_ff = n_ff_exp, .experts = m->params.experts, .norm_w = true,
     };
     TRY(es_experts_init(m->gguf, &mp, &m->experts, err, err_cap));
 #undef TRY

@@ -12,8 +12,8 @@
  * Three kernel sets share one table layout: portable scalar (always), AVX2 +
  * FMA + F16C (x86-64, compiled per function with a target attribute and
  * chosen with __builtin_cpu_supports, since the library is built without
- * -march) and NEON (aarch64, where it is baseline). The choice is made once;
- * EDGESPEC_KERNELS=scalar forces the scalar set. Activation quantization and
+ * -march) and NEON (aarch64, where it is baseline). The best set this CPU
+ * runs is used unless es_kernels_select names another. Activation quantization and
  * dequantization are scalar in every set, so all sets see identical inputs.
  *
  * Batch invariance: es_matvec computes each row with one function whose
@@ -292,9 +292,10 @@ static void dequant_q8_K(const block_q8_K * x, float * y, int64_t nb) {
         for (int j = 0; j < QK_K; j++) *y++ = x[i].d * x[i].qs[j];
 }
 
-void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
+int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
     const int64_t blk = es_type_block(type);
-    if (blk == 0 || n <= 0 || n % blk) return;
+    if (blk == 0) return ES_ERR_UNSUPPORTED;
+    if (!src || !dst || n <= 0 || n % blk) return ES_ERR_INVALID_ARG;
     const int64_t nb = n / blk;
     switch (type) {
     case ES_TYPE_F32:  memcpy(dst, src, (size_t) n * sizeof(float)); break;
@@ -312,6 +313,7 @@ void es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
     case ES_TYPE_Q8_K: dequant_q8_K(src, dst, nb); break;
     default: break;
     }
+    return ES_OK;
 }
 
 /* ---- activation quantization (scalar, shared by every kernel set) -------- */
@@ -1228,9 +1230,16 @@ static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
 }};
 #endif
 
-static const kernel_set * choose_kernels(void) {
-    const char * env = getenv("EDGESPEC_KERNELS");
-    if (env && strcmp(env, "scalar") == 0) return &KERNELS_SCALAR;
+// The sets this CPU runs, best first (scalar always last); found once.
+static const kernel_set * g_available[3];
+static int32_t            g_n_available;
+// The set in use: the best until es_kernels_select changes it.
+static const kernel_set * g_kernels;
+static pthread_once_t     g_once = PTHREAD_ONCE_INIT;
+
+// Runs once, from whichever thread first needs the kernels (the AVX2 set's
+// half table is filled before any thread can use it).
+static void find_kernels(void) {
 #if defined(ES_HAVE_AVX2)
     // F16C through cpuid: not every compiler's __builtin_cpu_supports knows it.
     unsigned eax, ebx, ecx = 0, edx;
@@ -1238,28 +1247,43 @@ static const kernel_set * choose_kernels(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
         init_half_table();
-        return &KERNELS_AVX2;
+        g_available[g_n_available++] = &KERNELS_AVX2;
     }
 #endif
 #if defined(__ARM_NEON) && defined(__aarch64__)
-    return &KERNELS_NEON;
+    g_available[g_n_available++] = &KERNELS_NEON;
 #endif
-    return &KERNELS_SCALAR;
+    g_available[g_n_available++] = &KERNELS_SCALAR;
+    g_kernels = g_available[0];
 }
 
-// Chosen once, on first use from any thread (the AVX2 set's half table is
-// filled before any thread can use it).
-static pthread_once_t     g_once = PTHREAD_ONCE_INIT;
-static const kernel_set * g_kernels;
-
-static void choose_once(void) { g_kernels = choose_kernels(); }
-
 static const kernel_set * kernels(void) {
-    pthread_once(&g_once, choose_once);
+    pthread_once(&g_once, find_kernels);
     return g_kernels;
 }
 
+int es_kernels_select(const char * name) {
+    if (!name) return ES_ERR_INVALID_ARG;
+    pthread_once(&g_once, find_kernels);
+    const kernel_set * chosen = strcmp(name, "auto") == 0 ? g_available[0] : NULL;
+    for (int32_t i = 0; i < g_n_available && !chosen; i++) {
+        if (strcmp(name, g_available[i]->name) == 0) chosen = g_available[i];
+    }
+    if (!chosen) {
+        const bool known = strcmp(name, "avx2") == 0 || strcmp(name, "neon") == 0;
+        return known ? ES_ERR_UNSUPPORTED : ES_ERR_INVALID_ARG;
+    }
+    // Written only on a change: selecting the set in use races with nothing.
+    if (g_kernels != chosen) g_kernels = chosen;
+    return ES_OK;
+}
+
 const char * es_kernels_name(void) { return kernels()->name; }
+
+const char * es_kernels_available(int32_t i) {
+    pthread_once(&g_once, find_kernels);
+    return i >= 0 && i < g_n_available ? g_available[i]->name : NULL;
+}
 
 void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t r0, int64_t r1, float * y) {
     const size_t row_bytes = es_type_row_bytes(type, n);
