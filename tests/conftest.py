@@ -1,12 +1,12 @@
 """Session-wide model files: the two built-in models (pulled into the edgespec
-cache on first use, see edgespec.models.registry) and a tiny random llama that
-shares SmolLM2's tokenizer."""
+cache on first use, see edgespec.models.registry) and a tiny random llama and
+qwen2 that share SmolLM2's tokenizer."""
 from __future__ import annotations
 
 import pytest
 
 from edgespec.models import registry
-from tiny_gguf import write_tiny_llama
+from tiny_gguf import Q, write_tiny_llama, write_tiny_qwen2
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,15 @@ def tiny_llama_path(tmp_path_factory, smollm2_path):
     """A 2-layer, 64-wide random llama (F16, ~14 MB) with SmolLM2's tokenizer."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
     write_tiny_llama(path, smollm2_path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, smollm2_path):
+    """A 2-layer, 64-wide random qwen2 with Q/K/V biases (F32, ~26 MB) and
+    SmolLM2's tokenizer."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf"
+    write_tiny_qwen2(path, smollm2_path, dtype=Q.F32)
     return path
 
 

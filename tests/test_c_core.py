@@ -1,7 +1,7 @@
 """The C core's own unit tests (csrc/tests), built with CMake under
 AddressSanitizer and UBSan and run through CTest. test_gguf also opens the
-GGUF files linked into $EDGESPEC_TEST_MODELS_DIR: the built-in models and the
-tiny llama."""
+GGUF files linked into $EDGESPEC_TEST_MODELS_DIR (test_engine runs them): the
+built-in models and the tiny llama and qwen2."""
 from __future__ import annotations
 
 import os
@@ -13,10 +13,11 @@ import subprocess
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_c_unit_tests_pass_under_sanitizers(tmp_path, smollm2_path, gemma_path, tiny_llama_path):
+def test_c_unit_tests_pass_under_sanitizers(tmp_path, smollm2_path, gemma_path, tiny_llama_path,
+                                             tiny_qwen2_path):
     models = tmp_path / "models"
     models.mkdir()
-    for path in (smollm2_path, gemma_path, tiny_llama_path):
+    for path in (smollm2_path, gemma_path, tiny_llama_path, tiny_qwen2_path):
         (models / pathlib.Path(path).name).symlink_to(path)
     cmake = shutil.which("cmake")
     assert cmake, "cmake is a build requirement of edgespec"

@@ -1,4 +1,5 @@
-"""The native C engine (backend "native") on the built-in models.
+"""The native C engine (backend "native") on the built-in models and tiny
+random ones (llama, and qwen2 with its Q/K/V biases and NEOX RoPE).
 
 Parity with llama.cpp: the engine quantizes activations to 8 bits before
 every product, as llama.cpp does, so a rounding difference far below any
@@ -22,7 +23,8 @@ from edgespec.backends import open_backend
 from edgespec.capi import ffi, lib
 from edgespec.drafters import Draft
 from edgespec.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from tiny_gguf import Q, write_tiny_llama
+from reference import forward_reference
+from tiny_gguf import Q, copy_gguf, write_tiny_llama
 
 N_CTX = 512
 TEXT = ("The lighthouse keeper climbed the narrow stairs every evening to light the lamp. "
@@ -30,6 +32,11 @@ TEXT = ("The lighthouse keeper climbed the narrow stairs every evening to light 
         "missed a night. One winter a storm cut the island off from the mainland for weeks, ")
 PROMPTS = ["The history of the printing press begins",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+# Largest |logit difference| from the float64 reference a tiny F32 model may
+# show: the F16 rounding of cached keys, values and queries (logits ~ N(0, 4^2);
+# observed 0.0055 on the qwen2, 0.0074 on the llama; a NORM RoPE or a missing
+# bias in the qwen2 gives 8 and 23).
+TOL_F64 = 0.05
 
 
 def rows(b, addr: int, n: int) -> np.ndarray:
@@ -104,10 +111,19 @@ def test_greedy_follows_llama_cpp_up_to_a_near_tie(pair):
         assert top2[1] - top2[0] < 0.5, (first, top2)
 
 
-def test_tiny_float_model_matches_llama_cpp(tmp_path, smollm2_path):
-    """F32 weights: no activation rounding, llama.cpp's paths agree, and so must we."""
-    path = tmp_path / "tiny-f32.gguf"
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_float(request, tmp_path_factory, smollm2_path, tiny_qwen2_path):
+    """A tiny random model with F32 weights, one per architecture family."""
+    if request.param == "qwen2":
+        return tiny_qwen2_path
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama-f32.gguf"
     write_tiny_llama(path, smollm2_path, dtype=Q.F32)
+    return path
+
+
+def test_tiny_float_model_matches_llama_cpp(tiny_float):
+    """F32 weights: no activation rounding, llama.cpp's paths agree, and so must we."""
+    path = tiny_float
     with open_backend("llama", path, n_ctx=N_CTX, threads=2) as lb, \
          open_backend("native", path, n_ctx=N_CTX, threads=2) as nb:
         tokens = lb.tokenize(TEXT * 2)[:128]
@@ -115,6 +131,17 @@ def test_tiny_float_model_matches_llama_cpp(tmp_path, smollm2_path):
         assert top1(ref, mine) >= 0.99
         p = lb.tokenize(PROMPTS[0])
         assert greedy(nb, p, 48)[0] == greedy(lb, p, 48)[0]
+
+
+def test_tiny_float_model_matches_float64_reference(tiny_float):
+    """The forward pass against tests/reference.py's float64 numpy over the
+    file's own weights: only the F16 KV cache and F16 queries round here."""
+    with open_backend("native", tiny_float, n_ctx=N_CTX, threads=2) as nb:
+        tokens = nb.tokenize(TEXT * 2)[:128]
+        mine = batched(nb, tokens)
+    ref = forward_reference(tiny_float, tokens)
+    diff = np.abs(ref - mine)
+    assert top1(ref, mine) >= 0.99 and diff.max() <= TOL_F64, (top1(ref, mine), diff.max())
 
 
 # -- exactness -----------------------------------------------------------------
@@ -168,21 +195,23 @@ def test_truncate_rolls_back_exactly(native_smollm2):
 SPEC_PROMPT = TEXT * 4  # ~220 tokens: generation crosses 256 positions
 
 
-@pytest.fixture(scope="module")
-def plain_past_256(smollm2_path):
-    """Plain greedy decoding on the native backend from SPEC_PROMPT to position 300."""
-    with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX) as plain:
+@pytest.fixture(scope="module", params=["smollm2", "tiny-qwen2"])
+def plain_past_256(request, smollm2_path, tiny_qwen2_path):
+    """Plain greedy decoding on the native backend from SPEC_PROMPT to position
+    300: (model path, prompt length, tokens)."""
+    path = smollm2_path if request.param == "smollm2" else tiny_qwen2_path
+    with Engine(path, backend="native", threads=2, n_ctx=N_CTX) as plain:
         n_prompt = len(plain.backend.tokenize(SPEC_PROMPT))
         assert n_prompt < 256
-        return n_prompt, plain.generate(SPEC_PROMPT, max_tokens=300 - n_prompt).tokens
+        return path, n_prompt, plain.generate(SPEC_PROMPT, max_tokens=300 - n_prompt).tokens
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "recycle"])
-def test_speculative_equals_plain_past_256_positions(smollm2_path, plain_past_256, drafter):
+def test_speculative_equals_plain_past_256_positions(plain_past_256, drafter):
     """Exact speculative decoding on this backend at any context length
     (llama.cpp's kernels stop being batch invariant past 256 cells)."""
-    n_prompt, ref = plain_past_256
-    with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX, drafter=drafter) as spec:
+    path, n_prompt, ref = plain_past_256
+    with Engine(path, backend="native", threads=2, n_ctx=N_CTX, drafter=drafter) as spec:
         out = spec.generate(SPEC_PROMPT, max_tokens=300 - n_prompt)
     assert n_prompt + len(ref) > 256
     assert out.tokens == ref
@@ -252,6 +281,20 @@ def test_unsupported_architecture(tmp_path):
     w.close()
     with pytest.raises(UnsupportedModelError, match="architecture 'mamba' is not supported"):
         open_backend("native", path)
+
+
+def test_qwen2_variants_refused(tmp_path, tiny_qwen2_path):
+    """A qwen2 file without one of its Q/K/V biases, or with a tensor the
+    engine would ignore (here a bias on the attention output), fails with one
+    line naming the tensor."""
+    no_bias = tmp_path / "no-bias.gguf"
+    copy_gguf(tiny_qwen2_path, no_bias, drop=["blk.1.attn_k.bias"])
+    with pytest.raises(ModelFormatError, match=r"tensor blk\.1\.attn_k\.bias is missing"):
+        open_backend("native", no_bias)
+    extra = tmp_path / "extra.gguf"
+    copy_gguf(tiny_qwen2_path, extra, add={"blk.0.attn_output.bias": np.zeros(64)})
+    with pytest.raises(UnsupportedModelError, match=r"tensor blk\.0\.attn_output\.bias is not used"):
+        open_backend("native", extra)
 
 
 def test_cli_bad_model_exits_2(tmp_path, smollm2_path):

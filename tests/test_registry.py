@@ -118,7 +118,7 @@ def test_home_defaults_to_user_cache(monkeypatch, tmp_path):
 def test_builtin_manifest_is_well_formed():
     models = registry.builtin_models()
     assert registry.default_model() in models
-    assert {"smollm2-135m", "gemma3-270m"} <= set(models)
+    assert {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"} <= set(models)
     for e in models.values():
         assert len(e.sha256) == 64 and int(e.sha256, 16) >= 0
         assert e.size > 0 and e.parts and e.file.endswith(".gguf")

@@ -1,6 +1,6 @@
-"""The tiny random llama (tests/tiny_gguf.py) is a model llama.cpp accepts:
-it loads, tokenizes exactly like the model it took its tokenizer from, and
-produces finite, varied logits."""
+"""The tiny random llama and qwen2 (tests/tiny_gguf.py) are models llama.cpp
+accepts: they load, tokenize exactly like the model they took their tokenizer
+from, and produce finite, varied logits."""
 import llama_cpp
 import numpy as np
 import pytest
@@ -8,10 +8,15 @@ import pytest
 TEXTS = ["Hello world", " Héllo, wörld!\n\t 12345 ", "<|im_start|>user\nhi<|im_end|>"]
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def arch(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_path):
-    return llama_cpp.Llama(model_path=str(tiny_llama_path), n_ctx=256, logits_all=True,
-                           verbose=False)
+def tiny(arch, tiny_llama_path, tiny_qwen2_path):
+    path = tiny_llama_path if arch == "llama" else tiny_qwen2_path
+    return llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +25,8 @@ def source(smollm2_path):
                            verbose=False)
 
 
-def test_loads_as_llama(tiny, source):
-    assert tiny.metadata["general.architecture"] == "llama"
+def test_loads_as_its_architecture(tiny, source, arch):
+    assert tiny.metadata["general.architecture"] == arch
     assert tiny.n_vocab() == source.n_vocab()
     assert tiny.n_ctx() == 256
 

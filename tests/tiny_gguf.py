@@ -3,12 +3,14 @@
     write_tiny_llama(path, "SmolLM2-135M-Instruct.Q4_1.gguf")
     write_tiny_llama(path, source, n_expert=4, n_expert_used=2)   # Mixtral-style MoE
     write_tiny_qwen3moe(path, source)
+    write_tiny_qwen2(path, source)                                # Q/K/V biases, NEOX RoPE
+    copy_gguf(path, variant, drop=["blk.0.attn_q.bias"])          # a file a loader must refuse
 
 The weights are random, the tokenizer is real: every ``tokenizer.*`` key of
 the source file is copied byte for byte, so llama.cpp tokenizes (and applies
 the chat template) exactly as it does for the source model, while a forward
 pass costs next to nothing. Tensor names, shapes and hyperparameter keys are
-the ones llama.cpp's loaders read (src/models/llama.cpp, qwen3moe.cpp); numpy
+the ones llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3moe.cpp); numpy
 shapes below are GGUF's ne reversed: (rows, cols) = (ne1, ne0), and an expert
 stack (n_expert, rows, cols) = (ne2, ne1, ne0).
 
@@ -49,8 +51,8 @@ _GGML_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 ExpertTypes = Q | tuple[Q, Q, Q]
 
 
-def _tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None) -> str:
-    return gguf.TENSOR_NAMES[kind].format(bid=layer) + ".weight"
+def _tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
+    return gguf.TENSOR_NAMES[kind].format(bid=layer) + "." + suffix
 
 
 # ---- weight types -------------------------------------------------------------------
@@ -134,6 +136,32 @@ def copy_tokenizer(source: str | os.PathLike, writer: gguf.GGUFWriter) -> int:
     return n_vocab
 
 
+def copy_gguf(source: str | os.PathLike, path: str | os.PathLike, *, drop: Sequence[str] = (),
+              add: dict[str, np.ndarray] | None = None) -> None:
+    """Copy the GGUF file `source` to `path`, every key and tensor, less the
+    tensors named in `drop` and plus the F32 tensors of `add` (name -> array,
+    numpy shape): the variants of a model a loader must refuse."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(path), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    for key, field in reader.fields.items():
+        # GGUF.* are the header's counts, not keys; the writer sets the architecture.
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, _field_value(field), field.types[0], sub_type)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    for name, w in (add or {}).items():
+        writer.add_tensor(name, np.asarray(w, dtype=np.float32))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
 # ---- random models --------------------------------------------------------------------
 
 class _RandomModel:
@@ -175,6 +203,12 @@ class _RandomModel:
         """A (rows, cols) matrix."""
         self.add(kind, layer, self.draw((rows, cols), gain))
 
+    def bias(self, kind: T, layer: int, n: int) -> None:
+        """The F32 bias of matrix `kind`, (n) ~ N(0, 1): as large as the
+        product it is added to, so that a bias left out shows in the logits."""
+        w = self.rng.standard_normal(n, dtype=np.float32)
+        self.writer.add_tensor(_tensor_name(kind, layer, "bias"), w, raw_dtype=Q.F32)
+
     def norm(self, kind: T, layer: int | None, n: int) -> None:
         """An RMSNorm weight (F32, as converters store norms): ones, or with
         norm_noise ones plus noise, so that a norm applied without its weight
@@ -185,7 +219,8 @@ class _RandomModel:
         self.add(kind, layer, w, Q.F32)
 
     def common_keys(self, *, name: str, n_ctx: int, n_embd: int, n_layer: int, n_ff: int,
-                    n_head: int, n_head_kv: int, rms_eps: float) -> None:
+                    n_head: int, n_head_kv: int, rms_eps: float,
+                    rope_base: float = 10000.0) -> None:
         w = self.writer
         w.add_name(name)
         w.add_context_length(n_ctx)
@@ -194,7 +229,7 @@ class _RandomModel:
         w.add_feed_forward_length(n_ff)
         w.add_head_count(n_head)
         w.add_head_count_kv(n_head_kv)
-        w.add_rope_freq_base(10000.0)
+        w.add_rope_freq_base(rope_base)
         w.add_layer_norm_rms_eps(rms_eps)
 
     def attention(self, i: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int) -> None:
@@ -344,6 +379,37 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
         m.norm(T.ATTN_K_NORM, i, head_dim)
         m.moe_ffn(i, n_embd, n_ff_exp, n_expert, expert_dtype, order=expert_order)
     m.output(n_embd)
+    m.write()
+
+
+def write_tiny_qwen2(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
+                     n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                     n_ff: int = 128, n_ctx: int = 512, seed: int = 0, dtype: Q = Q.F16,
+                     tied: bool = False, norm_noise: float = 0.1) -> None:
+    """Write a random qwen2 model with `tokenizer_source`'s tokenizer to `path`.
+
+    As Qwen2.5's: llama's blocks plus F32 biases on the Q, K and V projections,
+    RoPE in the NEOX layout with base 1e6, RMSNorm epsilon 1e-6. `tied` leaves
+    out output.weight: the output projection is the token embedding, as in
+    Qwen2.5 0.5B to 3B. Matrices and norms as for write_tiny_llama.
+    """
+    _check_heads(n_embd, n_head, n_head_kv)
+    head_dim = n_embd // n_head
+    m = _RandomModel(path, "qwen2", tokenizer_source, seed=seed, dtype=dtype,
+                     norm_noise=norm_noise)
+    m.common_keys(name="tiny-random-qwen2", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer,
+                  n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rms_eps=1e-6, rope_base=1e6)
+    m.embeddings(n_embd)
+    for i in range(n_layer):
+        m.attention(i, n_embd, n_head, n_head_kv, head_dim)
+        m.bias(T.ATTN_Q, i, n_head * head_dim)
+        m.bias(T.ATTN_K, i, n_head_kv * head_dim)
+        m.bias(T.ATTN_V, i, n_head_kv * head_dim)
+        m.dense_ffn(i, n_embd, n_ff)
+    if tied:
+        m.norm(T.OUTPUT_NORM, None, n_embd)
+    else:
+        m.output(n_embd)
     m.write()
 
 

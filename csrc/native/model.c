@@ -29,11 +29,13 @@
 
 extern const es_arch es__arch_llama;
 extern const es_arch es__arch_gemma3;
+extern const es_arch es__arch_qwen2;
 extern const es_arch es__arch_qwen3moe;
 
 const es_arch * const es__archs[] = {
     &es__arch_llama,
     &es__arch_gemma3,
+    &es__arch_qwen2,
     &es__arch_qwen3moe,
     NULL,
 };
@@ -57,11 +59,14 @@ static void run(es_context * ctx, es_pool_fn fn, void * arg, int32_t n_rows) {
 
 /* ---- binding tensors and keys -------------------------------------------- */
 
-int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
-             bool required, es_weight * out, char * err, size_t err_cap) {
+// es__bind and es__bind_bias: the tensor blk.<il>.<kind>.<suffix> (il < 0:
+// <kind>.<suffix>).
+static int bind_tensor(const es_model * m, int32_t il, const char * kind, const char * suffix,
+                       int64_t n_in, int64_t n_out, bool required, es_weight * out,
+                       char * err, size_t err_cap) {
     char name[96];
-    if (il < 0) snprintf(name, sizeof name, "%s.weight", kind);
-    else snprintf(name, sizeof name, "blk.%d.%s.weight", (int) il, kind);
+    if (il < 0) snprintf(name, sizeof name, "%s.%s", kind, suffix);
+    else snprintf(name, sizeof name, "blk.%d.%s.%s", (int) il, kind, suffix);
     memset(out, 0, sizeof *out);
     const es_tensor * t = es_gguf_find_tensor(m->gguf, name);
     if (!t) {
@@ -81,13 +86,23 @@ int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, in
                 es_type_name(t->type));
         return ES_ERR_UNSUPPORTED;
     }
-    // Norm vectors are read as floats directly.
+    // Norm and bias vectors are read as floats directly.
     if (want_out == 1 && t->type != ES_TYPE_F32) {
         set_err(err, err_cap, "tensor %s: expected F32, found %s", name, es_type_name(t->type));
         return ES_ERR_UNSUPPORTED;
     }
     *out = (es_weight) { .data = t->data, .type = t->type, .n_in = n_in, .n_out = want_out };
     return ES_OK;
+}
+
+int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
+             bool required, es_weight * out, char * err, size_t err_cap) {
+    return bind_tensor(m, il, kind, "weight", n_in, n_out, required, out, err, err_cap);
+}
+
+int es__bind_bias(const es_model * m, int32_t il, const char * kind, int64_t n, bool required,
+                  es_weight * out, char * err, size_t err_cap) {
+    return bind_tensor(m, il, kind, "bias", n, 1, required, out, err, err_cap);
 }
 
 static int key_num(const es_model * m, const char * key, bool required, double * out,
@@ -226,6 +241,7 @@ static int32_t model_weights(const es_model * m, const es_weight ** out, int32_t
     for (int32_t il = 0; il < m->n_layer; il++) {
         const es_layer * L = &m->layers[il];
         ADD(L->attn_norm); ADD(L->wq); ADD(L->wk); ADD(L->wv); ADD(L->wo);
+        ADD(L->bq); ADD(L->bk); ADD(L->bv);
         ADD(L->attn_q_norm); ADD(L->attn_k_norm); ADD(L->attn_post_norm);
         ADD(L->ffn_norm); ADD(L->ffn_gate); ADD(L->ffn_up); ADD(L->ffn_down);
         ADD(L->ffn_post_norm);
@@ -234,7 +250,7 @@ static int32_t model_weights(const es_model * m, const es_weight ** out, int32_t
     return n;
 }
 
-enum { WEIGHTS_PER_LAYER = 13 };
+enum { WEIGHTS_PER_LAYER = 16 };
 
 // A tensor the architecture does not read (a bias, RoPE factors, ...) means
 // a variant this engine would get wrong: refuse it rather than ignore it.
@@ -660,7 +676,17 @@ int es__attention_inputs(es_context * ctx, int32_t il) {
     es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, ctx->n, ctx->model->n_embd, ctx->model->norm_eps);
     const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
     float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
-    return es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, ctx->n);
+    const int rc = es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, ctx->n);
+    if (rc != ES_OK) return rc;
+    const es_weight * bias[3] = { &L->bq, &L->bk, &L->bv };
+    for (int32_t i = 0; i < 3; i++) {
+        if (!bias[i]->data) continue;
+        const int64_t width = bias[i]->n_in;  // (n, width) rows of qkv_out[i]
+        for (int32_t t = 0; t < ctx->n; t++) {
+            es__add(qkv_out[i] + (size_t) t * (size_t) width, bias[i]->data, width);
+        }
+    }
+    return ES_OK;
 }
 
 void es__attention(es_context * ctx, int32_t il, float kq_scale) {

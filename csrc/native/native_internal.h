@@ -190,7 +190,7 @@ int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32
 
 // A bound weight as es_matvec reads it: n_out rows of n_in elements of type,
 // es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
-// Norm vectors are one F32 row. data NULL: the model has no such tensor.
+// Norm and bias vectors are one F32 row. data NULL: the model has no such tensor.
 typedef struct es_weight {
     const void * data;   // inside the GGUF mapping
     int32_t      type;   // enum es_type
@@ -199,7 +199,7 @@ typedef struct es_weight {
 } es_weight;
 
 // RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
-// (x[2i], x[2i+1]) (llama); NEOX rotates (x[i], x[i + n_rot/2]) (gemma3, qwen3moe).
+// (x[2i], x[2i+1]) (llama); NEOX rotates (x[i], x[i + n_rot/2]) (gemma3, qwen2, qwen3moe).
 enum es_rope_type { ES_ROPE_NORM = 0, ES_ROPE_NEOX = 2 };
 
 // The feed-forward activations of es__ffn: silu(gate) * up, gelu(gate) * up.
@@ -210,6 +210,8 @@ typedef struct es_layer {
     es_weight wq;              // (n_head * head_dim, n_embd)
     es_weight wk, wv;          // (n_head_kv * head_dim, n_embd)
     es_weight wo;              // (n_embd, n_head * head_dim)
+    es_weight bq;              // (n_head * head_dim) F32 bias added to wq's output; qwen2
+    es_weight bk, bv;          // (n_head_kv * head_dim) the same for wk, wv
     es_weight attn_q_norm;     // (head_dim) per-head RMSNorm of Q before RoPE; gemma3, qwen3moe
     es_weight attn_k_norm;     // (head_dim) the same for K
     es_weight attn_post_norm;  // (n_embd) on the attention output; gemma3
@@ -299,6 +301,9 @@ struct es_context {
 // not required: *out zeroed, ES_OK. Errors name the tensor.
 int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
              bool required, es_weight * out, char * err, size_t err_cap);
+// Binds blk.<il>.<kind>.bias as an F32 vector of n elements; as es__bind.
+int es__bind_bias(const es_model * m, int32_t il, const char * kind, int64_t n, bool required,
+                  es_weight * out, char * err, size_t err_cap);
 // Reads <arch>.<key> (an integer or float) into *out; absent and not
 // required: *out unchanged. Errors name the key.
 int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
@@ -320,6 +325,11 @@ int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap);
 // when absent: tied), and allocates m->layers (n_layer, zeroed).
 int es__bind_embeddings(es_model * m, char * err, size_t err_cap);
 
+// The llama decoder layer (arch/llama.c), shared by qwen2: pre-norm attention
+// (biases as es__attention_inputs adds them, RoPE in m->rope_type's layout)
+// and a SwiGLU FFN, dense or the experts.
+int es__llama_layer(es_context * ctx, int32_t il);
+
 /* Shared blocks, over ctx->n token rows. Each row is computed the same way
  * whatever the batch, so results are batch invariant. */
 
@@ -331,7 +341,8 @@ void es__rms_norm(const float * x, const es_weight * w, float * y, int64_t n_row
 // the same x; parallel over output rows.
 int  es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
                 float * const * y, int32_t n);
-// ctx->xn = layer il's attn_norm(ctx->x); ctx->q, k, v = xn times wq, wk, wv.
+// ctx->xn = layer il's attn_norm(ctx->x); ctx->q, k, v = xn times wq, wk, wv,
+// plus bq, bk, bv where the layer has them.
 int  es__attention_inputs(es_context * ctx, int32_t il);
 // RoPE in place on x (ctx->n, n_heads * head_dim), at ctx->pos, with layer il's base/scale.
 void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads);

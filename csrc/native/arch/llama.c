@@ -6,7 +6,8 @@
  *   x += ffn(norm(x))   ffn: down(silu(gate) * up), or the MoE block when
  *                       llama.expert_count > 0 (router + ffn_*_exps)
  *
- * RoPE in llama.cpp's NORM layout (adjacent pairs).
+ * RoPE in llama.cpp's NORM layout (adjacent pairs). qwen2 (arch/qwen2.c)
+ * shares the layer.
  */
 #include <math.h>
 #include <string.h>
@@ -52,7 +53,7 @@ static int load(es_model * m, char * err, size_t err_cap) {
     return rc;
 }
 
-static int layer(es_context * ctx, int32_t il) {
+int es__llama_layer(es_context * ctx, int32_t il) {
     const es_model * m = ctx->model;
     const es_layer * L = &m->layers[il];
     const int32_t n = ctx->n;
@@ -78,4 +79,4 @@ static int layer(es_context * ctx, int32_t il) {
     return ES_OK;
 }
 
-const es_arch es__arch_llama = { .name = "llama", .load = load, .layer = layer };
+const es_arch es__arch_llama = { .name = "llama", .load = load, .layer = es__llama_layer };
