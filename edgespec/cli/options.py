@@ -92,7 +92,6 @@ class SamplingOptions:
 
 
 MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (default: the built-in default)."
-DRAFTER_NAMES = "none, ngram, recycle, cache, model or auto"
 
 ENGINE_OPTIONS = {
     "model": (Optional[str], typer.Option(None, "--model", "-m", help=MODEL_HELP)),
@@ -107,8 +106,9 @@ ENGINE_OPTIONS = {
                                                     "training context).")),
     "gpu_layers": (int, typer.Option(0, "--gpu-layers", help="Layers to offload to Metal/CUDA/Vulkan if "
                                                              "llama.cpp was built with one, >= 0 (llama backend).")),
-    "drafter": (str, typer.Option("auto", "--drafter", help=f"{DRAFTER_NAMES} (chooses per step, and decodes "
-                                                            "plainly when speculation does not pay).")),
+    "drafter": (str, typer.Option("auto", "--drafter", help="none, ngram, recycle, cache, model or auto "
+                                                            "(chooses per step, and decodes plainly when speculation "
+                                                            "does not pay).")),
     "draft_model": (Optional[str], typer.Option(None, "--draft-model", help="Draft model for the model and auto "
                                                 "drafters (same tokenizer as the target).")),
     "draft_backend": (Optional[str], typer.Option(None, "--draft-backend", help="Backend of the draft model "
