@@ -5,6 +5,25 @@ from __future__ import annotations
 import codecs
 from typing import Sequence
 
+from .errors import InvalidArgumentError
+
+
+def utf8_text(text: str, what: str) -> str:
+    """``text``, or InvalidArgumentError when it cannot be encoded as UTF-8:
+    bytes that did not decode (command-line arguments and piped input arrive
+    with them as lone surrogates, Python's surrogateescape) are named by value
+    and byte offset, e.g. "prompt is not valid UTF-8 (byte 0xff at offset 3)"."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        if 0xDC80 <= bad <= 0xDCFF:  # surrogateescape's stand-in for the byte bad - 0xDC00
+            where = f"byte 0x{bad - 0xDC00:02x} at offset {len(text[:e.start].encode('utf-8'))}"
+        else:
+            where = f"lone surrogate U+{bad:04X} at character {e.start}"
+        raise InvalidArgumentError(f"{what} is not valid UTF-8 ({where})") from None
+
 
 class TextStream:
     """Feed token pieces (bytes) in; get out text that is safe to show.

@@ -158,6 +158,30 @@ def test_custom_template_is_used(tiny, tmp_path):
         tiny.chat_template = None  # back to the model's own template for other tests
 
 
+def test_sampling_options_apply_to_every_answer(tiny):
+    def answers(**sampling):
+        session = ChatSession(tiny, template=CUSTOM_TEMPLATE, max_tokens=12, interactive=False,
+                              out=io.StringIO(), err=io.StringIO(), **sampling)
+        results = []
+        for question in ("hi", "again"):
+            session.ask(question)
+            results.append(session.last)
+        return results
+
+    try:
+        greedy = [r.text for r in answers(seed=0)]
+        # top_k=1 leaves one candidate: sampling at any temperature decodes greedily
+        assert [r.text for r in answers(temperature=0.9, top_k=1, seed=3)] == greedy
+        assert [r.text for r in answers(temperature=0.9, seed=7)] != greedy
+        stop = greedy[0][5:7]
+        stopped = answers(seed=0, stop=[stop])
+        assert stopped[0].text == greedy[0][:greedy[0].index(stop)]
+        assert stopped[0].stats.stop_reason == "stop"
+        assert all(stop not in r.text for r in stopped)
+    finally:
+        tiny.chat_template = None
+
+
 def test_oldest_turns_are_dropped_to_fit_the_context(tiny):
     session = ChatSession(tiny, system="Be brief.", max_tokens=64, interactive=False)
     for i in range(12):

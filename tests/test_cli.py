@@ -67,3 +67,60 @@ def test_corrupt_model_exit_2(tmp_path):
     p = run("generate", "Hello", "--model", str(bad))
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+# -- the shared engine and sampling options (edgespec.cli.options) ---------------
+
+ENGINE_COMMANDS = [["generate", "Hello"], ["demo"], ["chat"], ["serve"], ["bench"]]
+
+
+def one_line_error(p, message):
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("args, message", [
+    (["--gpu-layers", "-5"], "--gpu-layers must be >= 0, got -5"),
+    (["--threads", "0"], "--threads must be > 0, got 0"),
+])
+def test_every_engine_command_checks_engine_options_before_loading(tmp_path, command, args, message):
+    # A model that does not exist: were the options not checked first, the error would name the model.
+    one_line_error(run(*command, "--model", str(tmp_path / "absent.gguf"), *args), message)
+
+
+@pytest.mark.parametrize("command, args, message", [
+    (["generate", "Hello"], ["--threads", "-3"], "--threads must be > 0, got -3"),
+    (["generate", "Hello"], ["--draft-max", "64"], "--draft-max must be in [1, 63], got 64"),
+    (["chat"], ["--top-p", "0"], "top_p"),  # chat takes the sampling options generate takes
+    (["chat"], ["--min-p", "1"], "min_p"),
+    (["serve"], ["--draft-max", "0"], "--draft-max must be in [1, 63], got 0"),
+])
+def test_shared_options_out_of_range(tmp_path, command, args, message):
+    one_line_error(run(*command, "--model", str(tmp_path / "absent.gguf"), *args), message)
+
+
+# -- bytes that are not UTF-8 ------------------------------------------------------
+
+
+def run_bytes(*args, stdin=b"", timeout=300):
+    p = subprocess.run([sys.executable, "-m", "edgespec", *args], input=stdin, capture_output=True,
+                       timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode("utf-8", "replace"),
+                                       p.stderr.decode("utf-8", "replace"))
+
+
+def test_prompt_that_is_not_utf8_is_one_line_exit_2(tmp_path):
+    p = run_bytes("generate", b"Hi \xff there", "--model", str(tmp_path / "absent.gguf"))
+    one_line_error(p, "prompt is not valid UTF-8 (byte 0xff at offset 3)")
+    p = run_bytes("generate", "Hello", "--stop", b"caf\xc3", "--model", str(tmp_path / "absent.gguf"))
+    one_line_error(p, "--stop is not valid UTF-8 (byte 0xc3 at offset 3)")
+
+
+def test_piped_chat_line_that_is_not_utf8_is_one_line_exit_2(smollm2_path):
+    p = run_bytes("chat", "--model", str(smollm2_path), "--drafter", "none", "--max-tokens", "4",
+                  "--threads", "1", stdin=b"ab\xfe\xffcd\n")
+    one_line_error(p, "input line 1 is not valid UTF-8 (byte 0xfe at offset 2)")
+    assert p.stdout == ""

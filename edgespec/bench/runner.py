@@ -18,13 +18,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import drafters as drafting
 from ..models import registry
-from ..engine import Engine
+from ..engine import DEFAULT_DRAFT_MAX, Engine
 from ..errors import InvalidArgumentError
 from ..planner import speedup_ceiling
 from ..progress import Progress
@@ -47,6 +47,10 @@ class BenchOptions:
     ep: str | None = None               # onnx backend's execution provider
     draft_backend: str | None = None    # the draft model's backend (default: the target's)
     threads: int | None = None
+    n_ctx: int = 4096
+    gpu_layers: int = 0
+    draft_max: int = DEFAULT_DRAFT_MAX
+    verbose: bool = False               # the backend's own log
     suites: list[str] = field(default_factory=lambda: list(suite_data.SUITES))
     langs: list[str] | None = None
     limit: int | None = None            # None: DEFAULT_LIMIT per shipped suite, every prompt of a --prompts file
@@ -63,7 +67,6 @@ class BenchOptions:
     temperature: float = 0.8
     top_p: float = 0.95
     seed: int = 0
-    n_ctx: int = 4096
     remeasure_costs: bool = True        # measure the batch cost curve now instead of using the cached one
     quick: bool = False
 
@@ -94,6 +97,13 @@ class BenchOptions:
         if "model" in self.drafters and not self.draft_model:
             raise InvalidArgumentError("drafter 'model' needs --draft-model")
 
+    def open_engine(self, drafter: str, ngram_cache: str | None) -> Engine:
+        """The Engine of one edgespec configuration: these options with ``drafter``."""
+        return Engine(self.model, backend=self.backend, ep=self.ep, threads=self.threads, n_ctx=self.n_ctx,
+                      gpu_layers=self.gpu_layers, drafter=drafter, draft_model=self.draft_model,
+                      draft_backend=self.draft_backend, draft_max=self.draft_max, ngram_cache=ngram_cache,
+                      verbose=self.verbose)
+
 
 class Configuration:
     """One edgespec drafter with its own Engine."""
@@ -105,9 +115,7 @@ class Configuration:
         self.name = f"edgespec:{drafter}"
         self.drafter = drafter
         self.rss = rss
-        self.engine = Engine(options.model, backend=options.backend, ep=options.ep, threads=options.threads,
-                             n_ctx=options.n_ctx, drafter=drafter, draft_model=options.draft_model,
-                             draft_backend=options.draft_backend, ngram_cache=ngram_cache)
+        self.engine = options.open_engine(drafter, ngram_cache)
         self.threads = self.engine.backend.threads
 
     def run(self, prompt: suite_data.Prompt, max_tokens: int, sampling: dict) -> RunResult:
@@ -193,47 +201,80 @@ def _median(xs):
 
 
 # ---------------------------------------------------------------------------
-# The run
+# The plan: what a run does
 # ---------------------------------------------------------------------------
 
 
-def run_bench(options: BenchOptions, *, progress: bool = True,
-              command: str | None = None) -> dict:
-    """Run the benchmark; returns the results document (schema SCHEMA)."""
+@dataclass(frozen=True)
+class Plan:
+    """The caller's options with --quick and the default limit applied (a
+    copy: the caller's object is left as it was), the prompts, and the
+    edgespec drafters with plain decoding ("none", the baseline) first."""
+
+    options: BenchOptions
+    prompts: list[suite_data.Prompt]
+    drafters: list[str]
+
+    def sampling(self, mode: str, seed: int) -> dict:
+        """The sampling settings of ``mode`` with ``seed``."""
+        if mode == "greedy":
+            return {"temperature": 0.0, "top_p": 1.0, "seed": seed}
+        return {"temperature": self.options.temperature, "top_p": self.options.top_p, "seed": seed}
+
+    def seed(self, repeat: int, prompt_index: int) -> int:
+        """A measured run's seed: it varies per prompt and repeat."""
+        return self.options.seed + 1000 * repeat + prompt_index
+
+
+def plan_bench(options: BenchOptions) -> Plan:
+    """What ``options`` ask for; InvalidArgumentError names an option out of range."""
     if options.quick:
-        for k, v in QUICK.items():
-            setattr(options, k, v)
+        options = replace(options, **QUICK)
     options.check()
     if options.limit is None and options.prompts_file is None:
-        options.limit = DEFAULT_LIMIT
+        options = replace(options, limit=DEFAULT_LIMIT)
     prompts = suite_data.select(options.suites, langs=options.langs, limit=options.limit,
                                 prompts_file=options.prompts_file)
-    drafters = list(dict.fromkeys(["none"] + options.drafters))  # plain decoding is the baseline
-    load_start = _load_average()
-    rss = PeakRSS()
-    notes: list[str] = []
-    bar = Progress("bench", 1, enabled=progress, lines=True)
+    return Plan(options, prompts, list(dict.fromkeys(["none", *options.drafters])))
 
-    configs: list = []
-    peers_status: dict[str, dict] = {}
-    scratch = tempfile.TemporaryDirectory(prefix="edgespec-bench-")
-    try:
-        bar.note(f"loading {options.model or registry.default_model()} for {len(drafters)} edgespec configurations")
-        configs.append(Configuration("none", options, options.ngram_cache, rss))
-        plain = configs[0]
+
+# ---------------------------------------------------------------------------
+# The lineup: the configurations, opened
+# ---------------------------------------------------------------------------
+
+
+class Lineup:
+    """The configurations of a run (edgespec's, plain decoding first, then the
+    peers) and how the peers fared."""
+
+    def __init__(self, bar: Progress):
+        self.bar = bar
+        self.configs: list = []
+        self.peers: dict[str, dict] = {}   # peer name -> {"status": "ok" | "failed", "error"}
+        self.failed: dict[str, str] = {}   # configuration that failed while running -> why
+
+    @property
+    def plain(self) -> Configuration:
+        return self.configs[0]
+
+    def open_edgespec(self, plan: Plan, rss: PeakRSS, scratch: Path, notes: list[str]) -> None:
+        """One Configuration per drafter. Without --ngram-cache, the cache
+        drafter gets one built from the shipped suite texts into ``scratch``."""
+        options = plan.options
+        self.configs.append(Configuration("none", options, options.ngram_cache, rss))
         ngram_cache = options.ngram_cache
-        if "cache" in drafters and not ngram_cache:
-            ngram_cache = _build_suite_cache(plain.engine, Path(scratch.name))
+        if "cache" in plan.drafters and not ngram_cache:
+            ngram_cache = _build_suite_cache(self.plain.engine, scratch)
             notes.append("drafter cache: n-gram cache built from every shipped suite prompt "
                          "(benchmark prompts included), no --ngram-cache given")
-        for d in drafters[1:]:
-            configs.append(Configuration(d, options, ngram_cache, rss))
-        if options.remeasure_costs:
-            bar.note("measuring the batch cost curve")
-        costs = plain.engine.batch_costs(remeasure=options.remeasure_costs)
-        ceiling, ceiling_k = speedup_ceiling(costs)
+        for d in plan.drafters[1:]:
+            self.configs.append(Configuration(d, options, ngram_cache, rss))
 
-        model_path = plain.engine.model_path
+    def open_peers(self, plan: Plan, rss: PeakRSS) -> None:
+        """The peers asked for (default: those that can run here); one that
+        cannot is recorded with its reason."""
+        options = plan.options
+        model_path = self.plain.engine.model_path
         wanted = options.peers if options.peers is not None else \
             [p for p in PEERS if p.startswith("llama-cpp-python") or options.llama_cpp_bin is not None]
         draft_path = registry.model_path_checked(options.draft_model) if options.draft_model else None
@@ -241,129 +282,215 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
             try:
                 if model_path.suffix != ".gguf":
                     raise PeerError(f"peers need a GGUF model, not {model_path}")
-                peer = open_peer(name, model_path=model_path, threads=plain.threads, n_ctx=options.n_ctx,
+                peer = open_peer(name, model_path=model_path, threads=self.plain.threads, n_ctx=options.n_ctx,
                                  rss=rss, bin_dir=Path(options.llama_cpp_bin) if options.llama_cpp_bin else None,
                                  draft_model=draft_path)
-                configs.append(PeerConfiguration(peer, plain.render))
-                peers_status[name] = {"status": "ok", "error": None}
             except PeerError as e:
-                peers_status[name] = {"status": "failed", "error": str(e)}
-                bar.note(f"peer {name} failed: {e}")
+                self._peer_failed(name, e)
+                continue
+            self.configs.append(PeerConfiguration(peer, self.plain.render))
+            self.peers[name] = {"status": "ok", "error": None}
 
-        samplings = {"greedy": {"temperature": 0.0, "top_p": 1.0},
-                     "sampled": {"temperature": options.temperature, "top_p": options.top_p}}
-        slots = [(c, m) for m in options.modes for c in configs if m == "greedy" or not c.greedy_only]
-        if "sampled" in options.modes:
-            notes.append("sampled runs are not compared token by token with plain decoding: speculative "
-                         "sampling keeps the target's distribution, not plain decoding's exact draws")
-        for c in configs:
-            if c.greedy_only and "sampled" in options.modes:
-                notes.append(f"{c.name} runs greedy only (the binary has no sampling options)")
-        failed: dict[str, str] = {}
+    def slots(self, modes: list[str]) -> list[tuple]:
+        """(configuration, mode) pairs to measure: greedy-only peers skip sampled mode."""
+        return [(c, m) for m in modes for c in self.configs if m == "greedy" or not c.greedy_only]
 
-        def attempt(c, prompt, mode, max_tokens, seed):
-            try:
-                return c.run(prompt, max_tokens, {**samplings[mode], "seed": seed})
-            except PeerError as e:
-                failed[c.name] = str(e)
-                peers_status[c.name] = {"status": "failed", "error": str(e)}
-                bar.note(f"peer {c.name} failed: {e}")
-                return None
+    def run(self, c, prompt: suite_data.Prompt, max_tokens: int, sampling: dict) -> RunResult | None:
+        """Run configuration ``c`` on ``prompt``; None when it is a peer that failed, now or before."""
+        if c.name in self.failed:
+            return None
+        try:
+            return c.run(prompt, max_tokens, sampling)
+        except PeerError as e:
+            self.failed[c.name] = str(e)
+            self._peer_failed(c.name, e)
+            return None
 
-        if options.warmup:  # load pages, JIT caches, the planner's first steps: not measured
-            for c, mode in slots:
-                if c.name not in failed:
-                    attempt(c, prompts[0], mode, min(WARMUP_TOKENS, options.max_tokens), options.seed)
+    def _peer_failed(self, name: str, error: PeerError) -> None:
+        self.peers[name] = {"status": "failed", "error": str(error)}
+        self.bar.note(f"peer {name} failed: {error}")
 
-        bar.total = options.repeats * len(prompts) * len(slots)
-        runs: list[dict] = []
-        divergences: list[dict] = []
-        checked: dict[str, int] = {}
-        for rep in range(options.repeats):
-            for i, prompt in enumerate(prompts):
-                for mode in options.modes:
-                    group = [c for c, m in slots if m == mode]
-                    shift = (rep + i) % len(group)
-                    order = group[shift:] + group[:shift]
-                    got: dict[str, RunResult] = {}
-                    for c in order:
-                        bar.update(0, f"{prompt.suite}/{prompt.id} {c.name} {mode}")
-                        seed = options.seed + 1000 * rep + i
-                        if c.name in failed:
-                            bar.update(1)
-                            continue
-                        r = attempt(c, prompt, mode, options.max_tokens, seed)
-                        bar.update(1)
-                        if r is not None:
-                            got[c.name] = r
-                    base = got.get("edgespec:none")
-                    for c in group:
-                        r = got.get(c.name)
-                        if r is None:
-                            continue
-                        rec = {"config": f"{c.name}/{mode}", "prompt": prompt.id, "suite": prompt.suite,
-                               "lang": prompt.lang, "repeat": rep, "mode": mode,
-                               "n_tokens": r.n_tokens, "prompt_tokens": r.prompt_tokens,
-                               "decode_tokens_per_s": r.decode_tps, "ttft_s": r.ttft_s,
-                               "prefill_tokens_per_s": r.prefill_tps, "peak_rss_mib": r.peak_rss_mib,
-                               "speedup": r.decode_tps / base.decode_tps if base and base.decode_tps else None,
-                               "drafted": r.drafted, "accepted": r.accepted, "target_steps": r.target_steps,
-                               "by_length": {str(k): v for k, v in sorted(r.by_length.items())},
-                               "stop_reason": r.stop_reason, "same_as_plain": None}
-                        if mode == "greedy" and base is not None and c.name != "edgespec:none":
-                            if c.kind == "edgespec":
-                                k = _first_difference(r.tokens, base.tokens)
-                                checked[rec["config"]] = checked.get(rec["config"], 0) + 1
-                                rec["same_as_plain"] = k is None
-                                if k is not None:
-                                    divergences.append({"config": rec["config"], "prompt": prompt.id,
-                                                        "repeat": rep, "output_position": k,
-                                                        "context_position": base.prompt_tokens + k})
-                            elif r.text is not None:
-                                rec["same_as_plain"] = r.text == base.text
-                        runs.append(rec)
-        bar.done()
-    finally:
-        for c in configs:
+    def close(self) -> None:
+        for c in self.configs:
             c.close()
-        scratch.cleanup()
-    if ngram_cache and not options.ngram_cache:
-        ngram_cache = "(built from the shipped suites)"
 
+
+def measure_ceiling(engine: Engine, remeasure: bool, bar: Progress) -> dict:
+    """The best speedup this machine's batch cost curve allows (results' "ceiling")."""
+    if remeasure:
+        bar.note("measuring the batch cost curve")
+    costs = engine.batch_costs(remeasure=remeasure)
+    ceiling, ceiling_k = speedup_ceiling(costs)
+    return {"speedup": ceiling, "draft_length": ceiling_k, "batch_cost": costs[1:],
+            "all_accepted_speedup": [(k + 1) / costs[k + 1] for k in range(1, len(costs) - 1)]}
+
+
+def sampling_notes(modes: list[str], configs: list) -> list[str]:
+    if "sampled" not in modes:
+        return []
+    return ["sampled runs are not compared token by token with plain decoding: speculative "
+            "sampling keeps the target's distribution, not plain decoding's exact draws"] + \
+        [f"{c.name} runs greedy only (the binary has no sampling options)" for c in configs if c.greedy_only]
+
+
+# ---------------------------------------------------------------------------
+# Measuring and collecting
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the measured runs produced."""
+
+    runs: list[dict] = field(default_factory=list)          # results.json "runs"
+    divergences: list[dict] = field(default_factory=list)   # greedy runs that differ from plain decoding
+    checked: dict[str, int] = field(default_factory=dict)   # greedy edgespec config id -> runs compared
+
+
+def warm_up(plan: Plan, lineup: Lineup, slots: list[tuple]) -> None:
+    """Every slot once on the first prompt, not measured: loads pages, JIT
+    caches and the planner's first steps."""
+    max_tokens = min(WARMUP_TOKENS, plan.options.max_tokens)
+    for c, mode in slots:
+        lineup.run(c, plan.prompts[0], max_tokens, plan.sampling(mode, plan.options.seed))
+
+
+def measure(plan: Plan, lineup: Lineup, slots: list[tuple], bar: Progress) -> Tally:
+    """Every slot on every prompt, ``repeats`` times; within a round (one
+    prompt, mode and repeat) the order of the configurations rotates."""
+    options, tally = plan.options, Tally()
+    bar.total = options.repeats * len(plan.prompts) * len(slots)
+    for rep in range(options.repeats):
+        for i, prompt in enumerate(plan.prompts):
+            for mode in options.modes:
+                group = [c for c, m in slots if m == mode]
+                shift = (rep + i) % len(group)
+                got = run_round(lineup, group[shift:] + group[:shift], prompt, mode, options.max_tokens,
+                                plan.sampling(mode, plan.seed(rep, i)), bar)
+                collect(tally, group, got, prompt, mode, rep)
+    bar.done()
+    return tally
+
+
+def run_round(lineup: Lineup, order: list, prompt: suite_data.Prompt, mode: str, max_tokens: int,
+              sampling: dict, bar: Progress) -> dict[str, RunResult]:
+    """Each configuration of ``order`` on ``prompt``, one after another; their results by name."""
+    got: dict[str, RunResult] = {}
+    for c in order:
+        bar.update(0, f"{prompt.suite}/{prompt.id} {c.name} {mode}")
+        r = lineup.run(c, prompt, max_tokens, sampling)
+        bar.update(1)
+        if r is not None:
+            got[c.name] = r
+    return got
+
+
+def collect(tally: Tally, group: list, got: dict[str, RunResult], prompt: suite_data.Prompt,
+            mode: str, rep: int) -> None:
+    """Record a round's runs (in ``group`` order), each against plain decoding's run of the round."""
+    base = got.get("edgespec:none")
+    for c in group:
+        r = got.get(c.name)
+        if r is None:
+            continue
+        rec = {"config": f"{c.name}/{mode}", "prompt": prompt.id, "suite": prompt.suite,
+               "lang": prompt.lang, "repeat": rep, "mode": mode,
+               "n_tokens": r.n_tokens, "prompt_tokens": r.prompt_tokens,
+               "decode_tokens_per_s": r.decode_tps, "ttft_s": r.ttft_s,
+               "prefill_tokens_per_s": r.prefill_tps, "peak_rss_mib": r.peak_rss_mib,
+               "speedup": r.decode_tps / base.decode_tps if base and base.decode_tps else None,
+               "drafted": r.drafted, "accepted": r.accepted, "target_steps": r.target_steps,
+               "by_length": {str(k): v for k, v in sorted(r.by_length.items())},
+               "stop_reason": r.stop_reason, "same_as_plain": None}
+        if mode == "greedy" and base is not None and c.name != "edgespec:none":
+            _compare_with_plain(tally, rec, c, r, base)
+        tally.runs.append(rec)
+
+
+def _compare_with_plain(tally: Tally, rec: dict, c, r: RunResult, base: RunResult) -> None:
+    """Greedy speculation must reproduce plain decoding: edgespec's runs token by
+    token (a difference becomes a divergence), peers' by text."""
+    if c.kind == "edgespec":
+        k = _first_difference(r.tokens, base.tokens)
+        tally.checked[rec["config"]] = tally.checked.get(rec["config"], 0) + 1
+        rec["same_as_plain"] = k is None
+        if k is not None:
+            tally.divergences.append({"config": rec["config"], "prompt": rec["prompt"], "repeat": rec["repeat"],
+                                      "output_position": k, "context_position": base.prompt_tokens + k})
+    elif r.text is not None:
+        rec["same_as_plain"] = r.text == base.text
+
+
+# ---------------------------------------------------------------------------
+# The run and its report
+# ---------------------------------------------------------------------------
+
+
+def run_bench(options: BenchOptions, *, progress: bool = True,
+              command: str | None = None) -> dict:
+    """Run the benchmark; returns the results document (schema SCHEMA).
+    ``options`` is left as it was."""
+    plan = plan_bench(options)
+    load_start = _load_average()
+    rss = PeakRSS()
+    notes: list[str] = []
+    bar = Progress("bench", 1, enabled=progress, lines=True)
+    lineup = Lineup(bar)
+    with tempfile.TemporaryDirectory(prefix="edgespec-bench-") as scratch:
+        try:  # the configurations close before the scratch folder (the n-gram cache) goes
+            bar.note(f"loading {plan.options.model or registry.default_model()} "
+                     f"for {len(plan.drafters)} edgespec configurations")
+            lineup.open_edgespec(plan, rss, Path(scratch), notes)
+            ceiling = measure_ceiling(lineup.plain.engine, plan.options.remeasure_costs, bar)
+            lineup.open_peers(plan, rss)
+            slots = lineup.slots(plan.options.modes)
+            notes += sampling_notes(plan.options.modes, lineup.configs)
+            if plan.options.warmup:
+                warm_up(plan, lineup, slots)
+            tally = measure(plan, lineup, slots, bar)
+        finally:
+            lineup.close()
     doc = {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command or shlex.join(sys.argv),
-        "settings": {
-            "model": options.model or registry.default_model(), "model_path": str(model_path),
-            "backend": options.backend, "ep": options.ep, "draft_backend": options.draft_backend,
-            "threads": plain.threads, "suites": options.suites if not options.prompts_file else [],
-            "prompts_file": str(options.prompts_file) if options.prompts_file else None,
-            "langs": options.langs, "limit": options.limit, "drafters": drafters,
-            "draft_model": options.draft_model, "ngram_cache": ngram_cache, "modes": options.modes,
-            "max_tokens": options.max_tokens, "repeats": options.repeats, "warmup": options.warmup,
-            "warmup_tokens": WARMUP_TOKENS if options.warmup else 0,
-            "sampling": {"temperature": options.temperature, "top_p": options.top_p, "seed": options.seed},
-            "n_ctx": options.n_ctx, "quick": options.quick, "remeasured_costs": options.remeasure_costs,
-            "llama_cpp_bin": str(options.llama_cpp_bin) if options.llama_cpp_bin else None,
-        },
-        "hardware": fingerprint(plain.threads),
+        "settings": settings(plan, lineup.plain),
+        "hardware": fingerprint(lineup.plain.threads),
         "peak_rss_method": rss.method + "; in-process configurations share one process, so their "
                            "figure includes every model loaded in it; binaries: the child's own peak",
-        "ceiling": {"speedup": ceiling, "draft_length": ceiling_k, "batch_cost": costs[1:],
-                    "all_accepted_speedup": [(k + 1) / costs[k + 1] for k in range(1, len(costs) - 1)]},
-        "peers": peers_status,
-        "prompts": [p.to_dict() for p in prompts],
-        "runs": runs,
-        "divergences": divergences,
+        "ceiling": ceiling,
+        "peers": lineup.peers,
+        "prompts": [p.to_dict() for p in plan.prompts],
+        "runs": tally.runs,
+        "divergences": tally.divergences,
         "notes": notes,
     }
-    doc["configurations"] = summarize(runs, [(c, m) for c, m in slots], ceiling, checked, failed)
+    doc["configurations"] = summarize(tally.runs, slots, ceiling["speedup"], tally.checked, lineup.failed)
     doc["greedy_mismatches"] = {c["id"]: c["greedy_mismatches"] for c in doc["configurations"]
                                 if c["greedy_mismatches"] is not None}
     doc["hardware"]["load_average_start"] = load_start
     doc["hardware"]["load_average_end"] = _load_average()
     return doc
+
+
+def settings(plan: Plan, plain: Configuration) -> dict:
+    """results.json "settings": what was run, as run."""
+    o = plan.options
+    built_cache = "cache" in plan.drafters and not o.ngram_cache
+    return {
+        "model": o.model or registry.default_model(), "model_path": str(plain.engine.model_path),
+        "backend": o.backend, "ep": o.ep, "draft_backend": o.draft_backend,
+        "threads": plain.threads, "suites": o.suites if not o.prompts_file else [],
+        "prompts_file": str(o.prompts_file) if o.prompts_file else None,
+        "langs": o.langs, "limit": o.limit, "drafters": plan.drafters,
+        "draft_model": o.draft_model, "draft_max": o.draft_max,
+        "ngram_cache": "(built from the shipped suites)" if built_cache else o.ngram_cache,
+        "modes": o.modes, "max_tokens": o.max_tokens, "repeats": o.repeats, "warmup": o.warmup,
+        "warmup_tokens": WARMUP_TOKENS if o.warmup else 0,
+        "sampling": {"temperature": o.temperature, "top_p": o.top_p, "seed": o.seed},
+        "n_ctx": o.n_ctx, "gpu_layers": o.gpu_layers, "quick": o.quick, "remeasured_costs": o.remeasure_costs,
+        "llama_cpp_bin": str(o.llama_cpp_bin) if o.llama_cpp_bin else None,
+    }
 
 
 def _group(runs: list[dict], key: str) -> dict:

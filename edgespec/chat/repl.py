@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import ContextOverflowError, EdgespecError, InvalidArgumentError
+from ..text import utf8_text
 
 HELP = """commands:
   /reset          clear the conversation (keeps the system prompt)
@@ -57,12 +58,13 @@ def read_template(path: str | os.PathLike) -> str:
 
 class ChatSession:
     """A conversation with one engine. Output goes to ``out`` (answers) and
-    ``err`` (piped-mode stats); ``interactive`` selects prompts and footers."""
+    ``err`` (piped-mode stats); ``interactive`` selects prompts and footers.
+    ``sampling``: Engine.stream's sampling options for every answer
+    (temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)."""
 
     def __init__(self, engine, *, system: str | None = None, template: str | None = None,
-                 max_tokens: int = 512, temperature: float = 0.0, seed: int | None = None,
-                 interactive: bool = True, colour: bool = False,
-                 out: TextIO | None = None, err: TextIO | None = None):
+                 max_tokens: int = 512, interactive: bool = True, colour: bool = False,
+                 out: TextIO | None = None, err: TextIO | None = None, **sampling):
         if template:
             engine.chat_template = template
         if not engine.chat_template:
@@ -74,8 +76,7 @@ class ChatSession:
         self.system = system or None
         self.history: list[dict] = []      # user/assistant messages, oldest first
         self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.seed = seed
+        self.sampling = sampling
         self.drafter = engine.drafter
         self.interactive = interactive
         self.colour = colour
@@ -152,7 +153,7 @@ class ChatSession:
         pieces = None
         try:
             pieces = engine.stream(messages=self.messages(), max_tokens=self.max_tokens,
-                                   temperature=self.temperature, seed=self.seed, drafter=self.drafter)
+                                   drafter=self.drafter, **self.sampling)
             for piece in pieces:
                 printed.append(piece)
                 self.out.write(piece)
@@ -330,6 +331,7 @@ def _interactive(session: ChatSession) -> int:
         if not line:
             continue
         try:
+            utf8_text(line, "input")
             if line.startswith("/"):
                 if not session.command(line):
                     return 0
@@ -344,11 +346,12 @@ def _interactive(session: ChatSession) -> int:
 
 def _piped(session: ChatSession, stdin: TextIO) -> int:
     status = 0
-    for raw in stdin:
+    for number, raw in enumerate(stdin, 1):
         line = raw.strip()
         if not line:
             continue
         try:
+            utf8_text(raw, f"input line {number}")
             if line.startswith("/"):
                 if not session.command(line):
                     break
@@ -362,11 +365,16 @@ def _piped(session: ChatSession, stdin: TextIO) -> int:
 
 
 def run_chat(engine, *, system: str | None = None, template: str | None = None,
-             max_tokens: int = 512, temperature: float = 0.0, seed: int | None = None,
-             stdin: TextIO | None = None, stdout: TextIO | None = None,
-             stderr: TextIO | None = None) -> int:
-    """Chat on a terminal, or answer each line of piped stdin; return the exit status."""
-    stdin = stdin or sys.stdin
+             max_tokens: int = 512, stdin: TextIO | None = None, stdout: TextIO | None = None,
+             stderr: TextIO | None = None, **sampling) -> int:
+    """Chat on a terminal, or answer each line of piped stdin; return the exit status.
+    ``sampling``: as ChatSession's."""
+    if stdin is None:
+        stdin = sys.stdin
+        # Bytes that are not UTF-8 reach the loops as lone surrogates, which
+        # they report as an error, instead of failing inside the reader.
+        if hasattr(stdin, "reconfigure"):
+            stdin.reconfigure(errors="surrogateescape")
     stdout = stdout or sys.stdout
     interactive = stdin.isatty()
     colour = interactive and stdout.isatty() and not os.environ.get("NO_COLOR")
@@ -375,8 +383,8 @@ def run_chat(engine, *, system: str | None = None, template: str | None = None,
         # ignored (as background jobs of a non-interactive shell are).
         signal.signal(signal.SIGINT, signal.default_int_handler)
     session = ChatSession(engine, system=system, template=template, max_tokens=max_tokens,
-                          temperature=temperature, seed=seed, interactive=interactive,
-                          colour=colour, out=stdout, err=stderr or sys.stderr)
+                          interactive=interactive, colour=colour, out=stdout, err=stderr or sys.stderr,
+                          **sampling)
     try:
         session.measure_plain()
     except KeyboardInterrupt:

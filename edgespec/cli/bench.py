@@ -2,11 +2,13 @@
 (see edgespec.bench and benchmarks/README.md)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
 
-from . import BACKEND_HELP, DRAFT_BACKEND_HELP, EP_HELP, MODEL_HELP, app
+from . import app
+from .options import EngineOptions, engine_options
 
 
 def _list(value: str | None) -> list[str] | None:
@@ -16,8 +18,9 @@ def _list(value: str | None) -> list[str] | None:
 
 
 @app.command()
+@engine_options(exclude=("drafter",))
 def bench(
-    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    engine: EngineOptions = ...,
     suite: str = typer.Option("code,multilingual,edit,chat", "--suite",
                               help="Comma-separated suites: code (HumanEval), multilingual, edit, chat."),
     limit: int = typer.Option(None, "--limit", help="Most prompts per suite (> 0), spread over the suite "
@@ -28,21 +31,12 @@ def bench(
     drafters: str = typer.Option("none,ngram,recycle,auto", "--drafters",
                                  help="Comma-separated: none, ngram, recycle, cache, auto, model "
                                       "(none, the baseline, is always run)."),
-    draft_model: str = typer.Option(None, "--draft-model", help="Draft model for the model drafter "
-                                    "(and for auto and llama-speculative-simple)."),
-    ngram_cache: str = typer.Option(None, "--ngram-cache", help="N-gram cache for the cache drafter "
-                                    "(default: one built from the shipped suite texts)."),
     modes: str = typer.Option("greedy", "--modes", help="greedy, sampled or greedy,sampled."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens generated per run (> 0)."),
     repeats: int = typer.Option(2, "--repeats", help="Measured passes over the prompts (> 0), after one warm-up."),
     temperature: float = typer.Option(0.8, "--temperature", help="Temperature of the sampled mode."),
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus mass of the sampled mode, (0, 1]."),
     seed: int = typer.Option(0, "--seed", help="Base seed of the sampled mode (varies per prompt and repeat)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads (default: physical cores)."),
-    backend: str = typer.Option("llama", "--backend", help=BACKEND_HELP),
-    ep: str = typer.Option(None, "--ep", help=EP_HELP),
-    draft_backend: str = typer.Option(None, "--draft-backend", help=DRAFT_BACKEND_HELP),
-    n_ctx: int = typer.Option(4096, "--ctx", help="Context window in tokens."),
     peers: str = typer.Option("auto", "--peers", help="auto (llama-cpp-python, plus llama.cpp's binaries with "
                               "--llama-cpp-bin), none, or a comma-separated list of: llama-cpp-python, "
                               "llama-cpp-python:prompt-lookup, llama.cpp, llama.cpp:lookup, llama.cpp:speculative."),
@@ -57,6 +51,9 @@ def bench(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress line on stderr."),
 ):
     """Benchmark plain decoding, each drafter and peers on real prompts, side by side.
+    Every edgespec configuration opens its Engine with the engine options; the
+    cache drafter without --ngram-cache gets a cache built from the shipped suite
+    texts, and --draft-model also drafts for the llama.cpp:speculative peer.
     Exits 1 when a greedy speculative run differs from plain decoding."""
     from ..bench import report
     from ..bench.runner import BenchOptions, run_bench
@@ -64,12 +61,12 @@ def bench(
 
     if prompts is not None and not prompts.exists():
         raise InvalidArgumentError(f"prompts file {prompts}: no such file")
+    shared = {k: v for k, v in dataclasses.asdict(engine).items() if k != "drafter"}  # drafters: per run
     options = BenchOptions(
-        model=model, backend=backend, ep=ep, draft_backend=draft_backend, threads=threads, suites=_list(suite) or [], langs=_list(langs),
-        limit=limit, prompts_file=prompts, drafters=_list(drafters) or ["none"], draft_model=draft_model,
-        ngram_cache=ngram_cache, modes=_list(modes) or [], max_tokens=max_tokens, repeats=repeats,
+        **shared, suites=_list(suite) or [], langs=_list(langs), limit=limit, prompts_file=prompts,
+        drafters=_list(drafters) or ["none"], modes=_list(modes) or [], max_tokens=max_tokens, repeats=repeats,
         peers=None if peers == "auto" else ([] if peers == "none" else _list(peers)),
-        llama_cpp_bin=llama_cpp_bin, temperature=temperature, top_p=top_p, seed=seed, n_ctx=n_ctx,
+        llama_cpp_bin=llama_cpp_bin, temperature=temperature, top_p=top_p, seed=seed,
         remeasure_costs=remeasure_costs, quick=quick)
     if not options.suites and prompts is None:
         raise InvalidArgumentError("--suite is empty")

@@ -14,7 +14,8 @@ import typer
 
 from ..models import registry
 from ..backends.vocab import Vocab
-from . import MODEL_HELP, drafter_app
+from . import drafter_app
+from .options import MODEL_HELP
 from ..drafters.cache import N_MAX_LIMIT, build_ngram_cache
 
 

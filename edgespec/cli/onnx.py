@@ -6,7 +6,8 @@ import time
 
 import typer
 
-from . import MODEL_HELP, app
+from . import app
+from .options import MODEL_HELP
 
 
 @app.command("export-onnx")

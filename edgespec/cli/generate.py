@@ -1,0 +1,88 @@
+"""``edgespec generate`` and ``edgespec demo``: one generation, streamed or as JSON."""
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+from ..text import utf8_text
+from . import app
+from .options import EngineOptions, SamplingOptions, engine_options, sampling_options
+
+
+def _result_json(engine, result) -> dict:
+    s = result.stats
+    return {
+        "text": result.text,
+        "tokens": result.tokens,
+        "n_tokens": s.n_tokens,
+        "prompt_tokens": s.prompt_tokens,
+        "cached_tokens": s.cached_tokens,
+        "prefill_s": round(s.prefill_s, 6),
+        "decode_s": round(s.decode_s, 6),
+        "tokens_per_s": round(s.tokens_per_s, 3),
+        "prefill_tokens_per_s": round(s.prefill_tokens_per_s, 3),
+        "stop_reason": s.stop_reason,
+        "seed": s.seed,
+        "model": engine.model_ref,
+        "model_path": str(engine.model_path),
+        "backend": engine.backend.name,
+        "threads": engine.backend.threads,
+        "drafter": s.drafter,
+        **({"spec": s.spec.to_dict()} if s.spec is not None else {}),
+    }
+
+
+def _summary(result) -> str:
+    s = result.stats
+    line = (f"{s.n_tokens} tokens in {s.decode_s:.2f} s: {s.tokens_per_s:.1f} tokens/s decode, "
+            f"prompt {s.prompt_tokens} tokens at {s.prefill_tokens_per_s:.1f} tokens/s, stop: {s.stop_reason}")
+    if s.spec is not None:
+        line += (f"; drafter {s.drafter}: drafted {s.spec.drafted}, accepted {s.spec.accepted} "
+                 f"({100 * s.spec.acceptance_rate:.0f}%), {s.spec.mean_accepted:.2f} accepted per step")
+    return line
+
+
+@app.command()
+@engine_options
+@sampling_options
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text (UTF-8)."),
+    engine: EngineOptions = ...,
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate, > 0."),
+    sampling: SamplingOptions = ...,
+    chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to PROMPT as one user message."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (last line of stdout) instead of streaming."),
+):
+    """Generate text from PROMPT."""
+    utf8_text(prompt, "prompt")
+    with engine.open() as e:
+        pieces = e.stream(prompt, max_tokens=max_tokens, chat=chat, **sampling.kwargs())
+        if as_json:
+            for _ in pieces:
+                pass
+            typer.echo(json.dumps(_result_json(e, e.last_result), ensure_ascii=False))
+            return
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        typer.echo(_summary(e.last_result), err=True)
+
+
+DEMO_QUESTION = "Explain in three sentences why the sky is blue."
+
+
+@app.command()
+@engine_options
+def demo(engine: EngineOptions = ...):
+    """Fetch the default model if needed and answer a question with it (greedy, 128 tokens)."""
+    with engine.open() as e:
+        typer.echo(f"model: {e.model_ref} ({e.model_path})", err=True)
+        typer.echo(f"> {DEMO_QUESTION}")
+        for piece in e.stream(DEMO_QUESTION, chat=e.chat_template is not None, max_tokens=128, seed=0):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        typer.echo(_summary(e.last_result), err=True)

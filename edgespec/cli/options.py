@@ -1,0 +1,172 @@
+"""The option sets the commands share, each defined once: the engine options
+(every command that opens an Engine takes them) and the sampling options
+(every command that generates with one fixed set of sampling settings).
+
+A command names a set with its decorator and receives it as one frozen
+dataclass in the parameter of that name; the set's options take the place of
+that parameter in the command's signature (and so in ``--help``)::
+
+    @app.command()
+    @engine_options
+    @sampling_options
+    def generate(prompt: str = typer.Argument(...), engine: EngineOptions = ...,
+                 sampling: SamplingOptions = ...): ...
+
+Out-of-range values raise InvalidArgumentError naming the option, before any
+model is loaded; edgespec.cli.main prints it as one line with exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import typer
+
+from ..engine import DEFAULT_DRAFT_MAX
+from ..errors import InvalidArgumentError
+from ..sampling import SamplingParams
+from ..text import utf8_text
+
+DRAFT_MAX_LIMIT = 63  # the engine's bound: draft_max < min(n_batch, 64)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a command opens its Engine (the fields are Engine's keyword arguments)."""
+
+    model: Optional[str]
+    backend: str
+    ep: Optional[str]
+    threads: Optional[int]
+    n_ctx: int
+    gpu_layers: int
+    drafter: str
+    draft_model: Optional[str]
+    draft_backend: Optional[str]
+    draft_max: int
+    ngram_cache: Optional[str]
+    verbose: bool
+
+    def __post_init__(self):
+        if self.threads is not None and self.threads <= 0:
+            raise InvalidArgumentError(f"--threads must be > 0, got {self.threads}")
+        if self.n_ctx <= 0:
+            raise InvalidArgumentError(f"--ctx must be > 0, got {self.n_ctx}")
+        if self.gpu_layers < 0:
+            raise InvalidArgumentError(f"--gpu-layers must be >= 0, got {self.gpu_layers}")
+        if not 1 <= self.draft_max <= DRAFT_MAX_LIMIT:
+            raise InvalidArgumentError(f"--draft-max must be in [1, {DRAFT_MAX_LIMIT}], got {self.draft_max}")
+
+    def open(self):
+        """The Engine these options describe (use it in a ``with``)."""
+        from ..engine import Engine
+
+        kwargs = dataclasses.asdict(self)
+        return Engine(kwargs.pop("model"), **kwargs)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How tokens are chosen: Engine.generate/stream keyword arguments."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    seed: Optional[int]
+    stop: tuple[str, ...]
+
+    def __post_init__(self):
+        # SamplingParams holds the ranges; checked here so that they fail before a model loads.
+        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       repeat_penalty=self.repeat_penalty, seed=0 if self.seed is None else self.seed)
+        for s in self.stop:
+            utf8_text(s, "--stop")
+
+    def kwargs(self) -> dict:
+        return {**dataclasses.asdict(self), "stop": list(self.stop)}
+
+
+MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (default: the built-in default)."
+
+ENGINE_OPTIONS = {
+    "model": (Optional[str], typer.Option(None, "--model", "-m", help=MODEL_HELP)),
+    "backend": (str, typer.Option(
+        "llama", "--backend", help="llama (llama.cpp), native (edgespec's own C engine) or onnx (ONNX Runtime; "
+        "--model may also be a folder from `edgespec export-onnx`, a GGUF is exported into the cache on first use).")),
+    "ep": (Optional[str], typer.Option(
+        None, "--ep", help="ONNX Runtime execution provider of whichever model runs on the onnx backend: "
+        "cpu, qnn, openvino, dml, coreml or cuda (default: cpu).")),
+    "threads": (Optional[int], typer.Option(None, "--threads", help="CPU threads, > 0 (default: physical cores).")),
+    "n_ctx": (int, typer.Option(4096, "--ctx", help="Context window in tokens, > 0 (capped at the model's "
+                                                    "training context).")),
+    "gpu_layers": (int, typer.Option(0, "--gpu-layers", help="Layers to offload to Metal/CUDA/Vulkan if "
+                                                             "llama.cpp was built with one, >= 0 (llama backend).")),
+    "drafter": (str, typer.Option("auto", "--drafter", help="none, ngram, recycle, cache, model or auto "
+                                                            "(chooses per step, and decodes plainly when speculation "
+                                                            "does not pay).")),
+    "draft_model": (Optional[str], typer.Option(None, "--draft-model", help="Draft model for the model and auto "
+                                                "drafters (same tokenizer as the target).")),
+    "draft_backend": (Optional[str], typer.Option(None, "--draft-backend", help="Backend of the draft model "
+                                                  "(default: the target's), e.g. onnx on an NPU with a llama target.")),
+    "draft_max": (int, typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help=f"Most draft tokens per target step, "
+                                                                           f"[1, {DRAFT_MAX_LIMIT}].")),
+    "ngram_cache": (Optional[str], typer.Option(None, "--ngram-cache", help="N-gram cache file for the cache and "
+                                                "auto drafters (`edgespec drafter ngram` builds one).")),
+    "verbose": (bool, typer.Option(False, "--verbose", help="Show the backend's own log (llama.cpp's).")),
+}
+
+SAMPLING_OPTIONS = {
+    "temperature": (float, typer.Option(0.0, "--temperature", "-t", help="0 = greedy; otherwise >= 1e-6, "
+                                                                          "sampled.")),
+    "top_k": (int, typer.Option(0, "--top-k", help="Keep the k most likely tokens, >= 0; 0 = off.")),
+    "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1]; 1 = off.")),
+    "min_p": (float, typer.Option(0.0, "--min-p", help="Drop tokens below min_p x p(best), [0, 1); 0 = off.")),
+    "repeat_penalty": (float, typer.Option(1.0, "--repeat-penalty", help="Repetition penalty, > 0; 1 = off.")),
+    "seed": (Optional[int], typer.Option(None, "--seed", help="RNG seed for sampling, [0, 2**64) "
+                                                              "(default: random).")),
+    "stop": (Optional[list[str]], typer.Option(None, "--stop", help="Stop string (repeatable).")),
+}
+
+
+def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], dict] = dict):
+    """A decorator that replaces a command's parameter ``param`` by ``options``
+    and calls the command with those values as one ``cls``. ``exclude`` leaves
+    options out of the command (they keep their defaults)."""
+
+    def decorator(command=None, *, exclude: tuple[str, ...] = ()):
+        def wrap(command):
+            own = inspect.signature(command, eval_str=True).parameters
+            if param not in own:
+                raise TypeError(f"{command.__name__} has no parameter '{param}'")
+            params = []
+            for p in own.values():
+                if p.name == param:
+                    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=tp)
+                               for name, (tp, info) in options.items() if name not in exclude]
+                else:
+                    params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+            @functools.wraps(command)
+            def run(**values):
+                mine = {name: values.pop(name) if name in values else info.default
+                        for name, (_, info) in options.items()}
+                return command(**values, **{param: cls(**convert(mine))})
+
+            del run.__wrapped__  # typer reads the signature below, not the command's
+            run.__signature__ = inspect.Signature(params)
+            run.__annotations__ = {p.name: p.annotation for p in params}
+            return run
+
+        return wrap if command is None else wrap(command)
+
+    return decorator
+
+
+engine_options = _option_set("engine", EngineOptions, ENGINE_OPTIONS)
+sampling_options = _option_set("sampling", SamplingOptions, SAMPLING_OPTIONS,
+                               lambda v: {**v, "stop": tuple(v["stop"] or ())})
