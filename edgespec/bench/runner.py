@@ -47,9 +47,11 @@ class BenchOptions:
     ep: str | None = None               # onnx backend's execution provider
     draft_backend: str | None = None    # the draft model's backend (default: the target's)
     threads: int | None = None
-    n_ctx: int = 4096
+    n_ctx: int | None = None          # None: 4096, or the model's training context if smaller
     gpu_layers: int = 0
     draft_max: int = DEFAULT_DRAFT_MAX
+    ctx_extend: bool = False            # a context longer than the model's training context
+    force_threads: bool = False         # more than 4 threads per CPU
     verbose: bool = False               # the backend's own log
     suites: list[str] = field(default_factory=lambda: list(suite_data.SUITES))
     langs: list[str] | None = None
@@ -102,7 +104,7 @@ class BenchOptions:
         return Engine(self.model, backend=self.backend, ep=self.ep, threads=self.threads, n_ctx=self.n_ctx,
                       gpu_layers=self.gpu_layers, drafter=drafter, draft_model=self.draft_model,
                       draft_backend=self.draft_backend, draft_max=self.draft_max, ngram_cache=ngram_cache,
-                      verbose=self.verbose)
+                      ctx_extend=self.ctx_extend, force_threads=self.force_threads, verbose=self.verbose)
 
 
 class Configuration:
@@ -282,7 +284,8 @@ class Lineup:
             try:
                 if model_path.suffix != ".gguf":
                     raise PeerError(f"peers need a GGUF model, not {model_path}")
-                peer = open_peer(name, model_path=model_path, threads=self.plain.threads, n_ctx=options.n_ctx,
+                peer = open_peer(name, model_path=model_path, threads=self.plain.threads,
+                                 n_ctx=self.plain.engine.backend.n_ctx,
                                  rss=rss, bin_dir=Path(options.llama_cpp_bin) if options.llama_cpp_bin else None,
                                  draft_model=draft_path)
             except PeerError as e:
@@ -488,7 +491,7 @@ def settings(plan: Plan, plain: Configuration) -> dict:
         "modes": o.modes, "max_tokens": o.max_tokens, "repeats": o.repeats, "warmup": o.warmup,
         "warmup_tokens": WARMUP_TOKENS if o.warmup else 0,
         "sampling": {"temperature": o.temperature, "top_p": o.top_p, "seed": o.seed},
-        "n_ctx": o.n_ctx, "gpu_layers": o.gpu_layers, "quick": o.quick, "remeasured_costs": o.remeasure_costs,
+        "n_ctx": plain.engine.backend.n_ctx, "gpu_layers": o.gpu_layers, "quick": o.quick, "remeasured_costs": o.remeasure_costs,
         "llama_cpp_bin": str(o.llama_cpp_bin) if o.llama_cpp_bin else None,
     }
 

@@ -41,20 +41,20 @@ class EngineOptions:
     backend: str
     ep: Optional[str]
     threads: Optional[int]
-    n_ctx: int
+    n_ctx: Optional[int]
     gpu_layers: int
     drafter: str
     draft_model: Optional[str]
     draft_backend: Optional[str]
     draft_max: int
     ngram_cache: Optional[str]
+    ctx_extend: bool
+    force_threads: bool
     verbose: bool
 
     def __post_init__(self):
         if self.threads is not None and self.threads <= 0:
             raise InvalidArgumentError(f"--threads must be > 0, got {self.threads}")
-        if self.n_ctx <= 0:
-            raise InvalidArgumentError(f"--ctx must be > 0, got {self.n_ctx}")
         if self.gpu_layers < 0:
             raise InvalidArgumentError(f"--gpu-layers must be >= 0, got {self.gpu_layers}")
         if not 1 <= self.draft_max <= DRAFT_MAX_LIMIT:
@@ -102,8 +102,10 @@ ENGINE_OPTIONS = {
         None, "--ep", help="ONNX Runtime execution provider of whichever model runs on the onnx backend: "
         "cpu, qnn, openvino, dml, coreml or cuda (default: cpu).")),
     "threads": (Optional[int], typer.Option(None, "--threads", help="CPU threads, > 0 (default: physical cores).")),
-    "n_ctx": (int, typer.Option(4096, "--ctx", help="Context window in tokens, > 0 (capped at the model's "
-                                                    "training context).")),
+    "n_ctx": (Optional[int], typer.Option(None, "--ctx", help="Context window in tokens, >= 16 (default: 4096, or "
+                                              "the model's training context if smaller; longer needs --ctx-extend).")),
+    "ctx_extend": (bool, typer.Option(False, "--ctx-extend", help="Allow a context longer than the model's "
+                                                                  "training context.")),
     "gpu_layers": (int, typer.Option(0, "--gpu-layers", help="Layers to offload to Metal/CUDA/Vulkan if "
                                                              "llama.cpp was built with one, >= 0 (llama backend).")),
     "drafter": (str, typer.Option("auto", "--drafter", help="none, ngram, recycle, cache, model or auto "
@@ -117,6 +119,7 @@ ENGINE_OPTIONS = {
                                                                            f"[1, {DRAFT_MAX_LIMIT}].")),
     "ngram_cache": (Optional[str], typer.Option(None, "--ngram-cache", help="N-gram cache file for the cache and "
                                                 "auto drafters (`edgespec drafter ngram` builds one).")),
+    "force_threads": (bool, typer.Option(False, "--force-threads", help="Allow more than 4 threads per CPU.")),
     "verbose": (bool, typer.Option(False, "--verbose", help="Show the backend's own log (llama.cpp's).")),
 }
 
