@@ -35,7 +35,7 @@
 #define MAX_HEADS    4096
 #define MAX_HEAD_DIM 4096
 #define MAX_FF       (1 << 20)
-#define MAX_EXPERTS  256          // below LLAMA_MAX_EXPERTS of the llama.cpp builds in use
+#define MAX_EXPERTS  ES_MOE_MAX_EXPERTS  // llama.cpp asserts n_expert <= its LLAMA_MAX_EXPERTS (1024)
 #define MAX_VOCAB    (1 << 24)
 #define N_TOKEN_TYPES 7           // llama.cpp's token types: undefined, normal, unknown,
                                   // control, user-defined, unused, byte
@@ -58,13 +58,15 @@ typedef struct arch_rules {
     bool         qk_norm;     // attn_q_norm, attn_k_norm (head_dim)
     bool         post_norms;  // post_attention_norm, post_ffw_norm (n_embd)
     bool         qkv_bias;    // attn_q/k/v.bias, optional
+    bool         q_is_embd;   // attn_q and attn_output are (n_embd, n_embd) whatever the heads
+    bool         full_rope;   // value width = key width = RoPE dimensions (the graph asserts it)
 } arch_rules;
 
 static const arch_rules ARCHS[] = {
-    {"llama",    FFN_BY_EXPERT_COUNT, false, false, false},
-    {"gemma3",   FFN_DENSE,           true,  true,  false},
-    {"qwen2",    FFN_DENSE,           false, false, true},
-    {"qwen3moe", FFN_MOE,             true,  false, false},
+    {"llama",    FFN_BY_EXPERT_COUNT, false, false, false, false, true},
+    {"gemma3",   FFN_DENSE,           true,  true,  false, false, false},
+    {"qwen2",    FFN_DENSE,           false, false, true,  true,  true},
+    {"qwen3moe", FFN_MOE,             true,  false, false, false, true},
 };
 
 /* ========================================================================
@@ -80,8 +82,9 @@ typedef struct checker {
     // Hyperparameters (0: absent, for the generic rules).
     int64_t  n_layer, n_embd, n_vocab;   // n_vocab: tokens in the vocabulary, 0 when none
     int64_t  head_k, head_v;             // per-head key and value widths
-    int64_t  n_expert, n_expert_used, n_ff_exp;
+    int64_t  n_expert, n_ff_exp;
     int64_t  n_head[MAX_LAYERS], n_head_kv[MAX_LAYERS], n_ff[MAX_LAYERS];
+    int64_t  n_expert_used[MAX_LAYERS];
 } checker;
 
 static int fail(checker * c, const char * fmt, ...) {
@@ -272,14 +275,27 @@ static int check_hparams(checker * c) {
     TRY(key_int(c, key, false, 1, MAX_HEAD_DIM, &c->head_k));
     TRY(check_heads(c, known, have_key_length));
     if (rc != ES_OK) return rc;
-    if (!have_key_length && c->n_head[0] > 0) c->head_k = c->n_embd / c->n_head[0];
-    c->head_v = c->head_k;
+    // Without key_length / value_length, a head is n_embd / n_head wide.
+    const int64_t head = c->n_head[0] > 0 ? c->n_embd / c->n_head[0] : 0;
+    if (!have_key_length) c->head_k = head;
+    c->head_v = head;
     TRY(key_int(c, arch_key(c, "attention.value_length", key), false, 1, MAX_HEAD_DIM, &c->head_v));
-    int64_t n_rot = 0;
+    int64_t n_rot = c->head_k;
     TRY(key_int(c, arch_key(c, "rope.dimension_count", key), false, 0, MAX_HEAD_DIM, &n_rot));
-    if (rc == ES_OK && known && n_rot && (n_rot % 2 || n_rot > c->head_k)) {
+    if (rc == ES_OK && known && (n_rot % 2 || n_rot > c->head_k)) {
         rc = fail(c, "%s.rope.dimension_count %lld is odd or wider than a head (%lld)", c->arch,
                   (long long) n_rot, (long long) c->head_k);
+    }
+    if (rc == ES_OK && known && c->rules->full_rope && (c->head_v != c->head_k || n_rot != c->head_k)) {
+        rc = fail(c, "%s: key width %lld, value width %lld and RoPE dimensions %lld differ (the "
+                  "%s graph needs them equal)", c->arch, (long long) c->head_k,
+                  (long long) c->head_v, (long long) n_rot, c->arch);
+    }
+    const char * scaling = es_gguf_get_str(c->g, arch_key(c, "rope.scaling.type", key));
+    if (rc == ES_OK && (scaling || has_key(c->g, key)) &&
+        (!scaling || (strcmp(scaling, "none") && strcmp(scaling, "linear") &&
+                      strcmp(scaling, "yarn") && strcmp(scaling, "longrope")))) {
+        rc = fail(c, "%s.rope.scaling.type is not one of none, linear, yarn, longrope", c->arch);
     }
 
     // Norm epsilon, RoPE frequencies, soft-capping.
@@ -291,18 +307,33 @@ static int check_hparams(checker * c) {
     TRY(key_float(c, "final_logit_softcapping", false, true));
     TRY(key_float(c, "attn_logit_softcapping", false, true));
 
-    // Experts: none, or 0 < used <= count (llama.cpp asserts both).
+    // Experts (llama.cpp asserts each): none, or 0 < used <= count in every
+    // layer; groups fewer than the experts, dividing them, some used.
+    int64_t n_groups = 0, n_groups_used = 0, n_nextn = 0;
     TRY(key_int(c, arch_key(c, "expert_count", key), false, 0, MAX_EXPERTS, &c->n_expert));
-    TRY(key_int(c, arch_key(c, "expert_used_count", key), false, 0, MAX_EXPERTS, &c->n_expert_used));
+    TRY(key_per_layer(c, "expert_used_count", false, 0, MAX_EXPERTS, c->n_expert_used));
+    TRY(key_int(c, arch_key(c, "expert_group_count", key), false, 0, MAX_EXPERTS, &n_groups));
+    TRY(key_int(c, arch_key(c, "expert_group_used_count", key), false, 0, MAX_EXPERTS, &n_groups_used));
+    TRY(key_int(c, arch_key(c, "nextn_predict_layers", key), false, 0, c->n_layer, &n_nextn));
     if (rc != ES_OK) return rc;
     if (c->rules && c->rules->ffn == FFN_MOE && c->n_expert == 0) {
         return fail(c, "%s.expert_count is missing or 0 (every %s layer is a mixture of experts)",
                     c->arch, c->arch);
     }
-    if (c->n_expert > 0 ? c->n_expert_used < 1 || c->n_expert_used > c->n_expert
-                        : c->n_expert_used != 0) {
+    int64_t used_max = 0;
+    for (int64_t il = 0; il < c->n_layer; il++) {
+        used_max = c->n_expert_used[il] > used_max ? c->n_expert_used[il] : used_max;
+    }
+    if (c->n_expert > 0 ? used_max < 1 || used_max > c->n_expert : used_max != 0) {
         return fail(c, "%s.expert_used_count %lld does not fit expert_count %lld", c->arch,
-                    (long long) c->n_expert_used, (long long) c->n_expert);
+                    (long long) used_max, (long long) c->n_expert);
+    }
+    if (c->n_expert > 0 ? n_groups >= c->n_expert ||
+                          (n_groups > 1 && (c->n_expert % n_groups || n_groups_used < 1 ||
+                                            n_groups_used >= n_groups))
+                        : n_groups != 0) {
+        return fail(c, "%s.expert_group_count %lld (%lld used) does not fit expert_count %lld",
+                    c->arch, (long long) n_groups, (long long) n_groups_used, (long long) c->n_expert);
     }
 
     // FFN widths: per layer for dense blocks; one expert's width for MoE
@@ -312,7 +343,7 @@ static int check_hparams(checker * c) {
     TRY(key_per_layer(c, "feed_forward_length", known && !moe, known && !moe ? 1 : 0, MAX_FF, c->n_ff));
     c->n_ff_exp = c->n_ff[0];
     if (moe && c->rules && c->rules->ffn == FFN_MOE) {
-        c->n_ff_exp = c->n_expert_used ? c->n_ff[0] / c->n_expert_used : 0;
+        c->n_ff_exp = c->n_expert_used[0] ? c->n_ff[0] / c->n_expert_used[0] : 0;
         TRY(key_int(c, arch_key(c, "expert_feed_forward_length", key), false, 1, MAX_FF, &c->n_ff_exp));
     }
     if (rc == ES_OK && known && moe && c->n_ff_exp < 1) {
@@ -536,14 +567,19 @@ static int check_embeddings(checker * c) {
 static int check_layer(checker * c, int32_t il) {
     const arch_rules * r = c->rules;
     const int64_t D = c->n_embd, HK = c->head_k, HV = c->head_v;
-    const int64_t Q = c->n_head[il] * HK, K = c->n_head_kv[il] * HK, V = c->n_head_kv[il] * HV;
+    const int64_t Q = r->q_is_embd ? D : c->n_head[il] * HK;
+    const int64_t K = c->n_head_kv[il] * HK, V = c->n_head_kv[il] * HV;
     const int64_t F = c->n_ff[il], E = c->n_expert, FE = c->n_ff_exp;
+    char name[64];
+    snprintf(name, sizeof name, "blk.%d.attn_qkv.weight", (int) il);
+    const bool fused = es_gguf_find_tensor(c->g, name) != NULL;  // Q, K, V in one matrix
     int rc = ES_OK;
 #define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
     TRY(want(c, il, "attn_norm.weight", D, 1, 1, true));
-    TRY(want(c, il, "attn_q.weight", D, Q, 1, true));
-    TRY(want(c, il, "attn_k.weight", D, K, 1, true));
-    TRY(want(c, il, "attn_v.weight", D, V, 1, true));
+    TRY(want(c, il, "attn_qkv.weight", D, Q + K + V, 1, false));
+    TRY(want(c, il, "attn_q.weight", D, Q, 1, !fused));
+    TRY(want(c, il, "attn_k.weight", D, K, 1, !fused));
+    TRY(want(c, il, "attn_v.weight", D, V, 1, !fused));
     TRY(want(c, il, "attn_output.weight", Q, D, 1, true));
     if (r->qkv_bias) {
         TRY(want(c, il, "attn_q.bias", Q, 1, 1, false));

@@ -436,6 +436,22 @@ static void test_hparams(void) {
     standard(&m, "llama", false);
     set_u32(&m, "llama.rope.dimension_count", 7);
     REFUSED(&m, "llama.rope.dimension_count 7 is odd");
+    // llama, qwen2, qwen3moe: value width = key width = RoPE dimensions.
+    standard(&m, "llama", false);
+    set_u32(&m, "llama.rope.dimension_count", 4);
+    REFUSED(&m, "llama: key width 8, value width 8 and RoPE dimensions 4 differ");
+    standard(&m, "qwen3moe", false);
+    set_u32(&m, "qwen3moe.attention.value_length", 4);
+    REFUSED(&m, "qwen3moe: key width 8, value width 4 and RoPE dimensions 8 differ");
+    standard(&m, "gemma3", false);  // gemma3's graph has no such rule
+    set_u32(&m, "gemma3.rope.dimension_count", 8);
+    VALID(&m);
+    standard(&m, "llama", false);
+    set_str(&m, "llama.rope.scaling.type", "cubic");
+    REFUSED(&m, "llama.rope.scaling.type is not one of none, linear, yarn, longrope");
+    standard(&m, "llama", false);
+    set_str(&m, "llama.rope.scaling.type", "yarn");
+    VALID(&m);
     // Floats: finite and positive.
     standard(&m, "llama", false);
     set_f32(&m, "llama.attention.layer_norm_rms_epsilon", 0.0f);
@@ -466,11 +482,26 @@ static void test_hparams(void) {
     drop_kv(&m, "qwen3moe.expert_count");
     REFUSED(&m, "qwen3moe.expert_count is missing or 0");
     standard(&m, "llama", true);
-    set_u32(&m, "llama.expert_count", 100000);
-    REFUSED(&m, "llama.expert_count = 100000 is out of range");
+    set_u32(&m, "llama.expert_count", 2000);
+    REFUSED(&m, "llama.expert_count = 2000 is out of range [0, 1024]");
     standard(&m, "llama", false);
     set_u32(&m, "llama.expert_used_count", 2);
     REFUSED(&m, "llama.expert_used_count 2 does not fit expert_count 0");
+    standard(&m, "qwen3moe", false);  // per layer: the largest counts
+    const int32_t used[N_LAYER] = {N_EXPERT_USED, N_EXPERT + 1};
+    set_arr4(&m, "qwen3moe.expert_used_count", GV_I32, used, N_LAYER);
+    REFUSED(&m, "qwen3moe.expert_used_count 5 does not fit expert_count 4");
+    standard(&m, "qwen3moe", false);
+    set_u32(&m, "qwen3moe.expert_group_count", 3);
+    set_u32(&m, "qwen3moe.expert_group_used_count", 1);
+    REFUSED(&m, "qwen3moe.expert_group_count 3 (1 used) does not fit expert_count 4");
+    standard(&m, "qwen3moe", false);
+    set_u32(&m, "qwen3moe.expert_group_count", 2);
+    set_u32(&m, "qwen3moe.expert_group_used_count", 1);
+    VALID(&m);
+    standard(&m, "llama", false);
+    set_u32(&m, "llama.nextn_predict_layers", 3);
+    REFUSED(&m, "llama.nextn_predict_layers = 3 is out of range [0, 2]");
     standard(&m, "llama", false);
     set_u32(&m, "llama.feed_forward_length", 0);
     REFUSED(&m, "llama.feed_forward_length = 0");
@@ -646,6 +677,21 @@ static void test_tensors(void) {
     standard(&m, "llama", true);
     drop_tensor(&m, "blk.1.ffn_down_exps.weight");
     REFUSED(&m, "tensor blk.1.ffn_down_exps.weight is missing");
+    // Q, K and V fused in one matrix (llama.cpp takes either form).
+    standard(&m, "llama", false);
+    for (int il = 0; il < N_LAYER; il++) {
+        char name[64];
+        const char * kinds[] = {"attn_q", "attn_k", "attn_v"};
+        for (int k = 0; k < 3; k++) {
+            snprintf(name, sizeof name, "blk.%d.%s.weight", il, kinds[k]);
+            drop_tensor(&m, name);
+        }
+        add_tensor(&m, ES_TYPE_F16, N_EMBD, 2 * N_EMBD, 1, "blk.%d.attn_qkv.weight", il);
+    }
+    VALID(&m);
+    standard(&m, "llama", false);
+    add_tensor(&m, ES_TYPE_F16, N_EMBD, N_EMBD, 1, "blk.%d.attn_qkv.weight", 1);
+    REFUSED(&m, "tensor blk.1.attn_qkv.weight has shape (32, 32, 1, 1), expected (32, 64, 1, 1)");
     // A matrix of an integer type.
     standard(&m, "llama", false);
     find(&m, "blk.0.attn_q.weight")->type = 26;  // I32
