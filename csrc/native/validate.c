@@ -39,6 +39,7 @@
 #define MAX_VOCAB    (1 << 24)
 #define N_TOKEN_TYPES 7           // llama.cpp's token types: undefined, normal, unknown,
                                   // control, user-defined, unused, byte
+#define TOKEN_TYPE_BYTE 6
 
 // GGUF metadata value types (the format's numbering).
 enum { GV_U8 = 0, GV_I8 = 1, GV_U16 = 2, GV_I16 = 3, GV_U32 = 4, GV_I32 = 5, GV_F32 = 6,
@@ -430,6 +431,15 @@ static int check_per_token(checker * c, const char * key, int32_t elem, const ch
     return ES_OK;
 }
 
+static bool is_hex(uint8_t ch) {
+    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F');
+}
+
+// "<0xXX>", the text of a byte token.
+static bool byte_token(const uint8_t * s, uint64_t len) {
+    return len == 6 && !memcmp(s, "<0x", 3) && is_hex(s[3]) && is_hex(s[4]) && s[5] == '>';
+}
+
 // tokenizer.ggml.merges: each "left right", both parts non-empty.
 static int check_merges(checker * c) {
     char buf[QUOTED_CAP];
@@ -486,11 +496,21 @@ static int check_vocab(checker * c) {
 
     const void * types, * scores;
     if ((rc = check_per_token(c, "tokenizer.ggml.token_type", GV_I32, "i32", &types))) return rc;
+    const uint8_t * p = tokens;
     for (int64_t i = 0; types && i < c->n_vocab; i++) {
         const int32_t t = (int32_t) load_le((const uint8_t *) types + 4 * i, 4);
+        const uint64_t len = load_le(p, 8);
+        const uint8_t * s = p + 8;
+        p = s + len;
         if (t < 0 || t >= N_TOKEN_TYPES) {
             return fail(c, "tokenizer.ggml.token_type: token %lld has type %d, not 0..%d",
                         (long long) i, (int) t, N_TOKEN_TYPES - 1);
+        }
+        // llama.cpp reads a byte token's value from its text, "<0xXX>".
+        if (t == TOKEN_TYPE_BYTE && !byte_token(s, len)) {
+            char buf[QUOTED_CAP];
+            return fail(c, "tokenizer.ggml.token_type: token %lld '%s' is of type byte but not "
+                        "of the form <0xXX>", (long long) i, quoted(s, (size_t) len, buf));
         }
     }
     if ((rc = check_per_token(c, "tokenizer.ggml.scores", GV_F32, "f32", &scores))) return rc;

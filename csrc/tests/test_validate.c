@@ -559,6 +559,21 @@ static void test_vocab(void) {
     standard(&m, "llama", false);
     set_arr4(&m, "tokenizer.ggml.token_type", GV_I32, types, N_VOCAB);
     REFUSED(&m, "token 5 has type -1");
+    // A byte token's text is its value, "<0xXX>".
+    const char * bytes[N_VOCAB];
+    memcpy(bytes, TOKENS, sizeof bytes);
+    bytes[10] = "<0x0A>";
+    types[5] = 1;
+    types[10] = 6;
+    standard(&m, "llama", false);
+    set_strs(&m, "tokenizer.ggml.tokens", bytes, N_VOCAB);
+    set_arr4(&m, "tokenizer.ggml.token_type", GV_I32, types, N_VOCAB);
+    VALID(&m);
+    types[9] = 6;
+    standard(&m, "llama", false);
+    set_strs(&m, "tokenizer.ggml.tokens", bytes, N_VOCAB);
+    set_arr4(&m, "tokenizer.ggml.token_type", GV_I32, types, N_VOCAB);
+    REFUSED(&m, "tokenizer.ggml.token_type: token 9 ' ' is of type byte but not of the form <0xXX>");
     standard(&m, "llama", false);
     set_strs(&m, "tokenizer.ggml.token_type", TOKENS, N_VOCAB);
     REFUSED(&m, "metadata key tokenizer.ggml.token_type is not an array of i32");

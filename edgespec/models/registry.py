@@ -10,7 +10,7 @@ renames it into place: a model under its final name is always complete.
     path = resolve("smollm2-135m")            # built-in name, pulled on first use
     path = resolve("~/models/x.gguf")         # an existing file
     path = resolve("hf:owner/repo/x.gguf")    # Hugging Face Hub (needs edgespec[hf])
-    path = model_path_checked(ref)            # resolve + strict GGUF validation
+    path = model_path_checked(ref)            # resolve + strict GGUF validation (validate.py)
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from . import gguf
+from .validate import validate_gguf
 from ..errors import (
     InvalidArgumentError,
     ModelFetchError,
@@ -249,10 +250,12 @@ def resolve(ref: str, *, pull_missing: bool = True) -> Path:
 
 
 def model_path_checked(ref: str) -> Path:
-    """resolve(ref), then validate the GGUF header so that a bad file fails with
-    ModelFormatError here instead of inside llama.cpp."""
+    """resolve(ref), then validate the GGUF header, hyperparameters, vocabulary
+    and tensors so that a bad file fails with ModelFormatError here instead of
+    inside llama.cpp."""
     path = resolve(ref)
     gguf.read_gguf(path)
+    validate_gguf(path)
     return path
 
 
