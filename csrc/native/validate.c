@@ -170,8 +170,9 @@ static int key_int(checker * c, const char * key, bool required, int64_t lo, int
     char buf[QUOTED_CAP];
     int64_t v;
     if (!es_gguf_get_i64(c->g, key, &v)) {
-        if (has_key(c->g, key)) return fail(c, "metadata key %s is not an integer", quoted(key, strlen(key), buf));
-        if (required) return fail(c, "metadata key %s is missing", quoted(key, strlen(key), buf));
+        const char * name = quoted(key, strlen(key), buf);
+        if (has_key(c->g, key)) return fail(c, "metadata key %s is not an integer", name);
+        if (required) return fail(c, "metadata key %s is missing", name);
         return ES_OK;
     }
     if (v < lo || v > hi) {
@@ -192,11 +193,11 @@ static int key_per_layer(checker * c, const char * suffix, bool required, int64_
     int32_t elem;
     uint64_t n;
     const void * data;
-    if (!es_gguf_get_arr(c->g, key, &elem, &n, &data)) {
+    if (!es_gguf_get_arr(c->g, key, &elem, &n, &data)) {  // one value, or absent
+        const bool present = has_key(c->g, key);
         int64_t v = 0;
-        if (!has_key(c->g, key)) return key_int(c, key, required, lo, hi, &v);  // the error, if any
         const int rc = key_int(c, key, required, lo, hi, &v);
-        for (int64_t il = 0; rc == ES_OK && il < c->n_layer; il++) out[il] = v;
+        for (int64_t il = 0; rc == ES_OK && present && il < c->n_layer; il++) out[il] = v;
         return rc;
     }
     if (n != (uint64_t) c->n_layer) {
@@ -205,7 +206,9 @@ static int key_per_layer(checker * c, const char * suffix, bool required, int64_
     }
     for (uint64_t il = 0; il < n; il++) {
         int64_t v;
-        if (!arr_int(elem, data, il, &v)) return fail(c, "metadata key %s is not an integer array", quoted(key, strlen(key), buf));
+        if (!arr_int(elem, data, il, &v)) {
+            return fail(c, "metadata key %s is not an integer array", quoted(key, strlen(key), buf));
+        }
         if (v < lo || v > hi) {
             return fail(c, "metadata key %s: layer %llu's value %lld is out of range [%lld, %lld]",
                         quoted(key, strlen(key), buf), (unsigned long long) il, (long long) v,
@@ -222,8 +225,9 @@ static int key_float(checker * c, const char * suffix, bool required, bool zero_
     arch_key(c, suffix, key);
     float v;
     if (!es_gguf_get_f32(c->g, key, &v)) {
-        if (has_key(c->g, key)) return fail(c, "metadata key %s is not a float", quoted(key, strlen(key), buf));
-        if (required) return fail(c, "metadata key %s is missing", quoted(key, strlen(key), buf));
+        const char * name = quoted(key, strlen(key), buf);
+        if (has_key(c->g, key)) return fail(c, "metadata key %s is not a float", name);
+        if (required) return fail(c, "metadata key %s is missing", name);
         return ES_OK;
     }
     if (!isfinite(v) || v < 0 || (v == 0 && !zero_ok)) {
@@ -243,7 +247,9 @@ static int key_float(checker * c, const char * suffix, bool required, bool zero_
 static int check_heads(checker * c, bool known, bool have_key_length) {
     for (int64_t il = 0; il < c->n_layer; il++) {
         const int64_t h = c->n_head[il], hkv = c->n_head_kv[il];
-        if (known && h < 1) return fail(c, "%s.attention.head_count is 0 at layer %lld", c->arch, (long long) il);
+        if (known && h < 1) {
+            return fail(c, "%s.attention.head_count is 0 at layer %lld", c->arch, (long long) il);
+        }
         if (h > 0 && hkv > 0 && h % hkv) {
             return fail(c, "%s.attention.head_count %lld is not a multiple of head_count_kv %lld "
                         "(layer %lld)", c->arch, (long long) h, (long long) hkv, (long long) il);
@@ -420,7 +426,9 @@ static int check_per_token(checker * c, const char * key, int32_t elem, const ch
     uint64_t n;
     *data = NULL;
     if (!es_gguf_get_arr(c->g, key, &type, &n, data)) {
-        if (has_key(c->g, key)) return fail(c, "metadata key %s is not an array of %s", key, elem_name);
+        if (has_key(c->g, key)) {
+            return fail(c, "metadata key %s is not an array of %s", key, elem_name);
+        }
         return ES_OK;
     }
     if (type != elem || n != (uint64_t) c->n_vocab) {
@@ -446,7 +454,9 @@ static int check_merges(checker * c) {
     uint64_t n;
     const void * data;
     if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.merges", &n, &data)) {
-        if (has_key(c->g, "tokenizer.ggml.merges")) return fail(c, "tokenizer.ggml.merges is not an array of strings");
+        if (has_key(c->g, "tokenizer.ggml.merges")) {
+            return fail(c, "tokenizer.ggml.merges is not an array of strings");
+        }
         return ES_OK;
     }
     const uint8_t * p = data;
@@ -486,7 +496,9 @@ static int check_vocab(checker * c) {
     uint64_t n;
     const void * tokens;
     if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.tokens", &n, &tokens)) {
-        if (has_key(c->g, "tokenizer.ggml.tokens")) return fail(c, "tokenizer.ggml.tokens is not an array of strings");
+        if (has_key(c->g, "tokenizer.ggml.tokens")) {
+            return fail(c, "tokenizer.ggml.tokens is not an array of strings");
+        }
         // llama.cpp's models without a vocabulary say so.
         if (model && (!strcmp(model, "none") || !strcmp(model, "no_vocab"))) return ES_OK;
         return fail(c, "tokenizer.ggml.tokens is missing (the file has no vocabulary)");
@@ -656,7 +668,7 @@ int es_gguf_validate(const es_gguf * g, char * err, size_t err_cap) {
     if (rc == ES_OK) rc = check_all_tensors(c);
     if (rc == ES_OK) rc = check_embeddings(c);
     for (int32_t il = 0; rc == ES_OK && c->rules && il < c->n_layer; il++) rc = check_layer(c, il);
-    if (rc == ES_ERR_NO_MEMORY && err && err_cap) snprintf(err, err_cap, "out of memory validating the GGUF file");
+    if (rc == ES_ERR_NO_MEMORY) fail(c, "out of memory validating the GGUF file");
     free(c);
     return rc;
 }
