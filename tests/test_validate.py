@@ -15,6 +15,7 @@ import json
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -26,6 +27,8 @@ from edgespec.errors import ModelFormatError
 from edgespec.models import registry
 from edgespec.models.validate import validate_gguf
 from tiny_gguf import _field_value
+
+Q = gguf.GGMLQuantizationType
 
 
 # ---- where things are in the tiny file ---------------------------------------------------
@@ -80,11 +83,13 @@ def _patched(data: bytes, offset: int, new: bytes) -> bytes:
     return data[:offset] + new + data[offset + len(new):]
 
 
-def _rewrite(src: Path, dst: Path, *, n_vocab: int | None = None, f16: str | None = None) -> Path:
-    """src copied through gguf-py: with n_vocab, its vocabulary cut to the first
-    n_vocab tokens (merges of kept tokens only, embedding rows to match), a
-    small model that loads fast; with f16, tensor `f16` stored as F16 (a
-    well-formed file whose only fault is that tensor's type)."""
+def _rewrite(src: Path, dst: Path, *, n_vocab: int | None = None,
+             change: tuple[str, Callable[[np.ndarray], np.ndarray]] | None = None) -> Path:
+    """src copied through gguf-py, a well-formed file: with n_vocab, its
+    vocabulary cut to the first n_vocab tokens (merges of kept tokens only,
+    embedding rows to match), a small model that loads fast; with change =
+    (name, fn), tensor `name` (a float tensor) replaced by fn(its values),
+    stored in fn's dtype."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(str(dst), bytes(r.fields["general.architecture"].parts[-1]).decode())
     keep = None
@@ -104,11 +109,12 @@ def _rewrite(src: Path, dst: Path, *, n_vocab: int | None = None, f16: str | Non
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, value, field.types[0], sub_type)
     for t in r.tensors:
-        data, qtype = np.array(t.data), gguf.GGMLQuantizationType(t.tensor_type)
+        data, qtype = np.array(t.data), Q(t.tensor_type)
         if keep is not None and t.name in ("token_embd.weight", "output.weight"):
             data = data[:n_vocab]
-        if t.name == f16:
-            data, qtype = data.astype(np.float16), gguf.GGMLQuantizationType.F16
+        if change and t.name == change[0]:
+            data = change[1](data)
+            qtype = Q.F16 if data.dtype == np.float16 else Q.F32
         w.add_tensor(t.name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -123,9 +129,14 @@ def layout(tiny_llama_path) -> Layout:
 
 
 @pytest.fixture(scope="module")
-def norm_f16(tiny_llama_path, tmp_path_factory) -> bytes:
-    return _rewrite(Path(tiny_llama_path), tmp_path_factory.mktemp("f16") / "norm-f16.gguf",
-                    f16="blk.0.attn_norm.weight").read_bytes()
+def rewritten(tiny_llama_path, tmp_path_factory) -> dict[str, bytes]:
+    """Damage that changes a tensor's size, written whole by gguf-py (so that
+    only the validator, not the container checks, finds it)."""
+    directory = tmp_path_factory.mktemp("rewritten")
+    changes = {"norm-f16": ("blk.0.attn_norm.weight", lambda w: w.astype(np.float16)),
+               "shape-mismatch": ("blk.1.attn_k.weight", lambda w: w[:16])}
+    return {name: _rewrite(Path(tiny_llama_path), directory / f"{name}.gguf", change=change).read_bytes()
+            for name, change in changes.items()}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +149,7 @@ def small_layout(tiny_llama_path, tmp_path_factory) -> Layout:
 
 # ---- one damaged file per rule, through the CLI with both backends ---------------------------
 
-def _damaged(layout: Layout, norm_f16: bytes) -> dict[str, tuple[bytes, str]]:
+def _damaged(layout: Layout, rewritten: dict[str, bytes]) -> dict[str, tuple[bytes, str]]:
     """name -> (file contents, what the error line must contain)."""
     dup, i, j = layout.duplicate_token()
     n_vocab = len(layout.tokens)
@@ -151,12 +162,12 @@ def _damaged(layout: Layout, norm_f16: bytes) -> dict[str, tuple[bytes, str]]:
                           "llama.block_count = 0 is out of range"),
         "block-count-1000": (layout.with_scalar("llama.block_count", 1000),
                              "llama.block_count = 1000 is out of range"),
-        "norm-f16": (norm_f16, "tensor blk.0.attn_norm.weight: expected F32 (a norm weight), found F16"),
+        "norm-f16": (rewritten["norm-f16"], "tensor blk.0.attn_norm.weight: expected F32 (a norm weight), found F16"),
         "bad-special-id": (layout.with_scalar(special, n_vocab),
                            f"{special} = {n_vocab} is out of range [0, {n_vocab - 1}]"),
         "bad-merge": (_patched(layout.data, m_off, bad_merge),
                       "tokenizer.ggml.merges: merge 10 "),
-        "shape-mismatch": (layout.with_tensor_dim("blk.1.attn_k.weight", 1, 16),
+        "shape-mismatch": (rewritten["shape-mismatch"],
                            "tensor blk.1.attn_k.weight has shape (64, 16, 1, 1), expected (64, 32, 1, 1)"),
     }
 
@@ -166,8 +177,8 @@ DAMAGE = ["duplicate-token", "block-count-0", "block-count-1000", "norm-f16", "b
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_file_is_one_error_line_on_both_backends(tmp_path, layout, norm_f16, damage):
-    data, want = _damaged(layout, norm_f16)[damage]
+def test_damaged_file_is_one_error_line_on_both_backends(tmp_path, layout, rewritten, damage):
+    data, want = _damaged(layout, rewritten)[damage]
     path = tmp_path / f"{damage}.gguf"
     path.write_bytes(data)
     with pytest.raises(ModelFormatError) as e:

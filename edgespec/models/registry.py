@@ -254,8 +254,8 @@ def model_path_checked(ref: str) -> Path:
     and tensors so that a bad file fails with ModelFormatError here instead of
     inside llama.cpp."""
     path = resolve(ref)
-    validate_gguf(path)
     gguf.read_gguf(path)
+    validate_gguf(path)
     return path
 
 
