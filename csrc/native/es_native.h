@@ -29,7 +29,8 @@ typedef struct es_context es_context;
 
 // Loads a GGUF file. On failure *out stays NULL and, when err is not NULL,
 // err holds a NUL-terminated one-line reason (truncated to err_cap bytes).
-// ES_ERR_IO: unreadable; ES_ERR_FORMAT: damaged or not GGUF v3;
+// ES_ERR_IO: unreadable; ES_ERR_FORMAT: damaged, not GGUF v3, or refused by
+// es_gguf_validate (below);
 // ES_ERR_UNSUPPORTED: an architecture or weight type this build lacks.
 int  es_model_load(const char * path, es_model ** out, char * err, size_t err_cap);
 void es_model_free(es_model * model);
