@@ -274,7 +274,7 @@ static int check_hparams(checker * c) {
     if (rc != ES_OK) return rc;
 
     // Heads: head_count_kv defaults to head_count, the head width to n_embd / n_head.
-    const int64_t min_heads = known ? 1 : 0;
+    const int64_t min_heads = known ? 1 : 0;  // also the least RoPE dimensions
     TRY(key_per_layer(c, "attention.head_count", known, min_heads, MAX_HEADS, c->n_head));
     memcpy(c->n_head_kv, c->n_head, sizeof c->n_head);
     TRY(key_per_layer(c, "attention.head_count_kv", false, min_heads, MAX_HEADS, c->n_head_kv));
@@ -288,7 +288,7 @@ static int check_hparams(checker * c) {
     c->head_v = head;
     TRY(key_int(c, arch_key(c, "attention.value_length", key), false, 1, MAX_HEAD_DIM, &c->head_v));
     int64_t n_rot = c->head_k;
-    TRY(key_int(c, arch_key(c, "rope.dimension_count", key), false, 0, MAX_HEAD_DIM, &n_rot));
+    TRY(key_int(c, arch_key(c, "rope.dimension_count", key), false, min_heads, MAX_HEAD_DIM, &n_rot));
     if (rc == ES_OK && known && (n_rot % 2 || n_rot > c->head_k)) {
         rc = fail(c, "%s.rope.dimension_count %lld is odd or wider than a head (%lld)", c->arch,
                   (long long) n_rot, (long long) c->head_k);

@@ -446,6 +446,9 @@ static void test_hparams(void) {
     standard(&m, "gemma3", false);  // gemma3's graph has no such rule
     set_u32(&m, "gemma3.rope.dimension_count", 8);
     VALID(&m);
+    standard(&m, "gemma3", false);
+    set_u32(&m, "gemma3.rope.dimension_count", 0);
+    REFUSED(&m, "gemma3.rope.dimension_count = 0 is out of range [1, 4096]");
     standard(&m, "llama", false);
     set_str(&m, "llama.rope.scaling.type", "cubic");
     REFUSED(&m, "llama.rope.scaling.type is not one of none, linear, yarn, longrope");
