@@ -447,13 +447,16 @@ def test_resolve_unknown_and_directory(fake_model, tmp_path):
         registry.resolve(str(tmp_path))
 
 
-def test_model_path_checked_rejects_bad_files(tmp_path):
+def test_model_path_checked_rejects_bad_files(tmp_path, tiny_llama_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model at all")
     with pytest.raises(ModelFormatError, match="bad magic"):
         registry.model_path_checked(str(bad))
-    good = write_gguf(tmp_path / "good.gguf")
-    assert registry.model_path_checked(str(good)) == good
+    # The reader tests' file is a well-formed GGUF but no model an engine runs
+    # (edgespec.models.gguf.check_gguf): no norm epsilon, an F16 norm, no layers.
+    with pytest.raises(ModelFormatError, match="layer_norm_rms_epsilon is missing"):
+        registry.model_path_checked(str(write_gguf(tmp_path / "reader-only.gguf")))
+    assert registry.model_path_checked(str(tiny_llama_path)) == tiny_llama_path
 
 
 def test_hf_needs_huggingface_hub(monkeypatch):
@@ -607,12 +610,12 @@ def test_cli_verify_without_cached_models_and_unknown_names(fake_model, home, mo
     assert err == "error: unknown built-in model 'nope' (known: fake-tiny)\n"
 
 
-def test_cli_models_info(tmp_path):
-    path = write_gguf(tmp_path / "m.gguf")
+def test_cli_models_info(tiny_llama_path):
+    path = tiny_llama_path
     result = runner.invoke(cli.app, ["models", "info", str(path), "--json"])
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
-    assert info["architecture"] == "llama" and info["vocab_size"] == 300
+    assert info["architecture"] == "llama" and info["vocab_size"] == 49152
     assert info["path"] == str(path) and info["has_chat_template"] is True
 
     result = runner.invoke(cli.app, ["models", "info", str(path)])

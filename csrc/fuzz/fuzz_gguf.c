@@ -1,5 +1,6 @@
 /*
- * fuzz_gguf.c — libFuzzer target for the GGUF reader (csrc/native/gguf.c).
+ * fuzz_gguf.c — libFuzzer target for the GGUF reader (csrc/native/gguf.c) and
+ * the validation pass over it (csrc/native/validate.c).
  *
  *   cmake -S . -B build-fuzz -DEDGESPEC_FUZZ=ON -DCMAKE_C_COMPILER=clang
  *   cmake --build build-fuzz --target fuzz_gguf
@@ -9,7 +10,8 @@
  * one-line message; a success must describe only bytes of the input: every
  * tensor lies inside it, is found by its name and is read end to end, and
  * every key is read through every getter, and through es_gguf_value_at and
- * es_gguf_array_elems (arrays element by element, nested ones too). The
+ * es_gguf_array_elems (arrays element by element, nested ones too); then
+ * es_gguf_validate passes it or refuses it with a one-line message. The
  * sanitizers turn any stray read into a crash; a broken promise traps.
  */
 #include "native/native_internal.h"
@@ -111,6 +113,9 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (rc == ES_OK) {
         REQUIRE(g != NULL);
         walk(g, data, size);
+        rc = es_gguf_validate(g, err, sizeof err);
+        REQUIRE(rc == ES_OK ? err[0] == '\0' : rc == ES_ERR_FORMAT && err[0] != '\0' &&
+                                                 strchr(err, '\n') == NULL);
         es_gguf_close(g);
     } else {
         REQUIRE(g == NULL);

@@ -163,8 +163,8 @@ es_model_params es_model_default_params(void);
 
 // Loads and fully validates a GGUF file (params NULL: the defaults). On
 // failure *out stays NULL and err is as for es_gguf_open. ES_ERR_IO,
-// ES_ERR_FORMAT: as es_gguf_open, or tensors and keys the architecture
-// needs missing or misshapen; ES_ERR_UNSUPPORTED: an architecture or weight
+// ES_ERR_FORMAT: as es_gguf_open, refused by es_gguf_validate (below), or
+// tensors and keys the architecture needs missing or misshapen; ES_ERR_UNSUPPORTED: an architecture or weight
 // type this build lacks; ES_ERR_INVALID_ARG: a NULL path or out, a bad params field.
 int  es_model_load(const char * path, const es_model_params * params, es_model ** out,
                    char * err, size_t err_cap);
@@ -207,6 +207,36 @@ const float * es_context_logits(const es_context * ctx);
 
 // Keeps the first n_keep cells of the KV cache (rollback); n_keep in [0, n_past].
 int es_context_truncate(es_context * ctx, int32_t n_keep);
+
+/* ========================================================================
+ * GGUF validation (validate.c)
+ *
+ * One pass over an open GGUF file before any engine reads it: what llama.cpp
+ * and this engine would otherwise assert on or misread. For the
+ * architectures both read (llama, gemma3, qwen2, qwen3moe):
+ *   - hyperparameters present and in range (block_count 1..512, widths, head
+ *     counts that divide the width and each other, context length, finite
+ *     positive epsilon and RoPE base, expert counts);
+ *   - every tensor the architecture reads present, with the shape the
+ *     hyperparameters give and a weight type.
+ * For every architecture:
+ *   - the vocabulary: tokenizer.ggml.tokens non-empty and unique strings,
+ *     token_type (i32, one per token, 0..6) and scores (f32, one per token),
+ *     merges of the form "a b", every tokenizer.ggml.*_token_id a token;
+ *   - block_count, embedding_length and any head counts, epsilon or RoPE keys
+ *     present in range; token_embd of (embedding_length, n_vocab);
+ *   - vectors and *_norm tensors F32, no blk.N tensor past block_count.
+ * ======================================================================== */
+
+// A string array: its element count and first element, inside the mapping.
+// Elements follow one another as (u64 little-endian length, bytes), checked
+// by es_gguf_open to lie inside the file. False when absent or not strings.
+bool es_gguf_get_str_arr(const es_gguf * g, const char * key, uint64_t * n, const void ** data);
+
+// ES_OK, or ES_ERR_FORMAT with a one-line reason in err naming the key,
+// tensor or token (err as for es_model_load); ES_ERR_NO_MEMORY;
+// ES_ERR_INVALID_ARG when g is NULL. g is only read.
+int es_gguf_validate(const es_gguf * g, char * err, size_t err_cap);
 
 #ifdef __cplusplus
 }

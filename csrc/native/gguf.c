@@ -473,6 +473,14 @@ bool es_gguf_get_arr(const es_gguf * g, const char * key, int32_t * elem_type, u
     return true;
 }
 
+bool es_gguf_get_str_arr(const es_gguf * g, const char * key, uint64_t * n, const void ** data) {
+    const es_kv * kv = find_kv(g, key);
+    if (!kv || kv->type != ES_GGUF_ARRAY || kv->arr_type != ES_GGUF_STRING) return false;
+    *n = kv->arr_n;
+    *data = kv->arr_data;
+    return true;
+}
+
 /* ========================================================================
  * Tensors
  * ======================================================================== */

@@ -2,8 +2,8 @@
  * model.c — the native engine: es_model / es_context, the KV cache, the
  * blocks every architecture shares (the MoE block is moe.c's), and es_decode.
  *
- *   model        GGUF mapped and validated (gguf.c), architecture found by
- *                general.architecture in es__archs, tensors bound by arch->load
+ *   model        GGUF mapped and validated (gguf.c, validate.c), architecture
+ *                found by general.architecture in es__archs, tensors bound by arch->load
  *   context      thread pool, F16 KV cache, batch buffers, logits
  *   blocks       RMSNorm, RoPE, attention, matmul, dense FFN
  *   es_decode    positions and visibility of a chain or tree batch, embeddings,
@@ -340,7 +340,9 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
         return ES_ERR_UNSUPPORTED;
     }
     m->n_ctx_train = 0;
-    rc = m->arch->load(m, err, err_cap);
+    // What llama.cpp would assert on is refused here too, in the same words.
+    rc = es_gguf_validate(m->gguf, err, err_cap);
+    if (rc == ES_OK) rc = m->arch->load(m, err, err_cap);
     if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
     if (rc != ES_OK) {

@@ -82,7 +82,7 @@ def info_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Show a model's architecture, size, quantization, vocabulary and chat template."""
-    info = model_info(registry.resolve(ref))
+    info = model_info(registry.model_path_checked(ref))
     if as_json:
         typer.echo(json.dumps(info.to_dict(), indent=2))
     else:

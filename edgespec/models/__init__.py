@@ -1,2 +1,2 @@
 """Models: the built-in registry and cache (``registry``, ``manifest.json``) and
-reading GGUF files (``gguf``)."""
+reading and validating GGUF files (``gguf``, ``validate``)."""

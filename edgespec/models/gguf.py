@@ -187,10 +187,14 @@ def _text(v) -> str:
 
 
 def check_gguf(path: str | os.PathLike) -> None:
-    """Validate a GGUF file (open and close it): ModelNotFoundError when
-    ``path`` does not exist, ModelFormatError (one line: the path and the
-    problem) for anything malformed."""
-    GGUFFile(path).close()
+    """Validate a GGUF file as a model before any engine reads it: the reader's
+    checks of the layout, then es_gguf_validate's of the hyperparameters,
+    vocabulary and tensors (csrc/native/validate.c: what llama.cpp would
+    otherwise assert on). ModelNotFoundError when ``path`` does not exist,
+    ModelFormatError (one line: the path and the problem) otherwise."""
+    with GGUFFile(path) as f:
+        err = ffi.new("char[]", ERR_CAP)
+        check_file(lib.es_gguf_validate(f._ptr, err, ERR_CAP), err, f.path, "es_gguf_validate")
 
 
 # ---------------------------------------------------------------------------

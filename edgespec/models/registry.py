@@ -23,7 +23,7 @@ pull left behind are removed by the next pull or listing, once their lock is fre
     path = resolve("smollm2-135m")            # built-in name, pulled on first use
     path = resolve("~/models/x.gguf")         # an existing file
     path = resolve("hf:owner/repo/x.gguf")    # Hugging Face Hub (needs edgespec[hf])
-    path = model_path_checked(ref)            # resolve + strict GGUF validation
+    path = model_path_checked(ref)            # resolve + GGUF validation as a model (gguf.check_gguf)
     cache_status(entry, full=True)            # ("cached" | "damaged" | "not cached", problem)
 """
 from __future__ import annotations
@@ -505,8 +505,9 @@ def resolve(ref: str, *, pull_missing: bool = True) -> Path:
 
 
 def model_path_checked(ref: str) -> Path:
-    """resolve(ref), then validate the GGUF header so that a bad file fails with
-    ModelFormatError here instead of inside llama.cpp."""
+    """resolve(ref), then validate the GGUF header, hyperparameters, vocabulary
+    and tensors so that a bad file fails with ModelFormatError here instead of
+    inside llama.cpp."""
     path = resolve(ref)
     gguf.check_gguf(path)
     return path

@@ -1,0 +1,674 @@
+/*
+ * validate.c — one validation pass over an open GGUF before any engine
+ * loads it (es_gguf_validate; the rules are listed in es_native.h).
+ *
+ * The reader (gguf.c) has checked the container: every count, string, array
+ * and tensor lies inside the file. This pass checks what the engines read out
+ * of it: llama.cpp asserts (aborts the process) on some damaged files — two
+ * identical tokens, a block count past its layer limit, a norm stored as
+ * F16 — and reads past the end of a scores or token_type array shorter than
+ * the vocabulary. Every failure is one line naming the key, tensor or token.
+ *
+ *   checker      the state of one pass: the file, the architecture, err
+ *   keys         integer, per-layer and float keys read with their range
+ *   hparams      the architecture's hyperparameters
+ *   vocabulary   tokens, token types, scores, merges, special ids
+ *   tensors      every 1-D and norm tensor F32, layer indices, the shapes
+ *                each architecture's loader expects
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native/native_internal.h"
+
+/* ========================================================================
+ * Limits and the architectures
+ * ======================================================================== */
+
+#define MAX_LAYERS   512          // llama.cpp's LLAMA_MAX_LAYERS
+#define MAX_EMBD     (1 << 17)    // widths: 16384 is the largest in use
+#define MAX_HEADS    4096
+#define MAX_HEAD_DIM 4096
+#define MAX_FF       (1 << 20)
+#define MAX_EXPERTS  ES_MOE_MAX_EXPERTS  // llama.cpp asserts n_expert <= its LLAMA_MAX_EXPERTS (1024)
+#define MAX_VOCAB    (1 << 24)
+#define N_TOKEN_TYPES 7           // llama.cpp's token types: undefined, normal, unknown,
+                                  // control, user-defined, unused, byte
+#define TOKEN_TYPE_BYTE 6
+
+// GGUF metadata value types (the format's numbering).
+enum { GV_U8 = 0, GV_I8 = 1, GV_U16 = 2, GV_I16 = 3, GV_U32 = 4, GV_I32 = 5, GV_F32 = 6,
+       GV_U64 = 10, GV_I64 = 11 };
+
+enum ffn_kind {
+    FFN_DENSE,            // ffn_gate, ffn_up, ffn_down
+    FFN_MOE,              // ffn_gate_inp and the three expert stacks
+    FFN_BY_EXPERT_COUNT,  // MoE when <arch>.expert_count > 0 (llama: Mixtral)
+};
+
+// What an architecture's loader reads beyond the attention and FFN blocks
+// every llama-family decoder has.
+typedef struct arch_rules {
+    const char * name;
+    int32_t      ffn;         // enum ffn_kind
+    bool         qk_norm;     // attn_q_norm, attn_k_norm (head_dim)
+    bool         post_norms;  // post_attention_norm, post_ffw_norm (n_embd)
+    bool         qkv_bias;    // attn_q/k/v.bias, optional
+    bool         q_is_embd;   // attn_q and attn_output are (n_embd, n_embd) whatever the heads
+    bool         full_rope;   // value width = key width = RoPE dimensions (the graph asserts it)
+} arch_rules;
+
+static const arch_rules ARCHS[] = {
+    {"llama",    FFN_BY_EXPERT_COUNT, false, false, false, false, true},
+    {"gemma3",   FFN_DENSE,           true,  true,  false, false, false},
+    {"qwen2",    FFN_DENSE,           false, false, true,  true,  true},
+    {"qwen3moe", FFN_MOE,             true,  false, false, false, true},
+};
+
+/* ========================================================================
+ * The checker
+ * ======================================================================== */
+
+typedef struct checker {
+    const es_gguf    * g;
+    const char       * arch;   // general.architecture, owned by g
+    const arch_rules * rules;  // NULL: an architecture checked by the generic rules only
+    char             * err;
+    size_t             err_cap;
+    // Hyperparameters (0: absent, for the generic rules).
+    int64_t  n_layer, n_embd, n_vocab;   // n_vocab: tokens in the vocabulary, 0 when none
+    int64_t  head_k, head_v;             // per-head key and value widths
+    int64_t  n_expert, n_ff_exp;
+    int64_t  n_head[MAX_LAYERS], n_head_kv[MAX_LAYERS], n_ff[MAX_LAYERS];
+    int64_t  n_expert_used[MAX_LAYERS];
+} checker;
+
+static int fail(checker * c, const char * fmt, ...) {
+    if (c->err && c->err_cap) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(c->err, c->err_cap, fmt, ap);
+        va_end(ap);
+    }
+    return ES_ERR_FORMAT;
+}
+
+// n bytes from the file made safe for a one-line message: quotes and
+// backslashes escaped, control and non-ASCII bytes as \xNN, cut after
+// QUOTED_MAX bytes with "...".
+#define QUOTED_MAX 64
+#define QUOTED_CAP (QUOTED_MAX * 4 + 4)
+static const char * quoted(const void * s, size_t n, char buf[QUOTED_CAP]) {
+    const unsigned char * p = s;
+    size_t o = 0;
+    for (size_t i = 0; i < n && i < QUOTED_MAX; i++) {
+        if (p[i] < 0x20 || p[i] >= 0x7f || p[i] == '\'' || p[i] == '\\') {
+            o += (size_t) snprintf(buf + o, 5, "\\x%02x", p[i]);
+        } else {
+            buf[o++] = (char) p[i];
+        }
+    }
+    if (n > QUOTED_MAX) {
+        memcpy(buf + o, "...", 3);
+        o += 3;
+    }
+    buf[o] = '\0';
+    return buf;
+}
+
+static uint64_t load_le(const uint8_t * p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+static bool has_key(const es_gguf * g, const char * key) {
+    for (int64_t i = 0; i < es_gguf_n_kv(g); i++) {
+        if (strcmp(es_gguf_key_at(g, i), key) == 0) return true;
+    }
+    return false;
+}
+
+/* ========================================================================
+ * Keys
+ * ======================================================================== */
+
+// Element i of an integer array (GGUF value type elem); false for another type.
+static bool arr_int(int32_t elem, const void * data, uint64_t i, int64_t * out) {
+    const uint8_t * p = data;
+    switch (elem) {
+        case GV_U8:  *out = p[i]; return true;
+        case GV_I8:  *out = (int8_t) p[i]; return true;
+        case GV_U16: *out = (int64_t) load_le(p + 2 * i, 2); return true;
+        case GV_I16: *out = (int16_t) load_le(p + 2 * i, 2); return true;
+        case GV_U32: *out = (int64_t) load_le(p + 4 * i, 4); return true;
+        case GV_I32: *out = (int32_t) load_le(p + 4 * i, 4); return true;
+        case GV_U64: {
+            const uint64_t u = load_le(p + 8 * i, 8);
+            *out = u > INT64_MAX ? INT64_MAX : (int64_t) u;
+            return true;
+        }
+        case GV_I64: *out = (int64_t) load_le(p + 8 * i, 8); return true;
+        default:     return false;
+    }
+}
+
+// "<arch>.<suffix>" into key.
+static const char * arch_key(const checker * c, const char * suffix, char key[160]) {
+    snprintf(key, 160, "%s.%s", c->arch, suffix);
+    return key;
+}
+
+// An integer key in [lo, hi]. Absent: *out unchanged, an error when required.
+static int key_int(checker * c, const char * key, bool required, int64_t lo, int64_t hi,
+                   int64_t * out) {
+    char buf[QUOTED_CAP];
+    int64_t v;
+    if (!es_gguf_get_i64(c->g, key, &v)) {
+        const char * name = quoted(key, strlen(key), buf);
+        if (has_key(c->g, key)) return fail(c, "metadata key %s is not an integer", name);
+        if (required) return fail(c, "metadata key %s is missing", name);
+        return ES_OK;
+    }
+    if (v < lo || v > hi) {
+        return fail(c, "metadata key %s = %lld is out of range [%lld, %lld]",
+                    quoted(key, strlen(key), buf), (long long) v, (long long) lo, (long long) hi);
+    }
+    *out = v;
+    return ES_OK;
+}
+
+// A per-layer integer (llama.cpp reads head counts and FFN widths either as
+// one value or as an array of one per layer) into out[0 .. n_layer), each in
+// [lo, hi]. Absent: out unchanged, an error when required.
+static int key_per_layer(checker * c, const char * suffix, bool required, int64_t lo, int64_t hi,
+                         int64_t * out) {
+    char key[160], buf[QUOTED_CAP];
+    arch_key(c, suffix, key);
+    int32_t elem;
+    uint64_t n;
+    const void * data;
+    if (!es_gguf_get_arr(c->g, key, &elem, &n, &data)) {  // one value, or absent
+        const bool present = has_key(c->g, key);
+        int64_t v = 0;
+        const int rc = key_int(c, key, required, lo, hi, &v);
+        for (int64_t il = 0; rc == ES_OK && present && il < c->n_layer; il++) out[il] = v;
+        return rc;
+    }
+    if (n != (uint64_t) c->n_layer) {
+        return fail(c, "metadata key %s holds %llu values for %lld layers",
+                    quoted(key, strlen(key), buf), (unsigned long long) n, (long long) c->n_layer);
+    }
+    for (uint64_t il = 0; il < n; il++) {
+        int64_t v;
+        if (!arr_int(elem, data, il, &v)) {
+            return fail(c, "metadata key %s is not an integer array", quoted(key, strlen(key), buf));
+        }
+        if (v < lo || v > hi) {
+            return fail(c, "metadata key %s: layer %llu's value %lld is out of range [%lld, %lld]",
+                        quoted(key, strlen(key), buf), (unsigned long long) il, (long long) v,
+                        (long long) lo, (long long) hi);
+        }
+        out[il] = v;
+    }
+    return ES_OK;
+}
+
+// "<arch>.<suffix>", a finite float > 0 (>= 0 with zero_ok), when present or required.
+static int key_float(checker * c, const char * suffix, bool required, bool zero_ok) {
+    char key[160], buf[QUOTED_CAP];
+    arch_key(c, suffix, key);
+    float v;
+    if (!es_gguf_get_f32(c->g, key, &v)) {
+        const char * name = quoted(key, strlen(key), buf);
+        if (has_key(c->g, key)) return fail(c, "metadata key %s is not a float", name);
+        if (required) return fail(c, "metadata key %s is missing", name);
+        return ES_OK;
+    }
+    if (!isfinite(v) || v < 0 || (v == 0 && !zero_ok)) {
+        return fail(c, "metadata key %s = %g is not a finite %s number", quoted(key, strlen(key), buf),
+                    (double) v, zero_ok ? "non-negative" : "positive");
+    }
+    return ES_OK;
+}
+
+/* ========================================================================
+ * Hyperparameters
+ * ======================================================================== */
+
+// Head counts of every layer: n_head_kv divides n_head (grouped-query
+// attention). Known architectures need at least one head per layer and,
+// without key_length, heads that divide the width.
+static int check_heads(checker * c, bool known, bool have_key_length) {
+    for (int64_t il = 0; il < c->n_layer; il++) {
+        const int64_t h = c->n_head[il], hkv = c->n_head_kv[il];
+        if (known && h < 1) {
+            return fail(c, "%s.attention.head_count is 0 at layer %lld", c->arch, (long long) il);
+        }
+        if (h > 0 && hkv > 0 && h % hkv) {
+            return fail(c, "%s.attention.head_count %lld is not a multiple of head_count_kv %lld "
+                        "(layer %lld)", c->arch, (long long) h, (long long) hkv, (long long) il);
+        }
+        if (h > 0 && !have_key_length && c->n_embd % h) {
+            return fail(c, "%s.embedding_length %lld does not divide into %lld heads", c->arch,
+                        (long long) c->n_embd, (long long) h);
+        }
+    }
+    return ES_OK;
+}
+
+static int check_hparams(checker * c) {
+    const bool known = c->rules != NULL;
+    char key[160];
+    int rc = ES_OK;
+#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
+    TRY(key_int(c, arch_key(c, "block_count", key), true, 1, MAX_LAYERS, &c->n_layer));
+    TRY(key_int(c, arch_key(c, "embedding_length", key), true, 1, MAX_EMBD, &c->n_embd));
+    int64_t n_ctx = 0;
+    TRY(key_int(c, arch_key(c, "context_length", key), known, 1, INT32_MAX, &n_ctx));
+    if (rc != ES_OK) return rc;
+
+    // Heads: head_count_kv defaults to head_count, the head width to n_embd / n_head.
+    const int64_t min_heads = known ? 1 : 0;  // also the least RoPE dimensions
+    TRY(key_per_layer(c, "attention.head_count", known, min_heads, MAX_HEADS, c->n_head));
+    memcpy(c->n_head_kv, c->n_head, sizeof c->n_head);
+    TRY(key_per_layer(c, "attention.head_count_kv", false, min_heads, MAX_HEADS, c->n_head_kv));
+    const bool have_key_length = has_key(c->g, arch_key(c, "attention.key_length", key));
+    TRY(key_int(c, key, false, 1, MAX_HEAD_DIM, &c->head_k));
+    TRY(check_heads(c, known, have_key_length));
+    if (rc != ES_OK) return rc;
+    // Without key_length / value_length, a head is n_embd / n_head wide.
+    const int64_t head = c->n_head[0] > 0 ? c->n_embd / c->n_head[0] : 0;
+    if (!have_key_length) c->head_k = head;
+    c->head_v = head;
+    TRY(key_int(c, arch_key(c, "attention.value_length", key), false, 1, MAX_HEAD_DIM, &c->head_v));
+    int64_t n_rot = c->head_k;
+    TRY(key_int(c, arch_key(c, "rope.dimension_count", key), false, min_heads, MAX_HEAD_DIM, &n_rot));
+    if (rc == ES_OK && known && (n_rot % 2 || n_rot > c->head_k)) {
+        rc = fail(c, "%s.rope.dimension_count %lld is odd or wider than a head (%lld)", c->arch,
+                  (long long) n_rot, (long long) c->head_k);
+    }
+    if (rc == ES_OK && known && c->rules->full_rope && (c->head_v != c->head_k || n_rot != c->head_k)) {
+        rc = fail(c, "%s: key width %lld, value width %lld and RoPE dimensions %lld differ (the "
+                  "%s graph needs them equal)", c->arch, (long long) c->head_k,
+                  (long long) c->head_v, (long long) n_rot, c->arch);
+    }
+    const char * scaling = es_gguf_get_str(c->g, arch_key(c, "rope.scaling.type", key));
+    if (rc == ES_OK && (scaling || has_key(c->g, key)) &&
+        (!scaling || (strcmp(scaling, "none") && strcmp(scaling, "linear") &&
+                      strcmp(scaling, "yarn") && strcmp(scaling, "longrope")))) {
+        rc = fail(c, "%s.rope.scaling.type is not one of none, linear, yarn, longrope", c->arch);
+    }
+
+    // Norm epsilon, RoPE frequencies, soft-capping.
+    TRY(key_float(c, "attention.layer_norm_rms_epsilon", known, false));
+    TRY(key_float(c, "attention.layer_norm_epsilon", false, false));
+    TRY(key_float(c, "rope.freq_base", false, false));
+    TRY(key_float(c, "rope.freq_base_swa", false, false));
+    TRY(key_float(c, "rope.scaling.factor", false, true));
+    TRY(key_float(c, "final_logit_softcapping", false, true));
+    TRY(key_float(c, "attn_logit_softcapping", false, true));
+
+    // Experts (llama.cpp asserts each): none, or 0 < used <= count in every
+    // layer; groups fewer than the experts, dividing them, some used.
+    int64_t n_groups = 0, n_groups_used = 0, n_nextn = 0;
+    TRY(key_int(c, arch_key(c, "expert_count", key), false, 0, MAX_EXPERTS, &c->n_expert));
+    TRY(key_per_layer(c, "expert_used_count", false, 0, MAX_EXPERTS, c->n_expert_used));
+    TRY(key_int(c, arch_key(c, "expert_group_count", key), false, 0, MAX_EXPERTS, &n_groups));
+    TRY(key_int(c, arch_key(c, "expert_group_used_count", key), false, 0, MAX_EXPERTS, &n_groups_used));
+    TRY(key_int(c, arch_key(c, "nextn_predict_layers", key), false, 0, c->n_layer, &n_nextn));
+    if (rc != ES_OK) return rc;
+    if (c->rules && c->rules->ffn == FFN_MOE && c->n_expert == 0) {
+        return fail(c, "%s.expert_count is missing or 0 (every %s layer is a mixture of experts)",
+                    c->arch, c->arch);
+    }
+    int64_t used_max = 0;
+    for (int64_t il = 0; il < c->n_layer; il++) {
+        used_max = c->n_expert_used[il] > used_max ? c->n_expert_used[il] : used_max;
+    }
+    if (c->n_expert > 0 ? used_max < 1 || used_max > c->n_expert : used_max != 0) {
+        return fail(c, "%s.expert_used_count %lld does not fit expert_count %lld", c->arch,
+                    (long long) used_max, (long long) c->n_expert);
+    }
+    if (c->n_expert > 0 ? n_groups >= c->n_expert ||
+                          (n_groups > 1 && (c->n_expert % n_groups || n_groups_used < 1 ||
+                                            n_groups_used >= n_groups))
+                        : n_groups != 0) {
+        return fail(c, "%s.expert_group_count %lld (%lld used) does not fit expert_count %lld",
+                    c->arch, (long long) n_groups, (long long) n_groups_used, (long long) c->n_expert);
+    }
+
+    // FFN widths: per layer for dense blocks; one expert's width for MoE
+    // blocks (llama: feed_forward_length; qwen3moe: expert_feed_forward_length,
+    // else the width of the experts used together).
+    const bool moe = c->n_expert > 0;
+    TRY(key_per_layer(c, "feed_forward_length", known && !moe, known && !moe ? 1 : 0, MAX_FF, c->n_ff));
+    c->n_ff_exp = c->n_ff[0];
+    if (moe && c->rules && c->rules->ffn == FFN_MOE) {
+        c->n_ff_exp = c->n_expert_used[0] ? c->n_ff[0] / c->n_expert_used[0] : 0;
+        TRY(key_int(c, arch_key(c, "expert_feed_forward_length", key), false, 1, MAX_FF, &c->n_ff_exp));
+    }
+    if (rc == ES_OK && known && moe && c->n_ff_exp < 1) {
+        rc = fail(c, "%s: the experts' width (expert_feed_forward_length) is missing or 0", c->arch);
+    }
+#undef TRY
+    return rc;
+}
+
+/* ========================================================================
+ * Vocabulary
+ * ======================================================================== */
+
+static uint64_t hash_bytes(const uint8_t * s, uint64_t n) {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    for (uint64_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
+    return h;
+}
+
+// tokenizer.ggml.tokens: every token non-empty and seen once (llama.cpp
+// asserts its token -> id map is as large as the vocabulary). Sets n_vocab.
+static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
+    char buf[QUOTED_CAP];
+    if (n == 0 || n > MAX_VOCAB) {
+        return fail(c, "tokenizer.ggml.tokens holds %llu tokens, not 1..%d", (unsigned long long) n,
+                    MAX_VOCAB);
+    }
+    // Open addressing over token indices; every token's start in the file.
+    size_t cap = 16;
+    while (cap < 2 * (size_t) n) cap *= 2;
+    uint32_t * slots = malloc(cap * sizeof *slots);  // (cap) token index + 1, 0 empty
+    const uint8_t ** starts = malloc((size_t) n * sizeof *starts);  // (n) each token's length field
+    if (!slots || !starts) {
+        free(slots);
+        free(starts);
+        return ES_ERR_NO_MEMORY;
+    }
+    memset(slots, 0, cap * sizeof *slots);
+    int rc = ES_OK;
+    const uint8_t * p = data;
+    for (uint64_t i = 0; i < n && rc == ES_OK; i++) {
+        starts[i] = p;
+        const uint64_t len = load_le(p, 8);
+        const uint8_t * s = p + 8;
+        p = s + len;
+        if (len == 0) {
+            rc = fail(c, "tokenizer.ggml.tokens: token %llu is empty", (unsigned long long) i);
+            break;
+        }
+        for (size_t h = (size_t) hash_bytes(s, len) & (cap - 1);; h = (h + 1) & (cap - 1)) {
+            if (slots[h] == 0) {
+                slots[h] = (uint32_t) i + 1;
+                break;
+            }
+            const uint8_t * o = starts[slots[h] - 1];
+            if (load_le(o, 8) == len && memcmp(o + 8, s, (size_t) len) == 0) {
+                rc = fail(c, "tokenizer.ggml.tokens: token %llu '%s' repeats token %u",
+                          (unsigned long long) i, quoted(s, (size_t) len, buf), slots[h] - 1);
+                break;
+            }
+        }
+    }
+    free(slots);
+    free(starts);
+    c->n_vocab = (int64_t) n;
+    return rc;
+}
+
+// A numeric array that llama.cpp reads as one element per token of type elem.
+static int check_per_token(checker * c, const char * key, int32_t elem, const char * elem_name,
+                           const void ** data) {
+    int32_t type;
+    uint64_t n;
+    *data = NULL;
+    if (!es_gguf_get_arr(c->g, key, &type, &n, data)) {
+        if (has_key(c->g, key)) {
+            return fail(c, "metadata key %s is not an array of %s", key, elem_name);
+        }
+        return ES_OK;
+    }
+    if (type != elem || n != (uint64_t) c->n_vocab) {
+        return fail(c, "metadata key %s: expected %lld %s values (one per token), found %llu of "
+                    "another type or count", key, (long long) c->n_vocab, elem_name,
+                    (unsigned long long) n);
+    }
+    return ES_OK;
+}
+
+static bool is_hex(uint8_t ch) {
+    return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F');
+}
+
+// "<0xXX>", the text of a byte token.
+static bool byte_token(const uint8_t * s, uint64_t len) {
+    return len == 6 && !memcmp(s, "<0x", 3) && is_hex(s[3]) && is_hex(s[4]) && s[5] == '>';
+}
+
+// tokenizer.ggml.merges: each "left right", both parts non-empty.
+static int check_merges(checker * c) {
+    char buf[QUOTED_CAP];
+    uint64_t n;
+    const void * data;
+    if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.merges", &n, &data)) {
+        if (has_key(c->g, "tokenizer.ggml.merges")) {
+            return fail(c, "tokenizer.ggml.merges is not an array of strings");
+        }
+        return ES_OK;
+    }
+    const uint8_t * p = data;
+    for (uint64_t i = 0; i < n; i++) {
+        const uint64_t len = load_le(p, 8);
+        const uint8_t * s = p + 8;
+        p = s + len;
+        const uint8_t * sp = len > 1 ? memchr(s + 1, ' ', (size_t) len - 1) : NULL;
+        if (!sp || sp == s + len - 1) {
+            return fail(c, "tokenizer.ggml.merges: merge %llu '%s' is not two tokens separated by "
+                        "a space", (unsigned long long) i, quoted(s, (size_t) len, buf));
+        }
+    }
+    return ES_OK;
+}
+
+// Every tokenizer.ggml.*_token_id (bos, eos, unknown, padding, seperator,
+// eot, fim_*, ...) names a token.
+static int check_special_ids(checker * c) {
+    static const char prefix[] = "tokenizer.ggml.", suffix[] = "_token_id";
+    for (int64_t i = 0; i < es_gguf_n_kv(c->g); i++) {
+        const char * key = es_gguf_key_at(c->g, i);
+        const size_t n = strlen(key);
+        if (strncmp(key, prefix, sizeof prefix - 1) || n < sizeof prefix - 1 + sizeof suffix - 1 ||
+            strcmp(key + n - (sizeof suffix - 1), suffix)) {
+            continue;
+        }
+        int64_t id = 0;
+        const int rc = key_int(c, key, true, 0, c->n_vocab - 1, &id);
+        if (rc != ES_OK) return rc;
+    }
+    return ES_OK;
+}
+
+static int check_vocab(checker * c) {
+    const char * model = es_gguf_get_str(c->g, "tokenizer.ggml.model");
+    uint64_t n;
+    const void * tokens;
+    if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.tokens", &n, &tokens)) {
+        if (has_key(c->g, "tokenizer.ggml.tokens")) {
+            return fail(c, "tokenizer.ggml.tokens is not an array of strings");
+        }
+        // llama.cpp's models without a vocabulary say so.
+        if (model && (!strcmp(model, "none") || !strcmp(model, "no_vocab"))) return ES_OK;
+        return fail(c, "tokenizer.ggml.tokens is missing (the file has no vocabulary)");
+    }
+    int rc = check_tokens(c, tokens, n);
+    if (rc != ES_OK) return rc;
+
+    const void * types, * scores;
+    if ((rc = check_per_token(c, "tokenizer.ggml.token_type", GV_I32, "i32", &types))) return rc;
+    const uint8_t * p = tokens;
+    for (int64_t i = 0; types && i < c->n_vocab; i++) {
+        const int32_t t = (int32_t) load_le((const uint8_t *) types + 4 * i, 4);
+        const uint64_t len = load_le(p, 8);
+        const uint8_t * s = p + 8;
+        p = s + len;
+        if (t < 0 || t >= N_TOKEN_TYPES) {
+            return fail(c, "tokenizer.ggml.token_type: token %lld has type %d, not 0..%d",
+                        (long long) i, (int) t, N_TOKEN_TYPES - 1);
+        }
+        // llama.cpp reads a byte token's value from its text, "<0xXX>".
+        if (t == TOKEN_TYPE_BYTE && !byte_token(s, len)) {
+            char buf[QUOTED_CAP];
+            return fail(c, "tokenizer.ggml.token_type: token %lld '%s' is of type byte but not "
+                        "of the form <0xXX>", (long long) i, quoted(s, (size_t) len, buf));
+        }
+    }
+    if ((rc = check_per_token(c, "tokenizer.ggml.scores", GV_F32, "f32", &scores))) return rc;
+    if ((rc = check_merges(c))) return rc;
+    return check_special_ids(c);
+}
+
+/* ========================================================================
+ * Tensors
+ * ======================================================================== */
+
+// Every tensor: vectors (1-D) and norm weights F32, as converters store them
+// and llama.cpp's kernels read them; blk.N only for N < block_count.
+static int check_all_tensors(checker * c) {
+    char buf[QUOTED_CAP];
+    static const char norm_suffix[] = "_norm.weight";
+    for (int64_t i = 0; i < es_gguf_n_tensors(c->g); i++) {
+        const es_tensor * t = es_gguf_tensor_at(c->g, i);
+        const size_t n = strlen(t->name);
+        const bool norm = n >= sizeof norm_suffix - 1 &&
+                          !strcmp(t->name + n - (sizeof norm_suffix - 1), norm_suffix);
+        if ((t->n_dims == 1 || norm) && t->type != ES_TYPE_F32) {
+            return fail(c, "tensor %s: expected F32 (a %s), found %s", quoted(t->name, n, buf),
+                        norm ? "norm weight" : "vector", es_type_info(t->type)->name);
+        }
+        if (!strncmp(t->name, "blk.", 4)) {
+            char * end;
+            const long il = strtol(t->name + 4, &end, 10);
+            if (end == t->name + 4 || *end != '.' || il < 0 || il >= c->n_layer) {
+                return fail(c, "tensor %s is not in a layer 0..%lld (block_count %lld)",
+                            quoted(t->name, n, buf), (long long) c->n_layer - 1, (long long) c->n_layer);
+            }
+        }
+    }
+    return ES_OK;
+}
+
+// A matrix's type must be a weight type: not one of ggml's integer types or F64.
+static bool weight_type(int32_t type) {
+    return type != 24 && type != 25 && type != 26 && type != 27 && type != 28;  // I8..I64, F64
+}
+
+// Tensor <kind> (il < 0) or blk.<il>.<kind> of shape (ne0, ne1, ne2); ne1 < 0: any.
+static int want(checker * c, int32_t il, const char * kind, int64_t ne0, int64_t ne1, int64_t ne2,
+                bool required) {
+    char name[96];
+    if (il < 0) snprintf(name, sizeof name, "%s", kind);
+    else snprintf(name, sizeof name, "blk.%d.%s", (int) il, kind);
+    const es_tensor * t = es_gguf_find_tensor(c->g, name);
+    if (!t) return required ? fail(c, "tensor %s is missing", name) : ES_OK;
+    if (ne1 < 0) ne1 = t->ne[1];
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != ne2 || t->ne[3] != 1) {
+        return fail(c, "tensor %s has shape (%lld, %lld, %lld, %lld), expected (%lld, %lld, %lld, 1)",
+                    name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
+                    (long long) t->ne[3], (long long) ne0, (long long) ne1, (long long) ne2);
+    }
+    if (!weight_type(t->type)) {
+        return fail(c, "tensor %s: %s is not a weight type", name, es_type_info(t->type)->name);
+    }
+    return ES_OK;
+}
+
+// token_embd (n_embd, n_vocab) for every architecture; output likewise when present.
+static int check_embeddings(checker * c) {
+    const int64_t V = c->n_vocab ? c->n_vocab : -1;
+    int rc = want(c, -1, "token_embd.weight", c->n_embd, V, 1, c->rules != NULL);
+    if (rc == ES_OK) rc = want(c, -1, "output.weight", c->n_embd, V, 1, false);
+    if (rc == ES_OK && c->rules) rc = want(c, -1, "output_norm.weight", c->n_embd, 1, 1, true);
+    return rc;
+}
+
+// The tensors of layer il that the architecture's loader reads, in its shapes
+// (ggml order: ne0 is the input width).
+static int check_layer(checker * c, int32_t il) {
+    const arch_rules * r = c->rules;
+    const int64_t D = c->n_embd, HK = c->head_k, HV = c->head_v;
+    const int64_t Q = r->q_is_embd ? D : c->n_head[il] * HK;
+    const int64_t K = c->n_head_kv[il] * HK, V = c->n_head_kv[il] * HV;
+    const int64_t F = c->n_ff[il], E = c->n_expert, FE = c->n_ff_exp;
+    char name[64];
+    snprintf(name, sizeof name, "blk.%d.attn_qkv.weight", (int) il);
+    const bool fused = es_gguf_find_tensor(c->g, name) != NULL;  // Q, K, V in one matrix
+    int rc = ES_OK;
+#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
+    TRY(want(c, il, "attn_norm.weight", D, 1, 1, true));
+    TRY(want(c, il, "attn_qkv.weight", D, Q + K + V, 1, false));
+    TRY(want(c, il, "attn_q.weight", D, Q, 1, !fused));
+    TRY(want(c, il, "attn_k.weight", D, K, 1, !fused));
+    TRY(want(c, il, "attn_v.weight", D, V, 1, !fused));
+    TRY(want(c, il, "attn_output.weight", Q, D, 1, true));
+    if (r->qkv_bias) {
+        TRY(want(c, il, "attn_q.bias", Q, 1, 1, false));
+        TRY(want(c, il, "attn_k.bias", K, 1, 1, false));
+        TRY(want(c, il, "attn_v.bias", V, 1, 1, false));
+    }
+    if (r->qk_norm) {
+        TRY(want(c, il, "attn_q_norm.weight", HK, 1, 1, true));
+        TRY(want(c, il, "attn_k_norm.weight", HK, 1, 1, true));
+    }
+    if (r->post_norms) {
+        TRY(want(c, il, "post_attention_norm.weight", D, 1, 1, true));
+        TRY(want(c, il, "post_ffw_norm.weight", D, 1, 1, true));
+    }
+    TRY(want(c, il, "ffn_norm.weight", D, 1, 1, true));
+    if (E == 0) {
+        TRY(want(c, il, "ffn_gate.weight", D, F, 1, true));
+        TRY(want(c, il, "ffn_up.weight", D, F, 1, true));
+        TRY(want(c, il, "ffn_down.weight", F, D, 1, true));
+    } else {
+        TRY(want(c, il, "ffn_gate_inp.weight", D, E, 1, true));
+        TRY(want(c, il, "ffn_gate_exps.weight", D, FE, E, true));
+        TRY(want(c, il, "ffn_up_exps.weight", D, FE, E, true));
+        TRY(want(c, il, "ffn_down_exps.weight", FE, D, E, true));
+    }
+#undef TRY
+    return rc;
+}
+
+/* ========================================================================
+ * The pass
+ * ======================================================================== */
+
+int es_gguf_validate(const es_gguf * g, char * err, size_t err_cap) {
+    if (err && err_cap) err[0] = '\0';
+    if (!g) return ES_ERR_INVALID_ARG;
+    checker * c = calloc(1, sizeof *c);
+    if (!c) return ES_ERR_NO_MEMORY;
+    *c = (checker) {.g = g, .err = err, .err_cap = err_cap};
+    char buf[QUOTED_CAP];
+    int rc = ES_OK;
+    c->arch = es_gguf_get_str(g, "general.architecture");
+    if (!c->arch) {
+        rc = fail(c, "metadata key general.architecture is missing or not a string");
+    } else if (strlen(c->arch) == 0 || strlen(c->arch) > 64) {
+        rc = fail(c, "general.architecture '%s' is not a name of 1..64 bytes",
+                  quoted(c->arch, strlen(c->arch), buf));
+    }
+    for (size_t i = 0; rc == ES_OK && i < sizeof ARCHS / sizeof ARCHS[0]; i++) {
+        if (!strcmp(ARCHS[i].name, c->arch)) c->rules = &ARCHS[i];
+    }
+    if (rc == ES_OK) rc = check_hparams(c);
+    if (rc == ES_OK) rc = check_vocab(c);
+    if (rc == ES_OK) rc = check_all_tensors(c);
+    if (rc == ES_OK) rc = check_embeddings(c);
+    for (int32_t il = 0; rc == ES_OK && c->rules && il < c->n_layer; il++) rc = check_layer(c, il);
+    if (rc == ES_ERR_NO_MEMORY) fail(c, "out of memory validating the GGUF file");
+    free(c);
+    return rc;
+}
