@@ -1,4 +1,5 @@
-"""The native C engine (backend "native") on the built-in models.
+"""The native C engine (backend "native") on the built-in models (bad files
+and a float model on the tiny random llama).
 
 Parity with llama.cpp: the engine quantizes activations to 8 bits before
 every product, as llama.cpp does, so a rounding difference far below any
@@ -102,10 +103,10 @@ def test_greedy_follows_llama_cpp_up_to_a_near_tie(pair):
         assert top2[1] - top2[0] < 0.5, (first, top2)
 
 
-def test_tiny_float_model_matches_llama_cpp(tmp_path, smollm2_path):
+def test_tiny_float_model_matches_llama_cpp(tmp_path, tiny_vocab_path):
     """F32 weights: no activation rounding, llama.cpp's paths agree, and so must we."""
     path = tmp_path / "tiny-f32.gguf"
-    write_tiny_llama(path, smollm2_path, dtype=Q.F32)
+    write_tiny_llama(path, tiny_vocab_path, dtype=Q.F32)
     with open_backend("llama", path, n_ctx=N_CTX, threads=2) as lb, \
          open_backend("native", path, n_ctx=N_CTX, threads=2) as nb:
         tokens = lb.tokenize(TEXT * 2)[:128]
@@ -184,12 +185,19 @@ def test_speculative_equals_plain_past_256_positions(smollm2_path, plain_past_25
 
 # -- bad inputs ------------------------------------------------------------------
 
-def test_missing_and_truncated_files(tmp_path, smollm2_path):
+def truncated(tmp_path, path):
+    """The first half of the file at `path`, as tmp_path/cut.gguf."""
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    return cut
+
+
+def test_missing_and_truncated_files(tmp_path, tiny_llama_path):
     with pytest.raises(ModelFormatError) as e:
         open_backend("native", tmp_path / "absent.gguf")
     assert "absent.gguf" in str(e.value) and "\n" not in str(e.value)
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(smollm2_path.read_bytes()[:3_000_000])
+    cut = truncated(tmp_path, tiny_llama_path)
     with pytest.raises(ModelFormatError) as e:
         open_backend("native", cut)
     assert "cut.gguf" in str(e.value) and "\n" not in str(e.value)
@@ -208,9 +216,8 @@ def test_unsupported_architecture(tmp_path):
         open_backend("native", path)
 
 
-def test_cli_bad_model_exits_2(tmp_path, smollm2_path):
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(smollm2_path.read_bytes()[:3_000_000])
+def test_cli_bad_model_exits_2(tmp_path, tiny_llama_path):
+    cut = truncated(tmp_path, tiny_llama_path)
     for cmd in ("generate", "chat"):
         args = [cmd, "hello"] if cmd == "generate" else [cmd]
         r = subprocess.run([sys.executable, "-m", "edgespec", *args, "-m", str(cut), "--backend", "native"],
