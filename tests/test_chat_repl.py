@@ -127,7 +127,7 @@ def test_unreadable_template_file_is_a_one_line_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_path):
-    with Engine(str(tiny_llama_path), threads=2, n_ctx=256) as engine:
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=256) as engine:
         yield engine
 
 

@@ -14,7 +14,7 @@ def run(*args, timeout=300):
 
 
 def test_generate_json(tiny_llama_path):
-    p = run("generate", "Hello", "--model", str(tiny_llama_path), "--max-tokens", "7", "--json")
+    p = run("generate", "Hello", "--model", str(tiny_llama_path), "--threads", "1", "--max-tokens", "7", "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     for key in ("text", "tokens", "n_tokens", "prompt_tokens", "prefill_s", "decode_s",
@@ -30,10 +30,11 @@ def test_generate_json_with_drafter(smollm2_path):
     assert p.returncode == 0, p.stderr
     spec = json.loads(p.stdout.strip().splitlines()[-1])["spec"]
     assert {"drafted", "accepted", "acceptance_rate", "mean_accepted"} <= spec.keys()
+    assert spec["drafted"] > 0
 
 
 def test_generate_streams_text(tiny_llama_path):
-    p = run("generate", "Hello", "--model", str(tiny_llama_path), "--max-tokens", "5")
+    p = run("generate", "Hello", "--model", str(tiny_llama_path), "--threads", "1", "--max-tokens", "5")
     assert p.returncode == 0, p.stderr
     assert "tokens/s" in p.stderr
 

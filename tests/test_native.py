@@ -1,5 +1,6 @@
 """The native C engine (backend "native") on the built-in models and tiny
-random ones (llama, and qwen2 with its Q/K/V biases and NEOX RoPE).
+random ones (llama, and qwen2 with its Q/K/V biases and NEOX RoPE; bad files
+and float models on the tiny ones, which need no download).
 
 Parity with llama.cpp: the engine quantizes activations to 8 bits before
 every product, as llama.cpp does, so a rounding difference far below any
@@ -112,12 +113,12 @@ def test_greedy_follows_llama_cpp_up_to_a_near_tie(pair):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny_float(request, tmp_path_factory, smollm2_path, tiny_qwen2_path):
+def tiny_float(request, tmp_path_factory, tiny_vocab_path, tiny_qwen2_path):
     """A tiny random model with F32 weights, one per architecture family."""
     if request.param == "qwen2":
         return tiny_qwen2_path
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama-f32.gguf"
-    write_tiny_llama(path, smollm2_path, dtype=Q.F32)
+    write_tiny_llama(path, tiny_vocab_path, dtype=Q.F32)
     return path
 
 
@@ -220,12 +221,19 @@ def test_speculative_equals_plain_past_256_positions(plain_past_256, drafter):
 
 # -- bad inputs ------------------------------------------------------------------
 
-def test_missing_and_truncated_files(tmp_path, smollm2_path):
+def truncated(tmp_path, path):
+    """The first half of the file at `path`, as tmp_path/cut.gguf."""
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    return cut
+
+
+def test_missing_and_truncated_files(tmp_path, tiny_llama_path):
     with pytest.raises(ModelNotFoundError) as e:
         open_backend("native", tmp_path / "absent.gguf")
     assert "absent.gguf" in str(e.value) and "\n" not in str(e.value)
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(smollm2_path.read_bytes()[:3_000_000])
+    cut = truncated(tmp_path, tiny_llama_path)
     with pytest.raises(ModelFormatError) as e:
         open_backend("native", cut)
     assert "cut.gguf" in str(e.value) and "\n" not in str(e.value)
@@ -297,9 +305,8 @@ def test_qwen2_variants_refused(tmp_path, tiny_qwen2_path):
         open_backend("native", extra)
 
 
-def test_cli_bad_model_exits_2(tmp_path, smollm2_path):
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(smollm2_path.read_bytes()[:3_000_000])
+def test_cli_bad_model_exits_2(tmp_path, tiny_llama_path):
+    cut = truncated(tmp_path, tiny_llama_path)
     for cmd in ("generate", "chat"):
         args = [cmd, "hello"] if cmd == "generate" else [cmd]
         r = subprocess.run([sys.executable, "-m", "edgespec", *args, "-m", str(cut), "--backend", "native"],

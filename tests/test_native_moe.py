@@ -45,14 +45,14 @@ def _write(name, moe_dir, source):
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_FIXTURES))
-def fixture(request, moe_dir, smollm2_path):
+def fixture(request, moe_dir, tiny_vocab_path):
     """(name, writer, keyword arguments, path) of one MoE file."""
-    return _write(request.param, moe_dir, smollm2_path)
+    return _write(request.param, moe_dir, tiny_vocab_path)
 
 
 @pytest.fixture(scope="module", params=FLOAT)
-def float_fixture(request, moe_dir, smollm2_path):
-    return _write(request.param, moe_dir, smollm2_path)
+def float_fixture(request, moe_dir, tiny_vocab_path):
+    return _write(request.param, moe_dir, tiny_vocab_path)
 
 
 def backend(name: str, path, n_batch: int = 128):
@@ -74,8 +74,9 @@ def logits_rows(b, tokens: list[int], start: int = 0, chunk: int | None = None) 
     return np.concatenate(out)
 
 
-def random_tokens(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 49152, n).tolist()
+def random_tokens(b, n: int, seed: int = 0) -> list[int]:
+    """n random tokens of backend b's vocabulary."""
+    return np.random.default_rng(seed).integers(0, b.n_vocab, n).tolist()
 
 
 def greedy(b, prompt: list[int], n: int) -> list[int]:
@@ -102,7 +103,7 @@ def native_logits(fixture) -> np.ndarray:
     name, path = fixture[0], fixture[3]
     if name not in _native_logits:
         with backend("native", path) as b:
-            _native_logits[name] = logits_rows(b, random_tokens(N_POSITIONS))
+            _native_logits[name] = logits_rows(b, random_tokens(b, N_POSITIONS))
     return _native_logits[name]
 
 
@@ -115,7 +116,7 @@ def test_llama_cpp_loads_moe_fixture(fixture):
         assert b.metadata("general.architecture") == arch
         assert int(b.metadata(f"{arch}.expert_count")) == kwargs.get("n_expert", 8)
         assert int(b.metadata(f"{arch}.expert_used_count")) == kwargs.get("n_expert_used", 2)
-        logits = logits_rows(b, random_tokens(64))
+        logits = logits_rows(b, random_tokens(b, 64))
     assert np.isfinite(logits).all()
     assert (logits.std(axis=1) > 1.0).all()
     assert len(set(logits.argmax(axis=1))) > 48   # positions prefer different tokens
@@ -134,8 +135,8 @@ def test_llama_cpp_loads_moe_fixture(fixture):
 def test_logits_match_llama_cpp(fixture):
     name, path = fixture[0], fixture[3]
     ours = native_logits(fixture)
-    tokens = random_tokens(N_POSITIONS)
     with backend("llama", path) as b:
+        tokens = random_tokens(b, N_POSITIONS)
         ref = logits_rows(b, tokens)
         if name not in FLOAT:
             b.clear()
@@ -169,33 +170,32 @@ def test_greedy_matches_llama_cpp(float_fixture):
 # ---- routing ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_expert_used", [2, 4])
-def test_identical_experts_compute_the_dense_model(moe_dir, smollm2_path, n_expert_used):
+def test_identical_experts_compute_the_dense_model(moe_dir, tiny_vocab_path, n_expert_used):
     """Every expert a copy of the dense FFN: whichever experts the router
     picks, their weights sum to one, so the MoE model is the dense one. (F32
     weights: with F16 ones, a last-bit difference of the weights' sum can
     flip the half rounding of the next matmul's input, which travels on.)"""
     dense, moe = moe_dir / "dense.gguf", moe_dir / f"dense-as-moe-{n_expert_used}.gguf"
-    write_tiny_llama(dense, smollm2_path, n_ctx=N_CTX, dtype=Q.F32)
-    write_tiny_llama(moe, smollm2_path, n_ctx=N_CTX, dtype=Q.F32, n_expert=4,
+    write_tiny_llama(dense, tiny_vocab_path, n_ctx=N_CTX, dtype=Q.F32)
+    write_tiny_llama(moe, tiny_vocab_path, n_ctx=N_CTX, dtype=Q.F32, n_expert=4,
                      n_expert_used=n_expert_used, identical_experts=True)
-    tokens = random_tokens(96, seed=1)
     with backend("native", dense) as b:
-        want = logits_rows(b, tokens)
+        want = logits_rows(b, random_tokens(b, 96, seed=1))
     with backend("native", moe) as b:
-        got = logits_rows(b, tokens)
+        got = logits_rows(b, random_tokens(b, 96, seed=1))
     assert np.abs(got - want).max() < 1e-3
     assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
 
 
-def test_expert_order_does_not_matter(fixture, moe_dir, smollm2_path):
+def test_expert_order_does_not_matter(fixture, moe_dir, tiny_vocab_path):
     """The same experts stored in another order: the same model, bit for bit
     (routing picks by score, and adds the chosen experts best first)."""
     name, write, kwargs, path = fixture
     order = np.random.default_rng(2).permutation(kwargs.get("n_expert", 8)).tolist()
     permuted = moe_dir / f"{name}-permuted.gguf"
-    write(permuted, smollm2_path, **kwargs, expert_order=order)
+    write(permuted, tiny_vocab_path, **kwargs, expert_order=order)
     with backend("native", permuted) as b:
-        got = logits_rows(b, random_tokens(64))
+        got = logits_rows(b, random_tokens(b, 64))
     assert np.array_equal(got, native_logits(fixture)[:64])
 
 
@@ -208,7 +208,7 @@ def test_experts_served_as_f32_copies(float_fixture, monkeypatch):
     name, _, kwargs, path = float_fixture
     monkeypatch.setenv("EDGESPEC_EXPERTS", "f32")
     with backend("native", path) as b:
-        got = logits_rows(b, random_tokens(N_POSITIONS))
+        got = logits_rows(b, random_tokens(b, N_POSITIONS))
     want = native_logits(float_fixture)
     if kwargs.get("expert_dtype") == Q.F32:
         assert np.array_equal(got, want)
@@ -217,8 +217,8 @@ def test_experts_served_as_f32_copies(float_fixture, monkeypatch):
         assert top1 >= 0.99 and median < 0.02
 
 
-def test_unknown_expert_provider_is_an_error(monkeypatch, moe_dir, smollm2_path):
-    path = _write("qwen3moe-q8_0", moe_dir, smollm2_path)[3]
+def test_unknown_expert_provider_is_an_error(monkeypatch, moe_dir, tiny_vocab_path):
+    path = _write("qwen3moe-q8_0", moe_dir, tiny_vocab_path)[3]
     monkeypatch.setenv("EDGESPEC_EXPERTS", "fp8")
     with pytest.raises(EdgespecError, match="EDGESPEC_EXPERTS=fp8"):
         backend("native", path)
@@ -228,5 +228,5 @@ def test_unknown_expert_provider_is_an_error(monkeypatch, moe_dir, smollm2_path)
 def test_batch_invariance(fixture, chunk):
     """A token's logits do not depend on which other tokens share its batch."""
     with backend("native", fixture[3]) as b:
-        got = logits_rows(b, random_tokens(N_POSITIONS)[:64], chunk=chunk)
+        got = logits_rows(b, random_tokens(b, N_POSITIONS)[:64], chunk=chunk)
     assert np.array_equal(got, native_logits(fixture)[:64])

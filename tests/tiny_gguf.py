@@ -1,18 +1,21 @@
 """Tiny random-weight GGUF files for tests.
 
-    write_tiny_llama(path, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    write_tiny_vocab(source)                                      # a generated tokenizer
+    write_tiny_llama(path, source)                                # or a real model's file
     write_tiny_llama(path, source, n_expert=4, n_expert_used=2)   # Mixtral-style MoE
     write_tiny_qwen3moe(path, source)
     write_tiny_qwen2(path, source)                                # Q/K/V biases, NEOX RoPE
     copy_gguf(path, variant, drop=["blk.0.attn_q.bias"])          # a file a loader must refuse
 
-The weights are random, the tokenizer is real: every ``tokenizer.*`` key of
-the source file is copied byte for byte, so llama.cpp tokenizes (and applies
-the chat template) exactly as it does for the source model, while a forward
-pass costs next to nothing. Tensor names, shapes and hyperparameter keys are
-the ones llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3moe.cpp); numpy
-shapes below are GGUF's ne reversed: (rows, cols) = (ne1, ne0), and an expert
-stack (n_expert, rows, cols) = (ne2, ne1, ne0).
+The weights are random, the tokenizer is a source file's: every
+``tokenizer.*`` key of it is copied byte for byte, so llama.cpp tokenizes (and
+applies the chat template) exactly as it does for the source, while a forward
+pass costs next to nothing. The source is a real model (SmolLM2's 49k-token
+tokenizer) or write_tiny_vocab's small byte-level BPE, which needs no
+download. Tensor names, shapes and hyperparameter keys are the ones
+llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3moe.cpp);
+numpy shapes below are GGUF's ne reversed: (rows, cols) = (ne1, ne0), and an
+expert stack (n_expert, rows, cols) = (ne2, ne1, ne0).
 
 Matrices may be stored quantized: the gguf package quantizes the legacy
 types (Q4_0 ... Q8_0), llama.cpp's own ggml_quantize_chunk the K-quants.
@@ -27,6 +30,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -98,6 +103,113 @@ def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     out = np.empty((rows.shape[0], lib.ggml_row_size(qtype, cols)), dtype=np.uint8)
     lib.ggml_quantize_chunk(qtype, rows.ctypes.data, out.ctypes.data, 0, rows.shape[0], cols, None)
     return out.reshape(*w.shape[:-1], out.shape[-1])
+
+
+# ---- a generated tokenizer ----------------------------------------------------------------
+
+# The text the generated tokenizer learns its merges from: the kinds of prompt
+# the tests send (English, numbers, code, chat turns).
+_CORPUS = """\
+Hello world! Hello there. The quick brown fox jumps over the lazy dog.
+Once upon a time there was a little model that wanted to speak. It read every word
+it could find, and then it wrote them down again, one token at a time.
+The capital of France is Paris. The three primary colors are red, yellow and blue.
+Water boils at one hundred degrees. What is 2+2? The answer is 4. Name a fruit and a vegetable.
+1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+
+for i in range(10):
+    print(i, fibonacci(i))
+The user asks a question and the assistant answers it. Be brief, be kind, and say why.
+Speculative decoding drafts tokens and the target model verifies them in one batch.
+"""
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = ("{% for message in messages %}"
+                   "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+                   "{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# GPT-2's pre-tokenizer (llama.cpp's "gpt-2" split), with \p{L} and \p{N} as Python spells them.
+_PRE_SPLIT = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+")
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b is spelled byte_chars()[b], itself
+    when printable Latin-1, else a character from U+0100 on (space is "Ġ",
+    newline "Ċ"). Byte-level BPE vocabularies spell every token this way."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, moved = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(0x100 + moved))
+            moved += 1
+    return chars
+
+
+def learn_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
+    """Byte-level BPE merges of `text`, most frequent pair first (ties broken
+    by the pair itself, so the result is deterministic); fewer when every
+    word of `text` is one piece."""
+    chars = byte_chars()
+    words = Counter(tuple(chars[b] for b in w.encode()) for w in _PRE_SPLIT.findall(text))
+    merges: list[tuple[str, str]] = []
+    while len(merges) < n_merges:
+        pairs = Counter()
+        for word, n in words.items():
+            for pair in zip(word, word[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        best = max(pairs, key=lambda p: (pairs[p], p))
+        merges.append(best)
+        merged = Counter()
+        for word, n in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if word[i:i + 2] == best:
+                    out.append(best[0] + best[1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            merged[tuple(out)] += n
+        words = merged
+    return merges
+
+
+def write_tiny_vocab(path: str | os.PathLike, n_merges: int = 256) -> None:
+    """Write a GGUF that holds only a tokenizer, generated here: GPT-2-style
+    byte-level BPE (llama.cpp's "gpt2" model, "gpt-2" pre-tokenizer) over the
+    three ChatML special tokens, the 256 byte tokens and up to `n_merges`
+    pieces learned from _CORPUS, with a ChatML chat template. Any text
+    tokenizes (every byte has a token); <|im_end|> ends generation. The
+    tokenizer source for tiny models that need no download."""
+    merges = learn_merges(_CORPUS, n_merges)
+    # Two merges may spell the same piece ("a"+"bc", "ab"+"c"): one token.
+    tokens = list(dict.fromkeys([*SPECIAL_TOKENS, *byte_chars(), *(a + b for a, b in merges)]))
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
+                      + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIAL_TOKENS)))
+    w.add_token_merges([f"{a} {b}" for a, b in merges])
+    w.add_bos_token_id(SPECIAL_TOKENS.index("<|endoftext|>"))
+    w.add_eos_token_id(SPECIAL_TOKENS.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 # ---- copying GGUF metadata ------------------------------------------------------------
