@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import llama_cpp.llama_cpp as lc
 
-from edgespec.models.gguf import read_gguf
+from edgespec.models.gguf import GGUFFile
 
 
 def greedy_reference(path, prompt: str, n_tokens: int, n_ctx: int = 1024) -> list[int]:
@@ -68,18 +68,19 @@ def forward_reference(path, tokens: list[int]) -> np.ndarray:
     """Logits (n_tokens, n_vocab), float64, of `tokens` at positions 0, 1, ...
     under causal attention, for a llama (dense) or qwen2 GGUF: every weight
     dequantized and every step in float64, no F16 cache, no rounding."""
-    f = read_gguf(path)
-    arch = f.get("general.architecture")
-    if arch not in _NEOX:
-        raise ValueError(f"no reference for architecture {arch!r}")
+    with GGUFFile(path) as f:
+        arch = f.get("general.architecture")
+        if arch not in _NEOX:
+            raise ValueError(f"no reference for architecture {arch!r}")
+        hparams = {k: f.get(k) for k in f.keys() if k.startswith(f"{arch}.")}
+        # name -> (rows, cols) = (ne1, ne0), or (n,) for vectors; dequantized by
+        # gguf-py, not by the engine under test
+        w = {t.name: gguf.quants.dequantize(np.array(t.data), t.ggml_type)
+             .astype(np.float64).reshape(tuple(reversed(t.shape))) for t in f.tensors}
 
     def key(name, default=None):
-        return f.get(f"{arch}.{name}", default)
+        return hparams.get(f"{arch}.{name}", default)
 
-    # name -> (rows, cols) = (ne1, ne0), or (n,) for vectors
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=f.data_offset)
-    w = {t.name: gguf.quants.dequantize(data[t.offset:t.offset + t.n_bytes], t.ggml_type)
-         .astype(np.float64).reshape(tuple(reversed(t.shape))) for t in f.tensors}
     n_head, n_layer = key("attention.head_count"), key("block_count")
     n_head_kv = key("attention.head_count_kv", n_head)
     eps, base = key("attention.layer_norm_rms_epsilon"), key("rope.freq_base", 10000.0)
