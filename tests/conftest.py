@@ -52,6 +52,16 @@ def tiny_llama_path(tmp_path_factory, tiny_vocab_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_onnx_dir(tmp_path_factory, tiny_llama_path):
+    """The tiny llama exported for the onnx backend (float weights: exact enough
+    to compare with the other backends)."""
+    from edgespec.backends import onnx_export
+
+    return onnx_export.export(tiny_llama_path, tmp_path_factory.mktemp("tiny") / "tiny-llama-fp32",
+                              weights="fp32", progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory, tiny_vocab_path):
     """A 2-layer, 64-wide random qwen2 with Q/K/V biases (F32) over the
     generated tokenizer."""

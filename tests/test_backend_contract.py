@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from edgespec.backends import Interrupted, open_backend
-from edgespec.backends import onnx_export
 from edgespec.drafters import Draft
 from edgespec.errors import ContextOverflowError, EngineClosedError, InvalidArgumentError
 
@@ -23,15 +22,9 @@ TOLERANCE = {"native": 0.0, "llama": 1e-2, "onnx": 1e-2}  # llama.cpp rounds F16
 TEXT = "The lighthouse keeper climbed the narrow stairs every evening to light the lamp. " * 3
 
 
-@pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory, tiny_llama_path):
-    return onnx_export.export(tiny_llama_path, tmp_path_factory.mktemp("contract") / "tiny-fp32",
-                              weights="fp32", progress=False)
-
-
 @pytest.fixture(params=["llama", "native", "onnx"])
 def backend(request, tiny_llama_path):
-    path = request.getfixturevalue("onnx_dir") if request.param == "onnx" else tiny_llama_path
+    path = request.getfixturevalue("tiny_onnx_dir") if request.param == "onnx" else tiny_llama_path
     with open_backend(request.param, path, n_ctx=N_CTX, n_batch=N_BATCH, threads=2, n_seq=8) as b:
         yield b
 

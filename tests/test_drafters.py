@@ -14,6 +14,9 @@ from edgespec import cli
 from edgespec.drafters import Draft, DrafterConfig, Verified, open_drafter
 from edgespec.drafters.cache import NgramCache, build_ngram_cache
 from edgespec.errors import DrafterError, InvalidArgumentError
+from edgespec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
 
 VOCAB = 100
 
@@ -36,7 +39,7 @@ def step(tokens, logits=None, row_tokens=()) -> Verified:
 def test_ngram_copies_the_continuation():
     d = open_drafter("ngram", config())
     prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3]
-    d.begin(prompt)
+    d.begin(prompt, GREEDY)
     draft = d.draft(prompt, 4)
     assert draft.tokens == [4, 5, 9, 1] and draft.parents is None and draft.source == "ngram"
     # up to the end of the text, never past it
@@ -47,7 +50,7 @@ def test_ngram_copies_the_continuation():
 
 def test_ngram_no_match_is_an_empty_draft():
     d = open_drafter("ngram", config())
-    d.begin([1, 2, 3, 4])
+    d.begin([1, 2, 3, 4], GREEDY)
     draft = d.draft([1, 2, 3, 4], 8)
     assert len(draft) == 0 and draft.source == "ngram"
     assert d.draft([1, 2, 3, 4], 0).tokens == []
@@ -57,7 +60,7 @@ def test_ngram_no_match_is_an_empty_draft():
 def test_ngram_follows_the_text():
     d = open_drafter("ngram", config())
     prompt = [7, 8, 9, 10, 11]
-    d.begin(prompt)
+    d.begin(prompt, GREEDY)
     # the first token (sampled from the prompt's row) arrives only with the
     # context; a one-token match is a draft of its own acceptance bucket
     first = d.draft(prompt + [7], 4)
@@ -65,7 +68,7 @@ def test_ngram_follows_the_text():
     d.accept(step([8, 9]))
     assert d.draft(prompt + [7, 8, 9], 3).tokens == [10, 11, 7]
     # a new generation starts from scratch
-    d.begin([1, 2])
+    d.begin([1, 2], GREEDY)
     assert d.draft([1, 2], 4).tokens == []
 
 
@@ -84,7 +87,7 @@ def ranked_rows(*best_per_row) -> np.ndarray:
 
 def test_recycle_tree_holds_the_recycled_top_tokens():
     d = open_drafter("recycle", config())
-    d.begin([1, 2, 7])
+    d.begin([1, 2, 7], GREEDY)
     assert len(d.draft([1, 2, 7], 8)) == 0  # nothing learned yet
 
     # the step evaluated root 7 and node 11: after 7 came 11 12 13 14 15, after 11 came 20 21
@@ -165,7 +168,7 @@ def test_cache_drafter_drafts_from_the_corpus(built):
     tok, out, _ = built
     d = open_drafter("cache", config(ngram_cache=str(out)))
     prompt = tok("so the cat")
-    d.begin(prompt)
+    d.begin(prompt, GREEDY)
     draft = d.draft(prompt, 4)
     assert draft.tokens == tok("sat on the mat") and draft.source == "cache"
     s = d.stats()
@@ -177,11 +180,11 @@ def test_cache_drafter_prefers_the_session_text(built):
     tok, out, _ = built
     d = open_drafter("cache", config(ngram_cache=str(out)))
     prompt = tok("the cat sat under the table the cat")
-    d.begin(prompt)
+    d.begin(prompt, GREEDY)
     # [the cat] -> sat in both; then [the cat sat] -> under from the session, not on
     assert d.draft(prompt, 2).tokens == tok("sat under")
     # accepted tokens, and the tail of the context, are learned as well
-    d.begin(tok("the cat"))
+    d.begin(tok("the cat"), GREEDY)
     d.accept(step(tok("sat quietly")))
     assert d.draft(tok("the cat sat quietly the cat sat"), 1).tokens == tok("quietly")
 
@@ -191,7 +194,7 @@ def test_cache_drafter_cuts_ids_outside_the_vocabulary(built):
     # the cache would go on with "mat", whose id is the first one past this vocabulary
     d = open_drafter("cache", DrafterConfig(n_vocab=tok("mat")[0], ngram_cache=str(out)))
     prompt = tok("the cat")
-    d.begin(prompt)
+    d.begin(prompt, GREEDY)
     assert d.draft(prompt, 4).tokens == tok("sat on the")
 
 
@@ -283,7 +286,7 @@ def test_cli_builds_a_cache_with_the_model_tokenizer(smollm2_path, tmp_path, mon
         n_vocab = vocab.n_vocab
         ids = vocab.tokenize("The target model verifies the drafted tokens", add_special=False)
     d = open_drafter("cache", DrafterConfig(n_vocab=n_vocab, ngram_cache=str(out)))
-    d.begin(ids[:3])
+    d.begin(ids[:3], GREEDY)
     assert d.draft(ids[:3], 3).tokens == ids[3:6]
 
 

@@ -10,14 +10,7 @@ import os
 import pytest
 
 from edgespec import Engine
-from edgespec.backends import onnx_export
 from edgespec.errors import EngineClosedError, InvalidArgumentError
-
-
-@pytest.fixture(scope="module")
-def tiny_onnx_dir(tmp_path_factory, tiny_llama_path):
-    return onnx_export.export(tiny_llama_path, tmp_path_factory.mktemp("lifecycle") / "tiny-fp32",
-                              weights="fp32", progress=False)
 
 
 @pytest.fixture(params=["llama", "native", "onnx"])
