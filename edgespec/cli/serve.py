@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from ..server import DEFAULT_MAX_REQUEST_BYTES
 from . import BACKEND_HELP, DRAFT_BACKEND_HELP, EP_HELP, MODEL_HELP, app, fail
 
 
@@ -27,6 +28,9 @@ def serve(
     draft_model: str = typer.Option(None, help="Draft model for --drafter model/auto (same tokenizer)."),
     draft_backend: str = typer.Option(None, help=DRAFT_BACKEND_HELP),
     ngram_cache: str = typer.Option(None, help="N-gram cache file for --drafter cache/auto."),
+    max_request_bytes: int = typer.Option(DEFAULT_MAX_REQUEST_BYTES,
+                                          help="Largest request body accepted, in bytes, > 0 (4 MiB; "
+                                               "a larger one gets 413 without being read)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-request log lines on stderr."),
     verbose: bool = typer.Option(False, "--verbose", help="Show llama.cpp's log."),
 ):
@@ -36,11 +40,14 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
+    if max_request_bytes <= 0:
+        raise fail(f"--max-request-bytes must be > 0, got {max_request_bytes}")
     with Engine(model, backend=backend, ep=ep, threads=threads, n_ctx=n_ctx, gpu_layers=gpu_layers,
                 drafter=drafter, draft_model=draft_model, draft_backend=draft_backend,
                 ngram_cache=ngram_cache, verbose=verbose) as engine:
         try:
-            server = make_server(engine, host, port, api_key=api_key, model_name=model_name, quiet=quiet)
+            server = make_server(engine, host, port, api_key=api_key, model_name=model_name, quiet=quiet,
+                                 max_request_bytes=max_request_bytes)
         except OSError as e:
             raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
         typer.echo(f"serving {server.model_name} (drafter {engine.drafter}) at {server.url}/v1"
