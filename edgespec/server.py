@@ -271,6 +271,8 @@ class EdgespecServer(ThreadingHTTPServer):
                 n = len(self.engine._prompt_tokens(prompt_args.get("prompt"), prompt_args.get("messages")))
             except InvalidArgumentError as e:     # a chat template refusing the messages
                 raise ApiError(400, str(e), param=param)
+        if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
+            raise ApiError(400, "the prompt has no tokens", param=param)
         n_ctx = self.engine.backend.n_ctx
         if n >= n_ctx:
             raise ApiError(400, f"the prompt is {n} tokens but the context holds {n_ctx}",
