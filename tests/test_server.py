@@ -294,6 +294,7 @@ def _wait_locked(server, timeout=30.0) -> None:
 def test_disconnect_stops_whole_generation(server, client, engine):
     """A non-streaming request asking for 10^9 tokens whose client leaves stops
     within a step; the next request does not wait for the context to fill."""
+    ref = reference(server, messages=CHAT)   # (the auto drafter has measured this machine by now)
     sock = _send(server, {"prompt": COUNTING, "max_tokens": 10**9, "temperature": 0})
     _wait_locked(server)
     time.sleep(0.5)                    # generating by now
@@ -305,7 +306,6 @@ def test_disconnect_stops_whole_generation(server, client, engine):
     assert last.stats.stop_reason in ("", "cancelled"), last.stats   # not "context": it stopped early
     assert 0 < last.stats.n_tokens < engine.backend.n_ctx - last.stats.prompt_tokens
     assert waited < 5, f"the engine stayed busy {waited:.1f} s after the client left"
-    ref = reference(server, messages=CHAT)
     r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=N, temperature=0)
     assert r.choices[0].message.content == ref.text
 
@@ -512,12 +512,18 @@ def test_api_key_checked_before_the_body(engine):
             status, body = _status_body(data)
             assert status == 401 and body["error"]["code"] == "invalid_api_key", extra
             assert closed
+        # a client sending its whole body before reading still gets the answer (not a reset)
+        assert_error(raw(keyed, "POST", "/v1/completions", body="x" * (3 * 1024 * 1024)), 401,
+                     code="invalid_api_key")
         # a request without a body keeps its connection
         conn = http.client.HTTPConnection(*keyed.server_address[:2], timeout=10)
+        socks = []
         for _ in range(2):
             conn.request("GET", "/v1/models")
+            socks.append(conn.sock)
             resp = conn.getresponse()
             assert resp.status == 401 and json.loads(resp.read())["error"]["code"] == "invalid_api_key"
+        assert socks[0] is socks[1]
         conn.close()
     finally:
         keyed.shutdown()
