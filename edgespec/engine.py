@@ -445,7 +445,10 @@ class Engine:
             bos, eos = b.token_text(b.bos_token), b.token_text(b.eos_token)
         return chat_templates.render(template, messages, bos_token=bos, eos_token=eos)
 
-    def _prompt_tokens(self, prompt: str | None, messages: Sequence[dict] | None) -> list[int]:
+    def prompt_tokens(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
+        """The tokens a generation of ``prompt`` (or of a reply to ``messages``)
+        evaluates: the text, or the chat rendered through its template, tokenized.
+        Thread-safe; it does not wait for a running generation."""
         if messages is not None:
             text = _encodable(self.render_chat(messages), "the chat")
             with self._reading():
@@ -505,7 +508,9 @@ class Engine:
             raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
         stop = list(stop or ())
         name = drafting.check_name(drafter or self.drafter)
-        tokens = self._prompt_tokens(prompt, messages)
+        tokens = self.prompt_tokens(prompt, messages)
+        if not tokens:
+            raise InvalidArgumentError("the prompt has no tokens (the tokenizer drops every character of it)")
         n_ctx = self.backend.n_ctx
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "

@@ -14,30 +14,59 @@ Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
 omitted (OpenAI's default; send 0 for greedy, reproducible output),
 ``max_tokens`` is 256. ``n`` must be 1; tools, logprobs and penalties other
 than none are not served (unknown fields are ignored, as OpenAI's clients send
-extras).
+extras). Ranges are OpenAI's: temperature in [0, 2] (below 1e-6 is greedy),
+top_p in [0, 1] (0 keeps the most likely token only), at most 16 stop strings.
+
+Limits. A request body over ``max_request_bytes`` (4 MiB by default, ``edgespec
+serve --max-request-bytes``) is refused with 413 from its headers alone, before
+anything is read, tokenized or locked. The prompt is tokenized before the
+engine lock is taken (llama.cpp's tokenizer is read-only once a model is
+loaded; llama-server tokenizes in its HTTP threads too), so a prompt over the
+context is refused (400, ``context_length_exceeded``) without holding up the
+running generation. ``max_tokens`` is capped at the room the prompt leaves in
+the context: clients routinely send large values meaning "as much as fits",
+and the answer ends there with finish_reason "length" either way.
+
+HTTP. The API key is checked on the headers, before the body is read; so are
+the body's framing (exactly one decimal Content-Length; Transfer-Encoding is
+refused with 411, or 400 beside a Content-Length) and its size. A refused
+request's body is never read: after the answer the connection is closed (what
+the client still sends for another second is discarded, so that it can read
+the answer before the close). A client sending ``Expect: 100-continue`` is
+told to go on only once all of that has passed. Every refusal is a 4xx in
+OpenAI's shape, {"error": {message, type, param, code}}; a 500 means a bug.
 
 The engine is not thread-safe, so requests are served one at a time in the
-order they take the lock; others wait. A streaming client that goes away
-stops its generation at the next piece.
+order they take the lock; others wait. A client that goes away stops its
+generation within a piece (a token, at most a step): between pieces the
+socket is polled for end-of-file or a reset (a client that half-closes its
+side after sending counts as gone).
 """
 from __future__ import annotations
 
 import hmac
 import json
 import math
+import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .errors import ContextOverflowError, EdgespecError, InvalidArgumentError
 
-MAX_BODY = 16 * 1024 * 1024   # bytes of request body accepted
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token context's text several times over
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
+MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
+MIN_TEMPERATURE = 1e-6        # the sampler's smallest; below it is greedy
+MIN_TOP_P = 1e-6              # the sampler's top_p is in (0, 1]; this keeps the top token only
+MAX_STOP = 16                 # stop strings per request
+LINGER_S = 1.0                # at most this long discarding an unread body after the answer
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -69,54 +98,80 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A finite JSON number (an integer may be too large for a float: finite all the same)."""
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def _show(value, limit: int = 60) -> str:
+    """A value for an error message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _request(body: bytes) -> dict:
+    """The JSON object of a request body; every string in it valid Unicode."""
+    try:
+        req = json.loads(body.decode("utf-8")) if body else None
+        # a \ud800-style escape decodes to a lone surrogate, which no text can hold
+        json.dumps(req, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff unpaired)")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}")
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply")
+    if not isinstance(req, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return req
+
+
 def _options(body: dict) -> dict:
     """The engine options of a completion request (fields shared by both endpoints)."""
     opts: dict = {}
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_completion_tokens")
+    param = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = body.get(param)
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     if not _is_int(max_tokens) or max_tokens <= 0:
-        raise _bad("max_tokens", f"max_tokens must be an integer > 0, got {max_tokens!r}")
+        raise _bad(param, f"{param} must be an integer > 0, got {_show(max_tokens)}")
     opts["max_tokens"] = max_tokens
 
     temperature = body.get("temperature")
     if temperature is None:
         temperature = DEFAULT_TEMPERATURE
-    if not _is_number(temperature) or temperature < 0:
-        raise _bad("temperature", f"temperature must be a number >= 0, got {temperature!r}")
-    opts["temperature"] = float(temperature)
+    if not _is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise _bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                   f"got {_show(temperature)}")
+    opts["temperature"] = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
 
     top_p = body.get("top_p")
     if top_p is not None:
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise _bad("top_p", f"top_p must be a number in (0, 1], got {top_p!r}")
-        opts["top_p"] = float(top_p)
+        if not _is_number(top_p) or not 0 <= top_p <= 1:
+            raise _bad("top_p", f"top_p must be a number in [0, 1], got {_show(top_p)}")
+        opts["top_p"] = max(float(top_p), MIN_TOP_P)
 
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not 0 <= seed < 2**64:
-            raise _bad("seed", f"seed must be an integer in [0, 2**64), got {seed!r}")
+            raise _bad("seed", f"seed must be an integer in [0, 2**64), got {_show(seed)}")
         opts["seed"] = seed
 
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise _bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+        if not (isinstance(stops, list) and len(stops) <= MAX_STOP
+                and all(isinstance(s, str) and s for s in stops)):
+            raise _bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP} "
+                       "non-empty strings")
         opts["stop"] = stops
 
     n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("n", f"only n = 1 is supported, got {n!r}")
+    if n is not None and not (_is_int(n) and n == 1):
+        raise _bad("n", f"only n = 1 is supported, got {_show(n)}")
     return opts
 
 
@@ -126,7 +181,8 @@ def _messages(body: dict) -> list[dict]:
         raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise _bad(f"messages[{i}]", f"messages[{i}] must be an object with role "
                        "system, developer, user or assistant")
         content = m.get("content")
@@ -139,7 +195,7 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(p["text"] for p in content)
         elif not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-        out.append({"role": CHAT_ROLES[m["role"]], "content": content})
+        out.append({"role": CHAT_ROLES[role], "content": content})
     return out
 
 
@@ -159,28 +215,69 @@ class EdgespecServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address, engine, *, api_key: str | None, model_name: str, quiet: bool):
+    def __init__(self, address, engine, *, api_key: str | None, model_name: str, quiet: bool,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+        if max_request_bytes <= 0:
+            raise InvalidArgumentError(f"max_request_bytes must be > 0, got {max_request_bytes}")
         self.engine = engine
         self.engine_lock = threading.Lock()
         self.api_key = api_key
         self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
         self.quiet = quiet
         self.created = int(time.time())
         self.stopping = False       # set on shutdown: generations end at the next piece
+        self._tokenizing = 0        # prompts being tokenized outside the engine lock
+        self._tokenizers_done = threading.Condition()
         super().__init__(address, Handler)
 
     def serve_until_interrupted(self) -> None:
         """serve_forever() until Ctrl-C, then stop: close the socket and wait for
-        the running generation (it ends at its next piece). The engine lock is
-        kept, so queued requests never start and the caller may close the engine."""
+        the running generation (it ends at its next piece) and tokenizations. The
+        engine lock is kept, so queued requests never start and the caller may
+        close the engine."""
         try:
             self.serve_forever()
         except KeyboardInterrupt:
             pass
         finally:
-            self.stopping = True
+            with self._tokenizers_done:
+                self.stopping = True
+                self._tokenizers_done.wait_for(lambda: self._tokenizing == 0)
             self.server_close()
             self.engine_lock.acquire()
+
+    @contextmanager
+    def _tokenizer(self):
+        """The engine's tokenizer, used outside the engine lock (never after shutdown)."""
+        with self._tokenizers_done:
+            if self.stopping:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            self._tokenizing += 1
+        try:
+            yield
+        finally:
+            with self._tokenizers_done:
+                self._tokenizing -= 1
+                self._tokenizers_done.notify_all()
+
+    def prompt_tokens(self, prompt_args: dict) -> int:
+        """The number of tokens of a request's prompt, counted outside the engine
+        lock: a prompt over the context is refused here, so the engine, which
+        tokenizes again under its lock, only ever tokenizes what fits."""
+        param = "messages" if "messages" in prompt_args else "prompt"
+        with self._tokenizer():
+            try:
+                n = len(self.engine.prompt_tokens(prompt_args.get("prompt"), prompt_args.get("messages")))
+            except InvalidArgumentError as e:     # a chat template refusing the messages
+                raise ApiError(400, str(e), param=param)
+        if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
+            raise ApiError(400, "the prompt has no tokens", param=param)
+        n_ctx = self.engine.backend.n_ctx
+        if n >= n_ctx:
+            raise ApiError(400, f"the prompt is {n} tokens but the context holds {n_ctx}",
+                           param=param, code="context_length_exceeded")
+        return n
 
     @property
     def url(self) -> str:
@@ -199,6 +296,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "edgespec"
     timeout = 120                     # seconds a socket read or write may stall
     disable_nagle_algorithm = True    # stream each piece as it comes
+    _body_unread = False              # the request announced a body not read yet: close after answering
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -218,8 +316,37 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def finish(self):
+        super().finish()
+        if self._body_unread:
+            self._linger()
+
+    def _linger(self) -> None:
+        """After answering a request whose body was left unread: end our side, then
+        discard what the client still sends (up to max_request_bytes, for LINGER_S),
+        so that the close does not reset the connection before the client has read
+        the answer (closing with unread data sends a reset)."""
+        sock = self.connection
+        left, deadline = self.server.max_request_bytes, time.monotonic() + LINGER_S
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            while left > 0 and time.monotonic() < deadline:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                data = sock.recv(min(left, 65536))
+                if not data:
+                    break
+                left -= len(data)
+        except OSError:   # a timeout or a reset: done either way
+            pass
+
+    def handle_expect_100(self):
+        """Expect: 100-continue is answered in _read_body, once the headers have passed."""
+        return True
+
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        if self._body_unread:   # what follows on the connection is that body: end it
+            self.close_connection = True
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -231,23 +358,34 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _read_body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self.close_connection = True
+        """The request body, read only once its headers have passed every check
+        (a client waiting on Expect: 100-continue is told to send it now)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        if self.headers.get_all("Transfer-Encoding"):
+            if lengths:
+                raise ApiError(400, "a request may not carry both Transfer-Encoding and Content-Length")
             raise ApiError(411, "chunked request bodies are not supported; send Content-Length")
-        if length is None:
+        if not lengths:
             return b""
-        try:
-            n = int(length)
-        except ValueError:
-            n = -1
-        if n < 0:
-            self.close_connection = True
-            raise ApiError(400, "invalid Content-Length")
-        if n > MAX_BODY:
-            self.close_connection = True
-            raise ApiError(413, f"request body over {MAX_BODY} bytes")
-        return self.rfile.read(n)
+        if len(lengths) > 1:
+            raise ApiError(400, f"a request carries one Content-Length header, got {len(lengths)}")
+        value = lengths[0].strip()
+        if not (value.isascii() and value.isdigit()):
+            raise ApiError(400, f"invalid Content-Length {_show(value)}")
+        limit = self.server.max_request_bytes
+        if len(value.lstrip("0")) > len(str(limit)) or int(value) > limit:
+            shown = value if len(value) <= 20 else value[:20] + "..."
+            raise ApiError(413, f"request body of {shown} bytes; this server takes at most {limit} "
+                           "(edgespec serve --max-request-bytes)", code="request_too_large")
+        if self.headers.get("Expect", "").lower() == "100-continue" and self.request_version >= "HTTP/1.1":
+            self.send_response_only(100)
+            self.end_headers()
+        n = int(value)
+        body = self.rfile.read(n)
+        if len(body) < n:
+            raise ApiError(400, f"the request body ended after {len(body)} of its {n} bytes")
+        self._body_unread = False
+        return body
 
     def _check_auth(self) -> None:
         key = self.server.api_key
@@ -262,11 +400,12 @@ class Handler(BaseHTTPRequestHandler):
     def _handle(self, method: str) -> None:
         t0 = time.perf_counter()
         self._status, self._note, self._streaming = "-", "", False
+        self._body_unread = bool(self.headers.get_all("Transfer-Encoding")) or any(
+            v.strip().lstrip("0") for v in self.headers.get_all("Content-Length") or [])
         path = self.path.split("?", 1)[0]
         try:
             try:
-                body = self._read_body() if method != "GET" else b""
-                self._route(method, path, body)
+                self._route(method, path)
             except ApiError as e:
                 self._send_json(e.status, e.body(), e.headers)
             except (ClientGone, BrokenPipeError, ConnectionResetError):
@@ -283,6 +422,21 @@ class Handler(BaseHTTPRequestHandler):
         ms = 1000 * (time.perf_counter() - t0)
         note = f" {self._note}" if self._note else ""
         self.server.log(f'{self.address_string()} "{method} {self.path}" {self._status} {ms:.0f} ms{note}')
+
+    def _client_gone(self) -> bool:
+        """Whether the client has closed its connection (end-of-file waiting) or
+        reset it. A peek without blocking: a pipelined next request is left alone."""
+        sock = self.connection
+        timeout = sock.gettimeout()
+        sock.settimeout(0)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:   # nothing to read: still there
+            return False
+        except OSError:           # reset
+            return True
+        finally:
+            sock.settimeout(timeout)
 
     def do_GET(self):
         self._handle("GET")
@@ -301,7 +455,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes -------------------------------------------------------------------
 
-    def _route(self, method: str, path: str, body: bytes) -> None:
+    def _route(self, method: str, path: str) -> None:
         if path.startswith("/v1/"):
             self._check_auth()
         name = self.server.model_name
@@ -318,7 +472,7 @@ class Handler(BaseHTTPRequestHandler):
         elif path in POST_PATHS:
             if method != "POST":
                 raise ApiError(405, f"{method} is not allowed on {path}", headers={"Allow": "POST"})
-            self._completion(chat=path == "/v1/chat/completions", body=body)
+            self._completion(chat=path == "/v1/chat/completions")
         elif path.startswith("/v1/models/"):
             raise ApiError(404, f"model {path[len('/v1/models/'):]!r} does not exist; this server has {name!r}",
                            code="model_not_found", param="model")
@@ -329,17 +483,14 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": self.server.model_name, "object": "model", "created": self.server.created,
                 "owned_by": "edgespec"}
 
-    def _completion(self, chat: bool, body: bytes) -> None:
-        try:
-            req = json.loads(body.decode("utf-8")) if body else None
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}")
-        if not isinstance(req, dict):
-            raise ApiError(400, "request body must be a JSON object")
+    def _completion(self, chat: bool) -> None:
+        req = _request(self._read_body())
         model = req.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad("model", "model must be a string")
         if model is not None and model != self.server.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server has {self.server.model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(404, f"model {_show(model)} does not exist; this server has "
+                           f"{self.server.model_name!r}", param="model", code="model_not_found")
         opts = _options(req)
         stream = req.get("stream", False)
         if not isinstance(stream, bool):
@@ -354,9 +505,13 @@ class Handler(BaseHTTPRequestHandler):
             prompt_args = {"prompt": _prompt(req)}
 
         server = self.server
+        n_prompt = server.prompt_tokens(prompt_args)
+        opts["max_tokens"] = min(opts["max_tokens"], server.engine.backend.n_ctx - n_prompt)
         with server.engine_lock:
             if server.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error")
+            if self._client_gone():   # it left while queued
+                raise ClientGone()
             try:
                 pieces = server.engine.stream(**prompt_args, **opts)
             except ContextOverflowError as e:
@@ -376,7 +531,7 @@ class Handler(BaseHTTPRequestHandler):
                     raise ApiError(500, str(e), type="server_error")
                 self._event({"error": ApiError(500, str(e), type="server_error").body()["error"]})
             finally:
-                pieces.close()   # a client gone mid-stream: stop the generation here
+                pieces.close()   # a client gone: the generation ends here
 
     def _envelope(self, chat: bool, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
@@ -392,11 +547,20 @@ class Handler(BaseHTTPRequestHandler):
         return {"usage": usage, "edgespec": extra}
 
     def _generated(self, pieces):
-        """The pieces, stopping early when the server shuts down."""
+        """The pieces, stopping early when the server shuts down; ClientGone as
+        soon as the client has left (checked after every piece)."""
         for piece in pieces:
             yield piece
             if self.server.stopping:
                 return
+            if self._client_gone():
+                self._stop(pieces)
+                raise ClientGone()
+
+    def _stop(self, pieces) -> None:
+        """End the generation now: this thread owns it, so closing it is
+        immediate (Engine.cancel() is for stopping it from another thread)."""
+        pieces.close()
 
     def _whole(self, pieces, chat: bool) -> None:
         self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -464,18 +628,21 @@ def default_model_name(engine) -> str:
 
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-                model_name: str | None = None, quiet: bool = False) -> EdgespecServer:
+                model_name: str | None = None, quiet: bool = False,
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> EdgespecServer:
     """Bind a server for ``engine`` without serving (port 0 picks a free one).
     Run it with ``serve_forever()``; end it with ``shutdown()`` and ``server_close()``."""
     return EdgespecServer((host, port), engine, api_key=api_key or None,
-                          model_name=model_name or default_model_name(engine), quiet=quiet)
+                          model_name=model_name or default_model_name(engine), quiet=quiet,
+                          max_request_bytes=max_request_bytes)
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          model_name: str | None = None, quiet: bool = False) -> None:
+          model_name: str | None = None, quiet: bool = False,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
     """Serve ``engine`` until Ctrl-C; returns once no generation is running,
     so the caller may close the engine."""
-    server = make_server(engine, host, port, api_key, model_name, quiet)
+    server = make_server(engine, host, port, api_key, model_name, quiet, max_request_bytes)
     print(f"edgespec: serving {server.model_name} at {server.url}/v1 (Ctrl-C to stop)",
           file=sys.stderr, flush=True)
     server.serve_until_interrupted()

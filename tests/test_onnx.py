@@ -157,7 +157,7 @@ def test_logits_agree_with_llama(llama_engine, export_dir):
     try:
         for prompt, chat in PARITY_PROMPTS + OPEN_PROMPTS:
             result = llama_engine.generate(prompt, chat=chat, max_tokens=32, drafter="none")
-            prompt_tokens = llama_engine._prompt_tokens(None if chat else prompt,
+            prompt_tokens = llama_engine.prompt_tokens(None if chat else prompt,
                                                         [{"role": "user", "content": prompt}] if chat else None)
             seq = prompt_tokens + result.tokens
             n = len(result.tokens) + 1

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
+import time
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from edgespec import Engine  # noqa: E402
+from edgespec.errors import EdgespecError  # noqa: E402
 from edgespec.server import make_server  # noqa: E402
 
 N = 8  # tokens per generation unless a test needs more
@@ -260,6 +263,268 @@ def test_api_key(engine, server):
         with server.engine_lock:   # the two servers share one engine: keep them apart
             r = good.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, temperature=0)
         assert r.choices[0].text
+    finally:
+        keyed.shutdown()
+        keyed.server_close()
+        thread.join(10)
+
+
+# -- hardening: stopping work whose client left ---------------------------------------
+
+COUNTING = "1, 2, 3, 4, 5, 6,"   # greedy SmolLM2 counts on and on: no end of text before the context
+
+
+def _send(server, body: dict | bytes, path="/v1/completions", headers: str = "") -> socket.socket:
+    """A raw socket that has sent one POST request (headers and body)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sock = socket.create_connection(server.server_address[:2], timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _wait_locked(server, timeout=30.0) -> None:
+    """Wait until a request holds the engine lock."""
+    deadline = time.monotonic() + timeout
+    while not server.engine_lock.locked():
+        assert time.monotonic() < deadline, "no request took the engine lock"
+        time.sleep(0.01)
+
+
+def test_disconnect_stops_whole_generation(server, client, engine):
+    """A non-streaming request asking for 10^9 tokens whose client leaves stops
+    within a step; the next request does not wait for the context to fill."""
+    ref = reference(server, messages=CHAT)   # (the auto drafter has measured this machine by now)
+    sock = _send(server, {"prompt": COUNTING, "max_tokens": 10**9, "temperature": 0})
+    _wait_locked(server)
+    time.sleep(0.5)                    # generating by now
+    sock.close()
+    t0 = time.monotonic()
+    with server.engine_lock:           # the generation has ended by now
+        waited = time.monotonic() - t0
+        last = engine.last_result
+    assert last.stats.stop_reason in ("", "cancelled"), last.stats   # not "context": it stopped early
+    assert 0 < last.stats.n_tokens < engine.backend.n_ctx - last.stats.prompt_tokens
+    assert waited < 5, f"the engine stayed busy {waited:.1f} s after the client left"
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == ref.text
+
+
+def test_disconnect_while_queued_starts_nothing(server, engine):
+    before = engine.last_result
+    with server.engine_lock:           # a generation is running: the request queues
+        sock = _send(server, {"prompt": COUNTING, "max_tokens": 10**9, "temperature": 0})
+        time.sleep(0.5)                # read and validated by now, waiting for the lock
+        sock.close()
+    time.sleep(0.5)                    # the handler takes the lock, sees the client gone
+    with server.engine_lock:
+        assert engine.last_result is before
+
+
+# -- hardening: limits ------------------------------------------------------------------
+
+def _headers_only(server, head: str, timeout=10) -> tuple[bytes, bool]:
+    """Send a request's head without its body; the raw answer and whether the
+    server then closed the connection."""
+    sock = socket.create_connection(server.server_address[:2], timeout=timeout)
+    try:
+        sock.sendall(head.encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            more = sock.recv(65536)
+            assert more, data
+            data += more
+        head_end = data.index(b"\r\n\r\n") + 4
+        length = int(re.search(rb"Content-Length: (\d+)", data[:head_end]).group(1))
+        while len(data) < head_end + length:
+            data += sock.recv(65536)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        return data, closed
+    finally:
+        sock.close()
+
+
+def _status_body(data: bytes) -> tuple[int, dict]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_oversized_body_refused_unread(server):
+    """A 10 MB chat message is refused from the headers (413), the body never read."""
+    data, closed = _headers_only(server, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                         f"Content-Length: {10 * 1024 * 1024}\r\n\r\n")
+    status, body = _status_body(data)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert str(server.max_request_bytes) in body["error"]["message"]
+    assert closed
+
+
+def test_max_request_bytes_setting(engine, server):
+    small, thread = _start(engine, max_request_bytes=2000)
+    try:
+        assert_error(raw(small, "POST", "/v1/completions", body={"prompt": "x" * 3000}), 413,
+                     code="request_too_large")
+        with server.engine_lock:   # the two servers share one engine: keep them apart
+            status, _, body = raw(small, "POST", "/v1/completions",
+                                  body={"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+        assert status == 200, body
+    finally:
+        small.shutdown()
+        small.server_close()
+        thread.join(10)
+    with pytest.raises(EdgespecError):
+        make_server(engine, port=0, max_request_bytes=0)
+
+
+def test_over_context_prompt_refused_without_the_engine_lock(server):
+    """A prompt far over the context is tokenized and refused while a generation
+    holds the engine (old: tokenized under the lock, after the running generation)."""
+    text = "All work and no play makes Jack a dull boy. " * 20000   # ~900 kB, ~200k tokens
+    with server.engine_lock:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+                           ("/v1/completions", {"prompt": text})):
+            host, port = server.server_address[:2]
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("POST", path, body=json.dumps({**body, "max_tokens": 1}))
+            resp = conn.getresponse()
+            err = json.loads(resp.read())["error"]
+            conn.close()
+            assert resp.status == 400 and err["code"] == "context_length_exceeded", err
+            assert str(server.engine.backend.n_ctx) in err["message"]
+
+
+# -- hardening: validation --------------------------------------------------------------
+
+def test_invalid_values_are_400_not_500(server):
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    surrogate = '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}'
+    assert_error(raw(server, "POST", chat, body=surrogate), 400)
+    assert_error(raw(server, "POST", comp, body='{"prompt": "\\udfff", "max_tokens": 1}'), 400)
+    assert_error(raw(server, "POST", comp, body='{"prompt": "x", "stop": ["\\ud83d"], "max_tokens": 1}'), 400)
+    assert_error(raw(server, "POST", comp, body="[" * 100000 + "]" * 100000), 400)
+    assert_error(raw(server, "POST", comp, body='{"prompt": "x", "max_tokens": 1' + "0" * 5000 + "}"), 400)
+    cases = [
+        (chat, {"messages": [{"role": ["user"], "content": "x"}]}, "messages[0]"),
+        (chat, {"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0]"),
+        (chat, {"messages": ["user"]}, "messages[0]"),
+        (chat, {"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages[0].content"),
+        (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        (chat, {"messages": {"role": "user"}}, "messages"),
+        (chat, {"messages": []}, "messages"),
+        (comp, {"prompt": ["a", "b"]}, "prompt"),
+        (comp, {"prompt": [1, 2]}, "prompt"),
+        (comp, {"prompt": "\x16"}, "prompt"),   # no tokens at all (found by tests/test_server_fuzz.py)
+        (comp, {"prompt": "x", "stop": {"a": 1}}, "stop"),
+        (comp, {"prompt": "x", "stop": [""]}, "stop"),
+        (comp, {"prompt": "x", "stop": ["s"] * 17}, "stop"),
+        (comp, {"prompt": "x", "temperature": 7.5}, "temperature"),
+        (comp, {"prompt": "x", "temperature": 2.0001}, "temperature"),
+        (comp, {"prompt": "x", "temperature": "1"}, "temperature"),
+        (comp, {"prompt": "x", "temperature": 10**400}, "temperature"),
+        (comp, {"prompt": "x", "top_p": 1.5}, "top_p"),
+        (comp, {"prompt": "x", "top_p": -0.1}, "top_p"),
+        (comp, {"prompt": "x", "n": 2}, "n"),
+        (comp, {"prompt": "x", "n": True}, "n"),
+        (comp, {"prompt": "x", "n": 1.0}, "n"),
+        (comp, {"prompt": "x", "max_tokens": -5}, "max_tokens"),
+        (comp, {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        (comp, {"prompt": "x", "max_tokens": None, "max_completion_tokens": "x"}, "max_completion_tokens"),
+        (comp, {"prompt": "x", "seed": -1}, "seed"),
+        (comp, {"prompt": "x", "stream": "yes"}, "stream"),
+        (comp, {"prompt": "x", "stream_options": [1]}, "stream_options"),
+        (comp, {"prompt": "x", "model": ["smollm2"]}, "model"),
+    ]
+    for path, body, param in cases:
+        assert_error(raw(server, "POST", path, body={"max_tokens": 1, **body}), 400, param=param)
+    assert raw(server, "GET", "/health")[0] == 200
+
+
+def test_range_edges_are_served(server):
+    """temperature 2 and top_p 0 (OpenAI's range ends) are served; top_p 0 keeps
+    only the most likely token, so it is greedy; temperature 1e-7 is greedy too."""
+    ref = reference(server, prompt=PROMPT)
+    for extra in ({"temperature": 1.0, "top_p": 0}, {"temperature": 1e-7}):
+        status, _, body = raw(server, "POST", "/v1/completions",
+                              body={"prompt": PROMPT, "max_tokens": N, "seed": 7, **extra})
+        assert status == 200 and body["choices"][0]["text"] == ref.text, (extra, body)
+    status, _, body = raw(server, "POST", "/v1/completions",
+                          body={"prompt": PROMPT, "max_tokens": 2, "temperature": 2, "top_p": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
+
+
+# -- hardening: HTTP framing and the API key --------------------------------------------
+
+def _post_head(length_headers: str, extra: str = "") -> str:
+    return f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{extra}{length_headers}\r\n"
+
+
+def test_request_framing(server):
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+    n = len(body)
+    for head, status in [
+        (_post_head(f"Content-Length: {n}\r\nContent-Length: {n + 5}\r\n"), 400),   # conflicting
+        (_post_head(f"Content-Length: {n}\r\nContent-Length: {n}\r\n"), 400),       # duplicated
+        (_post_head(f"Content-Length: +{n}\r\n"), 400),
+        (_post_head(f"Content-Length: {n}, {n}\r\n"), 400),
+        (_post_head("Content-Length: -1\r\n"), 400),
+        (_post_head("Content-Length: 1" + "0" * 5000 + "\r\n"), 413),
+        (_post_head("Transfer-Encoding: chunked\r\n"), 411),
+        (_post_head(f"Transfer-Encoding: chunked\r\nContent-Length: {n}\r\n"), 400),
+    ]:
+        data, closed = _headers_only(server, head)
+        got, err = _status_body(data)
+        assert got == status and set(err["error"]) == {"message", "type", "param", "code"}, (head, err)
+        assert closed, head
+    # a body shorter than its Content-Length, then the client's half-close
+    sock = socket.create_connection(server.server_address[:2], timeout=10)
+    sock.sendall(_post_head(f"Content-Length: {n + 10}\r\n").encode() + body.encode())
+    sock.shutdown(socket.SHUT_WR)
+    got, err = _status_body(b"".join(iter(lambda: sock.recv(65536), b"")))
+    sock.close()
+    assert got == 400 and "ended" in err["error"]["message"]
+
+
+def test_expect_100_continue(server):
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+    sock = socket.create_connection(server.server_address[:2], timeout=60)
+    sock.sendall(_post_head(f"Content-Length: {len(body)}\r\n", "Expect: 100-continue\r\n").encode())
+    assert sock.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    sock.sendall(body)
+    data = b""
+    while b'"choices"' not in data:
+        more = sock.recv(65536)
+        assert more, data
+        data += more
+    sock.close()
+    assert data.startswith(b"HTTP/1.1 200")
+
+
+def test_api_key_checked_before_the_body(engine):
+    """An unauthenticated 15 MB body is never read: 401 from the headers, then
+    the connection closes (old: the body was read in full, then refused)."""
+    keyed, thread = _start(engine, api_key="sekrit")
+    try:
+        for extra in ("", "Expect: 100-continue\r\n", "Authorization: Bearer wrong\r\n"):
+            data, closed = _headers_only(keyed, _post_head(f"Content-Length: {15 * 1024 * 1024}\r\n", extra))
+            status, body = _status_body(data)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", extra
+            assert closed
+        # a client sending its whole body before reading still gets the answer (not a reset)
+        assert_error(raw(keyed, "POST", "/v1/completions", body="x" * (3 * 1024 * 1024)), 401,
+                     code="invalid_api_key")
+        # a request without a body keeps its connection
+        conn = http.client.HTTPConnection(*keyed.server_address[:2], timeout=10)
+        socks = []
+        for _ in range(2):
+            conn.request("GET", "/v1/models")
+            socks.append(conn.sock)
+            resp = conn.getresponse()
+            assert resp.status == 401 and json.loads(resp.read())["error"]["code"] == "invalid_api_key"
+        assert socks[0] is socks[1]
+        conn.close()
     finally:
         keyed.shutdown()
         keyed.server_close()

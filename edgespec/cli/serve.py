@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from ..server import DEFAULT_MAX_REQUEST_BYTES
 from . import app, fail
 from .options import EngineOptions, engine_options
 
@@ -19,6 +20,9 @@ def serve(
                                      "also read from EDGESPEC_API_KEY)."),
     model_name: str = typer.Option(None, help="Model id clients send and /v1/models lists "
                                               "(default: the built-in name or the file's stem)."),
+    max_request_bytes: int = typer.Option(DEFAULT_MAX_REQUEST_BYTES,
+                                          help="Largest request body accepted, in bytes, > 0 (4 MiB; "
+                                               "a larger one gets 413 without being read)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-request log lines on stderr."),
 ):
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
@@ -27,9 +31,12 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
+    if max_request_bytes <= 0:
+        raise fail(f"--max-request-bytes must be > 0, got {max_request_bytes}")
     with engine.open() as e:
         try:
-            server = make_server(e, host, port, api_key=api_key, model_name=model_name, quiet=quiet)
+            server = make_server(e, host, port, api_key=api_key, model_name=model_name, quiet=quiet,
+                                 max_request_bytes=max_request_bytes)
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
         typer.echo(f"serving {server.model_name} (drafter {e.drafter}) at {server.url}/v1"
