@@ -19,6 +19,7 @@ many tokens as pay once its own time per token is added to the cost.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -86,10 +87,16 @@ def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
         return table[key]
     costs = measure_batch_costs(backend)
     table[key] = costs
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        # An unwritable cache only costs a measurement per process: the curve
+        # is used all the same.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return costs
 
 

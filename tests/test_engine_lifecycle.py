@@ -96,3 +96,10 @@ def test_bad_arguments_are_typed_errors(tiny_llama_path, call, message):
         with pytest.raises(InvalidArgumentError, match=message):
             call(engine)
         assert engine.generate("Hello", max_tokens=2).stats.n_tokens == 2
+
+
+def test_export_into_an_unwritable_folder_is_one_line(tiny_llama_path):
+    from edgespec.backends import onnx_export
+
+    with pytest.raises(InvalidArgumentError, match=r"^/proc(/edgespec-export: cannot write the export there| is not writable)"):
+        onnx_export.export(tiny_llama_path, "/proc/edgespec-export", weights="fp32", progress=False)

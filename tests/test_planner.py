@@ -74,3 +74,18 @@ def test_budget_for_costly_drafters_counts_drafting_time():
         p.record_draft_time("m", 2.0, 1)  # drafting a token costs two target tokens
     assert p.budget("m", 8, may_skip=True) == 0
     assert p.budget("m", 8, may_skip=False) == 2
+
+
+def test_an_unwritable_cache_still_gives_a_measured_curve(tiny_llama_path, tmp_path, monkeypatch):
+    """EDGESPEC_HOME unwritable (a file where the folder should be): the curve
+    is measured and used, nothing raised, nothing left behind."""
+    from edgespec.backends import open_backend
+    from edgespec.planner import batch_costs
+
+    blocker = tmp_path / "home"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("EDGESPEC_HOME", str(blocker))
+    with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as backend:
+        costs = batch_costs(backend)
+    assert len(costs) == MAX_BATCH + 1 and costs[1] == 1.0
+    assert [p.name for p in tmp_path.iterdir()] == ["home"]

@@ -37,6 +37,7 @@ The rules, the same on every backend:
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
 from ..capi import Closing
@@ -78,7 +79,7 @@ class Interrupted(Exception):
     """Raised by ``decode`` when its ``cancel`` callable said stop between chunks."""
 
 
-class Backend(Closing):
+class Backend(Closing, ABC):
     """Base of every backend: the KV-cache record and protocol over the primitives.
 
     Subclasses set ``name``, ``path``, ``n_vocab``, ``n_ctx``, ``n_batch``,
@@ -101,15 +102,18 @@ class Backend(Closing):
 
     # -- primitives ---------------------------------------------------------
 
+    @abstractmethod
     def _evaluate(self, tokens: list[int], positions: list[int], parents: list[int] | None,
                   logits_from: int) -> int:
-        raise NotImplementedError
+        """One batch appended after the cache (see the module docstring)."""
 
+    @abstractmethod
     def _truncate(self, n_keep: int) -> None:
-        raise NotImplementedError
+        """Keep the first n_keep cells in every sequence."""
 
+    @abstractmethod
     def _close(self) -> None:
-        raise NotImplementedError
+        """Free the backend's objects; safe on a half-made backend."""
 
     def _check_kv_memory(self, n_ctx: int) -> None:
         """Refuse a KV cache (F16 keys and values, every layer) larger than the

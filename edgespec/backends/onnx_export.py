@@ -616,7 +616,11 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     static = (STATIC_SEQ, STATIC_CTX) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
     bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".part", dir=out_dir.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".part", dir=out_dir.parent))
+    except OSError as e:
+        reader.close()
+        raise InvalidArgumentError(f"{out_dir}: cannot write the export there ({e.strerror or e})") from None
     try:
         with reader:
             model = _Builder(reader, cfg, weights, static, bar.update).build()
@@ -636,6 +640,9 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.replace(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InvalidArgumentError(f"{out_dir}: cannot write the export ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
