@@ -198,22 +198,24 @@ SPEC_PROMPT = TEXT * 4  # ~220 tokens: generation crosses 256 positions
 
 @pytest.fixture(scope="module", params=["smollm2", "tiny-qwen2"])
 def plain_past_256(request, smollm2_path, tiny_qwen2_path):
-    """Plain greedy decoding on the native backend from SPEC_PROMPT to position
-    300: (model path, prompt length, tokens)."""
+    """Plain greedy decoding on the native backend from a prompt of ~220 tokens
+    (SPEC_PROMPT, cut to fit the tiny model's small tokenizer) to position 300:
+    (model path, prompt, prompt length, tokens)."""
     path = smollm2_path if request.param == "smollm2" else tiny_qwen2_path
     with Engine(path, backend="native", threads=2, n_ctx=N_CTX) as plain:
-        n_prompt = len(plain.backend.tokenize(SPEC_PROMPT))
-        assert n_prompt < 256
-        return path, n_prompt, plain.generate(SPEC_PROMPT, max_tokens=300 - n_prompt).tokens
+        prompt = plain.detokenize(plain.tokenize(SPEC_PROMPT, add_special=False)[:220])
+        n_prompt = len(plain.tokenize(prompt))
+        assert 150 < n_prompt < 256
+        return path, prompt, n_prompt, plain.generate(prompt, max_tokens=300 - n_prompt).tokens
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "recycle"])
 def test_speculative_equals_plain_past_256_positions(plain_past_256, drafter):
     """Exact speculative decoding on this backend at any context length
     (llama.cpp's kernels stop being batch invariant past 256 cells)."""
-    path, n_prompt, ref = plain_past_256
+    path, prompt, n_prompt, ref = plain_past_256
     with Engine(path, backend="native", threads=2, n_ctx=N_CTX, drafter=drafter) as spec:
-        out = spec.generate(SPEC_PROMPT, max_tokens=300 - n_prompt)
+        out = spec.generate(prompt, max_tokens=300 - n_prompt)
     assert n_prompt + len(ref) > 256
     assert out.tokens == ref
     assert out.stats.spec.accepted > 0
