@@ -188,6 +188,7 @@ def test_greedy_output_equals_llama(llama_engine, onnx_engine, prompt, chat):
 # -- speculative decoding on it -----------------------------------------------
 
 
+@pytest.mark.models  # its exports (of smollm2) are fetched by name, which conftest cannot see
 @pytest.mark.parametrize("shapes", ["dynamic", "static"])
 def test_a_token_s_logits_do_not_depend_on_its_call(request, shapes):
     """What exact speculation rests on, checked on this machine's kernels: a
