@@ -23,38 +23,14 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "gguf_bytes.h"
 
 /* ------------------------------------------------------------------------
  * A GGUF writer
  * ------------------------------------------------------------------------ */
 
-typedef struct buf {
-    uint8_t * p;
-    size_t    n, cap;
-} buf;
-
-static void put(buf * b, const void * src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        if (!b->p) abort();
-    }
-    memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-
-static void put_le(buf * b, uint64_t v, int n) {
-    uint8_t bytes[8];
-    for (int i = 0; i < n; i++) bytes[i] = (uint8_t) (v >> (8 * i));
-    put(b, bytes, (size_t) n);
-}
-
 static void put_u32(buf * b, uint64_t v) { put_le(b, v, 4); }
 static void put_u64(buf * b, uint64_t v) { put_le(b, v, 8); }
-static void put_str(buf * b, const char * s) {
-    put_u64(b, strlen(s));
-    put(b, s, strlen(s));
-}
 
 // One tensor info as written (any field may be wrong on purpose).
 typedef struct tspec {

@@ -23,37 +23,12 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "gguf_bytes.h"
 
 /* ------------------------------------------------------------------------
  * A GGUF writer: metadata as a list of (key, type + value bytes), so that a
  * test can replace or drop any key; tensors zero-filled
  * ------------------------------------------------------------------------ */
-
-typedef struct buf {
-    uint8_t * p;
-    size_t    n, cap;
-} buf;
-
-static void put(buf * b, const void * src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        if (!b->p) abort();
-    }
-    if (n) memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-
-static void put_le(buf * b, uint64_t v, int n) {
-    uint8_t bytes[8];
-    for (int i = 0; i < n; i++) bytes[i] = (uint8_t) (v >> (8 * i));
-    put(b, bytes, (size_t) n);
-}
-
-static void put_str(buf * b, const char * s) {
-    put_le(b, strlen(s), 8);
-    put(b, s, strlen(s));
-}
 
 static void put_f32(buf * b, float f) {
     uint32_t u;
