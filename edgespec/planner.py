@@ -75,18 +75,39 @@ def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[flo
     return costs
 
 
+BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measured curve is provisional
+
+
+def _other_load() -> float:
+    """The 1-minute load average per CPU (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
 def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
-    """The cached cost curve for this backend, measuring it when missing."""
+    """The cached cost curve for this backend, measuring it when missing.
+
+    A curve measured while the machine was busy (other work loading it more
+    than BUSY) is kept as provisional: it is measured again the next time the
+    machine is quieter than it was then, so one busy first run does not
+    decide for good that speculation never pays."""
     path = registry.home() / COST_FILE
     key = _cost_key(backend)
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    if not remeasure and isinstance(table.get(key), list) and len(table[key]) == MAX_BATCH + 1:
-        return table[key]
+    entry, load = table.get(key), _other_load()
+    if isinstance(entry, list):          # written before loads were recorded
+        entry = {"costs": entry, "load": 0.0}
+    if (not remeasure and isinstance(entry, dict) and isinstance(entry.get("costs"), list)
+            and len(entry["costs"]) == MAX_BATCH + 1
+            and not (entry.get("load", 0.0) > BUSY and load < entry["load"] - BUSY / 2)):
+        return entry["costs"]
     costs = measure_batch_costs(backend)
-    table[key] = costs
+    table[key] = {"costs": costs, "load": round(load, 3)}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

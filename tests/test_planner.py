@@ -89,3 +89,29 @@ def test_an_unwritable_cache_still_gives_a_measured_curve(tiny_llama_path, tmp_p
         costs = batch_costs(backend)
     assert len(costs) == MAX_BATCH + 1 and costs[1] == 1.0
     assert [p.name for p in tmp_path.iterdir()] == ["home"]
+
+
+def test_a_curve_measured_on_a_busy_machine_is_measured_again_when_quieter(tiny_llama_path, tmp_path,
+                                                                          monkeypatch):
+    import os
+
+    from edgespec import planner
+    from edgespec.backends import open_backend
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    measured = []
+    real = planner.measure_batch_costs
+    monkeypatch.setattr(planner, "measure_batch_costs", lambda b: measured.append(1) or real(b))
+    cpus = os.cpu_count() or 1
+    with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as backend:
+        monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cpus, 0.0, 0.0))   # busy
+        planner.batch_costs(backend)
+        planner.batch_costs(backend)              # as busy: the provisional curve is kept
+        assert len(measured) == 1
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.1 * cpus, 0.0, 0.0))   # quiet
+        planner.batch_costs(backend)              # measured again
+        planner.batch_costs(backend)              # and now trusted
+        assert len(measured) == 2
+        monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cpus, 0.0, 0.0))
+        planner.batch_costs(backend)              # a quiet curve stays, however busy now
+        assert len(measured) == 2
