@@ -100,8 +100,7 @@ def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
     except (OSError, ValueError):
         table = {}
     entry, load = table.get(key), _other_load()
-    if isinstance(entry, list):          # written before loads were recorded
-        entry = {"costs": entry, "load": 0.0}
+    # (a bare list was written before loads were recorded: measured again once)
     if (not remeasure and isinstance(entry, dict) and isinstance(entry.get("costs"), list)
             and len(entry["costs"]) == MAX_BATCH + 1
             and not (entry.get("load", 0.0) > BUSY and load < entry["load"] - BUSY / 2)):

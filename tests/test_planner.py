@@ -115,3 +115,19 @@ def test_a_curve_measured_on_a_busy_machine_is_measured_again_when_quieter(tiny_
         monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cpus, 0.0, 0.0))
         planner.batch_costs(backend)              # a quiet curve stays, however busy now
         assert len(measured) == 2
+
+
+def test_a_curve_of_unknown_load_is_measured_again_once(tiny_llama_path, tmp_path, monkeypatch):
+    import json
+
+    from edgespec import planner
+    from edgespec.backends import open_backend
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as backend:
+        stale = [0.0] + [1.0] * planner.MAX_BATCH        # batches as cheap as one token: wrong
+        (tmp_path / planner.COST_FILE).write_text(json.dumps({planner._cost_key(backend): stale}))
+        costs = planner.batch_costs(backend)
+    assert costs != stale
+    entry = json.loads((tmp_path / planner.COST_FILE).read_text())[planner._cost_key(backend)]
+    assert entry["costs"] == costs and "load" in entry
