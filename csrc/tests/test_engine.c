@@ -13,13 +13,13 @@
 
 #include "native/native_internal.h"
 
-#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "check.h"
+#include "test_models.h"
 
 enum { N_SEQ = 12, N_CTX = 64 };
 
@@ -138,24 +138,6 @@ static void test_bad_files(void) {
 
 int main(void) {
     test_bad_files();
-    const char * dir = getenv("EDGESPEC_TEST_MODELS_DIR");
-    if (!dir || !*dir) {
-        printf("  EDGESPEC_TEST_MODELS_DIR not set: no real models run\n");
-        return check_report("test_engine");
-    }
-    DIR * d = opendir(dir);
-    CHECK(d != NULL);
-    int n_models = 0;
-    for (struct dirent * e; d && (e = readdir(d));) {
-        const size_t len = strlen(e->d_name);
-        if (len < 5 || strcmp(e->d_name + len - 5, ".gguf") != 0) continue;
-        char path[4096];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        printf("  %s\n", e->d_name);
-        check_model(path);
-        n_models++;
-    }
-    if (d) closedir(d);
-    CHECK(n_models > 0);
+    for_each_test_model(check_model);
     return check_report("test_engine");
 }

@@ -15,7 +15,6 @@
 
 #include "native/native_internal.h"
 
-#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +23,7 @@
 
 #include "check.h"
 #include "gguf_bytes.h"
+#include "test_models.h"
 
 /* ------------------------------------------------------------------------
  * A GGUF writer
@@ -600,27 +600,6 @@ static void check_model(const char * path) {
     es_gguf_close(g);
 }
 
-static void test_real_models(void) {
-    const char * dir = getenv("EDGESPEC_TEST_MODELS_DIR");
-    if (!dir || !*dir) {
-        printf("  EDGESPEC_TEST_MODELS_DIR not set: no real models checked\n");
-        return;
-    }
-    DIR * d = opendir(dir);
-    CHECK(d != NULL);
-    if (!d) return;
-    int n_models = 0;
-    for (struct dirent * e; (e = readdir(d));) {
-        size_t len = strlen(e->d_name);
-        if (len < 5 || strcmp(e->d_name + len - 5, ".gguf") != 0) continue;
-        char path[4096];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        check_model(path);
-        n_models++;
-    }
-    closedir(d);
-    CHECK(n_models > 0);  // the wrapper sets the variable only where models are
-}
 
 int main(void) {
     test_valid();
@@ -629,6 +608,6 @@ int main(void) {
     test_tensors();
     test_err_buffer();
     test_every_byte();
-    test_real_models();
+    for_each_test_model(check_model);
     return check_report("test_gguf");
 }
