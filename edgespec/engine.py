@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -28,7 +29,7 @@ from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
 from .models import registry
 from .planner import Planner, batch_costs
 from .sampling import Sampler, SamplingParams
-from .text import TextStream
+from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
 DEFAULT_DRAFT_MAX = 16  # most draft tokens (tree nodes) per target step
@@ -199,15 +200,6 @@ class Generation(Iterator[str]):
         self.close()
 
 
-def _encodable(text: str, what: str) -> str:
-    """``text`` if it can be encoded as UTF-8 (no lone surrogates), else an InvalidArgumentError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidArgumentError(f"{what} is not valid text: {e.reason} at character {e.start}") from None
-    return text
-
-
 def _whole(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(f"{name} must be a whole number >= {minimum}, got {value!r}"[:200])
@@ -339,17 +331,14 @@ class Engine:
                 self._running = None
         self._busy.release()
 
+    @contextmanager
     def _exclusive(self):
-        engine = self
-
-        class _Hold:
-            def __enter__(self):
-                engine._take(None)
-
-            def __exit__(self, *exc):
-                engine._give_back(None)
-
-        return _Hold()
+        """Hold the engine for a short call between generations."""
+        self._take(None)
+        try:
+            yield
+        finally:
+            self._give_back(None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -399,22 +388,19 @@ class Engine:
 
     # -- text -----------------------------------------------------------------
 
+    @contextmanager
     def _reading(self):
-        """Guard for calls that read the model outside a generation."""
-        engine = self
-
-        class _Read:
-            def __enter__(self):
-                with engine._state:
-                    engine._check_open()
-                    engine._readers += 1
-
-            def __exit__(self, *exc):
-                with engine._state:
-                    engine._readers -= 1
-                    engine._state.notify_all()
-
-        return _Read()
+        """Guard for calls that read the model outside a generation: close()
+        waits for them."""
+        with self._state:
+            self._check_open()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._readers -= 1
+                self._state.notify_all()
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         with self._reading():
@@ -450,7 +436,7 @@ class Engine:
         evaluates: the text, or the chat rendered through its template, tokenized.
         Thread-safe; it does not wait for a running generation."""
         if messages is not None:
-            text = _encodable(self.render_chat(messages), "the chat")
+            text = utf8_text(self.render_chat(messages), "the chat")
             with self._reading():
                 tokens = self.backend.tokenize(text, parse_special=True)
                 bos = self.backend.bos_token
@@ -461,7 +447,7 @@ class Engine:
             raise InvalidArgumentError(f"prompt must be a str, not {type(prompt).__name__}")
         if not prompt:
             raise InvalidArgumentError("prompt is empty")
-        _encodable(prompt, "prompt")
+        utf8_text(prompt, "prompt")
         with self._reading():
             return self.backend.tokenize(prompt)
 

@@ -81,8 +81,8 @@ def test_default_context_is_capped_at_the_training_context(tiny_llama_path):
 @pytest.mark.parametrize("call, message", [
     (lambda e: e.generate(b"hi"), "prompt must be a str, not bytes"),
     (lambda e: e.generate("hi", stop=5), "stop must be a string or a list of strings"),
-    (lambda e: e.generate("\ud800 hi"), "prompt is not valid text: surrogates not allowed"),
-    (lambda e: e.chat([{"role": "user", "content": "\udfff"}]), "the chat is not valid text"),
+    (lambda e: e.generate("\ud800 hi"), r"prompt is not valid UTF-8 \(lone surrogate U\+D800"),
+    (lambda e: e.chat([{"role": "user", "content": "\udfff"}]), "the chat is not valid UTF-8"),
     (lambda e: e.chat("hi"), "messages must be a list of objects, not str"),
     (lambda e: e.chat([{"role": ["user"], "content": "hi"}]), "message 0 has role"),
     (lambda e: e.chat(5), "messages must be a list"),

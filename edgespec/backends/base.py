@@ -201,20 +201,18 @@ class Backend(Closing, ABC):
         try:
             for a in range(0, last, self.n_batch):
                 b = min(a + self.n_batch, last)
-                self._append(tokens[a:b], None, b - a - 1)
+                self._append(tokens[a:b], b - a - 1)
                 if cancel is not None and cancel():
                     raise Interrupted
-            return self._append(tokens[last:], None, first_row - last)
+            return self._append(tokens[last:], first_row - last)
         except BaseException:
             self._resync()
             raise
 
-    def _append(self, tokens: list[int], parents: list[int] | None, logits_from: int,
-                positions: list[int] | None = None) -> int:
+    def _append(self, tokens: list[int], logits_from: int) -> int:
+        """Evaluate a chain chunk after the cache and record it."""
         start = len(self._cells)
-        if positions is None:
-            positions = list(range(start, start + len(tokens)))
-        address = self._evaluate(tokens, positions, parents, logits_from)
+        address = self._evaluate(tokens, list(range(start, start + len(tokens))), None, logits_from)
         self._cells.extend(tokens)
         return address
 
