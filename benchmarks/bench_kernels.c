@@ -130,34 +130,37 @@ static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row,
     free(x);
 }
 
-// A verification batch of BATCH tokens: ns per weight row for BATCH
-// es_matvec calls and for one es_matmat (the same values, bit for bit).
-#define BATCH 8
-static void measure_batch(int64_t n, int64_t rows, int reps, double * matvec_ns, double * matmat_ns) {
+// The batch cost curve: ns per weight row of one es_matmat over B tokens,
+// for each B in BATCHES (B = 1 is es_matvec's work). Verifying B drafted
+// tokens costs curve[B] / curve[1] single tokens' worth of matmul.
+static const int BATCHES[] = {1, 2, 4, 8, 16};
+#define N_BATCHES ((int) (sizeof(BATCHES) / sizeof(BATCHES[0])))
+#define MAX_BATCH 16
+static void measure_batch(int64_t n, int64_t rows, int reps, double ns[N_BENCH][N_BATCHES]) {
     float * x = malloc((size_t) n * sizeof(float));
-    float * y = malloc((size_t) rows * BATCH * sizeof(float));
+    float * y = malloc((size_t) rows * MAX_BATCH * sizeof(float));
     for (int t = 0; t < N_BENCH; t++) {
-        matvec_ns[t] = matmat_ns[t] = NAN;
+        for (int b = 0; b < N_BATCHES; b++) ns[t][b] = NAN;
         if (es_type_row_bytes(TYPES[t], n) == 0) continue;
         uint8_t * w = random_rows(TYPES[t], n, rows);
         const size_t ab = es_type_row_bytes(es_act_type(TYPES[t]), n);
-        uint8_t * xq = malloc(ab * BATCH);
-        for (int b = 0; b < BATCH; b++) {
+        uint8_t * xq = malloc(ab * MAX_BATCH);
+        for (int b = 0; b < MAX_BATCH; b++) {
             for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
             es_quantize_act(TYPES[t], x, xq + (size_t) b * ab, n);
         }
-        double best_v = INFINITY, best_m = INFINITY;
-        for (int r = 0; r <= reps; r++) {
-            double t0 = now_s();
-            for (int b = 0; b < BATCH; b++) es_matvec(TYPES[t], w, xq + (size_t) b * ab, n, 0, rows, y + b * rows);
-            const double tv = now_s() - t0;
-            t0 = now_s();
-            es_matmat(TYPES[t], w, xq, ab, BATCH, n, 0, rows, y, (size_t) rows);
-            const double tm = now_s() - t0;
-            if (r) best_v = fmin(best_v, tv), best_m = fmin(best_m, tm);  // r = 0 warms up
+        // Batch sizes interleaved within each repeat, the best of each kept:
+        // a busy spell on the machine then slows every size alike.
+        double best[N_BATCHES];
+        for (int b = 0; b < N_BATCHES; b++) best[b] = INFINITY;
+        for (int r = 0; r <= reps; r++) {  // r = 0 warms up
+            for (int b = 0; b < N_BATCHES; b++) {
+                const double t0 = now_s();
+                es_matmat(TYPES[t], w, xq, ab, BATCHES[b], n, 0, rows, y, (size_t) rows);
+                if (r) best[b] = fmin(best[b], now_s() - t0);
+            }
         }
-        matvec_ns[t] = 1e9 * best_v / (double) rows;
-        matmat_ns[t] = 1e9 * best_m / (double) rows;
+        for (int b = 0; b < N_BATCHES; b++) ns[t][b] = 1e9 * best[b] / (double) rows;
         free(xq);
         free(w);
     }
@@ -224,11 +227,17 @@ int main(int argc, char ** argv) {
     }
     printf("(per row, lower is better; ratios > 1 mean ours is faster)\n");
 
-    double mv[N_BENCH], mm[N_BENCH];
-    measure_batch(n, rows, reps, mv, mm);
-    printf("\nbatch of %d tokens (%s): ns per weight row\n", BATCH, es_kernels_name());
-    printf("%-5s %12s %12s %8s\n", "type", "8x matvec", "matmat", "speedup");
-    for (int t = 0; t < N_BENCH; t++)
-        printf("%-5s %12.1f %12.1f %7.2fx\n", es_type_name(TYPES[t]), mv[t], mm[t], mv[t] / mm[t]);
+    double curve[N_BENCH][N_BATCHES];
+    measure_batch(n, rows, reps, curve);
+    printf("\nbatch cost curve (%s): es_matmat ns per weight row over B tokens, and / B = 1\n",
+           es_kernels_name());
+    printf("%-5s", "type");
+    for (int b = 0; b < N_BATCHES; b++) printf(" %9s%-2d %6s", "B=", BATCHES[b], "x1");
+    printf("\n");
+    for (int t = 0; t < N_BENCH; t++) {
+        printf("%-5s", es_type_name(TYPES[t]));
+        for (int b = 0; b < N_BATCHES; b++) printf(" %11.1f %5.2fx", curve[t][b], curve[t][b] / curve[t][0]);
+        printf("\n");
+    }
     return 0;
 }

@@ -381,26 +381,30 @@ static void run_matvecs(mv_results * out, bool check_ref) {
         }
         CHECK(!check_ref || sum_ref > 1e-2 * sum_mag);  // the data is not degenerate
 
-        // es_matmat over 7 activation rows (a group of 4 and 3 single ones)
-        // equals es_matvec on each, bit for bit, for the full and a partial
-        // rows range.
+        // es_matmat over every batch of 1..17 activation rows (one and more
+        // groups of MAX_NT, and every remainder) equals es_matvec on each
+        // row, bit for bit, for the full and a partial rows range.
         {
-            enum { NT = 7 };
+            enum { NT = 17 };
             const size_t ab = es_type_row_bytes(act, MV_N);
             uint8_t * xs = malloc(ab * NT);
-            float xt[MV_N], want[NT][MV_ROWS], got[NT][MV_ROWS];
+            static float want[NT][MV_ROWS], got[NT][MV_ROWS];
+            float xt[MV_N];
             for (int t = 0; t < NT; t++) {
                 for (int i = 0; i < MV_N; i++) xt[i] = x[i] * (float) (t + 1) - (float) t * next_float();
                 es_quantize_act(type, xt, xs + t * ab, MV_N);
                 es_matvec(type, w, xs + t * ab, MV_N, 0, MV_ROWS, want[t]);
             }
-            es_matmat(type, w, xs, ab, NT, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
-            CHECK(memcmp(got, want, sizeof(got)) == 0);
-            memset(got, 0, sizeof(got));
-            es_matmat(type, w, xs, ab, NT, MV_N, 5, 11, &got[0][0], MV_ROWS);
-            int bad = 0;
-            for (int t = 0; t < NT; t++) bad += memcmp(got[t], &want[t][5], 6 * sizeof(float)) != 0;
-            CHECK(bad == 0);
+            for (int nt = 1; nt <= NT; nt++) {
+                memset(got, 0, sizeof(got));
+                es_matmat(type, w, xs, ab, nt, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
+                CHECK(memcmp(got, want, (size_t) nt * sizeof(want[0])) == 0);
+                memset(got, 0, sizeof(got));
+                es_matmat(type, w, xs, ab, nt, MV_N, 5, 11, &got[0][0], MV_ROWS);
+                int bad = 0;
+                for (int t = 0; t < nt; t++) bad += memcmp(got[t], &want[t][5], 6 * sizeof(float)) != 0;
+                CHECK(bad == 0);
+            }
             free(xs);
         }
 
@@ -438,6 +442,52 @@ static void test_matvec(void) {
     }
     free(fast);
     free(scalar);
+}
+
+// The largest integer sums a block can have: every quant at its maximum
+// (all bits set) against activations that all round to -128 or +127 (a
+// constant row). Integer partial sums that wrap in some kernel's 16-bit
+// stage would show here as a result far from the scalar kernels'.
+static void test_extreme_sums(void) {
+    static float x[MV_N], want[2], got[2];
+    for (int t = 0; t < (int) N_WT; t++) {
+        const int32_t type = WEIGHT_TYPES[t];
+        if (type == ES_TYPE_F32 || type == ES_TYPE_F16 || type == ES_TYPE_BF16) continue;
+        const size_t rb = es_type_row_bytes(type, MV_N), bb = es_type_row_bytes(type, es_type_block(type));
+        uint8_t * w = malloc(rb);
+        memset(w, 0xFF, rb);
+        for (size_t b = 0; b < rb / bb; b++) {  // scales 1.0 (and mins 1.0)
+            uint8_t * p = w + b * bb;
+            if (type == ES_TYPE_Q6_K) put_half(p + 208, 0x3C00);
+            else put_half(p, 0x3C00);
+            if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K)
+                put_half(p + 2, 0x3C00);
+        }
+        uint8_t * xq = malloc(es_type_row_bytes(es_act_type(type), MV_N));
+        for (int sign = 0; sign < 2; sign++) {
+            for (int i = 0; i < MV_N; i++) x[i] = sign ? -0.75f : 0.75f;
+            es_quantize_act(type, x, xq, MV_N);
+            CHECK(es_kernels_select("scalar") == ES_OK);
+            es_matvec(type, w, xq, MV_N, 0, 1, &want[sign]);
+            for (int32_t k = 0; es_kernels_available(k); k++) {
+                CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
+                for (int nt = 1; nt <= 9; nt++) {  // one row repeated: every batched kernel
+                    float ys[9];
+                    es_matmat(type, w, xq, 0, nt, MV_N, 0, 1, ys, 1);
+                    got[sign] = ys[nt - 1];
+                    const double err = fabs((double) got[sign] - want[sign]);
+                    if (err > 1e-5 * fabs((double) want[sign]))
+                        fprintf(stderr, "%s %s nt=%d: %.9g vs %.9g\n", es_type_name(type),
+                                es_kernels_available(k), nt, got[sign], want[sign]);
+                    CHECK(err <= 1e-5 * fabs((double) want[sign]));
+                }
+            }
+        }
+        CHECK(want[0] != 0.0f);
+        free(xq);
+        free(w);
+    }
+    CHECK(es_kernels_select("auto") == ES_OK);
 }
 
 /* ---- thread pool ---------------------------------------------------------- */
@@ -508,6 +558,7 @@ static void test_kernel_selection(void) {
 int main(void) {
     test_kernel_selection();
     test_matvec();
+    test_extreme_sums();
     test_type_table();
     test_half_conversion();
     test_dequant_float_types();
