@@ -809,13 +809,10 @@ static inline ES_AVX2 __m256i qh_q4_K(const block_q4_K * x) { (void) x; return _
 static inline ES_AVX2 __m256i qh_q5_K(const block_q5_K * x) { return _mm256_loadu_si256((const __m256i *) x->qh); }
 
 // A super-block's 8 sub-block products p[j] (maddubs: 16 int16, each two
-// q y terms) weighted by the sub-block scales, as 8 int32. Summing in int16
-// before the one widening multiply leaves the multiplier (the scarce unit
-// on AVX2 cores) a third of the work of one madd per sub-block: Q4_K's
-// terms (|q y| <= 15 * 128) stay in int16 through three levels of pairwise
-// adds, 16 terms; Q5_K's (31 * 128) through two, 8 terms.
-typedef struct { __m256i a, b; } k4_scales;
-
+// q y terms) weighted by the sub-block scales, as 8 int32. Two levels of
+// pairwise adds in int16 first (8 terms of |q y| <= 31 * 128, Q5_K's worst,
+// fit) leave two widening multiplies by the scales instead of eight, which
+// matters where the multiplier is the scarce unit (one pipe on Zen 1).
 static const uint8_t DUP16[2][32] = {  // int16 (0,0,1,1,2,2,3,3) and (4,4,..,7,7), both lanes
 #define D(k) 2*k, 2*k+1, 2*k, 2*k+1
     {D(0), D(1), D(2), D(3), D(0), D(1), D(2), D(3)},
@@ -823,24 +820,13 @@ static const uint8_t DUP16[2][32] = {  // int16 (0,0,1,1,2,2,3,3) and (4,4,..,7,
 #undef D
 };
 
-static inline ES_AVX2 k4_scales scales_q4_K(__m256i scales) { return (k4_scales) {scales, scales}; }
-static inline ES_AVX2 k4_scales scales_q5_K(__m256i scales) {
-    return (k4_scales) {shuffle16(scales, DUP16[0]), shuffle16(scales, DUP16[1])};
-}
-
-static inline ES_AVX2 __m256i reduce_q4_K(const __m256i p[8], k4_scales s) {
-    // hadd per 128-bit lane: (a0+a1, .., a6+a7, b0+b1, .., b6+b7); three
-    // levels leave lane j of each half holding sub-block j's half sum.
+static inline ES_AVX2 __m256i reduce_k4(const __m256i p[8], const __m256i s[2]) {
+    // hadd per 128-bit lane: (a0+a1, .., a6+a7, b0+b1, .., b6+b7); after two
+    // levels lanes (0,0,1,1,2,2,3,3) hold sub-blocks 0..3, then 4..7.
     const __m256i h01 = _mm256_hadd_epi16(p[0], p[1]), h23 = _mm256_hadd_epi16(p[2], p[3]);
     const __m256i h45 = _mm256_hadd_epi16(p[4], p[5]), h67 = _mm256_hadd_epi16(p[6], p[7]);
-    return _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(h01, h23), _mm256_hadd_epi16(h45, h67)), s.a);
-}
-static inline ES_AVX2 __m256i reduce_q5_K(const __m256i p[8], k4_scales s) {
-    // Two levels: lanes (0,0,1,1,2,2,3,3) of sub-blocks 0..3, then 4..7.
-    const __m256i h01 = _mm256_hadd_epi16(p[0], p[1]), h23 = _mm256_hadd_epi16(p[2], p[3]);
-    const __m256i h45 = _mm256_hadd_epi16(p[4], p[5]), h67 = _mm256_hadd_epi16(p[6], p[7]);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(h01, h23), s.a),
-                            _mm256_madd_epi16(_mm256_hadd_epi16(h45, h67), s.b));
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(h01, h23), s[0]),
+                            _mm256_madd_epi16(_mm256_hadd_epi16(h45, h67), s[1]));
 }
 
 // Q4_K / Q5_K: per super-block, each token's exact int32 sums of
@@ -861,7 +847,8 @@ static inline ES_AVX2 __m256i reduce_q5_K(const __m256i p[8], k4_scales s) {
         for (int64_t i = 0; i < n / QK_K; i++) {                                            \
             uint8_t sc[8], m[8];                                                            \
             unpack_scales_k4(x[i].scales, sc, m);                                           \
-            const k4_scales scales = scales_##T(u8x8_to_i16x2(sc));                         \
+            const __m256i sc16 = u8x8_to_i16x2(sc);                                         \
+            const __m256i scales[2] = {shuffle16(sc16, DUP16[0]), shuffle16(sc16, DUP16[1])}; \
             const __m256i hbits = qh_##T(x + i);                                            \
             __m256i q[8];  /* sub-blocks 0..7 as u8, unpacked once for all tokens */        \
             for (int j = 0; j < 4; j++) {                                                   \
@@ -874,7 +861,7 @@ static inline ES_AVX2 __m256i reduce_q5_K(const __m256i p[8], k4_scales s) {
                 for (int k = 0; k < 8; k++)                                                 \
                     p[k] = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k))); \
                 const float yd = y[t][i].d;                                                 \
-                const __m256i sumi = reduce_##T(p, scales);                                 \
+                const __m256i sumi = reduce_k4(p, scales);                                 \
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(sumi), acc[t]); \
                 summ[t] += (dmin * yd) * (float) k4_mins(m, y[t][i].bsums);                 \
             }                                                                               \
