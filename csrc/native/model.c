@@ -627,8 +627,7 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
     float * qa  = qr + hd;               // (hd floats of room) qr in the F16 dot's activation
                                          //   format (F32 or F16: at most 4 bytes a value)
-    float * vr  = qa;                    // (hd) one V row as floats, after the scores
-    float * acc = vr + hd;               // (hd)
+    float * acc = qa + hd;               // (hd) the weighted sum of V rows
     for (int32_t task = ith; task < ctx->n * n_head; task += nth) {
         const int32_t t = task / n_head, h = task % n_head, g = h / group;
         const int32_t p = ctx->pos[t];
@@ -663,9 +662,7 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             if (scores[c] == -INFINITY) continue;
             const float e = expf(scores[c] - max);
             sum += e;
-            const uint16_t * vc = V + (size_t) c * hd;
-            for (int32_t d = 0; d < hd; d++) vr[d] = es_half_to_f32(vc[d]);
-            for (int32_t d = 0; d < hd; d++) acc[d] += e * vr[d];
+            es_axpy_f16(hd, e, V + (size_t) c * hd, acc);
         }
         float * o = ctx->att + ((size_t) t * n_head + h) * hd;
         const float inv = 1.0f / sum;

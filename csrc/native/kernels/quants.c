@@ -422,6 +422,10 @@ static float dot_bf16_scalar(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
+static void axpy_f16_scalar(int64_t n, float e, const uint16_t * v, float * acc) {
+    for (int64_t i = 0; i < n; i++) acc[i] += e * half_to_f32(v[i]);
+}
+
 static float dot_q4_0_scalar(int64_t n, const void * w, const void * a) {
     const block_q4_0 * x = w;
     const block_q8_0 * y = a;
@@ -671,6 +675,14 @@ static ES_AVX2 float dot_bf16_avx2(int64_t n, const void * w, const void * a) {
     float sum = hsum_f32x8(_mm256_add_ps(acc[0], acc[1]));
     for (; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
     return sum;
+}
+
+static ES_AVX2 void axpy_f16_avx2(int64_t n, float e, const uint16_t * v, float * acc) {
+    const __m256 ev = _mm256_set1_ps(e);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(ev, load_f16x8(v + i), _mm256_loadu_ps(acc + i)));
+    for (; i < n; i++) acc[i] = fmaf(e, half_to_f32(v[i]), acc[i]);
 }
 
 // The batched kernels: NT activation rows (tokens) against one weight row,
@@ -1238,6 +1250,7 @@ typedef struct {
     const char * name;
     vec_dot_fn   dot[N_TYPES];   // NULL: not a weight type
     const vec_dotn_fn * dotn[N_TYPES];  // [nt - 1], nt = 1..MAX_NT; NULL: es_matmat calls dot per token
+    void (*axpy_f16)(int64_t n, float e, const uint16_t * v, float * acc);
 } kernel_set;
 
 #define SCALAR_DOTS                                                            \
@@ -1248,7 +1261,7 @@ typedef struct {
     [ES_TYPE_Q4_K] = dot_q4_K_scalar, [ES_TYPE_Q5_K] = dot_q5_K_scalar,        \
     [ES_TYPE_Q6_K] = dot_q6_K_scalar
 
-static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}};
+static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}, .axpy_f16 = axpy_f16_scalar};
 
 #if defined(ES_HAVE_AVX2)
 static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
@@ -1260,7 +1273,7 @@ static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
     [ES_TYPE_Q4_0] = dotn_q4_0_avx2, [ES_TYPE_Q4_1] = dotn_q4_1_avx2, [ES_TYPE_Q5_0] = dotn_q5_0_avx2,
     [ES_TYPE_Q5_1] = dotn_q5_1_avx2, [ES_TYPE_Q8_0] = dotn_q8_0_avx2,
     [ES_TYPE_Q4_K] = dotn_q4_K_avx2, [ES_TYPE_Q5_K] = dotn_q5_K_avx2, [ES_TYPE_Q6_K] = dotn_q6_K_avx2,
-}};
+}, .axpy_f16 = axpy_f16_avx2};
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
@@ -1269,7 +1282,7 @@ static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
     [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
     [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
     [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
-}};
+}, .axpy_f16 = axpy_f16_scalar};
 #endif
 
 // The sets this CPU runs, best first (scalar always last); found once.
@@ -1334,6 +1347,8 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t
     const uint8_t * row = (const uint8_t *) w + (size_t) r0 * row_bytes;
     for (int64_t r = r0; r < r1; r++, row += row_bytes) y[r - r0] = dot(n, row, xq);
 }
+
+void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc) { kernels()->axpy_f16(n, e, v, acc); }
 
 // Weight bytes es_matmat keeps in cache while token groups go by: about a
 // quarter of a core's L2 on current x86 and Arm cores, so the rows and a
