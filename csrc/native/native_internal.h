@@ -84,8 +84,9 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
 // es_matvec for n_tok activation rows at once (a verification batch): row t
 // of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
 // (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
-// unpack each weight block once for several tokens (AVX2: the quantized
-// types, up to eight tokens at a time, over blocks of rows kept in cache).
+// unpack each weight block once for several tokens (AVX2 and NEON: the
+// quantized types, up to eight tokens at a time, over blocks of rows kept in
+// cache).
 void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
                int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
 // acc[i] += e * v[i] for n binary16 values v (attention's weighted sum of

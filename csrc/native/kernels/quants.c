@@ -397,6 +397,16 @@ typedef float (*vec_dot_fn)(int64_t n, const void * w, const void * a);
 // bit for bit what vec_dot_fn gives for each. A kernel set may have them for
 // NT = 1..MAX_NT.
 #define MAX_NT 8
+// A kernel set's batched functions come from one template per type,
+// instantiated for each NT (EACH_NT) into a table indexed by NT - 1.
+#define EACH_NT(M, P) M(P, 1) M(P, 2) M(P, 3) M(P, 4) M(P, 5) M(P, 6) M(P, 7) M(P, 8)
+#define NT_NAME(P, NT) P##NT,
+// The activation format each 32-element type's kernels read.
+#define DOT32_ACT_q4_0 block_q8_0
+#define DOT32_ACT_q5_0 block_q8_0
+#define DOT32_ACT_q8_0 block_q8_0
+#define DOT32_ACT_q4_1 block_q8_1
+#define DOT32_ACT_q5_1 block_q8_1
 typedef void (*vec_dotn_fn)(int64_t n, const void * w, const void * a, size_t a_stride, float * out);
 
 static float dot_f32_scalar(int64_t n, const void * w, const void * a) {
@@ -959,8 +969,6 @@ static inline ES_AVX2 __m256i reduce_q6_K(const __m256i p[4], const __m256i s[2]
 
 // Every type's kernels for NT = 1..MAX_NT, the table es_matmat indexes
 // (dotn_T_avx2[nt - 1]), and es_matvec's one-token function.
-#define EACH_NT(M, P) M(P, 1) M(P, 2) M(P, 3) M(P, 4) M(P, 5) M(P, 6) M(P, 7) M(P, 8)
-#define NT_NAME(P, NT) P##NT,
 #define NT_TABLE(T)                                                                           \
     static const vec_dotn_fn dotn_##T##_avx2[MAX_NT] = {EACH_NT(NT_NAME, dot_##T##_avx2_)};   \
     static ES_AVX2 float dot_##T##_avx2(int64_t n, const void * w, const void * a) {        \
@@ -970,11 +978,6 @@ static inline ES_AVX2 __m256i reduce_q6_K(const __m256i p[4], const __m256i s[2]
     }
 
 #define DOT32_NT(T, NT) DOT32(dot_##T##_avx2_##NT, NT, block_##T, DOT32_ACT_##T, unpack_##T, DOT32_PROD_##T, DOT32_MIN_##T)
-#define DOT32_ACT_q4_0 block_q8_0
-#define DOT32_ACT_q5_0 block_q8_0
-#define DOT32_ACT_q8_0 block_q8_0
-#define DOT32_ACT_q4_1 block_q8_1
-#define DOT32_ACT_q5_1 block_q8_1
 #define DOT32_PROD_q4_0 prod_signed
 #define DOT32_PROD_q5_0 prod_signed
 #define DOT32_PROD_q8_0 prod_signed
@@ -1041,74 +1044,6 @@ static float dot_f16_neon(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
-static float dot_q4_0_neon(int64_t n, const void * w, const void * a) {
-    const block_q4_0 * x = w;
-    const block_q8_0 * y = a;
-    float32x4_t acc = vdupq_n_f32(0);
-    for (int64_t i = 0; i < n / QK; i++) {
-        const uint8x16_t b = vld1q_u8(x[i].qs);
-        const int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vdupq_n_s8(8));
-        const int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vdupq_n_s8(8));
-        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
-    }
-    return vaddvq_f32(acc);
-}
-
-static float dot_q4_1_neon(int64_t n, const void * w, const void * a) {
-    const block_q4_1 * x = w;
-    const block_q8_1 * y = a;
-    float32x4_t acc = vdupq_n_f32(0);
-    float summs = 0.0f;
-    for (int64_t i = 0; i < n / QK; i++) {
-        const uint8x16_t b = vld1q_u8(x[i].qs);
-        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F)));
-        const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
-        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
-        summs += half_to_f32(x[i].m) * half_to_f32(y[i].s);
-    }
-    return vaddvq_f32(acc) + summs;
-}
-
-// 16 bits of qh starting at bit `from` -> 16 bytes of 0x10 where set.
-static inline int8x16_t q5_bits_neon(uint32_t qh, int from) {
-    static const uint8_t mask[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    const uint8x8_t b0 = vdup_n_u8((uint8_t) (qh >> from)), b1 = vdup_n_u8((uint8_t) (qh >> (from + 8)));
-    const uint8x16_t set = vtstq_u8(vcombine_u8(b0, b1), vld1q_u8(mask));
-    return vreinterpretq_s8_u8(vandq_u8(set, vdupq_n_u8(0x10)));
-}
-
-static float dot_q5_0_neon(int64_t n, const void * w, const void * a) {
-    const block_q5_0 * x = w;
-    const block_q8_0 * y = a;
-    float32x4_t acc = vdupq_n_f32(0);
-    for (int64_t i = 0; i < n / QK; i++) {
-        uint32_t qh;
-        memcpy(&qh, x[i].qh, 4);
-        const uint8x16_t b = vld1q_u8(x[i].qs);
-        const int8x16_t lo = vsubq_s8(vorrq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), q5_bits_neon(qh, 0)),
-                                      vdupq_n_s8(16));
-        const int8x16_t hi = vsubq_s8(vorrq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), q5_bits_neon(qh, 16)),
-                                      vdupq_n_s8(16));
-        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
-    }
-    return vaddvq_f32(acc);
-}
-
-static float dot_q8_0_neon(int64_t n, const void * w, const void * a) {
-    const block_q8_0 * x = w;
-    const block_q8_0 * y = a;
-    float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
-    for (int64_t i = 0; i < n / QK; i++) {
-        const int32x4_t s = vaddq_s32(dot_s8x16(vld1q_s8(x[i].qs), vld1q_s8(y[i].qs)),
-                                      dot_s8x16(vld1q_s8(x[i].qs + 16), vld1q_s8(y[i].qs + 16)));
-        acc[i & 1] = vfmaq_n_f32(acc[i & 1], vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
-    }
-    return vaddvq_f32(vaddq_f32(acc[0], acc[1]));
-}
-
 static float dot_bf16_neon(int64_t n, const void * w, const void * a) {
     const uint16_t * x = w, * y = a;
     float32x4_t acc[2] = {vdupq_n_f32(0), vdupq_n_f32(0)};
@@ -1125,27 +1060,68 @@ static float dot_bf16_neon(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
-static float dot_q5_1_neon(int64_t n, const void * w, const void * a) {
-    const block_q5_1 * x = w;
-    const block_q8_1 * y = a;
-    float32x4_t acc = vdupq_n_f32(0);
-    float summs = 0.0f;
-    for (int64_t i = 0; i < n / QK; i++) {
-        uint32_t qh;
-        memcpy(&qh, x[i].qh, 4);
-        const uint8x16_t b = vld1q_u8(x[i].qs);
-        const int8x16_t lo = vorrq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), q5_bits_neon(qh, 0));
-        const int8x16_t hi = vorrq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), q5_bits_neon(qh, 16));
-        const int32x4_t s = vaddq_s32(dot_s8x16(lo, vld1q_s8(y[i].qs)), dot_s8x16(hi, vld1q_s8(y[i].qs + 16)));
-        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), half_to_f32(x[i].d) * half_to_f32(y[i].d));
-        summs += half_to_f32(x[i].m) * half_to_f32(y[i].s);
-    }
-    return vaddvq_f32(acc) + summs;
+// The quantized types, batched as on AVX2: NT activation rows against one
+// weight row for NT = 1..MAX_NT, each weight block unpacked once for all
+// tokens. The integer sums are exact and each token's float operations run
+// in the same order whatever NT is, so es_matmat's rows equal es_matvec's.
+
+// A 32-element block as signed bytes: elements 0..15 and 16..31.
+typedef struct { int8x16_t lo, hi; } n8;
+
+// 16 bytes of nibbles -> low nibbles (elements 0..15), high (16..31).
+static inline n8 nibbles_neon(const uint8_t * p) {
+    const uint8x16_t b = vld1q_u8(p);
+    return (n8) {vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F))), vreinterpretq_s8_u8(vshrq_n_u8(b, 4))};
 }
 
-// The K-quants compute each super-block's integer sums with NEON and the
-// float part exactly as the scalar kernels do, so results match them bit
-// for bit.
+// 16 bits of qh starting at bit `from` -> 16 bytes of 0x10 where set.
+static inline int8x16_t q5_bits_neon(uint32_t qh, int from) {
+    static const uint8_t mask[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x8_t b0 = vdup_n_u8((uint8_t) (qh >> from)), b1 = vdup_n_u8((uint8_t) (qh >> (from + 8)));
+    const uint8x16_t set = vtstq_u8(vcombine_u8(b0, b1), vld1q_u8(mask));
+    return vreinterpretq_s8_u8(vandq_u8(set, vdupq_n_u8(0x10)));
+}
+
+static inline n8 with_q5_bits_neon(n8 q, const uint8_t * qh_bytes) {
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, 4);
+    return (n8) {vorrq_s8(q.lo, q5_bits_neon(qh, 0)), vorrq_s8(q.hi, q5_bits_neon(qh, 16))};
+}
+
+static inline n8 minus_neon(n8 q, int8_t v) { return (n8) {vsubq_s8(q.lo, vdupq_n_s8(v)), vsubq_s8(q.hi, vdupq_n_s8(v))}; }
+
+static inline n8 unpack_q4_0_neon(const block_q4_0 * x) { return minus_neon(nibbles_neon(x->qs), 8); }
+static inline n8 unpack_q4_1_neon(const block_q4_1 * x) { return nibbles_neon(x->qs); }
+static inline n8 unpack_q5_0_neon(const block_q5_0 * x) { return minus_neon(with_q5_bits_neon(nibbles_neon(x->qs), x->qh), 16); }
+static inline n8 unpack_q5_1_neon(const block_q5_1 * x) { return with_q5_bits_neon(nibbles_neon(x->qs), x->qh); }
+static inline n8 unpack_q8_0_neon(const block_q8_0 * x) { return (n8) {vld1q_s8(x->qs), vld1q_s8(x->qs + 16)}; }
+
+#define NEON_WITH_MIN(x, y, i) (half_to_f32((x)[i].m) * half_to_f32((y)[i].s))
+#define NEON_NO_MIN(x, y, i)   0.0f
+
+#define DOT32_NEON(NAME, NT, block_t, act_t, UNPACK, MIN_TERM)                                \
+    static void NAME(int64_t n, const void * w, const void * a, size_t a_stride, float * out) { \
+        const block_t * x = w;                                                              \
+        const act_t *   y[NT];                                                              \
+        float32x4_t acc[NT];                                                                \
+        float summs[NT];                                                                    \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const act_t *) ((const uint8_t *) a + (size_t) t * a_stride);           \
+            acc[t] = vdupq_n_f32(0);                                                        \
+            summs[t] = 0.0f;                                                                \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK; i++) {                                              \
+            const n8 q = UNPACK(x + i);                                                     \
+            const float dx = half_to_f32(x[i].d);                                           \
+            for (int t = 0; t < NT; t++) {                                                  \
+                const int32x4_t s = vaddq_s32(dot_s8x16(q.lo, vld1q_s8(y[t][i].qs)),        \
+                                              dot_s8x16(q.hi, vld1q_s8(y[t][i].qs + 16)));  \
+                acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(s), dx * half_to_f32(y[t][i].d)); \
+                summs[t] += MIN_TERM(x, y[t], i);                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = vaddvq_f32(acc[t]) + summs[t];                \
+    }
 
 // sum of 32 u8 weights (0..31, in two vectors) times 32 int8 activations.
 static inline int32_t dot32_neon(uint8x16_t w0, uint8x16_t w1, const int8_t * q8) {
@@ -1159,86 +1135,116 @@ static inline int k4_mins_scalar(const uint8_t m[8], const int16_t * bsums) {
     return summ;
 }
 
-static float dot_q4_K_neon(int64_t n, const void * w, const void * a) {
-    const block_q4_K * x = w;
-    const block_q8_K * y = a;
+// Q4_K / Q5_K chunk j: sub-blocks 2j (lo) and 2j + 1 (hi), 16 bytes apiece.
+typedef struct { uint8x16_t lo0, lo1, hi0, hi1; } k4_chunk_neon;
+
+static inline k4_chunk_neon nibbles_k4_neon(const uint8_t * qs, int j) {
     const uint8x16_t m4 = vdupq_n_u8(0x0F);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        uint8_t sc[8], m[8];
-        unpack_scales_k4(x[i].scales, sc, m);
-        const uint8_t * q  = x[i].qs;
-        const int8_t *  q8 = y[i].qs;
-        int sumi = 0;
-        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
-            const uint8x16_t b0 = vld1q_u8(q), b1 = vld1q_u8(q + 16);
-            sumi += sc[2 * j] * dot32_neon(vandq_u8(b0, m4), vandq_u8(b1, m4), q8);
-            sumi += sc[2 * j + 1] * dot32_neon(vshrq_n_u8(b0, 4), vshrq_n_u8(b1, 4), q8 + 32);
-        }
-        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, k4_mins_scalar(m, y[i].bsums));
-    }
-    return sum;
+    const uint8x16_t b0 = vld1q_u8(qs + 32 * j), b1 = vld1q_u8(qs + 32 * j + 16);
+    return (k4_chunk_neon) {vandq_u8(b0, m4), vandq_u8(b1, m4), vshrq_n_u8(b0, 4), vshrq_n_u8(b1, 4)};
+}
+static inline k4_chunk_neon unpack_q4_K_neon(const block_q4_K * x, int j) { return nibbles_k4_neon(x->qs, j); }
+static inline k4_chunk_neon unpack_q5_K_neon(const block_q5_K * x, int j) {
+    const uint8x16_t b4 = vdupq_n_u8(0x10), h0 = vld1q_u8(x->qh), h1 = vld1q_u8(x->qh + 16);
+    // Fifth bits: bit 2j of qh[l] for the low nibbles, 2j + 1 for the high.
+    const uint8x16_t bl = vdupq_n_u8((uint8_t) (1u << (2 * j))), bh = vdupq_n_u8((uint8_t) (2u << (2 * j)));
+    const k4_chunk_neon c = nibbles_k4_neon(x->qs, j);
+    return (k4_chunk_neon) {vorrq_u8(c.lo0, vandq_u8(vtstq_u8(h0, bl), b4)), vorrq_u8(c.lo1, vandq_u8(vtstq_u8(h1, bl), b4)),
+                            vorrq_u8(c.hi0, vandq_u8(vtstq_u8(h0, bh), b4)), vorrq_u8(c.hi1, vandq_u8(vtstq_u8(h1, bh), b4))};
 }
 
-static float dot_q5_K_neon(int64_t n, const void * w, const void * a) {
-    const block_q5_K * x = w;
-    const block_q8_K * y = a;
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), b4 = vdupq_n_u8(0x10);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        uint8_t sc[8], m[8];
-        unpack_scales_k4(x[i].scales, sc, m);
-        const uint8_t * q  = x[i].qs;
-        const int8_t *  q8 = y[i].qs;
-        const uint8x16_t h0 = vld1q_u8(x[i].qh), h1 = vld1q_u8(x[i].qh + 16);
-        int sumi = 0;
-        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
-            const uint8x16_t b0 = vld1q_u8(q), b1 = vld1q_u8(q + 16);
-            // Fifth bits: bit 2j of qh[l] for the low nibbles, 2j + 1 for the high.
-            const uint8x16_t bl = vdupq_n_u8((uint8_t) (1u << (2 * j))), bh = vdupq_n_u8((uint8_t) (2u << (2 * j)));
-            const uint8x16_t lo0 = vorrq_u8(vandq_u8(b0, m4), vandq_u8(vtstq_u8(h0, bl), b4));
-            const uint8x16_t lo1 = vorrq_u8(vandq_u8(b1, m4), vandq_u8(vtstq_u8(h1, bl), b4));
-            const uint8x16_t hi0 = vorrq_u8(vshrq_n_u8(b0, 4), vandq_u8(vtstq_u8(h0, bh), b4));
-            const uint8x16_t hi1 = vorrq_u8(vshrq_n_u8(b1, 4), vandq_u8(vtstq_u8(h1, bh), b4));
-            sumi += sc[2 * j] * dot32_neon(lo0, lo1, q8);
-            sumi += sc[2 * j + 1] * dot32_neon(hi0, hi1, q8 + 32);
-        }
-        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, k4_mins_scalar(m, y[i].bsums));
+#define DOT_K4_NEON(NAME, NT, T)                                                              \
+    static void NAME(int64_t n, const void * w, const void * a, size_t a_stride, float * out) { \
+        const block_##T *  x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        float sum[NT];                                                                      \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            sum[t] = 0.0f;                                                                  \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            uint8_t sc[8], m[8];                                                            \
+            unpack_scales_k4(x[i].scales, sc, m);                                           \
+            int sumi[NT];                                                                   \
+            for (int t = 0; t < NT; t++) sumi[t] = 0;                                       \
+            for (int j = 0; j < 4; j++) {                                                   \
+                const k4_chunk_neon c = unpack_##T##_neon(x + i, j);                        \
+                for (int t = 0; t < NT; t++) {                                              \
+                    const int8_t * q8 = y[t][i].qs + 64 * j;                                \
+                    sumi[t] += sc[2 * j] * dot32_neon(c.lo0, c.lo1, q8);                    \
+                    sumi[t] += sc[2 * j + 1] * dot32_neon(c.hi0, c.hi1, q8 + 32);           \
+                }                                                                           \
+            }                                                                               \
+            const float d = half_to_f32(x[i].d), dmin = half_to_f32(x[i].dmin);             \
+            for (int t = 0; t < NT; t++)                                                    \
+                sum[t] += k_block(d, dmin, y[t][i].d, sumi[t], k4_mins_scalar(m, y[t][i].bsums)); \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = sum[t];                                       \
     }
-    return sum;
-}
 
-static float dot_q6_K_neon(int64_t n, const void * w, const void * a) {
-    const block_q6_K * x = w;
-    const block_q8_K * y = a;
-    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(3);
-    const int8x16_t  o32 = vdupq_n_s8(32);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int sumi = 0;
-        for (int h = 0; h < 2; h++) {
-            const uint8_t * ql = x[i].ql + 64 * h;
-            const uint8_t * qh = x[i].qh + 32 * h;
-            const int8_t *  q8 = y[i].qs + 128 * h;
-            const int8_t *  sc = x[i].scales + 8 * h;
-            for (int l = 0; l < 32; l += 16) {  // groups of 16: scale index 2k + l / 16
-                const uint8x16_t a0 = vld1q_u8(ql + l), a1 = vld1q_u8(ql + 32 + l), hb = vld1q_u8(qh + l);
-                const uint8x16_t q[4] = {
-                    vorrq_u8(vandq_u8(a0, m4), vshlq_n_u8(vandq_u8(hb, m2), 4)),
-                    vorrq_u8(vandq_u8(a1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m2), 4)),
-                    vorrq_u8(vshrq_n_u8(a0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m2), 4)),
-                    vorrq_u8(vshrq_n_u8(a1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4)),
-                };
-                for (int k = 0; k < 4; k++) {
-                    const int8x16_t v = vsubq_s8(vreinterpretq_s8_u8(q[k]), o32);
-                    sumi += sc[2 * k + l / 16] * vaddvq_s32(dot_s8x16(v, vld1q_s8(q8 + 32 * k + l)));
-                }
-            }
-        }
-        sum += (half_to_f32(x[i].d) * y[i].d) * (float) sumi;
+#define DOT_Q6K_NEON(NAME, NT)                                                                \
+    static void NAME(int64_t n, const void * w, const void * a, size_t a_stride, float * out) { \
+        const block_q6_K * x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        float sum[NT];                                                                      \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            sum[t] = 0.0f;                                                                  \
+        }                                                                                   \
+        const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(3);                         \
+        const int8x16_t  o32 = vdupq_n_s8(32);                                              \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            int sumi[NT];                                                                   \
+            for (int t = 0; t < NT; t++) sumi[t] = 0;                                       \
+            for (int h = 0; h < 2; h++) {                                                   \
+                const uint8_t * ql = x[i].ql + 64 * h;                                      \
+                const uint8_t * qh = x[i].qh + 32 * h;                                      \
+                const int8_t *  sc = x[i].scales + 8 * h;                                   \
+                for (int l = 0; l < 32; l += 16) { /* groups of 16: scale 2k + l / 16 */    \
+                    const uint8x16_t a0 = vld1q_u8(ql + l), a1 = vld1q_u8(ql + 32 + l), hb = vld1q_u8(qh + l); \
+                    const int8x16_t v[4] = {                                                \
+                        vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a0, m4), vshlq_n_u8(vandq_u8(hb, m2), 4))), o32), \
+                        vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vandq_u8(a1, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m2), 4))), o32), \
+                        vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m2), 4))), o32), \
+                        vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vshrq_n_u8(a1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4))), o32), \
+                    };                                                                      \
+                    for (int t = 0; t < NT; t++) {                                          \
+                        const int8_t * q8 = y[t][i].qs + 128 * h;                           \
+                        for (int k = 0; k < 4; k++)                                         \
+                            sumi[t] += sc[2 * k + l / 16] * vaddvq_s32(dot_s8x16(v[k], vld1q_s8(q8 + 32 * k + l))); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+            const float d = half_to_f32(x[i].d);                                            \
+            for (int t = 0; t < NT; t++) sum[t] += (d * y[t][i].d) * (float) sumi[t];       \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = sum[t];                                       \
     }
-    return sum;
-}
+
+#define NT_TABLE_NEON(T)                                                                      \
+    static const vec_dotn_fn dotn_##T##_neon[MAX_NT] = {EACH_NT(NT_NAME, dot_##T##_neon_)};   \
+    static float dot_##T##_neon(int64_t n, const void * w, const void * a) {                \
+        float r;                                                                            \
+        dot_##T##_neon_1(n, w, a, 0, &r);                                                   \
+        return r;                                                                           \
+    }
+#define DOT32_NEON_NT(T, NT) DOT32_NEON(dot_##T##_neon_##NT, NT, block_##T, DOT32_ACT_##T, unpack_##T##_neon, NEON_MIN_##T)
+#define NEON_MIN_q4_0 NEON_NO_MIN
+#define NEON_MIN_q5_0 NEON_NO_MIN
+#define NEON_MIN_q8_0 NEON_NO_MIN
+#define NEON_MIN_q4_1 NEON_WITH_MIN
+#define NEON_MIN_q5_1 NEON_WITH_MIN
+#define DOT_K4_NEON_NT(T, NT) DOT_K4_NEON(dot_##T##_neon_##NT, NT, T)
+#define DOT_Q6K_NEON_NT(T, NT) DOT_Q6K_NEON(dot_##T##_neon_##NT, NT)
+
+EACH_NT(DOT32_NEON_NT, q4_0) NT_TABLE_NEON(q4_0)
+EACH_NT(DOT32_NEON_NT, q5_0) NT_TABLE_NEON(q5_0)
+EACH_NT(DOT32_NEON_NT, q8_0) NT_TABLE_NEON(q8_0)
+EACH_NT(DOT32_NEON_NT, q4_1) NT_TABLE_NEON(q4_1)
+EACH_NT(DOT32_NEON_NT, q5_1) NT_TABLE_NEON(q5_1)
+EACH_NT(DOT_K4_NEON_NT, q4_K) NT_TABLE_NEON(q4_K)
+EACH_NT(DOT_K4_NEON_NT, q5_K) NT_TABLE_NEON(q5_K)
+EACH_NT(DOT_Q6K_NEON_NT, q6_K) NT_TABLE_NEON(q6_K)
 
 #endif  // __ARM_NEON && __aarch64__
 
@@ -1282,6 +1288,10 @@ static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
     [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
     [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
     [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
+}, .dotn = {
+    [ES_TYPE_Q4_0] = dotn_q4_0_neon, [ES_TYPE_Q4_1] = dotn_q4_1_neon, [ES_TYPE_Q5_0] = dotn_q5_0_neon,
+    [ES_TYPE_Q5_1] = dotn_q5_1_neon, [ES_TYPE_Q8_0] = dotn_q8_0_neon,
+    [ES_TYPE_Q4_K] = dotn_q4_K_neon, [ES_TYPE_Q5_K] = dotn_q5_K_neon, [ES_TYPE_Q6_K] = dotn_q6_K_neon,
 }, .axpy_f16 = axpy_f16_scalar};
 #endif
 
