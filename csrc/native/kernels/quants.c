@@ -16,8 +16,18 @@
  * runs is used unless es_kernels_select names another. Activation quantization and
  * dequantization are scalar in every set, so all sets see identical inputs.
  *
+ * Batched kernels (AVX2, NEON): a verification batch or a prefill chunk
+ * multiplies one weight row by up to MAX_NT = 8 activation rows in one call,
+ * loading and unpacking each weight block once for all of them; es_matmat
+ * walks the rows in blocks that stay in cache while groups of 8 tokens go
+ * by. On AVX2 the K-quants sum several sub-blocks' products in int16 before
+ * one widening multiply by the scales, since the integer multiplier is the
+ * bottleneck once the weights are unpacked only once.
+ *
  * Batch invariance: es_matvec computes each row with one function whose
- * reduction order depends only on n, never on the rows range or the thread.
+ * reduction order depends only on n, never on the rows range or the thread;
+ * a batched kernel gives every token exactly that function's result (the
+ * integer sums are exact, the float steps per token the same for any NT).
  */
 #define _POSIX_C_SOURCE 200809L  // pthread_once under -std=c11
 
