@@ -19,6 +19,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -517,6 +518,11 @@ typedef struct matmul_job {
     uint8_t         * fmt_buf[3];
     size_t            fmt_row[3];
     int32_t           n;
+    // Rows of all weights, concatenated, handed out in chunks: a thread
+    // that finishes early takes more, so no thread waits out another's
+    // slower share (a busy core, a thread woken late).
+    int64_t           total_rows, chunk;
+    _Atomic int64_t   next_row;
 } matmul_job;
 
 static void matmul_quantize(void * arg, int32_t ith, int32_t nth) {
@@ -530,21 +536,23 @@ static void matmul_quantize(void * arg, int32_t ith, int32_t nth) {
 }
 
 static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
+    (void) ith, (void) nth;
     matmul_job * job = arg;
-    int64_t total = 0;
-    for (int32_t i = 0; i < job->n_w; i++) total += job->w[i]->n_out;
-    // This thread's share of the rows of all weights, concatenated.
-    const int64_t g0 = total * ith / nth, g1 = total * (ith + 1) / nth;
-    int64_t base = 0;
-    for (int32_t i = 0; i < job->n_w; i++) {
-        const es_weight * w = job->w[i];
-        const int64_t r0 = g0 > base ? g0 - base : 0;
-        const int64_t r1 = g1 - base < w->n_out ? g1 - base : w->n_out;
-        base += w->n_out;
-        if (r0 >= r1) continue;
-        // Rows outer, tokens inner: each weight row is read once for the batch.
-        es_matmat(w->type, w->data, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
-                  job->y[i] + r0, (size_t) w->n_out);
+    for (;;) {
+        const int64_t g0 = atomic_fetch_add_explicit(&job->next_row, job->chunk, memory_order_relaxed);
+        if (g0 >= job->total_rows) return;
+        const int64_t g1 = g0 + job->chunk < job->total_rows ? g0 + job->chunk : job->total_rows;
+        int64_t base = 0;
+        for (int32_t i = 0; i < job->n_w; i++) {
+            const es_weight * w = job->w[i];
+            const int64_t r0 = g0 > base ? g0 - base : 0;
+            const int64_t r1 = g1 - base < w->n_out ? g1 - base : w->n_out;
+            base += w->n_out;
+            if (r0 >= r1) continue;
+            // Rows outer, tokens inner: each weight row is read once for the batch.
+            es_matmat(w->type, w->data, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
+                      job->y[i] + r0, (size_t) w->n_out);
+        }
     }
 }
 
@@ -569,6 +577,11 @@ int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const
         job.xq_row[i] = job.fmt_row[f];
     }
     run(ctx, matmul_quantize, &job, n);
+    // About 8 chunks per thread, whole cache lines of results (16 floats).
+    for (int32_t i = 0; i < n_w; i++) job.total_rows += w[i]->n_out;
+    const int64_t per = job.total_rows / (8 * (int64_t) es_pool_size(ctx->pool)) + 1;
+    job.chunk = (per + 15) / 16 * 16;
+    atomic_init(&job.next_row, 0);
     es_pool_run(ctx->pool, matmul_rows, &job);
     return ES_OK;
 }
