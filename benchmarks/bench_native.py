@@ -136,7 +136,10 @@ def speed(models: list[str], threads: int, rounds: int, n_decode: int, n_prefill
         short = backends["llama"].tokenize(SPEED_PROMPT)
         res = {name: {"prefill": [], "decode": []} for name in backends}
         for r in range(rounds + 1):
-            for name, b in backends.items():
+            # Alternating which engine goes first: one that runs right after
+            # the other shares the cores with its threads still winding down.
+            order = list(backends.items())
+            for name, b in order if r % 2 else order[::-1]:
                 pf, _ = time_backend(b, prompt, 1)
                 _, dec = time_backend(b, short, n_decode)
                 if r > 0:  # round 0 warms up
