@@ -157,7 +157,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def metrics(request: Request) -> Response:
+async def metrics_text(request: Request) -> Response:
     data, content_type = request.app.state.metrics.render()
     return Response(data, headers={"Content-Type": content_type})
 
@@ -226,7 +226,7 @@ def create_app(runner: Runner, settings: Settings, metrics, log) -> Starlette:
         Route("/", endpoint(page, keyed=False), methods=["GET"]),
         Route("/page/{name}", endpoint(page, keyed=False), methods=["GET"]),
         Route("/health", endpoint(health, keyed=False), methods=["GET"]),
-        Route("/metrics", endpoint(metrics), methods=["GET"]),
+        Route("/metrics", endpoint(metrics_text), methods=["GET"]),
         *openai.routes(),
         *ollama.routes(),
     ]
