@@ -330,27 +330,51 @@ def test_version():
     assert p.returncode == 0 and p.stdout.strip() == f"edgespec {__version__}"
 
 
+def invoke(*args, env):
+    """The command line in-process: (exit code, stderr, the EdgespecError raised or None)."""
+    from typer.testing import CliRunner
+
+    import edgespec.cli.serve  # noqa: F401  (registers `serve`)
+    from edgespec import cli as cli_app
+    from edgespec.errors import EdgespecError
+
+    result = CliRunner().invoke(cli_app.app, list(args), env=env)
+    error = result.exception if isinstance(result.exception, EdgespecError) else None
+    assert error is not None or result.exception is None or isinstance(result.exception, SystemExit), result
+    return result.exit_code, result.stderr, error
+
+
 def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
     """A port out of range shows which value won: the flag, else the
     environment variable, else the config file."""
     config = tmp_path / "config.toml"
     config.write_text(f'[serve]\nmodel = "{tiny_llama_path}"\nport = 70001\nmax-request-bytes = 5\n')
-    env = {"EDGESPEC_CONFIG": str(config)}
+    env = {"EDGESPEC_CONFIG": str(config), "EDGESPEC_PORT": None}
     for extra_env, args, got in (({}, [], "70001"), ({"EDGESPEC_PORT": "70002"}, [], "70002"),
                                  ({"EDGESPEC_PORT": "70002"}, ["--port", "70003"], "70003")):
-        p = cli("serve", *args, env={**env, **extra_env})
-        assert p.returncode == 2 and p.stderr.strip() == f"error: --port must be in [0, 65535], got {got}", p.stderr
+        code, stderr, _ = invoke("serve", *args, env={**env, **extra_env})
+        assert code == 2 and stderr.strip() == f"error: --port must be in [0, 65535], got {got}", stderr
 
 
 @pytest.mark.parametrize("text, words", [
     ('[serve]\nbogus = 1\n', "unknown key serve.bogus"),
     ('[serve]\nport = "eighty"\n', "serve.port"),
+    ('[serve]\ncors-origin = [1, {}]\n', "serve.cors-origin"),
     ('[serve\n', "not valid TOML"),
     ('[nothing]\nx = 1\n', "[nothing] is not a command's table"),
 ])
-def test_bad_config_is_one_line(tmp_path, text, words):
+def test_bad_config_names_file_and_key(tmp_path, text, words):
     config = tmp_path / "config.toml"
     config.write_text(text)
-    p = cli("serve", "--help", env={"EDGESPEC_CONFIG": str(config)})
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert p.stderr.startswith(f"error: {config}: ") and words in p.stderr
+    _, _, error = invoke("serve", "--help", env={"EDGESPEC_CONFIG": str(config)})
+    assert error is not None and str(error).startswith(f"{config}: ") and words in str(error), error
+    assert "\n" not in str(error)
+
+
+def test_bad_config_is_one_line_exit_2(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text("[serve]\nport = 'eighty'\n")
+    p = cli("models", "list", env={"EDGESPEC_CONFIG": str(config)})
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and p.stderr.startswith(f"error: {config}: serve.port")
+    p = cli("models", "list", env={"EDGESPEC_CONFIG": str(tmp_path / "missing.toml")})
+    assert p.returncode == 2 and "no such config file" in p.stderr

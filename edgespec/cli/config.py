@@ -75,9 +75,13 @@ def defaults(ctx: typer.Context) -> dict | None:
             if p.multiple and not isinstance(value, list):
                 value = [value]
             try:
-                p.get_runtime_param().coerce(value, param=p, ctx=ctx)   # typer's own conversion
+                converted = p.get_runtime_param().coerce(value, param=p, ctx=ctx)   # typer's own conversion
             except Exception as e:   # click's BadParameter: its message, without the option's flags
                 message = getattr(e, "message", None) or str(e)
                 raise InvalidArgumentError(f"{file}: {section}.{key}: {message}")
+            if (list(converted) if p.multiple else converted) != value:   # "8080" for a number, 1 for a text
+                shown = type(converted[0] if p.multiple and converted else converted).__name__
+                raise InvalidArgumentError(f"{file}: {section}.{key}: expected {'a list of ' if p.multiple else ''}"
+                                           f"{shown}, got {value!r}"[:300])
             table[p.name] = value
     return out
