@@ -330,8 +330,8 @@ def test_version():
     assert p.returncode == 0 and p.stdout.strip() == f"edgespec {__version__}"
 
 
-def invoke(*args, env):
-    """The command line in-process: (exit code, stderr, the EdgespecError raised or None)."""
+def invoke(*args, env=None):
+    """The command line in-process: (exit code, stdout, stderr, the EdgespecError raised or None)."""
     from typer.testing import CliRunner
 
     import edgespec.cli.serve  # noqa: F401  (registers `serve`)
@@ -341,7 +341,12 @@ def invoke(*args, env):
     result = CliRunner().invoke(cli_app.app, list(args), env=env)
     error = result.exception if isinstance(result.exception, EdgespecError) else None
     assert error is not None or result.exception is None or isinstance(result.exception, SystemExit), result
-    return result.exit_code, result.stderr, error
+    return result.exit_code, result.stdout, result.stderr, error
+
+
+def test_shell_completion_is_enabled():
+    code, stdout, _, _ = invoke("--show-completion", "bash")
+    assert code == 0 and "COMPREPLY" in stdout and "_completion" in stdout
 
 
 def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
@@ -352,7 +357,7 @@ def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
     env = {"EDGESPEC_CONFIG": str(config), "EDGESPEC_PORT": None}
     for extra_env, args, got in (({}, [], "70001"), ({"EDGESPEC_PORT": "70002"}, [], "70002"),
                                  ({"EDGESPEC_PORT": "70002"}, ["--port", "70003"], "70003")):
-        code, stderr, _ = invoke("serve", *args, env={**env, **extra_env})
+        code, _, stderr, _ = invoke("serve", *args, env={**env, **extra_env})
         assert code == 2 and stderr.strip() == f"error: --port must be in [0, 65535], got {got}", stderr
 
 
@@ -366,7 +371,7 @@ def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
 def test_bad_config_names_file_and_key(tmp_path, text, words):
     config = tmp_path / "config.toml"
     config.write_text(text)
-    _, _, error = invoke("serve", "--help", env={"EDGESPEC_CONFIG": str(config)})
+    _, _, _, error = invoke("serve", "--help", env={"EDGESPEC_CONFIG": str(config)})
     assert error is not None and str(error).startswith(f"{config}: ") and words in str(error), error
     assert "\n" not in str(error)
 
