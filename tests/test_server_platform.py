@@ -324,6 +324,34 @@ def cli(*args, env=None, timeout=120):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
+    """`edgespec serve` and Ctrl-C while it generates: the answer ends at its
+    next piece (a done line, not a cut stream), the process exits with 0."""
+    import re
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", "--model", str(tiny_llama_path), "--port", "0",
+                             "--threads", "1", "--ctx", "4096", "--ctx-extend", "--drafter", "none", "-q",
+                             "--model-name", MODEL],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        host, port = re.search(r"http://([\d.]+):(\d+)", line).groups()
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/api/generate", body=json.dumps(     # the random model never ends by itself
+            {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}))
+        resp = conn.getresponse()
+        assert json.loads(resp.readline())["done"] is False
+        proc.send_signal(signal.SIGINT)
+        *_, last = [json.loads(x) for x in resp.read().decode().splitlines()]
+        assert last["done"] is True and 0 < last["eval_count"] < 4000, last
+        assert proc.wait(60) == 0
+        assert proc.stderr.read().strip().endswith("stopped")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_version():
     from edgespec import __version__
     p = cli("--version")
