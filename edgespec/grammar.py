@@ -94,15 +94,31 @@ class Grammar:
 
 def tokenizer_for(backend):
     """llguidance's view of a backend's vocabulary: every token's bytes (control
-    tokens marked special), llama.cpp's tokenizer, and the end-of-generation
-    tokens as the grammar's EOS. About a second for a 150k vocabulary: build
-    once per engine."""
-    import llguidance.llamacpp
+    tokens marked special, as llguidance expects: a 0xff byte first),
+    llama.cpp's own tokenizer, and the end-of-generation tokens as the
+    grammar's EOS. About a second for a 150k vocabulary: built once per engine."""
+    import ctypes
 
-    vocab = backend.vocab
-    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)] or [backend.eos_token]
-    return llguidance.llamacpp.lltokenizer_from_vocab(vocab.llama_vocab, n_vocab=backend.n_vocab,
-                                                      eos_token=eog)
+    import llama_cpp as lc
+
+    llg = _llg()
+    vocab = backend.vocab.llama_vocab
+    n_vocab = backend.n_vocab
+    buf = ctypes.create_string_buffer(1024)
+    special = lc.LLAMA_TOKEN_ATTR_CONTROL
+    tokens: list[bytes] = []
+    for t in range(n_vocab):
+        n = lc.llama_token_to_piece(vocab, t, buf, len(buf), 0, True)
+        piece = buf.raw[:max(n, 0)]
+        attr = lc.llama_vocab_get_attr(vocab, t)
+        if attr & special or (attr & lc.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<")
+                              and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        tokens.append(piece)
+    eog = [t for t in range(n_vocab) if backend.is_eog(t)] or [backend.eos_token]
+    tokenize = ctypes.cast(lc.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return llg.LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize,
+                                        eos_token=eog, slices=None)
 
 
 class Constraint:

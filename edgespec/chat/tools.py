@@ -7,7 +7,7 @@ Two output forms:
   - "json": for templates that render no tools, a system note lists the tools
     and asks for a bare JSON object ``{"name": ..., "arguments": {...}}``.
 When ``tool_choice`` requires a call (``"required"`` or a named function), the
-reply is constrained by a grammar to exactly that form.
+reply is constrained by a grammar to exactly one call in that form.
 
 A tool call that does not parse is returned as text with a warning, never an
 error: ``parse()`` and ``ToolCallStream`` both give a ``Parsed``.
@@ -157,18 +157,18 @@ def call_schema(tools: list[dict], choice: str) -> dict:
 
 def call_grammar(tools: list[dict], choice: str, style: str, open_token: int | None = None,
                  close_token: int | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) for a reply that is one or more
-    calls (the "json" form: exactly one). ``open_token``/``close_token``: the
+    """A Lark grammar (llguidance's dialect) for a reply that is exactly one
+    call (several calls in one reply stay possible with "auto"). ``open_token``/``close_token``: the
     vocabulary's own ``<tool_call>`` tokens, when it has them, as alternatives
     to the spelled-out text."""
-    schema = json.dumps(call_schema(tools, choice))
+    # compact JSON: a flexible-whitespace grammar lets a weak model pad forever
+    schema = json.dumps({**call_schema(tools, choice), "x-guidance": {"whitespace_flexible": False}})
     if style == "json":
         return f"start: call\ncall: %json {schema}\n"
 
     def tag(text: str, token: int | None) -> str:
         return f'("{text}" | <[{token}]>)' if token is not None else f'"{text}"'
-    return (f'start: tc ("\\n" tc)*\n'
-            f'tc: {tag(OPEN, open_token)} "\\n" call "\\n" {tag(CLOSE, close_token)}\n'
+    return (f'start: {tag(OPEN, open_token)} "\\n" call "\\n" {tag(CLOSE, close_token)}\n'
             f"call: %json {schema}\n")
 
 
