@@ -137,9 +137,12 @@ def _tools(body: dict, grammar: Grammar | None) -> dict:
         return {}
     try:
         checked = chat_tools.check_tools(tools) if tools is not None else None
+    except InvalidArgumentError as e:
+        raise FieldError("tools", str(e)) from None
+    try:
         chosen = chat_tools.check_tool_choice(choice, checked)
     except InvalidArgumentError as e:
-        raise FieldError("tools" if tools is None or "tool_choice" not in str(e) else "tool_choice", str(e)) from None
+        raise FieldError("tool_choice", str(e)) from None
     if grammar is not None and chosen not in (None, "none", "auto"):
         raise FieldError("tool_choice", "a required tool call cannot be combined with response_format")
     return {"tools": checked, "tool_choice": choice}

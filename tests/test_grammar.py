@@ -222,3 +222,66 @@ def test_stream_holds_back_only_what_may_be_a_call():
     shown = "".join(s.push(c) for c in "a <tool b")
     tail, parsed = s.finish()
     assert shown + tail == "a <tool b" and not parsed.tool_calls
+
+
+# -- a real model --------------------------------------------------------------------
+
+def test_smollm2_json_outputs_and_speculation(smollm2_path):
+    with Engine(str(smollm2_path), threads=2, n_ctx=1024) as e:
+        msgs = [{"role": "user", "content": 'Write JSON like {"name":"Ada","age":36,"color":"red","ok":true,'
+                                            '"user":{"id":7,"tags":["a","b"]}} for Ada Lovelace.'}]
+        drafted = 0
+        for schema in SCHEMAS[:4]:
+            plain = e.chat(msgs, json_schema=schema, max_tokens=150, drafter="none")
+            assert plain.stats.stop_reason == "eos", plain.text
+            jsonschema.validate(json.loads(plain.text), schema)
+            spec = e.chat(msgs, json_schema=schema, max_tokens=150, drafter="ngram")
+            assert spec.tokens == plain.tokens
+            drafted += spec.stats.spec.drafted
+        assert drafted > 0  # the prompt's JSON is drafted from, under the grammar
+
+
+# -- the server's request fields ---------------------------------------------------------
+
+from edgespec import openai_fields  # noqa: E402
+
+
+@pytest.mark.parametrize("body, chat, param", [
+    ({"presence_penalty": 2.5}, True, "presence_penalty"),
+    ({"frequency_penalty": -3}, False, "frequency_penalty"),
+    ({"top_k": -1}, True, "top_k"),
+    ({"top_k": 1.5}, True, "top_k"),
+    ({"min_p": 1}, True, "min_p"),
+    ({"repeat_penalty": 0}, True, "repeat_penalty"),
+    ({"logprobs": 3}, True, "logprobs"),
+    ({"top_logprobs": 2}, True, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+    ({"logprobs": 6}, False, "logprobs"),
+    ({"top_logprobs": 1}, False, "top_logprobs"),
+    ({"response_format": {"type": "xml"}}, True, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     True, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, True, "response_format"),
+    ({"grammar": 'root ::= nothing'}, False, "grammar"),
+    ({"grammar": "start: \"a\"", "response_format": {"type": "json_object"}}, True, "grammar"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, True, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, True, "tool_choice"),
+    ({"tool_choice": "required"}, True, "tool_choice"),
+    ({"tools": TOOLS}, False, "tools"),
+    ({"parallel_tool_calls": "yes", "tools": TOOLS}, True, "parallel_tool_calls"),
+])
+def test_request_fields_out_of_range_name_the_field(body, chat, param):
+    with pytest.raises(openai_fields.FieldError) as e:
+        openai_fields.engine_options(body, chat)
+    assert e.value.param == param
+
+
+def test_request_fields_map_to_engine_options():
+    opts = openai_fields.engine_options(
+        {"presence_penalty": 0.5, "frequency_penalty": -1, "top_k": 40, "min_p": 0.05, "logprobs": True,
+         "top_logprobs": 3, "response_format": {"type": "json_object"}}, True)
+    assert opts["presence_penalty"] == 0.5 and opts["frequency_penalty"] == -1.0 and opts["top_k"] == 40
+    assert opts["min_p"] == 0.05 and opts["logprobs"] == 3 and opts["grammar"].source == "json_object"
+    assert openai_fields.engine_options({"logprobs": False}, True) == {}
+    assert openai_fields.engine_options({"logprobs": 2}, False) == {"logprobs": 2}
+    assert openai_fields.engine_options({"response_format": {"type": "text"}}, True) == {}
