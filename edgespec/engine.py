@@ -712,9 +712,10 @@ class Engine:
         with Sampler(request.sampling, backend.n_vocab) as sampler:
             for t in prompt:
                 sampler.accept(t)
+            constraint = self._constraint(request.grammar) if request.grammar else None
             for d in drafters:
                 d.begin(prompt, request.sampling)
-            constraint = self._constraint(request.grammar) if request.grammar else None
+                d.constrain(constraint)
             steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
                                 request.max_tokens, gen._cancel, constraint, request.logprobs)
             try:

@@ -15,6 +15,7 @@ grammar, and verification stays exact for the constrained distribution.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,6 +132,9 @@ class Constraint:
         if self._m.is_error():
             raise GrammarError(f"{grammar.source} cannot be compiled: {self._m.get_error()}"[:500])
         self._words = mask_words(n_vocab)
+        # llguidance does not count an end-of-generation token among those a
+        # rollback undoes: every rollback below counts the others only
+        self._eos = frozenset(tokenizer.eos_tokens)
         self._rows = np.zeros((17, self._words), dtype=np.uint32)   # (n_rows, words), grown on demand
 
     def _fill(self, row: int) -> None:
@@ -159,13 +163,18 @@ class Constraint:
             kept = self._tree(draft)
         return kept, self._rows.ctypes.data
 
+    def _rollback(self, tokens) -> None:
+        n = sum(t not in self._eos for t in tokens)
+        if n:
+            self._m.rollback(n)
+
     def _chain(self, draft: Draft) -> Draft:
         m, tokens = self._m, draft.tokens
         n_ok = 0
         while n_ok < len(tokens) and self._allowed(n_ok, tokens[n_ok]) and m.consume_token(tokens[n_ok]):
             n_ok += 1
             self._fill(n_ok)
-        m.rollback(n_ok)
+        self._rollback(tokens[:n_ok])
         keep = min(n_ok + 1, len(tokens)) if draft.probs else n_ok
         if keep == len(tokens):
             return draft
@@ -185,7 +194,7 @@ class Constraint:
             while common < min(len(stack), len(path)) and stack[common] == path[common]:
                 common += 1
             if len(stack) > common:
-                m.rollback(len(stack) - common)
+                self._rollback(draft.tokens[j] for j in stack[common:])
                 del stack[common:]
             for node in path[common:]:
                 m.consume_token(draft.tokens[node])
@@ -198,8 +207,7 @@ class Constraint:
             tokens.append(t)
             parents.append(new_index[p] if p >= 0 else -1)
             self._fill(len(tokens))
-        if stack:
-            m.rollback(len(stack))
+        self._rollback(draft.tokens[j] for j in stack)
         return Draft(tokens, parents, None, draft.source, draft.key, draft.prior)
 
     @staticmethod
@@ -209,6 +217,16 @@ class Constraint:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+    @contextmanager
+    def lookahead(self):
+        """For a drafter that samples: a ``Lookahead`` walking one chain ahead of
+        the text; every token it took is rolled back on exit."""
+        look = Lookahead(self._m, self._words)
+        try:
+            yield look
+        finally:
+            self._rollback(look.tokens)
 
     def advance(self, tokens: list[int]) -> None:
         """The text gained ``tokens`` (each allowed by its row's mask)."""
@@ -220,3 +238,24 @@ class Constraint:
     def done(self) -> bool:
         """The grammar admits nothing more but the end of generation."""
         return self._m.is_stopped()
+
+
+class Lookahead:
+    """The grammar along a chain being drafted: ``mask()`` for the next token,
+    ``push(token)`` once it is chosen (False: the grammar admits nothing after
+    it, the chain ends)."""
+
+    def __init__(self, matcher, words: int):
+        self._m = matcher
+        self._row = np.zeros(words, dtype=np.uint32)
+        self.tokens: list[int] = []   # consumed, to roll back
+
+    def mask(self) -> int:
+        self._m.unsafe_compute_mask_ptr(self._row.ctypes.data, self._row.nbytes)
+        return self._row.ctypes.data
+
+    def push(self, token: int) -> bool:
+        if not self._m.consume_token(token):
+            return False
+        self.tokens.append(token)
+        return not self._m.is_stopped()

@@ -51,6 +51,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Any of the penalties is on (they read the recent-token window)."""
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def _require(name: str, value, kinds: tuple[type, ...]) -> None:
     """A sampling parameter of the wrong type is an InvalidArgumentError, not a TypeError."""

@@ -285,3 +285,18 @@ def test_request_fields_map_to_engine_options():
     assert openai_fields.engine_options({"logprobs": False}, True) == {}
     assert openai_fields.engine_options({"logprobs": 2}, False) == {"logprobs": 2}
     assert openai_fields.engine_options({"response_format": {"type": "text"}}, True) == {}
+
+
+def test_draft_model_chains_under_a_grammar(tiny_llama_path):
+    """The draft model samples without the grammar: its chain is cut after the
+    first token the grammar rejects, and verification keeps the output valid
+    (greedy: identical to plain decoding)."""
+    schema = SCHEMAS[3]
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=512, draft_model=str(tiny_llama_path)) as e:
+        plain = e.generate("Data:", json_schema=schema, max_tokens=120, drafter="none")
+        spec = e.generate("Data:", json_schema=schema, max_tokens=120, drafter="model")
+        assert spec.tokens == plain.tokens and spec.stats.spec.drafted > 0
+        for seed in range(3):
+            r = e.generate("Data:", json_schema=schema, max_tokens=120, drafter="model", temperature=1.0, seed=seed)
+            assert r.stats.stop_reason == "eos" and r.stats.spec.drafted > 0
+            jsonschema.validate(json.loads(r.text), schema)
