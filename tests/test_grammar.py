@@ -243,7 +243,8 @@ def test_smollm2_json_outputs_and_speculation(smollm2_path):
 
 # -- the server's request fields ---------------------------------------------------------
 
-from edgespec import openai_fields  # noqa: E402
+from edgespec.server import fields as openai_fields  # noqa: E402
+from edgespec.server.errors import ApiError  # noqa: E402
 
 
 @pytest.mark.parametrize("body, chat, param", [
@@ -271,7 +272,7 @@ from edgespec import openai_fields  # noqa: E402
     ({"parallel_tool_calls": "yes", "tools": TOOLS}, True, "parallel_tool_calls"),
 ])
 def test_request_fields_out_of_range_name_the_field(body, chat, param):
-    with pytest.raises(openai_fields.FieldError) as e:
+    with pytest.raises(ApiError) as e:
         openai_fields.engine_options(body, chat)
     assert e.value.param == param
 

@@ -1,46 +1,31 @@
-"""OpenAI request fields beyond the basics, for the HTTP server: structured
+"""OpenAI request fields beyond the basics: structured
 output (``response_format``, and llama.cpp's ``grammar`` / ``json_schema``),
 ``tools`` / ``tool_choice``, ``logprobs`` / ``top_logprobs``, the penalties,
 ``top_k`` and ``min_p``, turned into Engine.stream keyword arguments; and the
 reply-side shapes (``logprobs`` objects, ``tool_calls``).
 
-Validation follows OpenAI's ranges; a bad value is a FieldError naming the
-field (the server answers 400 with it as ``param``). Nothing is accepted and
-ignored.
+Validation follows OpenAI's ranges; a bad value is a 400 naming the field.
+Nothing is accepted and ignored.
 """
 from __future__ import annotations
 
-import math
-
-from .chat import tools as chat_tools
-from .errors import GrammarError, InvalidArgumentError
-from .grammar import Grammar
+from ..chat import tools as chat_tools
+from ..errors import GrammarError, InvalidArgumentError
+from ..grammar import Grammar
+from .errors import bad, is_int, is_number
 
 MAX_TOP_LOGPROBS = 20        # chat completions
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions
-
-
-class FieldError(InvalidArgumentError):
-    """A request field with a bad value; ``param`` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False):
     v = body.get(name)
     if v is None:
         return None
-    ok = (_is_int(v) or (isinstance(v, float) and math.isfinite(v)))
-    ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    ok = is_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
         lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise FieldError(name, f"{name} must be a number in {lb}{lo:g}, {hi:g}{rb}, got {str(v)[:40]}")
+        raise bad(name, f"{name} must be a number in {lb}{lo:g}, {hi:g}{rb}, got {str(v)[:40]}")
     return float(v)
 
 
@@ -59,15 +44,15 @@ def engine_options(body: dict, chat: bool) -> dict:
         opts["min_p"] = v
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or not 0 <= top_k < 2**31:
-            raise FieldError("top_k", f"top_k must be an integer >= 0, got {str(top_k)[:40]}")
+        if not is_int(top_k) or not 0 <= top_k < 2**31:
+            raise bad("top_k", f"top_k must be an integer >= 0, got {str(top_k)[:40]}")
         opts["top_k"] = top_k
     opts.update(_logprobs(body, chat))
     grammar = _structured(body)
     if chat:
         opts.update(_tools(body, grammar))
     elif body.get("tools") is not None or body.get("tool_choice") is not None:
-        raise FieldError("tools", "tools are for /v1/chat/completions")
+        raise bad("tools", "tools are for /v1/chat/completions")
     if grammar is not None:
         opts["grammar"] = grammar
     return opts
@@ -77,19 +62,19 @@ def _logprobs(body: dict, chat: bool) -> dict:
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if chat:
         if lp is not None and not isinstance(lp, bool):
-            raise FieldError("logprobs", "logprobs must be a boolean")
+            raise bad("logprobs", "logprobs must be a boolean")
         if top is not None:
-            if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-                raise FieldError("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
             if not lp:
-                raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+                raise bad("top_logprobs", "top_logprobs needs logprobs: true")
         return {"logprobs": top or 0} if lp else {}
     if top is not None:
-        raise FieldError("top_logprobs", "top_logprobs is for /v1/chat/completions; use logprobs")
+        raise bad("top_logprobs", "top_logprobs is for /v1/chat/completions; use logprobs")
     if lp is None:
         return {}
-    if not _is_int(lp) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
-        raise FieldError("logprobs", f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
+    if not is_int(lp) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
     return {"logprobs": lp}
 
 
@@ -97,7 +82,7 @@ def _structured(body: dict) -> Grammar | None:
     """``response_format`` (OpenAI), or llama.cpp's ``json_schema`` / ``grammar`` fields."""
     given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
     if len(given) > 1:
-        raise FieldError(given[1], f"give one of response_format, json_schema, grammar, not {' and '.join(given)}")
+        raise bad(given[1], f"give one of response_format, json_schema, grammar, not {' and '.join(given)}")
     if not given:
         return None
     name = given[0]
@@ -105,12 +90,12 @@ def _structured(body: dict) -> Grammar | None:
     try:
         if name == "grammar":
             if not isinstance(value, str):
-                raise FieldError("grammar", "grammar must be a string (Lark, or GBNF with ::=)")
+                raise bad("grammar", "grammar must be a string (Lark, or GBNF with ::=)")
             return Grammar.from_text(value)
         if name == "json_schema":
             return Grammar.json_schema(value)
         if not isinstance(value, dict):
-            raise FieldError(name, "response_format must be an object")
+            raise bad(name, "response_format must be an object")
         kind = value.get("type")
         if kind == "text":
             return None
@@ -120,31 +105,31 @@ def _structured(body: dict) -> Grammar | None:
         if kind == "json_schema":
             spec = value.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                raise FieldError(name, "response_format.json_schema must be an object with a name and a schema")
+                raise bad(name, "response_format.json_schema must be an object with a name and a schema")
             schema = spec.get("schema", {"type": "object"})
             return Grammar.json_schema(schema)
-        raise FieldError(name, f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]}")
+        raise bad(name, f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]}")
     except GrammarError as e:
-        raise FieldError(name, str(e)) from None
+        raise bad(name, str(e)) from None
 
 
 def _tools(body: dict, grammar: Grammar | None) -> dict:
     tools, choice = body.get("tools"), body.get("tool_choice")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):
-        raise FieldError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+        raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
     if tools is None and choice is None:
         return {}
     try:
         checked = chat_tools.check_tools(tools) if tools is not None else None
     except InvalidArgumentError as e:
-        raise FieldError("tools", str(e)) from None
+        raise bad("tools", str(e)) from None
     try:
         chosen = chat_tools.check_tool_choice(choice, checked)
     except InvalidArgumentError as e:
-        raise FieldError("tool_choice", str(e)) from None
+        raise bad("tool_choice", str(e)) from None
     if grammar is not None and chosen not in (None, "none", "auto"):
-        raise FieldError("tool_choice", "a required tool call cannot be combined with response_format")
+        raise bad("tool_choice", "a required tool call cannot be combined with response_format")
     return {"tools": checked, "tool_choice": choice}
 
 
