@@ -30,7 +30,7 @@ from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
 from .planner import Planner, batch_costs
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
@@ -110,17 +110,6 @@ class GenerationStats:
         d["tokens_per_s"] = self.tokens_per_s
         d["prefill_tokens_per_s"] = self.prefill_tokens_per_s
         return d
-
-
-@dataclass
-class TokenLogprob:
-    """A generated token's log-probability under the model (log-softmax of its
-    logits row, before penalties, temperature and grammar), and the ``top``
-    most likely tokens of that row as (token, logprob), most likely first."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -637,7 +626,7 @@ class Engine:
         context = prompt_tokens + new
         produced = len(new)
         yield Step(new, time.perf_counter() - t0, cached=kept,
-                   logprobs=self._logprobs(logits, sampler.rows, new, logprobs))
+                   logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
         while len(context) < backend.n_ctx and not cancel.is_set():
             # Tokens of the text not in the cache yet: the root (the last one),
             # preceded by a tree step's accepted path.
@@ -662,7 +651,7 @@ class Engine:
             else:
                 backend.truncate(backend.n_past - (len(draft) - n_acc))  # the rejected tail
             step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source,
-                        logprobs=self._logprobs(logits, sampler.rows, new, logprobs))
+                        logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
             if drafters:
                 planner.record_step_time(step.seconds, len(pending) + len(draft))
                 planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
@@ -672,28 +661,6 @@ class Engine:
             context.extend(new)
             produced += len(new)
             yield step
-
-    def _logprobs(self, logits: int, rows: list[int], tokens: list[int], top: int | None):
-        """Each token's log-softmax under its logits row (read in place) and the
-        row's ``top`` most likely tokens; None when not asked for."""
-        if top is None:
-            return None
-        import numpy as np
-
-        from .capi import ffi
-        V = self.backend.n_vocab
-        out = []
-        for row, token in zip(rows, tokens):
-            x = np.frombuffer(ffi.buffer(ffi.cast("float *", logits) + row * V, 4 * V), dtype=np.float32)
-            m = float(x.max())
-            lse = m + float(np.log(np.exp(x.astype(np.float64) - m).sum()))
-            best = []
-            if top:
-                idx = np.argpartition(-x, top - 1)[:top]
-                idx = idx[np.lexsort((idx, -x[idx]))]
-                best = [(int(i), float(x[i]) - lse) for i in idx]
-            out.append(TokenLogprob(int(token), float(x[token]) - lse, best))
-        return out
 
     def _pieces(self, request: _Request, gen: Generation) -> Iterator[str]:
         """Runs under the engine: turns steps into text pieces, stopping exactly

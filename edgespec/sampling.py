@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .capi import Owned, check, ffi, lib
 from .errors import InvalidArgumentError
@@ -160,3 +160,37 @@ def mask_words(n_vocab: int) -> int:
 
 def _mask(addr: int | None):
     return ffi.cast("const uint32_t *", addr) if addr else ffi.NULL
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its
+    logits row, before penalties, temperature and grammar), and the ``top``
+    most likely tokens of that row as (token, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits_addr: int, n_vocab: int, rows: list[int], tokens: list[int],
+                   top: int | None) -> list[TokenLogprob] | None:
+    """Each token's TokenLogprob under its row of the (n_rows, n_vocab) logits
+    at ``logits_addr`` (read in place); None when ``top`` is None (not asked for)."""
+    if top is None:
+        return None
+    import numpy as np
+
+    out = []
+    for row, token in zip(rows, tokens):
+        x = np.frombuffer(ffi.buffer(ffi.cast("float *", logits_addr) + row * n_vocab, 4 * n_vocab),
+                          dtype=np.float32)  # (n_vocab)
+        m = float(x.max())
+        lse = m + float(np.log(np.exp(x.astype(np.float64) - m).sum()))
+        best = []
+        if top:
+            idx = np.argpartition(-x, top - 1)[:top]
+            idx = idx[np.lexsort((idx, -x[idx]))]   # most likely first, ties by token id
+            best = [(int(i), float(x[i]) - lse) for i in idx]
+        out.append(TokenLogprob(int(token), float(x[token]) - lse, best))
+    return out

@@ -112,6 +112,16 @@ def test_logprobs_shape(tiny):
         tiny.generate("x", max_tokens=2, logprobs=21)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "recycle"])
+def test_logprobs_follow_the_rows_of_accepted_draft_tokens(tiny, drafter):
+    prompt = "44, 44, 44, 44"  # the tiny model goes on repeating: drafts get accepted
+    plain = tiny.generate(prompt, max_tokens=48, logprobs=0, drafter="none")
+    spec = tiny.generate(prompt, max_tokens=48, logprobs=0, drafter=drafter)
+    assert spec.tokens == plain.tokens and spec.stats.spec.accepted > 0
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-2)
+
+
 def test_presence_penalty_forbids_repeats_within_the_window(tiny):
     plain = tiny.generate("a a a a", max_tokens=24)
     assert len(set(plain.tokens)) < len(plain.tokens)  # the tiny model repeats itself

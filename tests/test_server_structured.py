@@ -190,3 +190,21 @@ def test_penalties_top_k_min_p_change_the_output(client):
         r = client.completions.create(model="tiny", prompt="a a a a", max_tokens=16, temperature=1.5, seed=5,
                                       extra_body=extra)
         assert r.choices[0].text == plain  # keeps only the most likely token: greedy
+
+
+def test_ollama_format(server):
+    import http.client
+
+    schema = SCHEMAS[1]
+    for path, body in (("/api/generate", {"prompt": "Data:"}), ("/api/chat", {"messages": MSGS})):
+        for fmt in ("json", schema):
+            conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+            conn.request("POST", path, json.dumps({"model": "tiny", "stream": False, "format": fmt,
+                                                   "options": {"num_predict": 200, "seed": 1}, **body}))
+            reply = json.loads(conn.getresponse().read())
+            conn.close()
+            text = reply["response"] if path == "/api/generate" else reply["message"]["content"]
+            value = json.loads(text)
+            assert isinstance(value, dict)
+            if fmt == schema:
+                jsonschema.validate(value, schema)
