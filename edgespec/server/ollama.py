@@ -25,7 +25,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -277,7 +276,6 @@ async def chat(request: Request):
 
 
 async def _answer(request: Request, runner, c: Completion, model: str, stream: bool, chat: bool):
-    await runner.prepare(c)
     job = runner.start(c, request)
     try:
         await job.started()

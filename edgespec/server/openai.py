@@ -191,7 +191,6 @@ async def _complete(request: Request, chat: bool):
     body = await read_json(request)
     runner = pick_runner(request, model_field(body))
     c, stream, include_usage = completion(body, chat)
-    await runner.prepare(c)
     job = runner.start(c, request)
     try:
         await job.started()

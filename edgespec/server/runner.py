@@ -3,15 +3,17 @@
 An endpoint parses its request into a ``Completion`` (the prompt or the chat,
 and Engine.stream's keyword arguments), then::
 
-    await runner.prepare(completion)          # tokenized outside the engine lock; 400 if over the context
     job = runner.start(completion, request)
-    await job.started()                       # queued behind other generations; 4xx if the engine refuses
+    await job.started()     # tokenized outside the engine lock (400 if over the context), then
+                            # queued behind other generations; 4xx if the engine refuses
     async for piece in job.pieces(): ...      # text pieces as the engine makes them
     job.close()                               # job.result: the engine's Result
 
 The engine is not thread-safe: generations run one at a time, each in a
 worker thread holding ``runner.lock``, in the order they take it; the event
-loop never blocks on the engine. Pieces cross from the worker to the loop
+loop never blocks on the engine. The worker counts the prompt's tokens before
+it takes the lock, so a prompt over the context is refused without waiting
+for the running generation. Pieces cross from the worker to the loop
 through a queue. A client that goes away (``http.disconnect``) cancels its
 job: a queued one never starts, a running one ends after its next piece (a
 token, at most a step).
@@ -27,7 +29,6 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import anyio
 
 from ..errors import ContextOverflowError, EdgespecError, InvalidArgumentError
 from .errors import ApiError, server_error
@@ -129,13 +130,6 @@ class Runner:
                            param=c.param, code="context_length_exceeded")
         return n
 
-    async def prepare(self, c: Completion) -> int:
-        """Count ``c``'s prompt (in a thread) and cap max_tokens at the room it
-        leaves: clients send large values meaning "as much as fits"."""
-        n = await anyio.to_thread.run_sync(self.count_prompt, c)
-        c.options["max_tokens"] = min(c.options["max_tokens"], self.n_ctx - n)
-        return n
-
     def start(self, c: Completion, request=None) -> "Job":
         """Queue ``c`` for the engine; ``request``'s client is watched for going away."""
         return Job(self, c, request)
@@ -226,11 +220,16 @@ class Job:
     def _run(self) -> None:
         r, c = self.runner, self.completion
         try:
+            n = r.count_prompt(c)
+            # clients send large values meaning "as much as fits"
+            c.options["max_tokens"] = min(c.options["max_tokens"], r.n_ctx - n)
             with r.lock:
                 if r.stopping:
                     self._post(ApiError(503, "the server is shutting down", type="server_error"))
                 elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
                     self._generate(r, c)
+        except ApiError as e:   # the prompt refused
+            self._post(e)
         except BaseException:   # a bug: logged, answered as a 500
             r.log(traceback.format_exc().rstrip())
             self._post(server_error("internal server error"))
