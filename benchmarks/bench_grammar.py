@@ -48,6 +48,8 @@ def main() -> None:
                                         drafter=drafter, **extra)
                     if rnd:
                         runs.setdefault((drafter, mode), []).append(r.stats)
+                    print(f"round {rnd}{' (warm-up)' if not rnd else ''}: {drafter} {mode} "
+                          f"{r.stats.n_tokens} tokens, {r.stats.tokens_per_s:.1f} tok/s", flush=True)
     print(f"model {args.model}, threads {args.threads}, {args.rounds} rounds, greedy")
     print(f"{'drafter':8} {'mode':12} {'tokens':>6} {'tok/s':>8} {'drafted':>8} {'accepted':>8}")
     for drafter in args.drafters.split(","):
