@@ -8,6 +8,7 @@ from .errors import (  # noqa: F401
     BackendError,
     ContextOverflowError,
     EdgespecError,
+    GrammarError,
     InvalidArgumentError,
     ModelFetchError,
     ModelFormatError,
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 # The engine pulls in llama.cpp and the compiled C core; import it on first use
 # so that `edgespec models ...` and the registry stay light.
 _LAZY = {"Engine": "engine", "Result": "engine", "GenerationStats": "engine",
-         "SamplingParams": "sampling"}
+         "SamplingParams": "sampling", "Grammar": "grammar"}
 
 
 def __getattr__(name):

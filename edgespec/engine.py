@@ -23,12 +23,14 @@ from typing import Iterator, Sequence
 from . import drafters as drafting
 from .backends import BACKENDS, Interrupted, open_backend, resolve_model
 from .chat import template as chat_templates
+from .chat import tools as chat_tools
 from .drafters import Draft, Drafter, DrafterConfig, Verified
 from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
                      InvalidArgumentError)
+from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
 from .planner import Planner, batch_costs
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
@@ -115,6 +117,12 @@ class Result:
     text: str
     tokens: list[int]
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None   # one per token, when asked for
+    parsed: chat_tools.Parsed | None = None      # with tools: the reply split into text and calls
+
+    @property
+    def tool_calls(self) -> list[chat_tools.ToolCall]:
+        return self.parsed.tool_calls if self.parsed else []
 
 
 @dataclass
@@ -127,6 +135,7 @@ class Step:
     accepted: int = 0        # of those, accepted
     source: str = ""         # the drafter of the draft ("" for a plain step)
     cached: int = 0          # the first step: prompt tokens whose K/V the cache already held
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
 @dataclass
@@ -138,6 +147,10 @@ class _Request:
     max_tokens: int
     stop: list[str]
     drafter: str
+    grammar: Grammar | None = None
+    tools: list[dict] | None = None   # tool calls are parsed from the reply
+    tool_style: str = ""              # chat_tools.style_of the template
+    logprobs: int | None = None       # None: off; k: each token's logprob and the top k
 
 
 class Generation(Iterator[str]):
@@ -154,6 +167,7 @@ class Generation(Iterator[str]):
         self._request = request
         self._blocking = blocking
         self._pieces: Iterator[str] | None = None
+        self.logprobs: list[TokenLogprob] = []   # grows with the text, when asked for
         self._cancel = threading.Event()
         self._done = False
         self.owner: int | None = None   # the thread that started it
@@ -266,6 +280,7 @@ class Engine:
         self._planner: Planner | None = None
         self.last_result: Result | None = None
         self._chat_template: str | None = None
+        self._llg_tokenizer = None  # the grammar engine's view of the vocabulary, built on first use
         # Sharing between threads: _busy is held by the running generation;
         # _state guards the fields below it and lets close() wait for readers.
         self._busy = threading.Lock()
@@ -421,22 +436,35 @@ class Engine:
     def chat_template(self, template: str | None) -> None:
         self._chat_template = template
 
-    def render_chat(self, messages: Sequence[dict], template: str | None = None) -> str:
+    def _template(self, template: str | None = None) -> str:
         template = template or self.chat_template
         if not template:
             raise InvalidArgumentError(f"model {self.model_ref} has no chat template in its metadata; "
                                        "pass a template file or use plain prompts")
+        return template
+
+    def render_chat(self, messages: Sequence[dict], template: str | None = None,
+                    tools: list[dict] | None = None) -> str:
+        """The chat as the model reads it; OpenAI ``tools`` go through the
+        template when it takes them, else into a system note (chat/tools.py)."""
+        template = self._template(template)
         b = self.backend
         with self._reading():
             bos, eos = b.token_text(b.bos_token), b.token_text(b.eos_token)
-        return chat_templates.render(template, messages, bos_token=bos, eos_token=eos)
+        messages = chat_templates.validate_messages(messages)
+        style = chat_tools.style_of(template)
+        if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages = chat_tools.prepare_messages(messages, tools, style)
+        return chat_templates.render(template, messages, bos_token=bos, eos_token=eos,
+                                     tools=tools if style == "tags" else None)
 
-    def prompt_tokens(self, prompt: str | None = None, messages: Sequence[dict] | None = None) -> list[int]:
-        """The tokens a generation of ``prompt`` (or of a reply to ``messages``)
-        evaluates: the text, or the chat rendered through its template, tokenized.
-        Thread-safe; it does not wait for a running generation."""
+    def prompt_tokens(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
+        """The tokens a generation of ``prompt`` (or of a reply to ``messages``,
+        with ``tools``) evaluates: the text, or the chat rendered through its
+        template, tokenized. Thread-safe; it does not wait for a running generation."""
         if messages is not None:
-            text = utf8_text(self.render_chat(messages), "the chat")
+            text = utf8_text(self.render_chat(messages, tools=tools), "the chat")
             with self._reading():
                 tokens = self.backend.tokenize(text, parse_special=True)
                 bos = self.backend.bos_token
@@ -458,11 +486,21 @@ class Engine:
         """Generate a completion of ``prompt`` (or a reply to chat ``messages``).
 
         Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
-        min_p, repeat_penalty, repeat_last_n, seed (random when None), stop
+        min_p, repeat_penalty, presence_penalty, frequency_penalty,
+        repeat_last_n (the penalties' window), seed (random when None), stop
         (strings), chat (wrap ``prompt`` as one user message), drafter (this
         call's drafter instead of the engine's: none, ngram, recycle, cache,
         model, auto), blocking (False: raise EngineBusyError rather than wait
         for another thread's generation).
+
+        Structured output: ``json_schema`` (a dict or JSON text) or ``grammar``
+        (a ``Grammar``, or Lark / GBNF text) constrains every token; a schema
+        the grammar engine cannot compile raises GrammarError naming the construct.
+        Tools (chats only): ``tools`` (OpenAI's list of functions) and
+        ``tool_choice`` ("auto", "none", "required" or a function name / object;
+        a required call is constrained by a grammar); ``result.tool_calls``
+        holds the calls parsed from the reply. ``logprobs``: None, or k in
+        [0, 20] to get each token's logprob and the k most likely alternatives.
         """
         gen = self.stream(prompt, messages=messages, **options)
         for _ in gen:
@@ -475,7 +513,9 @@ class Engine:
     def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                max_tokens: int = 256, stop: Sequence[str] | str | None = None,
                chat: bool = False, seed: int | None = None, drafter: str | None = None,
-               blocking: bool = True, **sampling) -> Generation:
+               blocking: bool = True, json_schema=None, grammar: Grammar | str | None = None,
+               tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
+               **sampling) -> Generation:
         """Validate the request and return its Generation: iterate it for text
         pieces; its ``result`` (and ``last_result``) holds the whole Result
         once it ends. Nothing runs until the first piece is asked for."""
@@ -494,14 +534,55 @@ class Engine:
             raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}"[:200])
         stop = list(stop or ())
         name = drafting.check_name(drafter or self.drafter)
-        tokens = self.prompt_tokens(prompt, messages)
+        if logprobs is not None:
+            _whole("logprobs", logprobs, 0)
+            if logprobs > 20:
+                raise InvalidArgumentError(f"logprobs must be in [0, 20], got {logprobs}")
+        if json_schema is not None and grammar is not None:
+            raise InvalidArgumentError("give json_schema or grammar, not both")
+        if json_schema is not None:
+            grammar = Grammar.json_schema(json_schema)
+        elif isinstance(grammar, str):
+            grammar = Grammar.from_text(grammar)
+        elif grammar is not None and not isinstance(grammar, Grammar):
+            raise InvalidArgumentError(f"grammar must be a Grammar or grammar text, not {type(grammar).__name__}")
+        style = ""
+        if tools is not None or tool_choice is not None:
+            if messages is None:
+                raise InvalidArgumentError("tools need a chat (messages)")
+            tools = chat_tools.check_tools(tools) if tools is not None else None
+            choice = chat_tools.check_tool_choice(tool_choice, tools)
+            if choice == "none":
+                tools = None
+            style = chat_tools.style_of(self._template())
+            if choice not in (None, "none", "auto"):
+                if grammar is not None:
+                    raise InvalidArgumentError("a required tool call cannot be combined with json_schema or grammar")
+                grammar = Grammar.from_text(chat_tools.call_grammar(tools, choice, style, *self._tool_tags(style)))
+        tokens = self.prompt_tokens(prompt, messages, tools)
         if not tokens:
             raise InvalidArgumentError("the prompt has no tokens (the tokenizer drops every character of it)")
         n_ctx = self.backend.n_ctx
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
                                        "(raise n_ctx or shorten the prompt)")
-        return Generation(self, _Request(tokens, params, max_tokens, stop, name), blocking)
+        return Generation(self, _Request(tokens, params, max_tokens, stop, name, grammar, tools, style,
+                                         logprobs), blocking)
+
+    def _tool_tags(self, style: str) -> tuple[int | None, int | None]:
+        """The vocabulary's own <tool_call> / </tool_call> tokens, if it has them."""
+        if style != "tags":
+            return None, None
+        with self._reading():
+            ids = [self.backend.tokenize(t, add_special=False, parse_special=True)
+                   for t in (chat_tools.OPEN, chat_tools.CLOSE)]
+        return tuple(i[0] if len(i) == 1 else None for i in ids)
+
+    def _constraint(self, grammar: Grammar) -> Constraint:
+        """A grammar's state for one generation (runs under the engine)."""
+        if self._llg_tokenizer is None:
+            self._llg_tokenizer = tokenizer_for(self.backend)
+        return Constraint(grammar, self._llg_tokenizer, self.backend.n_vocab)
 
     def _choose_draft(self, drafters: list[Drafter], context: list[int], room: int, may_skip: bool) -> Draft:
         """Ask each drafter for a draft and keep the part of one that pays most
@@ -525,20 +606,27 @@ class Engine:
         return best
 
     def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
-               may_skip: bool, max_tokens: int, cancel: threading.Event) -> Iterator[Step]:
+               may_skip: bool, max_tokens: int, cancel: threading.Event,
+               constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Step]:
         """The speculative loop as a step generator: the first step evaluates
         the prompt (reusing the cache's common prefix) and samples one token;
         every later step evaluates the last token plus a draft (possibly
         empty) and yields what verification keeps. The backend's record of its
-        cache is settled whenever a step is yielded."""
+        cache is settled whenever a step is yielded. Under a grammar
+        (``constraint``) the draft loses the nodes the grammar rejects and
+        every logits row is verified inside its mask."""
         backend, planner = self.backend, self._planner
         t0 = time.perf_counter()
         kept = backend.reuse_prefix(prompt_tokens)
         logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
-        new = sampler.verify(logits, [])
+        masks = constraint.masks(Draft())[1] if constraint else None
+        new = sampler.verify(logits, [], masks_addr=masks)
+        if constraint:
+            constraint.advance(new)
         context = prompt_tokens + new
         produced = len(new)
-        yield Step(new, time.perf_counter() - t0, cached=kept)
+        yield Step(new, time.perf_counter() - t0, cached=kept,
+                   logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
         while len(context) < backend.n_ctx and not cancel.is_set():
             # Tokens of the text not in the cache yet: the root (the last one),
             # preceded by a tree step's accepted path.
@@ -547,17 +635,23 @@ class Engine:
                        backend.n_batch - len(pending))
             draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
             ts = time.perf_counter()
+            masks = None
+            if constraint:
+                draft, masks = constraint.masks(draft)
             if draft.parents is not None:
                 logits = backend.decode_tree(pending, draft.tokens, draft.parents, draft.node_depths())
             else:
                 logits = backend.decode(pending + draft.tokens, logits_from=len(pending) - 1)
-            new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs)
+            new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs, masks)
+            if constraint:
+                constraint.advance(new)
             n_acc = len(new) - 1
             if draft.parents is not None:
                 backend.drop_tree()
             else:
                 backend.truncate(backend.n_past - (len(draft) - n_acc))  # the rejected tail
-            step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source)
+            step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source,
+                        logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
             if drafters:
                 planner.record_step_time(step.seconds, len(pending) + len(draft))
                 planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
@@ -585,10 +679,12 @@ class Engine:
         with Sampler(request.sampling, backend.n_vocab) as sampler:
             for t in prompt:
                 sampler.accept(t)
+            constraint = self._constraint(request.grammar) if request.grammar else None
             for d in drafters:
                 d.begin(prompt, request.sampling)
+                d.constrain(constraint)
             steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
-                                request.max_tokens, gen._cancel)
+                                request.max_tokens, gen._cancel, constraint, request.logprobs)
             try:
                 for step in steps:
                     if t_decode is None:
@@ -596,11 +692,13 @@ class Engine:
                         stats.prefill_s, stats.cached_tokens = step.seconds, step.cached
                     elif spec is not None:
                         spec.count(step.source, step.drafted, step.accepted)
-                    for token in step.tokens:
+                    for i, token in enumerate(step.tokens):
                         if backend.is_eog(token):
                             stats.stop_reason = "eos"
                             break
                         out.append(token)
+                        if step.logprobs:
+                            gen.logprobs.append(step.logprobs[i])
                         piece = text.push(backend.piece(token))
                         if piece:
                             yield piece
@@ -626,4 +724,8 @@ class Engine:
                 if spec is not None:
                     spec.planner = self._planner.summary()
                     spec.drafters = {d.name: d.stats() for d in drafters}
-                gen.result = self.last_result = Result(text=text.text, tokens=out, stats=stats)
+                parsed = (chat_tools.parse(text.text, request.tool_style, request.tools)
+                          if request.tools else None)
+                gen.result = self.last_result = Result(
+                    text=text.text, tokens=out, stats=stats,
+                    logprobs=gen.logprobs if request.logprobs is not None else None, parsed=parsed)

@@ -67,3 +67,8 @@ class NativeInvalidArgument(NativeError, InvalidArgumentError):
 
 class NativeOutOfMemory(NativeError, MemoryError):
     pass
+
+
+class GrammarError(InvalidArgumentError):
+    """A JSON schema or grammar the grammar engine cannot compile; the message
+    names the construct (an unsupported keyword, an unknown rule, a bad regex)."""

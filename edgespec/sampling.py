@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .capi import Owned, check, ffi, lib
 from .errors import InvalidArgumentError
@@ -17,11 +17,14 @@ class SamplingParams:
     top_p: float = 1.0        # (0, 1]; 1: off
     min_p: float = 0.0        # [0, 1); 0: off
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    presence_penalty: float = 0.0   # subtracted once from each recent token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a recent token
+    repeat_last_n: int = 64   # the window the three penalties see
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):
             _require(name, getattr(self, name), (int, float))
         for name in ("top_k", "repeat_last_n", "seed"):
             _require(name, getattr(self, name), (int,))
@@ -36,6 +39,9 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
             raise InvalidArgumentError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidArgumentError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not 0 <= self.repeat_last_n < 2**31:
             raise InvalidArgumentError(f"repeat_last_n must be in [0, 2**31), got {self.repeat_last_n}")
         if not 0 <= self.seed < 2**64:
@@ -44,6 +50,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the penalties is on (they read the recent-token window)."""
+        return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _require(name: str, value, kinds: tuple[type, ...]) -> None:
@@ -65,6 +76,8 @@ class Sampler(Owned):
         c.top_p = params.top_p
         c.min_p = params.min_p
         c.repeat_penalty = params.repeat_penalty
+        c.presence_penalty = params.presence_penalty
+        c.frequency_penalty = params.frequency_penalty
         c.repeat_last_n = params.repeat_last_n
         c.seed = params.seed
         out = ffi.new("es_sampler **")
@@ -76,6 +89,7 @@ class Sampler(Owned):
         # Verification buffers, sized for the largest draft and grown on demand.
         self._tree = ffi.new("es_draft_tree *")
         self._n_out = ffi.new("int32_t *")
+        self.rows: list[int] = []
         self._grow(64)
 
     def _grow(self, n_nodes: int) -> None:
@@ -83,20 +97,25 @@ class Sampler(Owned):
         self._draft_tokens = ffi.new("es_token[]", n_nodes)
         self._draft_parents = ffi.new("int32_t[]", n_nodes)
         self._out_tokens = ffi.new("es_token[]", n_nodes + 1)
+        self._out_path = ffi.new("int32_t[]", n_nodes)
 
-    def sample(self, logits_addr: int) -> int:
-        """Sample from the row of ``n_vocab`` floats at ``logits_addr`` (no copy)."""
-        check(lib.es_sampler_sample(self._ptr, ffi.cast("const float *", logits_addr), self._tok),
-              "es_sampler_sample")
+    def sample(self, logits_addr: int, mask_addr: int | None = None) -> int:
+        """Sample from the row of ``n_vocab`` floats at ``logits_addr`` (no copy),
+        inside the allowed-token bitmask at ``mask_addr`` (None: unconstrained)."""
+        check(lib.es_sampler_sample(self._ptr, ffi.cast("const float *", logits_addr),
+                                    _mask(mask_addr), self._tok), "es_sampler_sample")
         return self._tok[0]
 
     def verify(self, logits_addr: int, tokens: list[int], parents: list[int] | None = None,
-               probs_addr: int | None = None) -> list[int]:
-        """Verify a draft against (n_nodes + 1, n_vocab) logits rows (see es_verify).
+               probs_addr: int | None = None, masks_addr: int | None = None) -> list[int]:
+        """Verify a draft against (n_nodes + 1, n_vocab) logits rows (see es_verify),
+        each row restricted to its allowed-token bitmask when ``masks_addr`` holds
+        (n_nodes + 1, mask_words(n_vocab)) uint32 words.
 
-        Returns the tokens to append: the accepted ones, then the target's own.
-        An empty draft is plain sampling of row 0. Every returned token is
-        recorded in the penalty history.
+        Returns the tokens to append: the accepted ones, then the target's own;
+        ``rows`` then holds the logits row each was chosen from. An empty draft
+        is plain sampling of row 0. Every returned token is recorded in the
+        penalty history.
         """
         n = len(tokens)
         if n > self._cap:
@@ -111,9 +130,12 @@ class Sampler(Owned):
             self._draft_parents[0:n] = parents
             tree.parents = self._draft_parents
         tree.probs = ffi.cast("const float *", probs_addr) if probs_addr else ffi.NULL
+        tree.masks = _mask(masks_addr)
         check(lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
-                            self._out_tokens, ffi.NULL, self._n_out), "es_verify")
-        return ffi.unpack(self._out_tokens, self._n_out[0])
+                            self._out_tokens, self._out_path, self._n_out), "es_verify")
+        n_out = self._n_out[0]
+        self.rows = [0] + [p + 1 for p in ffi.unpack(self._out_path, n_out - 1)]
+        return ffi.unpack(self._out_tokens, n_out)
 
     def accept(self, token: int) -> None:
         lib.es_sampler_accept(self._ptr, token)
@@ -121,11 +143,54 @@ class Sampler(Owned):
     def reset(self) -> None:
         lib.es_sampler_reset(self._ptr)
 
-    def probs(self, logits_addr: int):
+    def probs(self, logits_addr: int, mask_addr: int | None = None):
         """The final distribution of one row, as a new numpy array (for tests and tools)."""
         import numpy as np
 
         out = np.empty(self.n_vocab, dtype=np.float32)
-        check(lib.es_sampler_probs(self._ptr, ffi.cast("const float *", logits_addr),
+        check(lib.es_sampler_probs(self._ptr, ffi.cast("const float *", logits_addr), _mask(mask_addr),
                                    ffi.cast("float *", out.ctypes.data)), "es_sampler_probs")
         return out
+
+
+def mask_words(n_vocab: int) -> int:
+    """uint32 words of one allowed-token bitmask (ES_MASK_WORDS)."""
+    return (n_vocab + 31) // 32
+
+
+def _mask(addr: int | None):
+    return ffi.cast("const uint32_t *", addr) if addr else ffi.NULL
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its
+    logits row, before penalties, temperature and grammar), and the ``top``
+    most likely tokens of that row as (token, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits_addr: int, n_vocab: int, rows: list[int], tokens: list[int],
+                   top: int | None) -> list[TokenLogprob] | None:
+    """Each token's TokenLogprob under its row of the (n_rows, n_vocab) logits
+    at ``logits_addr`` (read in place); None when ``top`` is None (not asked for)."""
+    if top is None:
+        return None
+    import numpy as np
+
+    out = []
+    for row, token in zip(rows, tokens):
+        x = np.frombuffer(ffi.buffer(ffi.cast("float *", logits_addr) + row * n_vocab, 4 * n_vocab),
+                          dtype=np.float32)  # (n_vocab)
+        m = float(x.max())
+        lse = m + float(np.log(np.exp(x.astype(np.float64) - m).sum()))
+        best = []
+        if top:
+            idx = np.argpartition(-x, top - 1)[:top]
+            idx = idx[np.lexsort((idx, -x[idx]))]   # most likely first, ties by token id
+            best = [(int(i), float(x[i]) - lse) for i in idx]
+        out.append(TokenLogprob(int(token), float(x[token]) - lse, best))
+    return out

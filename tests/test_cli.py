@@ -125,3 +125,34 @@ def test_piped_chat_line_that_is_not_utf8_is_one_line_exit_2(smollm2_path):
                   "--threads", "1", stdin=b"ab\xfe\xffcd\n")
     one_line_error(p, "input line 1 is not valid UTF-8 (byte 0xfe at offset 2)")
     assert p.stdout == ""
+
+
+# -- structured output ---------------------------------------------------------------
+
+def test_generate_with_json_schema_and_grammar(tiny_llama_path, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    p = run("generate", "Hello", "--model", str(tiny_llama_path), "--threads", "1", "--max-tokens", "40",
+            "--json-schema", str(tmp_path / "s.json"), "--json")
+    assert p.returncode == 0, p.stderr
+    jsonschema.validate(json.loads(json.loads(p.stdout.strip().splitlines()[-1])["text"]), schema)
+    (tmp_path / "g.gbnf").write_text('root ::= "yes" | "no"\n')
+    p = run("generate", "Hello", "--model", str(tiny_llama_path), "--threads", "1", "--max-tokens", "9",
+            "--grammar", str(tmp_path / "g.gbnf"), "--temperature", "1", "--seed", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1])["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("command", [["generate", "Hello"], ["chat"]], ids=["generate", "chat"])
+@pytest.mark.parametrize("content, flag, message", [
+    ('{"type": "object", "properties": {"a": {"not": {}}}}', "--json-schema", 'Unimplemented keys: ["not"]'),
+    ("{oops", "--json-schema", "not valid JSON"),
+    ('root ::= "a" missing', "--grammar", "missing"),
+])
+def test_bad_schema_or_grammar_is_one_line_before_loading(tmp_path, command, content, flag, message):
+    (tmp_path / "f").write_text(content)
+    one_line_error(run(*command, "--model", str(tmp_path / "absent.gguf"), flag, str(tmp_path / "f")), message)

@@ -150,7 +150,8 @@ def test_ollama_chat(server):
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": "x"}, 400, "model is required"),
     ({"model": "llama3", "prompt": "x"}, 404, "tiny"),
-    ({"model": MODEL, "prompt": "x", "format": "json"}, 400, "format"),
+    ({"model": MODEL, "prompt": "x", "format": "xml"}, 400, "format"),
+    ({"model": MODEL, "prompt": "x", "format": {"type": "object", "properties": {"a": {"not": {}}}}}, 400, "not"),
     ({"model": MODEL, "prompt": "x", "images": ["aGk="]}, 400, "images"),
     ({"model": MODEL, "prompt": "x", "options": {"mirostat": 2}}, 400, "mirostat"),
     ({"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}}, 400, "temperature"),

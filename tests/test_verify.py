@@ -196,7 +196,7 @@ def count_first_two(smpl, verify, n_trials, draft_for_trial):
         out, _ = verify(*draft_for_trial(i))
         if len(out) < 2:
             row = target + (1 * V_STAT + out[0]) * V_STAT  # TARGET[1, out[0]]
-            assert lib.es_sampler_sample(smpl, row, second) == lib.ES_OK
+            assert lib.es_sampler_sample(smpl, row, ffi.NULL, second) == lib.ES_OK
             lib.es_sampler_accept(smpl, second[0])
             out.append(second[0])
         counts[out[0], out[1]] += 1

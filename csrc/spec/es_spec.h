@@ -19,11 +19,19 @@ extern "C" {
  * Sampler
  *
  * Turns one row of logits into one token. The pipeline, in order:
- *   repetition penalty -> greedy (temperature <= 0) or
+ *   penalties (repetition, presence, frequency) -> allowed-token mask ->
+ *   greedy (temperature <= 0) or
  *   temperature -> top-k -> softmax -> top-p -> min-p -> draw.
  * The same pipeline defines the target distribution that speculative
  * verification keeps exactly.
+ *
+ * An allowed-token mask (a grammar's, for structured output) is a bitmask of
+ * ES_MASK_WORDS(n_vocab) words: bit (t % 32) of word t / 32 set means token t
+ * may be chosen. Masked-out tokens get probability 0 before anything else is
+ * decided, so greedy, sampling and verification all stay inside the mask.
  * ======================================================================== */
+
+#define ES_MASK_WORDS(n_vocab) (((n_vocab) + 31) / 32)
 
 typedef struct es_sampler es_sampler;
 
@@ -33,7 +41,9 @@ typedef struct es_sampler_params {
     float    top_p;           // nucleus mass in (0, 1]; 1: off; default 1
     float    min_p;           // drop tokens below min_p * p(max), [0, 1); 0: off; default 0
     float    repeat_penalty;  // > 0; 1: off; divides positive logits of recent tokens
-    int32_t  repeat_last_n;   // how many recent tokens the penalty sees; default 64
+    float    presence_penalty;   // subtracted once from the logit of each recent token; 0: off
+    float    frequency_penalty;  // subtracted per occurrence of a recent token; 0: off
+    int32_t  repeat_last_n;   // how many recent tokens the penalties see; default 64
     uint64_t seed;            // seeds the sampler's own RNG (xoshiro256**)
 } es_sampler_params;
 
@@ -50,13 +60,16 @@ void es_sampler_reset(es_sampler * smpl);
 // the repetition penalty. Tokens outside [0, n_vocab) are ignored.
 void es_sampler_accept(es_sampler * smpl, es_token token);
 
-// Samples one token from logits (n_vocab floats, read only). Does not record
-// it: call es_sampler_accept() for the token that is kept.
-int  es_sampler_sample(es_sampler * smpl, const float * logits, es_token * out);
+// Samples one token from logits (n_vocab floats, read only), inside mask
+// (ES_MASK_WORDS(n_vocab) words; NULL: every token allowed). Does not record
+// it: call es_sampler_accept() for the token that is kept. ES_ERR_EMPTY when
+// no allowed token has a finite logit.
+int  es_sampler_sample(es_sampler * smpl, const float * logits, const uint32_t * mask, es_token * out);
 
-// Writes the sampler's final distribution for logits into probs (n_vocab
-// floats): zero outside the kept set, summing to 1. For greedy, a one-hot row.
-int  es_sampler_probs(es_sampler * smpl, const float * logits, float * probs);
+// Writes the sampler's final distribution for logits (inside mask, may be
+// NULL) into probs (n_vocab floats): zero outside the kept set, summing to 1.
+// For greedy, a one-hot row.
+int  es_sampler_probs(es_sampler * smpl, const float * logits, const uint32_t * mask, float * probs);
 
 /* ========================================================================
  * Verification
@@ -69,6 +82,11 @@ int  es_sampler_probs(es_sampler * smpl, const float * logits, float * probs);
  *
  * The target's logits come as n_nodes + 1 rows, n_vocab floats apart
  * (row-major, (n_nodes + 1, n_vocab)): row 0 is the root's, row i + 1 node i's.
+ *
+ * With masks, row r's distribution is restricted to masks row r: a drafted
+ * token outside its parent row's mask is rejected, and the output keeps the
+ * constrained distribution exactly (the mask of a node's row is the grammar's
+ * state after the path to that node).
  *
  * Greedy (temperature <= 0): a node is accepted when it is the argmax of its
  * parent's row, so the output equals plain greedy decoding token for token.
@@ -90,6 +108,10 @@ typedef struct es_draft_tree {
                                //   from (the drafter's es_sampler_probs row), or
                                //   NULL for deterministic proposals; chains only
     int32_t          n_nodes;  // >= 0; 0 makes verification plain sampling
+    const uint32_t * masks;    // (n_nodes + 1, ES_MASK_WORDS(n_vocab)) allowed tokens of
+                               //   each logits row, or NULL: unconstrained. A row that
+                               //   verification never reaches (below a rejected node)
+                               //   may hold anything.
 } es_draft_tree;
 
 // Verifies a draft against the target's logits (see above).

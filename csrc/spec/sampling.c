@@ -50,6 +50,8 @@ es_sampler_params es_sampler_default_params(void) {
     p.top_p          = 1.0f;
     p.min_p          = 0.0f;
     p.repeat_penalty = 1.0f;
+    p.presence_penalty  = 0.0f;
+    p.frequency_penalty = 0.0f;
     p.repeat_last_n  = 64;
     p.seed           = 0;
     return p;
@@ -61,6 +63,7 @@ static bool params_valid(const es_sampler_params * p) {
     if (!(p->top_p > 0.0f && p->top_p <= 1.0f)) return false;
     if (!(p->min_p >= 0.0f && p->min_p < 1.0f)) return false;
     if (!(p->repeat_penalty > 0.0f)) return false;
+    if (!isfinite(p->presence_penalty) || !isfinite(p->frequency_penalty)) return false;
     if (p->repeat_last_n < 0) return false;
     return true;
 }
@@ -114,10 +117,16 @@ void es_sampler_accept(es_sampler * s, es_token token) {
  * The kept set
  * ------------------------------------------------------------------------ */
 
-// Returns logits with the repetition penalty applied: the row itself when the
-// penalty is off (no copy), else a penalized copy in s->work.
+static bool penalties_off(const es_sampler_params * p) {
+    return p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f;
+}
+
+// Returns logits with the penalties applied: the row itself when they are off
+// (no copy), else a penalized copy in s->work. Each distinct recent token t,
+// seen c times in the window: its logit is divided (if positive) or
+// multiplied by repeat_penalty, then loses presence_penalty + c * frequency_penalty.
 static const float * penalized(es_sampler * s, const float * logits) {
-    if (s->params.repeat_penalty == 1.0f || s->n_history == 0) return logits;
+    if (penalties_off(&s->params) || s->n_history == 0) return logits;
     memcpy(s->work, logits, sizeof(float) * (size_t) s->n_vocab);
     const float pen = s->params.repeat_penalty;
     for (int32_t i = 0; i < s->n_history; i++) {
@@ -125,19 +134,37 @@ static const float * penalized(es_sampler * s, const float * logits) {
         bool seen = false;  // each distinct token is penalized once
         for (int32_t j = 0; j < i && !seen; j++) seen = s->history[j] == t;
         if (seen) continue;
-        const float v = logits[t];
-        s->work[t] = v > 0.0f ? v / pen : v * pen;
+        int32_t c = 1;
+        for (int32_t j = i + 1; j < s->n_history; j++) c += s->history[j] == t;
+        float v = logits[t];
+        v = v > 0.0f ? v / pen : v * pen;
+        s->work[t] = v - s->params.presence_penalty - (float) c * s->params.frequency_penalty;
     }
     return s->work;
 }
 
-// First index of the largest finite-or-inf value; ties go to the lowest id,
-// as numpy.argmax does. -1 when every value is NaN or -inf.
-static es_token argmax(const float * x, int32_t n) {
+static inline bool allowed(const uint32_t * mask, int32_t t) {
+    return !mask || (mask[t >> 5] >> (t & 31)) & 1u;
+}
+
+// First index of the largest finite-or-inf value among the allowed ones; ties
+// go to the lowest id, as numpy.argmax does. -1 when every allowed value is
+// NaN or -inf (or nothing is allowed).
+static es_token argmax(const float * x, const uint32_t * mask, int32_t n) {
     es_token best = -1;
     float best_v = -INFINITY;
-    for (int32_t i = 0; i < n; i++) {
-        if (x[i] > best_v) { best_v = x[i]; best = i; }
+    if (!mask) {
+        for (int32_t i = 0; i < n; i++) {
+            if (x[i] > best_v) { best_v = x[i]; best = i; }
+        }
+        return best;
+    }
+    for (int32_t w = 0; w < ES_MASK_WORDS(n); w++) {
+        for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {  // each set bit, lowest first
+            const int32_t i = w * 32 + __builtin_ctz(bits);
+            if (i >= n) break;
+            if (x[i] > best_v) { best_v = x[i]; best = i; }
+        }
     }
     return best;
 }
@@ -200,12 +227,12 @@ static int32_t select_top_k(es_sampler * s, int32_t n, int32_t k) {
     return k;
 }
 
-int es__kept_set(es_sampler * s, const float * logits, int32_t * n_kept) {
+int es__kept_set(es_sampler * s, const float * logits, const uint32_t * mask, int32_t * n_kept) {
     const float * x = penalized(s, logits);
     const int32_t V = s->n_vocab;
 
     if (s->params.temperature <= 0.0f) {
-        const es_token best = argmax(x, V);
+        const es_token best = argmax(x, mask, V);
         if (best < 0) return ES_ERR_EMPTY;
         s->cand[0] = best;
         s->cand_p[0] = 1.0f;
@@ -213,13 +240,13 @@ int es__kept_set(es_sampler * s, const float * logits, int32_t * n_kept) {
         return ES_OK;
     }
 
-    // 1. every finite candidate, its logit scaled by 1/T
+    // 1. every finite allowed candidate, its logit scaled by 1/T
     const float inv_t = 1.0f / s->params.temperature;
     int32_t n = 0;
     float max_l = -INFINITY;
     for (int32_t i = 0; i < V; i++) {
         const float v = x[i];
-        if (!(v > -INFINITY)) continue;  // drops -inf and NaN
+        if (!(v > -INFINITY) || !allowed(mask, i)) continue;  // drops -inf, NaN, masked
         s->cand[n] = i;
         s->cand_p[n] = v * inv_t;
         if (s->cand_p[n] > max_l) max_l = s->cand_p[n];
@@ -297,26 +324,26 @@ es_token es__draw(es_sampler * s, int32_t n_kept) {
     return last;
 }
 
-int es_sampler_sample(es_sampler * s, const float * logits, es_token * out) {
+int es_sampler_sample(es_sampler * s, const float * logits, const uint32_t * mask, es_token * out) {
     if (!s || !logits || !out) return ES_ERR_INVALID_ARG;
     if (s->params.temperature <= 0.0f) {
         // Fast path: no kept-set bookkeeping for argmax.
-        const es_token best = argmax(penalized(s, logits), s->n_vocab);
+        const es_token best = argmax(penalized(s, logits), mask, s->n_vocab);
         if (best < 0) return ES_ERR_EMPTY;
         *out = best;
         return ES_OK;
     }
     int32_t n = 0;
-    const int rc = es__kept_set(s, logits, &n);
+    const int rc = es__kept_set(s, logits, mask, &n);
     if (rc != ES_OK) return rc;
     *out = es__draw(s, n);
     return ES_OK;
 }
 
-int es_sampler_probs(es_sampler * s, const float * logits, float * probs) {
+int es_sampler_probs(es_sampler * s, const float * logits, const uint32_t * mask, float * probs) {
     if (!s || !logits || !probs) return ES_ERR_INVALID_ARG;
     int32_t n = 0;
-    const int rc = es__kept_set(s, logits, &n);
+    const int rc = es__kept_set(s, logits, mask, &n);
     if (rc != ES_OK) return rc;
     memset(probs, 0, sizeof(float) * (size_t) s->n_vocab);
     for (int32_t i = 0; i < n; i++) probs[s->cand[i]] = s->cand_p[i];

@@ -24,9 +24,10 @@ struct es_sampler {
 void   es__rng_seed(uint64_t state[4], uint64_t seed);
 double es__rng_uniform(uint64_t state[4]);  // [0, 1)
 
-// Builds the kept set of one logits row into s->cand / s->cand_p[0, *n_kept):
-// probabilities summing to 1. Greedy keeps the argmax alone with p = 1.
-int      es__kept_set(es_sampler * s, const float * logits, int32_t * n_kept);
+// Builds the kept set of one logits row, inside mask (NULL: all allowed), into
+// s->cand / s->cand_p[0, *n_kept): probabilities summing to 1. Greedy keeps
+// the argmax alone with p = 1.
+int      es__kept_set(es_sampler * s, const float * logits, const uint32_t * mask, int32_t * n_kept);
 // Draws one token from the kept set with the sampler's RNG.
 es_token es__draw(es_sampler * s, int32_t n_kept);
 

@@ -4,7 +4,7 @@
  *
  * The walk starts at the root and, at each node, builds the kept set of the
  * node's row with es__kept_set(): the very distribution plain sampling draws
- * from, under the same repetition-penalty history, because every accepted
+ * from, inside the row's allowed-token mask, under the same penalty history, because every accepted
  * token is recorded before the next row is read. One step then either
  * accepts a child (and the walk moves to its row) or chooses the token that
  * ends the call:
@@ -209,6 +209,7 @@ int es_verify(es_sampler * s, const float * logits, const es_draft_tree * tree,
 
     const bool greedy = s->params.temperature <= 0.0f;
     const size_t V = (size_t) s->n_vocab;
+    const size_t W = (size_t) ES_MASK_WORDS(s->n_vocab);
     sampler_state saved;
     save_state(s, tree->n_nodes, &saved);
 
@@ -217,7 +218,8 @@ int es_verify(es_sampler * s, const float * logits, const es_draft_tree * tree,
     for (;;) {
         // 1. the target distribution at this node, under the history so far
         int32_t n_kept = 0;
-        const int rc = es__kept_set(s, logits + (size_t) (node + 1) * V, &n_kept);
+        const uint32_t * mask = tree->masks ? tree->masks + (size_t) (node + 1) * W : NULL;
+        const int rc = es__kept_set(s, logits + (size_t) (node + 1) * V, mask, &n_kept);
         if (rc != ES_OK) {
             restore_state(s, &saved);
             return rc;

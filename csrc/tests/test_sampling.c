@@ -36,7 +36,7 @@ static es_sampler_params sampling_params(float temperature, uint64_t seed) {
 
 static es_token greedy_pick(es_sampler * s, const float * logits) {
     es_token t = -1;
-    CHECK(es_sampler_sample(s, logits, &t) == ES_OK);
+    CHECK(es_sampler_sample(s, logits, NULL, &t) == ES_OK);
     return t;
 }
 
@@ -124,12 +124,12 @@ static void test_null_arguments(void) {
     const float logits[2] = {0.0f, 1.0f};
     float probs[2];
     es_token t;
-    CHECK(es_sampler_sample(NULL, logits, &t) == ES_ERR_INVALID_ARG);
-    CHECK(es_sampler_sample(s, NULL, &t) == ES_ERR_INVALID_ARG);
-    CHECK(es_sampler_sample(s, logits, NULL) == ES_ERR_INVALID_ARG);
-    CHECK(es_sampler_probs(NULL, logits, probs) == ES_ERR_INVALID_ARG);
-    CHECK(es_sampler_probs(s, NULL, probs) == ES_ERR_INVALID_ARG);
-    CHECK(es_sampler_probs(s, logits, NULL) == ES_ERR_INVALID_ARG);
+    CHECK(es_sampler_sample(NULL, logits, NULL, &t) == ES_ERR_INVALID_ARG);
+    CHECK(es_sampler_sample(s, NULL, NULL, &t) == ES_ERR_INVALID_ARG);
+    CHECK(es_sampler_sample(s, logits, NULL, NULL) == ES_ERR_INVALID_ARG);
+    CHECK(es_sampler_probs(NULL, logits, NULL, probs) == ES_ERR_INVALID_ARG);
+    CHECK(es_sampler_probs(s, NULL, NULL, probs) == ES_ERR_INVALID_ARG);
+    CHECK(es_sampler_probs(s, logits, NULL, NULL) == ES_ERR_INVALID_ARG);
     es_sampler_accept(NULL, 0);  // ignored, no crash
     es_sampler_reset(NULL);
     es_sampler_free(s);
@@ -159,7 +159,7 @@ static void test_greedy(void) {
 
     // probs for greedy is the one-hot row of the same choice
     float probs[6];
-    CHECK(es_sampler_probs(s, holes, probs) == ES_OK);
+    CHECK(es_sampler_probs(s, holes, NULL, probs) == ES_OK);
     for (int i = 0; i < 6; i++) CHECK(probs[i] == (i == 4 ? 1.0f : 0.0f));
     es_sampler_free(s);
 }
@@ -177,9 +177,9 @@ static void test_empty_rows(void) {
         for (int r = 0; r < 3; r++) {
             es_token t = 123;
             float probs[4] = {9, 9, 9, 9};
-            CHECK(es_sampler_sample(s, rows[r], &t) == ES_ERR_EMPTY);
+            CHECK(es_sampler_sample(s, rows[r], NULL, &t) == ES_ERR_EMPTY);
             CHECK(t == 123);
-            CHECK(es_sampler_probs(s, rows[r], probs) == ES_ERR_EMPTY);
+            CHECK(es_sampler_probs(s, rows[r], NULL, probs) == ES_ERR_EMPTY);
         }
         es_sampler_free(s);
     }
@@ -249,7 +249,7 @@ static void test_repeat_penalty(void) {
     const float row[3] = {2.0f, 1.5f, -INFINITY};
     float probs[3];
     es_sampler_accept(s, 0);
-    CHECK(es_sampler_probs(s, row, probs) == ES_OK);
+    CHECK(es_sampler_probs(s, row, NULL, probs) == ES_OK);
     CHECK_NEAR(probs[0], 1.0 / (1.0 + exp(0.5)), 1e-6);
     CHECK_NEAR(probs[1], 1.0 / (1.0 + exp(-0.5)), 1e-6);
     CHECK(probs[2] == 0.0f);
@@ -275,7 +275,7 @@ static void test_probs_temperature(void) {
     const float temps[3] = {1.0f, 0.5f, 2.0f};
     for (int ti = 0; ti < 3; ti++) {
         es_sampler * s = make(sampling_params(temps[ti], 0), N4);
-        CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
         // softmax(log p / T) is p^(1/T), renormalised
         double z = 0.0;
         for (int i = 0; i < N4; i++) z += pow(P4[i], 1.0 / temps[ti]);
@@ -293,7 +293,7 @@ static void test_probs_top_k(void) {
         es_sampler_params p = sampling_params(0.8f, 0);
         p.top_k = k;
         es_sampler * s = make(p, V);
-        CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
         const int32_t want = k < V ? k : V;
         CHECK(count_nonzero(probs, V) == want);
         CHECK_NEAR(sum_of(probs, V), 1.0, 1e-6);
@@ -327,7 +327,7 @@ static void test_probs_top_p(void) {
         es_sampler_params p = sampling_params(1.0f, 0);
         p.top_p = top_p[i];
         es_sampler * s = make(p, N4);
-        CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
         check_kept4(probs, n_kept[i]);
         es_sampler_free(s);
     }
@@ -343,7 +343,7 @@ static void test_probs_top_p_long_tail(void) {
     es_sampler_params p = sampling_params(1.0f, 0);
     p.top_p = 0.9f;
     es_sampler * s = make(p, V);
-    CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+    CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
     // 0.5 + n * tail >= 0.9 first at n = ceil(0.4 / tail) = 800 tail tokens
     const int32_t want = 1 + (int32_t) ceil(0.4 / tail);
     CHECK(want == 801);
@@ -363,7 +363,7 @@ static void test_probs_min_p(void) {
         es_sampler_params p = sampling_params(1.0f, 0);
         p.min_p = min_p[i];
         es_sampler * s = make(p, N4);
-        CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
         check_kept4(probs, n_kept[i]);
         es_sampler_free(s);
     }
@@ -378,12 +378,12 @@ static void test_probs_pipeline_order(void) {
     p.top_k = 3;
     p.top_p = 0.7f;
     es_sampler * s = make(p, N4);
-    CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+    CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
     check_kept4(probs, 2);
     es_sampler_free(s);
     p.min_p = 0.8f;
     s = make(p, N4);
-    CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+    CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
     check_kept4(probs, 1);
     es_sampler_free(s);
 }
@@ -398,12 +398,12 @@ static void test_probs_infinite_logits(void) {
         es_sampler_params p = sampling_params(1.0f, 3);
         p.top_p = top_p[i];
         es_sampler * s = make(p, 5);
-        CHECK(es_sampler_probs(s, one_inf, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, one_inf, NULL, probs) == ES_OK);
         for (int j = 0; j < 5; j++) CHECK(probs[j] == (j == 1 ? 1.0f : 0.0f));
         es_token t = -1;
-        CHECK(es_sampler_sample(s, one_inf, &t) == ES_OK);
+        CHECK(es_sampler_sample(s, one_inf, NULL, &t) == ES_OK);
         CHECK(t == 1);
-        CHECK(es_sampler_probs(s, two_inf, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, two_inf, NULL, probs) == ES_OK);
         CHECK_NEAR(sum_of(probs, 5), 1.0, 1e-6);
         CHECK(probs[0] > 0.0f && probs[3] > 0.0f);
         CHECK(probs[1] == 0.0f && probs[2] == 0.0f && probs[4] == 0.0f);
@@ -430,9 +430,9 @@ static void test_seed_reproducibility(void) {
     int same_as_c = 0;
     for (int i = 0; i < N; i++) {
         es_token ta, tb, tc;
-        CHECK(es_sampler_sample(a, logits, &ta) == ES_OK);
-        CHECK(es_sampler_sample(b, logits, &tb) == ES_OK);
-        CHECK(es_sampler_sample(c, logits, &tc) == ES_OK);
+        CHECK(es_sampler_sample(a, logits, NULL, &ta) == ES_OK);
+        CHECK(es_sampler_sample(b, logits, NULL, &tb) == ES_OK);
+        CHECK(es_sampler_sample(c, logits, NULL, &tc) == ES_OK);
         CHECK(ta == tb);
         same_as_c += ta == tc;
         first[i] = ta;
@@ -443,7 +443,7 @@ static void test_seed_reproducibility(void) {
     int same_after_reset = 0;
     for (int i = 0; i < N; i++) {
         es_token t;
-        CHECK(es_sampler_sample(a, logits, &t) == ES_OK);
+        CHECK(es_sampler_sample(a, logits, NULL, &t) == ES_OK);
         same_after_reset += t == first[i];
     }
     CHECK(same_after_reset == N);
@@ -462,11 +462,11 @@ static void test_empirical_frequencies(void) {
         p.top_p = 0.97f;
         es_sampler * s = make(p, V);
         float probs[V];
-        CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+        CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
         long counts[V] = {0};
         for (int i = 0; i < N; i++) {
             es_token t = -1;
-            CHECK(es_sampler_sample(s, logits, &t) == ES_OK);
+            CHECK(es_sampler_sample(s, logits, NULL, &t) == ES_OK);
             if (t >= 0 && t < V) counts[t]++;
         }
         // Seeded, hence deterministic; 0.005 is over 4 standard deviations
@@ -494,7 +494,7 @@ static void test_draw_never_returns_zero_probability(void) {
     double total = 1.0;  // sum of probs, in the order the draw adds them
     for (int k = 0; k < 64; k++) {
         logits[0] = 0.0625f * (float) k;
-        CHECK(es_sampler_probs(probe, logits, probs) == ES_OK);
+        CHECK(es_sampler_probs(probe, logits, NULL, probs) == ES_OK);
         if (sum_of(probs, V) < total) { total = sum_of(probs, V); best_l0 = logits[0]; }
     }
     es_sampler_free(probe);
@@ -510,10 +510,68 @@ static void test_draw_never_returns_zero_probability(void) {
     CHECK(seed < (uint64_t) 1e9);
     es_sampler * s = make(sampling_params(1.0f, seed), V);
     es_token t = -1;
-    CHECK(es_sampler_sample(s, logits, &t) == ES_OK);
-    CHECK(es_sampler_probs(s, logits, probs) == ES_OK);
+    CHECK(es_sampler_sample(s, logits, NULL, &t) == ES_OK);
+    CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
     CHECK(probs[V - 1] == 0.0f);
     CHECK(t >= 0 && t < V && probs[t] > 0.0f);
+    es_sampler_free(s);
+}
+
+/* ------------------------------------------------------------------------
+ * Allowed-token masks; presence and frequency penalties
+ * ------------------------------------------------------------------------ */
+
+static void test_mask(void) {
+    enum { V = 40 };  // two mask words, the second partly used
+    float logits[V];
+    for (int32_t i = 0; i < V; i++) logits[i] = 0.1f * (float) i;  // argmax: 39
+    uint32_t mask[ES_MASK_WORDS(V)] = {0};
+    mask[0] |= 1u << 3;
+    mask[1] |= 1u << (35 - 32);
+    es_sampler * g = make(es_sampler_default_params(), V);
+    es_token t = -1;
+    CHECK(es_sampler_sample(g, logits, mask, &t) == ES_OK && t == 35);
+    es_sampler * s = make(sampling_params(1.0f, 5), V);
+    float probs[V];
+    CHECK(es_sampler_probs(s, logits, mask, probs) == ES_OK);
+    CHECK(count_nonzero(probs, V) == 2);
+    CHECK_NEAR(probs[35] / probs[3], exp(0.1 * 32), 1e-3);
+    for (int i = 0; i < 200; i++) {
+        CHECK(es_sampler_sample(s, logits, mask, &t) == ES_OK);
+        CHECK(t == 3 || t == 35);
+    }
+    const uint32_t nothing[ES_MASK_WORDS(V)] = {0};
+    CHECK(es_sampler_sample(g, logits, nothing, &t) == ES_ERR_EMPTY);
+    CHECK(es_sampler_sample(s, logits, nothing, &t) == ES_ERR_EMPTY);
+    CHECK(es_sampler_probs(s, logits, nothing, probs) == ES_ERR_EMPTY);
+    es_sampler_free(s);
+    es_sampler_free(g);
+}
+
+// Token 0 seen twice, token 1 once: logit - presence - count * frequency.
+static void test_presence_frequency_penalty(void) {
+    const float logits[4] = {1.0f, 1.0f, 0.9f, 0.5f};
+    es_sampler_params p = sampling_params(1.0f, 3);
+    p.presence_penalty = 0.5f;
+    p.frequency_penalty = 0.25f;
+    es_sampler * s = make(p, 4);
+    es_sampler_accept(s, 0);
+    es_sampler_accept(s, 0);
+    es_sampler_accept(s, 1);
+    float probs[4];
+    CHECK(es_sampler_probs(s, logits, NULL, probs) == ES_OK);
+    CHECK_NEAR(probs[0] / probs[2], exp(0.0 - 0.9), 1e-4);   // 1 - 0.5 - 2 * 0.25
+    CHECK_NEAR(probs[1] / probs[2], exp(0.25 - 0.9), 1e-4);  // 1 - 0.5 - 1 * 0.25
+    CHECK_NEAR(probs[3] / probs[2], exp(0.5 - 0.9), 1e-4);   // unseen: unchanged
+    p.temperature = 0.0f;
+    es_sampler * g = make(p, 4);
+    es_sampler_accept(g, 0);
+    es_sampler_accept(g, 1);
+    CHECK(greedy_pick(g, logits) == 2);
+    p.presence_penalty = NAN;
+    es_sampler * bad = NULL;
+    CHECK(es_sampler_init(&p, 4, &bad) == ES_ERR_INVALID_ARG);
+    es_sampler_free(g);
     es_sampler_free(s);
 }
 
@@ -535,5 +593,7 @@ int main(void) {
     test_seed_reproducibility();
     test_empirical_frequencies();
     test_draw_never_returns_zero_probability();
+    test_mask();
+    test_presence_frequency_penalty();
     return check_report("test_sampling");
 }

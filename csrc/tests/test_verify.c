@@ -42,7 +42,7 @@ static es_sampler_params sampling_params(float temperature, uint64_t seed) {
 
 static es_draft_tree make_tree(const es_token * tokens, const int32_t * parents,
                                const float * probs, int32_t n_nodes) {
-    es_draft_tree t = {tokens, parents, probs, n_nodes};
+    es_draft_tree t = {tokens, parents, probs, n_nodes, NULL};
     return t;
 }
 
@@ -194,7 +194,7 @@ static int32_t reference_walk(es_sampler * r, const float * logits, const es_tok
     int32_t n = 0, node = -1;
     for (;;) {
         es_token t = -1;
-        CHECK(es_sampler_sample(r, logits + (size_t) (node + 1) * VR, &t) == ES_OK);
+        CHECK(es_sampler_sample(r, logits + (size_t) (node + 1) * VR, NULL, &t) == ES_OK);
         es_sampler_accept(r, t);
         out[n] = t;
         int32_t next = -1;
@@ -286,7 +286,7 @@ static void test_empty_draft_is_plain_sampling(void) {
             es_token out[1], expected = -1;
             int32_t n_out = -1;
             CHECK(es_verify(s, row, &tree, out, NULL, &n_out) == ES_OK);
-            CHECK(es_sampler_sample(r, row, &expected) == ES_OK);
+            CHECK(es_sampler_sample(r, row, NULL, &expected) == ES_OK);
             es_sampler_accept(r, expected);
             CHECK(n_out == 1 && out[0] == expected);
             CHECK(same_state(s, r));
@@ -442,12 +442,12 @@ static void reference_joint(const es_sampler_params * p, double * joint) {
     float row[VS], p0[VS], p1[VS];
     prefill(r);
     toy_row(0, 0, STAT_ROOT, row);
-    CHECK(es_sampler_probs(r, row, p0) == ES_OK);
+    CHECK(es_sampler_probs(r, row, NULL, p0) == ES_OK);
     for (es_token x = 0; x < VS; x++) {
         prefill(r);
         es_sampler_accept(r, x);
         toy_row(0, 1, x, row);
-        CHECK(es_sampler_probs(r, row, p1) == ES_OK);
+        CHECK(es_sampler_probs(r, row, NULL, p1) == ES_OK);
         for (es_token y = 0; y < VS; y++) joint[x * VS + y] = (double) p0[x] * p1[y];
     }
     es_sampler_free(r);
@@ -476,7 +476,7 @@ static void count_first_two(es_sampler * s, const float * logits, const es_draft
     if (n_out < 2) {
         float row[VS];
         toy_row(0, 1, out[0], row);
-        CHECK(es_sampler_sample(s, row, &out[1]) == ES_OK);
+        CHECK(es_sampler_sample(s, row, NULL, &out[1]) == ES_OK);
         es_sampler_accept(s, out[1]);
     }
     counts[out[0] * VS + out[1]]++;
@@ -578,8 +578,8 @@ static void draft_chain(es_sampler * d, uint32_t model, int32_t n_nodes, es_toke
     for (int32_t i = 0; i < n_nodes; i++) {
         float row[VS];
         toy_row(model, i, prev, row);
-        CHECK(es_sampler_probs(d, row, probs + (size_t) i * VS) == ES_OK);
-        CHECK(es_sampler_sample(d, row, &tokens[i]) == ES_OK);
+        CHECK(es_sampler_probs(d, row, NULL, probs + (size_t) i * VS) == ES_OK);
+        CHECK(es_sampler_sample(d, row, NULL, &tokens[i]) == ES_OK);
         prev = tokens[i];
     }
 }
@@ -632,8 +632,8 @@ static void test_self_speculation_accepts_all(void) {
         es_token prev = STAT_ROOT;
         for (int32_t i = 0; i < 4; i++) {  // draft_chain with the target's model and history
             toy_row(0, i, prev, logits + (size_t) i * VS);
-            CHECK(es_sampler_probs(d, logits + (size_t) i * VS, probs + (size_t) i * VS) == ES_OK);
-            CHECK(es_sampler_sample(d, logits + (size_t) i * VS, &tokens[i]) == ES_OK);
+            CHECK(es_sampler_probs(d, logits + (size_t) i * VS, NULL, probs + (size_t) i * VS) == ES_OK);
+            CHECK(es_sampler_sample(d, logits + (size_t) i * VS, NULL, &tokens[i]) == ES_OK);
             es_sampler_accept(d, tokens[i]);
             prev = tokens[i];
         }
@@ -647,6 +647,62 @@ static void test_self_speculation_accepts_all(void) {
     }
     CHECK(n_accepted == 4 * n_trials);
     es_sampler_free(d);
+    es_sampler_free(s);
+}
+
+/* ------------------------------------------------------------------------
+ * Allowed-token masks: a drafted token outside its row's mask is rejected,
+ * and the output keeps the constrained distribution
+ * ------------------------------------------------------------------------ */
+
+static void test_masked_greedy(void) {
+    // The unconstrained argmax of row 0 is 5; the mask allows only 2 and 4.
+    float logits[2 * VG];
+    peak_row(logits, VG, 5);
+    logits[4] = 1.0f;
+    peak_row(logits + VG, VG, 1);
+    uint32_t masks[2] = {(1u << 2) | (1u << 4), 0xffu};
+    es_sampler * s = make(sampling_params(0.0f, 1), VG);
+    const es_token draft[1] = {5};
+    es_draft_tree tree = make_tree(draft, NULL, NULL, 1);
+    tree.masks = masks;
+    es_token out[2];
+    int32_t n_out = 0;
+    CHECK(es_verify(s, logits, &tree, out, NULL, &n_out) == ES_OK);
+    CHECK(n_out == 1 && out[0] == 4);  // 5 rejected: outside the mask
+    const es_token good[1] = {4};
+    tree.tokens = good;
+    CHECK(es_verify(s, logits, &tree, out, NULL, &n_out) == ES_OK);
+    CHECK(n_out == 2 && out[0] == 4 && out[1] == 1);
+    es_sampler_free(s);
+}
+
+static void test_masked_sampling_distribution(void) {
+    float logits[2 * VS];
+    for (int32_t v = 0; v < VS; v++) logits[v] = 0.3f * (float) v;
+    for (int32_t v = 0; v < VS; v++) logits[VS + v] = 0.0f;
+    const uint32_t masks[2] = {(1u << 1) | (1u << 2) | (1u << 4), (1u << VS) - 1};
+    es_sampler * s = make(sampling_params(1.0f, 9), VS);
+    float p[VS];
+    CHECK(es_sampler_probs(s, logits, masks, p) == ES_OK);
+    const es_token drafts[2] = {2, 5};  // inside and outside the root's mask
+    for (int32_t d = 0; d < 2; d++) {
+        es_draft_tree tree = make_tree(&drafts[d], NULL, NULL, 1);
+        tree.masks = masks;
+        int64_t counts[VS] = {0};
+        const int n = 50000;
+        for (int trial = 0; trial < n; trial++) {
+            es_token out[2];
+            int32_t n_out = 0;
+            CHECK(es_verify(s, logits, &tree, out, NULL, &n_out) == ES_OK);
+            counts[out[0]]++;
+            if (drafts[d] == 5) CHECK(n_out == 1);  // never accepted
+        }
+        for (int32_t v = 0; v < VS; v++) {
+            const double sd = sqrt(p[v] * (1.0 - p[v]) / n);
+            CHECK_NEAR((double) counts[v] / n, p[v], 5.0 * sd + 1e-9);
+        }
+    }
     es_sampler_free(s);
 }
 
@@ -664,5 +720,7 @@ int main(void) {
     test_stat_sibling_candidates();
     test_stat_drafter_chain();
     test_self_speculation_accepts_all();
+    test_masked_greedy();
+    test_masked_sampling_distribution();
     return check_report("test_verify");
 }

@@ -98,6 +98,12 @@ class Vocab(Closing):
             self._pieces[token] = cached
         return cached
 
+    @property
+    def llama_vocab(self):
+        """The llama.cpp vocabulary handle (for the grammar engine's tokenizer);
+        borrowed, valid until close()."""
+        return self._vocab
+
     def is_eog(self, token: int) -> bool:
         eog = self._eog.get(token)
         if eog is None:

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import typer
@@ -78,18 +79,41 @@ class SamplingOptions:
     top_p: float
     min_p: float
     repeat_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
     seed: Optional[int]
     stop: tuple[str, ...]
+    json_schema: Optional[str]   # file paths
+    grammar: Optional[str]
 
     def __post_init__(self):
         # SamplingParams holds the ranges; checked here so that they fail before a model loads.
         SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       repeat_penalty=self.repeat_penalty, seed=0 if self.seed is None else self.seed)
+                       repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty, seed=0 if self.seed is None else self.seed)
         for s in self.stop:
             utf8_text(s, "--stop")
+        if self.json_schema and self.grammar:
+            raise InvalidArgumentError("give --json-schema or --grammar, not both")
+        object.__setattr__(self, "_grammar", self._read_grammar())
+
+    def _read_grammar(self):
+        from ..grammar import Grammar
+
+        path = self.json_schema or self.grammar
+        if not path:
+            return None
+        flag = "--json-schema" if self.json_schema else "--grammar"
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgumentError(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else 'not UTF-8'}") from None
+        return Grammar.json_schema(text) if self.json_schema else Grammar.from_text(text)
 
     def kwargs(self) -> dict:
-        return {**dataclasses.asdict(self), "stop": list(self.stop)}
+        d = dataclasses.asdict(self)
+        del d["json_schema"]
+        return {**d, "stop": list(self.stop), "grammar": self._grammar}
 
 
 MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (default: the built-in default)."
@@ -131,9 +155,17 @@ SAMPLING_OPTIONS = {
     "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1]; 1 = off.")),
     "min_p": (float, typer.Option(0.0, "--min-p", help="Drop tokens below min_p x p(best), [0, 1); 0 = off.")),
     "repeat_penalty": (float, typer.Option(1.0, "--repeat-penalty", help="Repetition penalty, > 0; 1 = off.")),
+    "presence_penalty": (float, typer.Option(0.0, "--presence-penalty", help="Subtracted from the logit of each "
+                                                                            "recent token; 0 = off.")),
+    "frequency_penalty": (float, typer.Option(0.0, "--frequency-penalty", help="Subtracted per occurrence of a "
+                                                                              "recent token; 0 = off.")),
     "seed": (Optional[int], typer.Option(None, "--seed", help="RNG seed for sampling, [0, 2**64) "
                                                               "(default: random).")),
     "stop": (Optional[list[str]], typer.Option(None, "--stop", help="Stop string (repeatable).")),
+    "json_schema": (Optional[str], typer.Option(None, "--json-schema", help="JSON schema file: the output is "
+                                                                            "JSON valid against it.")),
+    "grammar": (Optional[str], typer.Option(None, "--grammar", help="Grammar file (Lark, or GBNF with ::=): "
+                                                                    "the output follows it.")),
 }
 
 

@@ -82,6 +82,12 @@ class Drafter(ABC):
         """A new generation starts: ``prompt`` is its whole context, ``sampling``
         how the target chooses tokens (a draft model drafts the same way)."""
 
+    def constrain(self, constraint) -> None:
+        """A grammar (an ``edgespec.grammar.Constraint``, or None) constrains the
+        generation begun last. The engine prunes every draft to it anyway; a
+        drafter that samples (the draft model) drafts inside it, through
+        ``constraint.lookahead()``."""
+
     @abstractmethod
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
         """Propose up to ``max_tokens`` tokens (tree nodes) following ``context``

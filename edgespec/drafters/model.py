@@ -7,6 +7,7 @@ target's sampling settings and hands q's rows to verification.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Sequence
 
@@ -63,6 +64,7 @@ class ModelDrafter(Drafter):
             raise
         self.n_vocab = self.backend.n_vocab
         self._sampler: Sampler | None = None
+        self._constraint = None   # the generation's grammar, drafted inside
         self._probs = np.empty((0, self.n_vocab), dtype=np.float32)  # (max_draft, n_vocab) q rows
         self.n_drafts = 0
         self.n_evaluated = 0
@@ -72,6 +74,9 @@ class ModelDrafter(Drafter):
         if self._sampler is not None:
             self._sampler.close()
         self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
+
+    def constrain(self, constraint) -> None:
+        self._constraint = constraint
 
     def _sync(self, context: Sequence[int]) -> int:
         """Bring the cache up to ``context``; returns the last row's logits address."""
@@ -88,23 +93,27 @@ class ModelDrafter(Drafter):
             self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
         logits = self._sync(context)
         params = self._sampler.params
-        if params.repeat_penalty != 1.0:
+        if params.penalized:
             # Refill the penalty window with the text's tail (drafts are not text).
             for t in context[-params.repeat_last_n:]:
                 self._sampler.accept(t)
         tokens: list[int] = []
-        for i in range(max_tokens):
-            if greedy:
-                tok = self._sampler.sample(logits)
-            else:
-                row = self._probs[i]
-                row[:] = self._sampler.probs(logits)
-                tok = self._sampler.sample(logits)
-            self._sampler.accept(tok)
-            tokens.append(tok)
-            if i + 1 < max_tokens:
-                logits = self.backend.decode([tok])
-                self.n_evaluated += 1
+        with self._constraint.lookahead() if self._constraint else nullcontext() as look:
+            for i in range(max_tokens):
+                mask = look.mask() if look else None   # q inside the grammar, as p is
+                if greedy:
+                    tok = self._sampler.sample(logits, mask)
+                else:
+                    row = self._probs[i]
+                    row[:] = self._sampler.probs(logits, mask)
+                    tok = self._sampler.sample(logits, mask)
+                self._sampler.accept(tok)
+                tokens.append(tok)
+                if look and not look.push(tok):
+                    break
+                if i + 1 < max_tokens:
+                    logits = self.backend.decode([tok])
+                    self.n_evaluated += 1
         return Draft(tokens=tokens, probs=None if greedy else self._probs.ctypes.data, source=self.name)
 
     def stats(self) -> dict:

@@ -10,7 +10,8 @@ top_p 0.9, repeat_penalty 1.1 over the last 64 tokens, num_predict -1 = as
 much as fits); options about loading (num_ctx, num_thread, num_gpu, ...) are
 the server's to decide and ignored, as are unknown ones (as Ollama does);
 sampling options the engine does not have are a 400 naming them unless they
-are at their neutral value. ``format``, ``tools``, ``images``, ``suffix``,
+are at their neutral value. ``format`` ("json" or a JSON schema) constrains
+the output through the grammar engine. ``tools``, ``images``, ``suffix``,
 ``template`` and ``context`` are refused with a 400 naming the field.
 Durations are nanoseconds; the final object also carries ``edgespec``
 (drafter, tokens/s, speedup, speculative stats).
@@ -29,7 +30,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from .. import __version__
-from ..errors import EdgespecError, InvalidArgumentError
+from ..errors import EdgespecError, GrammarError, InvalidArgumentError
+from ..grammar import Grammar
 from ..models import registry
 from ..progress import Progress
 from ..sampling import SamplingParams
@@ -45,7 +47,7 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat
 LOADING_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram",
                    "use_mmap", "use_mlock", "vocab_only", "num_keep"}
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "mirostat": 0, "typical_p": 1, "tfs_z": 1}
-UNSERVED = ("format", "tools", "images", "suffix", "template", "context")
+UNSERVED = ("tools", "images", "suffix", "template", "context")
 CHAT_ROLES = ("system", "user", "assistant")
 PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
 
@@ -185,6 +187,21 @@ def _options(body: dict, n_ctx: int) -> dict:
     return out
 
 
+def _format(body: dict) -> dict:
+    """``format``: "json" (any JSON object) or a JSON schema, as a grammar."""
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return {}
+    try:
+        if fmt == "json":
+            return {"grammar": Grammar.json_object()}
+        if isinstance(fmt, dict):
+            return {"grammar": Grammar.json_schema(fmt)}
+    except GrammarError as e:
+        raise _bad(f"format: {e}")
+    raise _bad('format must be "json" or a JSON schema object')
+
+
 def _check_served(body: dict) -> None:
     for field in UNSERVED:
         if body.get(field) not in (None, "", [], {}):
@@ -218,7 +235,7 @@ async def generate(request: Request):
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw must be a boolean")
-    opts = _options(body, runner.n_ctx)
+    opts = {**_options(body, runner.n_ctx), **_format(body)}
     if not prompt:   # Ollama's "load the model": it is loaded
         return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
@@ -249,7 +266,7 @@ async def chat(request: Request):
         if m.get("images") or m.get("tool_calls"):
             raise _bad(f"messages[{i}]: images and tool_calls are not supported by this server")
         msgs.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
-    opts = _options(body, runner.n_ctx)
+    opts = {**_options(body, runner.n_ctx), **_format(body)}
     if not msgs:   # Ollama's "load the model": it is loaded
         return JSONResponse({"model": model, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})

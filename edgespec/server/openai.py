@@ -11,6 +11,11 @@ omitted (OpenAI's default; send 0 for greedy, reproducible output),
 ``n`` must be 1; unknown fields are ignored, as OpenAI's clients send extras.
 Ranges are OpenAI's: temperature in [0, 2] (below 1e-6 is greedy), top_p in
 [0, 1] (0 keeps the most likely token only), at most 16 stop strings.
+Structured output, tools, logprobs, penalties, top_k and min_p: fields.py.
+A reply with tools is parsed for calls (``tool_calls``, finish_reason
+"tool_calls"; streamed as one delta per call once the reply ends); a call
+that does not parse is returned as text with finish_reason "stop" and a
+``warning`` beside it in the choice.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ..chat import tools as chat_tools
+from . import fields
 from .app import Stream, endpoint, note, pick_runner, read_json
 from .errors import ApiError, bad, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
@@ -32,7 +39,8 @@ MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
 MIN_TEMPERATURE = 1e-6        # the sampler's smallest; below it is greedy
 MIN_TOP_P = 1e-6              # the sampler's top_p is in (0, 1]; this keeps the top token only
 MAX_STOP = 16                 # stop strings per request
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+              "tool": "tool"}
 
 
 def routes() -> list[Route]:
@@ -101,7 +109,7 @@ def messages(body: dict) -> list[dict]:
         role = m.get("role") if isinstance(m, dict) else None
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role "
-                      "system, developer, user or assistant")
+                      "system, developer, user, assistant or tool")
         content = m.get("content")
         if content is None:
             content = ""
@@ -112,7 +120,17 @@ def messages(body: dict) -> list[dict]:
             content = "".join(p["text"] for p in content)
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
-        out.append({"role": CHAT_ROLES[role], "content": content})
+        msg = {"role": CHAT_ROLES[role], "content": content}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+                raise bad(f"messages[{i}].tool_calls", "tool_calls belong to assistant messages: a list of "
+                          '{"id", "type": "function", "function": {"name", "arguments"}}')
+            msg["tool_calls"] = calls
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
     return out
 
 
@@ -128,6 +146,7 @@ def prompt(body: dict) -> str:
 def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
     """(the Completion, stream, include_usage) of a request body."""
     opts = options(body)
+    opts.update(fields.engine_options(body, chat))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", "stream must be a boolean")
@@ -190,12 +209,21 @@ async def _complete(request: Request, chat: bool):
     if job.client_gone:
         raise ClientGone()
     usage, extra = extras(request, job)
-    finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
+    r = job.result
+    finish = FINISH_REASON.get(r.stats.stop_reason, "stop")
+    engine = job.runner.engine
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        logprobs = fields.chat_logprobs(engine, r.logprobs) if r.logprobs is not None else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        if r.parsed is not None:
+            choice["message"], calls = fields.tool_message(r.parsed)
+            choice["finish_reason"] = calls or ("stop" if r.parsed.warning else finish)
+            if r.parsed.warning:
+                choice["warning"] = r.parsed.warning
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        logprobs = fields.completion_logprobs(engine, r.logprobs) if r.logprobs is not None else None
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return JSONResponse({**head, "choices": [choice], "usage": usage, "edgespec": extra})
 
 
@@ -220,19 +248,41 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
     a final chunk with finish_reason and the edgespec stats, usage on request,
     [DONE]. A failure mid-generation is an error event, without [DONE]."""
 
-    def chunk(delta_or_text, finish=None) -> dict:
+    engine = job.runner.engine
+    want_logprobs = job.completion.options.get("logprobs") is not None
+    sent = 0      # logprobs entries sent
+    offset = 0    # completions: text offset of the next token
+
+    def new_logprobs():
+        nonlocal sent, offset
+        if not want_logprobs:
+            return None
+        lps = job.logprobs[sent:]
+        sent += len(lps)
         if chat:
-            choice = {"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": finish}
+            return fields.chat_logprobs(engine, lps)
+        out = fields.completion_logprobs(engine, lps, offset)
+        offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def chunk(delta_or_text, finish=None, logprobs=None) -> dict:
+        if chat:
+            choice = {"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
         return {**head, "choices": [choice]}
 
+    tools = job.completion.tools if chat else None
+    calls = chat_tools.ToolCallStream(chat_tools.style_of(engine.chat_template or ""), tools) if tools else None
     try:
         if chat:
             yield _event(chunk({"role": "assistant", "content": ""}))
         try:
             async for piece in job.pieces():
-                yield _event(chunk({"content": piece} if chat else piece))
+                text = calls.push(piece) if calls else piece
+                lps = new_logprobs()
+                if text or lps:
+                    yield _event(chunk({"content": text} if chat else text, logprobs=lps))
         except ApiError as e:
             yield _event({"error": e.body()["error"]})
             return
@@ -240,7 +290,19 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
             note(request, "client disconnected")
             return
         usage, extra = extras(request, job)
-        final = chunk({} if chat else "", FINISH_REASON.get(job.result.stats.stop_reason, "stop"))
+        finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
+        warning = None
+        if calls:
+            tail, parsed = calls.finish()
+            if tail:
+                yield _event(chunk({"content": tail}))
+            for i, call in enumerate(parsed.tool_calls):
+                yield _event(chunk({"tool_calls": [call.to_openai(index=i)]}))
+            finish = "tool_calls" if parsed.tool_calls else "stop" if parsed.warning else finish
+            warning = parsed.warning
+        final = chunk({} if chat else "", finish, new_logprobs())
+        if warning:
+            final["choices"][0]["warning"] = warning
         final["edgespec"] = extra
         yield _event(final)
         if include_usage:

@@ -50,6 +50,11 @@ class Completion:
         return {"messages": self.messages} if self.messages is not None else {"prompt": self.prompt}
 
     @property
+    def tools(self) -> list[dict] | None:
+        """The tools the chat renders (none when tool_choice is "none")."""
+        return self.options.get("tools") if self.options.get("tool_choice") != "none" else None
+
+    @property
     def param(self) -> str:
         """The request field that prompt errors name."""
         return "messages" if self.messages is not None else "prompt"
@@ -115,7 +120,7 @@ class Runner:
         context is refused without waiting for the running generation."""
         with self._tokenizer():
             try:
-                n = len(self.engine.prompt_tokens(c.prompt, c.messages))
+                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools))
             except InvalidArgumentError as e:     # a chat template refusing the messages
                 raise ApiError(400, str(e), param=c.param)
         if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
@@ -147,6 +152,7 @@ class Job:
     def __init__(self, runner: Runner, completion: Completion, request=None):
         self.runner, self.completion = runner, completion
         self.result = None               # the engine's Result once it ended
+        self.logprobs: list = []         # the generation's logprobs so far, when asked for
         self.speedup = 1.0
         self.client_gone = False
         self.created = time.time()
@@ -236,6 +242,7 @@ class Job:
     def _generate(self, r: Runner, c: Completion) -> None:
         try:
             gen = r.engine.stream(**c.prompt_args, **c.options)
+            self.logprobs = gen.logprobs
         except ContextOverflowError as e:
             self._post(ApiError(400, str(e), param=c.param, code="context_length_exceeded"))
             return

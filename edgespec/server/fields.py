@@ -1,0 +1,175 @@
+"""OpenAI request fields beyond the basics: structured
+output (``response_format``, and llama.cpp's ``grammar`` / ``json_schema``),
+``tools`` / ``tool_choice``, ``logprobs`` / ``top_logprobs``, the penalties,
+``top_k`` and ``min_p``, turned into Engine.stream keyword arguments; and the
+reply-side shapes (``logprobs`` objects, ``tool_calls``).
+
+Validation follows OpenAI's ranges; a bad value is a 400 naming the field.
+Nothing is accepted and ignored.
+"""
+from __future__ import annotations
+
+from ..chat import tools as chat_tools
+from ..errors import GrammarError, InvalidArgumentError
+from ..grammar import Grammar
+from .errors import bad, is_int, is_number
+
+MAX_TOP_LOGPROBS = 20        # chat completions
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions
+
+
+def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return None
+    ok = is_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise bad(name, f"{name} must be a number in {lb}{lo:g}, {hi:g}{rb}, got {str(v)[:40]}")
+    return float(v)
+
+
+def engine_options(body: dict, chat: bool) -> dict:
+    """The Engine.stream keyword arguments of these fields in a request body."""
+    opts: dict = {}
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        v = _number(body, name, lo, hi)
+        if v is not None:
+            opts[name] = v
+    v = _number(body, "repeat_penalty", 0.0, 10.0, lo_open=True)   # llama.cpp's extension
+    if v is not None:
+        opts["repeat_penalty"] = v
+    v = _number(body, "min_p", 0.0, 1.0, hi_open=True)
+    if v is not None:
+        opts["min_p"] = v
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not is_int(top_k) or not 0 <= top_k < 2**31:
+            raise bad("top_k", f"top_k must be an integer >= 0, got {str(top_k)[:40]}")
+        opts["top_k"] = top_k
+    opts.update(_logprobs(body, chat))
+    grammar = _structured(body)
+    if chat:
+        opts.update(_tools(body, grammar))
+    elif body.get("tools") is not None or body.get("tool_choice") is not None:
+        raise bad("tools", "tools are for /v1/chat/completions")
+    if grammar is not None:
+        opts["grammar"] = grammar
+    return opts
+
+
+def _logprobs(body: dict, chat: bool) -> dict:
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if lp is not None and not isinstance(lp, bool):
+            raise bad("logprobs", "logprobs must be a boolean")
+        if top is not None:
+            if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            if not lp:
+                raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        return {"logprobs": top or 0} if lp else {}
+    if top is not None:
+        raise bad("top_logprobs", "top_logprobs is for /v1/chat/completions; use logprobs")
+    if lp is None:
+        return {}
+    if not is_int(lp) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
+    return {"logprobs": lp}
+
+
+def _structured(body: dict) -> Grammar | None:
+    """``response_format`` (OpenAI), or llama.cpp's ``json_schema`` / ``grammar`` fields."""
+    given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"give one of response_format, json_schema, grammar, not {' and '.join(given)}")
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    try:
+        if name == "grammar":
+            if not isinstance(value, str):
+                raise bad("grammar", "grammar must be a string (Lark, or GBNF with ::=)")
+            return Grammar.from_text(value)
+        if name == "json_schema":
+            return Grammar.json_schema(value)
+        if not isinstance(value, dict):
+            raise bad(name, "response_format must be an object")
+        kind = value.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema = value.get("schema")  # llama.cpp's extension
+            return Grammar.json_schema(schema) if schema is not None else Grammar.json_object()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise bad(name, "response_format.json_schema must be an object with a name and a schema")
+            schema = spec.get("schema", {"type": "object"})
+            return Grammar.json_schema(schema)
+        raise bad(name, f"response_format.type must be text, json_object or json_schema, got {str(kind)[:40]}")
+    except GrammarError as e:
+        raise bad(name, str(e)) from None
+
+
+def _tools(body: dict, grammar: Grammar | None) -> dict:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if tools is None and choice is None:
+        return {}
+    try:
+        checked = chat_tools.check_tools(tools) if tools is not None else None
+    except InvalidArgumentError as e:
+        raise bad("tools", str(e)) from None
+    try:
+        chosen = chat_tools.check_tool_choice(choice, checked)
+    except InvalidArgumentError as e:
+        raise bad("tool_choice", str(e)) from None
+    if grammar is not None and chosen not in (None, "none", "auto"):
+        raise bad("tool_choice", "a required tool call cannot be combined with response_format")
+    return {"tools": checked, "tool_choice": choice}
+
+
+# -- replies ----------------------------------------------------------------------------
+
+def _token(engine, token: int) -> tuple[str, list[int]]:
+    raw = engine.backend.piece(token)
+    return raw.decode("utf-8", "replace"), list(raw)
+
+
+def chat_logprobs(engine, lps) -> dict:
+    """Chat completions' ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for lp in lps:
+        text, raw = _token(engine, lp.token)
+        top = []
+        for t, v in lp.top:
+            tt, tb = _token(engine, t)
+            top.append({"token": tt, "logprob": v, "bytes": tb})
+        content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(engine, lps, offset: int = 0) -> dict:
+    """Legacy completions' ``logprobs``: parallel lists, text offsets from ``offset``."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        text, _ = _token(engine, lp.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append({_token(engine, t)[0]: v for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def tool_message(parsed: chat_tools.Parsed) -> tuple[dict, str | None]:
+    """The assistant message of a reply with tools, and its finish_reason when
+    calls were made ("tool_calls"; None: the ordinary one)."""
+    if parsed.tool_calls:
+        return ({"role": "assistant", "content": parsed.content,
+                 "tool_calls": [c.to_openai() for c in parsed.tool_calls]}, "tool_calls")
+    return {"role": "assistant", "content": parsed.content}, None
