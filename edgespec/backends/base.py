@@ -38,10 +38,11 @@ The rules, the same on every backend:
 Slots. A backend opened with ``slots=N`` keeps N KV caches over one loaded
 model (a context each, made when first used), each with its own record.
 ``reuse_prefix`` picks the slot a generation runs in: the one sharing the
-longest prefix with its tokens (when that prefix is at least half of what the
-slot holds, so a shared system prompt does not take over another
-conversation's slot), else an empty slot, else the least recently used; every
-other call works on the selected slot. A backend supplies ``_select_slot(i)``
+longest prefix with its tokens, if taking it discards little of what that
+slot holds (a tenth while an empty slot remains, half once none does: a
+shared system prompt must not take over another conversation's slot), else
+an empty slot, else the least recently used; every other call works on the
+selected slot. A backend supplies ``_select_slot(i)``
 for N > 1.
 
 Embeddings. ``hidden_states(sequences)`` evaluates token sequences on an
@@ -353,17 +354,20 @@ class Backend(Closing, ABC):
         return keep
 
     def choose_slot(self, tokens: Sequence[int]) -> int:
-        """The slot a generation of ``tokens`` would run in: the longest common
-        prefix covering at least half of what its slot holds, else an empty
-        slot, else the least recently used."""
+        """The slot a generation of ``tokens`` would run in (see the module docstring)."""
         if self.n_slots == 1:
             return 0
         limit = len(tokens) - 1
+        empty = [i for i, record in enumerate(self._records) if not record]
+        # The largest share of a slot's tokens a match may discard.
+        share = 0.1 if empty else 0.5
         matches = [(n, self._last_used[i], i) for i, record in enumerate(self._records)
-                   if (n := common_prefix(record, tokens, limit)) > 0 and 2 * n >= len(record)]
+                   if (n := common_prefix(record, tokens, limit)) > 0 and len(record) - n <= share * len(record)]
         if matches:
             return max(matches)[2]
-        return min(range(self.n_slots), key=lambda i: (len(self._records[i]) > 0, self._last_used[i]))
+        if empty:
+            return empty[0]
+        return min(range(self.n_slots), key=lambda i: self._last_used[i])
 
     def use_slot(self, i: int) -> None:
         """Select slot i: later calls evaluate into and truncate its cache."""
