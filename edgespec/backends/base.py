@@ -98,6 +98,22 @@ def available_memory() -> int | None:
     return None
 
 
+def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:
+    """Bytes of an F16 KV cache of ``n_ctx`` tokens (keys and values, every
+    layer) from a model's GGUF hyperparameters (``metadata(key)``: a value or
+    None); None when the model does not state them."""
+    arch = metadata("general.architecture")
+    try:
+        n_layer = int(metadata(f"{arch}.block_count"))
+        n_embd = int(metadata(f"{arch}.embedding_length"))
+        n_head = int(metadata(f"{arch}.attention.head_count"))
+        n_head_kv = int(metadata(f"{arch}.attention.head_count_kv") or n_head)
+        head_dim = int(metadata(f"{arch}.attention.key_length") or n_embd // n_head)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+
+
 class Interrupted(Exception):
     """Raised by ``decode`` when its ``cancel`` callable said stop between chunks."""
 
@@ -184,18 +200,9 @@ class Backend(Closing, ABC):
         """Refuse a KV cache (F16 keys and values, every layer) larger than the
         memory available, before anything is allocated. Uses the GGUF's own
         hyperparameters; a model that does not state them is not checked."""
-        arch = self.metadata("general.architecture")
-        try:
-            n_layer = int(self.metadata(f"{arch}.block_count"))
-            n_embd = int(self.metadata(f"{arch}.embedding_length"))
-            n_head = int(self.metadata(f"{arch}.attention.head_count"))
-            n_head_kv = int(self.metadata(f"{arch}.attention.head_count_kv") or n_head)
-            head_dim = int(self.metadata(f"{arch}.attention.key_length") or n_embd // n_head)
-        except (TypeError, ValueError, ZeroDivisionError):
-            return
-        need = 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+        need = kv_cache_bytes(self.metadata, n_ctx)
         have = available_memory()
-        if have is not None and need > have:
+        if need is not None and have is not None and need > have:
             raise InvalidArgumentError(f"a context of {n_ctx} tokens needs {need / 2**30:.1f} GiB for its KV "
                                        f"cache, but {have / 2**30:.1f} GiB of memory is available")
 
