@@ -74,7 +74,7 @@ def raw(server, method, path, body=None, headers=None):
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         data = resp.read()
-        return resp.status, dict(resp.getheaders()), json.loads(data)
+        return resp.status, resp.headers, json.loads(data)   # header names case-insensitive
     finally:
         conn.close()
 
@@ -335,7 +335,7 @@ def _headers_only(server, head: str, timeout=10) -> tuple[bytes, bool]:
             assert more, data
             data += more
         head_end = data.index(b"\r\n\r\n") + 4
-        length = int(re.search(rb"Content-Length: (\d+)", data[:head_end]).group(1))
+        length = int(re.search(rb"(?i)content-length: (\d+)", data[:head_end]).group(1))   # names are case-insensitive
         while len(data) < head_end + length:
             data += sock.recv(65536)
         try:

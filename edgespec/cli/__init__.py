@@ -1,6 +1,8 @@
 """The ``edgespec`` command line. Commands parse options and call the library;
 every EdgespecError becomes one line on stderr and exit code 2. The option
-sets the commands share live in edgespec.cli.options."""
+sets the commands share live in edgespec.cli.options; defaults may come from
+a config file (edgespec.cli.config). ``edgespec --install-completion`` installs
+typer's shell completion."""
 from __future__ import annotations
 
 import sys
@@ -9,12 +11,30 @@ import typer
 
 from ..errors import EdgespecError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(no_args_is_help=True,
                   help="edgespec: fast local LLM generation with lossless speculative decoding.")
 models_app = typer.Typer(no_args_is_help=True, help="List, fetch and inspect models.")
 app.add_typer(models_app, name="models")
 drafter_app = typer.Typer(no_args_is_help=True, help="Build drafter data (n-gram caches).")
 app.add_typer(drafter_app, name="drafter")
+
+
+def _version(show: bool) -> None:
+    if show:
+        from .. import __version__
+
+        typer.echo(f"edgespec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(ctx: typer.Context,
+             version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Show the version and exit.")):
+    """edgespec: fast local LLM generation with lossless speculative decoding."""
+    from . import config
+
+    ctx.default_map = config.defaults(ctx)
 
 
 def fail(message: str) -> "typer.Exit":

@@ -17,6 +17,7 @@ model is loaded; edgespec.cli.main prints it as one line with exit code 2.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -136,12 +137,26 @@ SAMPLING_OPTIONS = {
 }
 
 
+def envvar(info) -> str:
+    """The environment variable of an option: EDGESPEC_ and its long flag (--draft-max: EDGESPEC_DRAFT_MAX)."""
+    flag = next(d for d in info.param_decls if d.startswith("--"))
+    return "EDGESPEC_" + flag[2:].upper().replace("-", "_")
+
+
+def with_envvar(info):
+    """A copy of a typer.Option that is also read from its environment variable."""
+    info = copy.copy(info)
+    info.envvar = envvar(info)
+    return info
+
+
 def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], dict] = dict):
     """A decorator that replaces a command's parameter ``param`` by ``options``
     and calls the command with those values as one ``cls``. ``exclude`` leaves
-    options out of the command (they keep their defaults)."""
+    options out of the command (they keep their defaults); ``envvars`` reads
+    each from its environment variable too (see envvar)."""
 
-    def decorator(command=None, *, exclude: tuple[str, ...] = ()):
+    def decorator(command=None, *, exclude: tuple[str, ...] = (), envvars: bool = False):
         def wrap(command):
             own = inspect.signature(command, eval_str=True).parameters
             if param not in own:
@@ -149,7 +164,8 @@ def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], 
             params = []
             for p in own.values():
                 if p.name == param:
-                    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=tp)
+                    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                                 default=with_envvar(info) if envvars else info, annotation=tp)
                                for name, (tp, info) in options.items() if name not in exclude]
                 else:
                     params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))

@@ -349,8 +349,11 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> Path:
     return pull_entry(builtin_model(name), progress=progress, force=force)
 
 
-def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False) -> Path:
+def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
+               bar: Progress | None = None) -> Path:
     """Fetch `entry`'s parts, verify size and sha256, and move the file into the cache.
+    `bar` counts the bytes fetched instead of the progress line on stderr (the
+    server reports them to its client).
 
     One process at a time pulls a model (the lock `.F.lock`); a second waits and
     then finds the file in place. Raises ModelFetchError on any failure
@@ -360,7 +363,7 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False)
     dest = cached_path(entry)
     if dest.is_file() and not force:
         return _intact(entry, dest)
-    bar = _Progress(entry.name, entry.size, enabled=progress)
+    bar = bar or _Progress(entry.name, entry.size, enabled=progress)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = _lock(entry, wait=False)

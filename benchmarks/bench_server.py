@@ -1,0 +1,161 @@
+"""The HTTP server's own cost: edgespec's server on Starlette + uvicorn
+(edgespec.server) against the standard-library server it replaced
+(edgespec/server.py of a git revision, loaded from git), on the same Engine.
+
+Measured, interleaved round by round so that machine drift cancels:
+
+* request overhead: GET /v1/models on a kept-alive connection (no engine
+  work), and POST /v1/completions with max_tokens 1 (parse, tokenize, one
+  token), median and p90 wall time per request;
+* streaming latency: a streamed /v1/completions of --tokens tokens read off
+  a raw socket: time to the first SSE event carrying text, and the gap
+  between text events (median, p90).
+
+    python benchmarks/bench_server.py --model smollm2-135m --threads 2 --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+from edgespec import Engine
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"
+
+
+def baseline_module(rev: str | None):
+    """edgespec/server.py as of ``rev`` (default: the revision before its removal)."""
+    if rev is None:
+        removed = subprocess.run(["git", "log", "-n1", "--diff-filter=D", "--format=%H", "--",
+                                  "edgespec/server.py"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        if not removed:
+            sys.exit("error: no revision removed edgespec/server.py; pass --baseline REV")
+        rev = removed + "^"
+    source = subprocess.run(["git", "show", f"{rev}:edgespec/server.py"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout
+    module = types.ModuleType("edgespec._baseline_server")
+    module.__package__ = "edgespec"          # its relative imports: edgespec.errors
+    exec(compile(source, f"{rev}:edgespec/server.py", "exec"), module.__dict__)
+    return module, rev
+
+
+def start(make_server, engine):
+    server = make_server(engine, port=0, quiet=True, model_name="m")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median_ms": round(1000 * statistics.median(xs), 3),
+            "p90_ms": round(1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))], 3), "n": len(xs)}
+
+
+def request_times(server, n: int, method: str, path: str, body: dict | None = None) -> list[float]:
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    data = json.dumps(body) if body else None
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        out.append(time.perf_counter() - t0)
+        assert resp.status == 200, resp.status
+        if resp.getheader("Connection", "").lower() == "close":
+            conn.close()
+            conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    conn.close()
+    return out
+
+
+def stream_times(server, tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first text event, the gaps between text events) of one streamed completion."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}).encode()
+    sock = socket.create_connection(server.server_address[:2], timeout=120)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t0 = time.perf_counter()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    arrivals, buf = [], b""
+    while True:
+        more = sock.recv(65536)
+        if not more:
+            break
+        now = time.perf_counter()
+        buf += more
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            start = event.find(b"data: ")
+            if start < 0:
+                continue
+            data = event[start + 6:]
+            if data == b"[DONE]":
+                sock.close()
+                first = arrivals[0] - t0
+                return first, [b - a for a, b in zip(arrivals, arrivals[1:])]
+            if json.loads(data)["choices"][0]["text"]:
+                arrivals.append(now)
+    raise RuntimeError("the stream ended without [DONE]")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=50, help="requests per kind per round")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
+    ap.add_argument("--baseline", default=None, help="git revision of the old edgespec/server.py")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    args = ap.parse_args()
+
+    from edgespec.server import make_server as asgi_make_server
+
+    old, rev = baseline_module(args.baseline)
+    servers = {"http.server (" + rev[:12] + ")": old.make_server, "starlette+uvicorn": asgi_make_server}
+    results = {name: {"models": [], "completion_1": [], "first_event": [], "token_gap": []} for name in servers}
+    with Engine(args.model, threads=args.threads, n_ctx=1024) as engine:
+        engine.generate(PROMPT, max_tokens=4)   # warm-up: the model's pages, the prefix
+        running = {name: start(make, engine) for name, make in servers.items()}
+        try:
+            for _ in range(args.rounds):
+                for name, (server, _) in running.items():
+                    r = results[name]
+                    r["models"] += request_times(server, args.requests, "GET", "/v1/models")
+                    r["completion_1"] += request_times(server, max(args.requests // 5, 1), "POST", "/v1/completions",
+                                                       {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+                    first, gaps = stream_times(server, args.tokens)
+                    r["first_event"].append(first)
+                    r["token_gap"] += gaps
+        finally:
+            for server, thread in running.values():
+                server.shutdown()
+                server.server_close()
+                thread.join(10)
+    summary = {name: {kind: quantiles(xs) for kind, xs in r.items()} for name, r in results.items()}
+    print(f"model {args.model}, {args.threads} threads, {args.rounds} rounds; median / p90 in ms")
+    print(f"{'server':<28} {'GET /v1/models':>18} {'completion, 1 tok':>18} {'first SSE event':>18} "
+          f"{'token gap':>18}")
+    for name, s in summary.items():
+        cells = [f"{s[k]['median_ms']:.2f} / {s[k]['p90_ms']:.2f}"
+                 for k in ("models", "completion_1", "first_event", "token_gap")]
+        print(f"{name:<28} " + " ".join(f"{c:>18}" for c in cells))
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "threads": args.threads, "rounds": args.rounds,
+                                         "tokens": args.tokens, "servers": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""The ASGI application (Starlette): the routes, the API key, CORS, refusals,
+request bodies and the request log. The endpoints themselves live in
+openai.py, ollama.py and metrics.py; each parses its request into a
+runner.Completion and leaves the engine to runner.py.
+
+Every endpoint goes through ``endpoint()``: the API key is checked on the
+headers before anything else; an ApiError is answered in the shape of the
+endpoint's API (OpenAI's or Ollama's); anything else is a logged 500. A
+request whose announced body was not read (refused from its headers) is
+answered with ``Connection: close``; the connection then stops reading it
+(see http.py).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import traceback
+from dataclasses import dataclass
+from importlib import resources
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .errors import OLLAMA, OPENAI, ApiError, show
+from .runner import ClientGone, Runner
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token context's text several times over
+BODY_TIMEOUT_S = 120           # the longest a request body may take to arrive
+# Browser pages that may call the API by default: any port on this machine.
+LOCAL_ORIGINS = r"http://(localhost|127\.0\.0\.1)(:\d+)?"
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
+              "chat.css": "text/css; charset=utf-8"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    api_key: str | None = None          # required as "Authorization: Bearer KEY" on the APIs
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    cors_origins: tuple[str, ...] = ()  # origins allowed ("*": any); empty: LOCAL_ORIGINS
+    quiet: bool = False                 # no request log on stderr
+
+
+# -- request bodies ------------------------------------------------------------------
+
+def _announces_body(request: Request) -> bool:
+    h = request.headers
+    return "transfer-encoding" in h or h.get("content-length", "0").lstrip("0") != ""
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, read only once its headers have passed (a client
+    waiting on Expect: 100-continue is told to send it by the first read).
+    The HTTP parser has already refused a malformed or repeated Content-Length."""
+    h = request.headers
+    if "transfer-encoding" in h:
+        raise ApiError(411, "chunked request bodies are not supported; send Content-Length")
+    n = int(h.get("content-length", "0"))
+    limit = request.app.state.settings.max_request_bytes
+    if n > limit:
+        raise ApiError(413, f"request body of {n} bytes; this server takes at most {limit} "
+                       "(edgespec serve --max-request-bytes)", code="request_too_large")
+    body = bytearray()
+    try:
+        with anyio.fail_after(BODY_TIMEOUT_S):
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                body += message.get("body", b"")
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S} s")
+    request.state.body_read = True
+    if len(body) < n:   # the client ended its side early (see http.py)
+        raise ApiError(400, f"the request body ended after {len(body)} of its {n} bytes")
+    return bytes(body)
+
+
+def parse_json(body: bytes) -> dict:
+    """The JSON object of a request body; every string in it valid Unicode."""
+    try:
+        req = json.loads(body.decode("utf-8")) if body else None
+        # a \ud800-style escape decodes to a lone surrogate, which no text can hold
+        json.dumps(req, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff unpaired)")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}")
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply")
+    if not isinstance(req, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return req
+
+
+async def read_json(request: Request) -> dict:
+    return parse_json(await read_body(request))
+
+
+# -- endpoints -------------------------------------------------------------------------
+
+def runner_of(request: Request) -> Runner:
+    return request.app.state.runner
+
+
+def note(request: Request, text: str) -> None:
+    """A few words for the request's log line."""
+    request.state.note = text
+
+
+def error_response(request: Request, e: ApiError, shape: str) -> Response:
+    headers = dict(e.headers)
+    if _announces_body(request) and not getattr(request.state, "body_read", False):
+        headers["Connection"] = "close"   # what follows on the connection is that body
+    return JSONResponse(e.body(shape), e.status, headers=headers)
+
+
+def _check_key(request: Request) -> None:
+    key = request.app.state.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def endpoint(handler, shape: str = OPENAI, keyed: bool = True):
+    """``handler`` (async, Request -> Response) with the API key checked first
+    and its refusals answered in ``shape``."""
+
+    async def run(request: Request) -> Response:
+        try:
+            if keyed:
+                _check_key(request)
+            return await handler(request)
+        except ApiError as e:
+            return error_response(request, e, shape)
+        except ClientGone:
+            note(request, "client disconnected")
+            return Response(status_code=499)   # never sent: the connection is gone
+        except Exception:  # a bug: never a traceback to the client
+            request.app.state.log(traceback.format_exc().rstrip())
+            return error_response(request, ApiError(500, "internal server error", type="server_error"), shape)
+
+    return run
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics_text(request: Request) -> Response:
+    data, content_type = request.app.state.metrics.render()
+    return Response(data, headers={"Content-Type": content_type})
+
+
+async def page(request: Request) -> Response:
+    """The chat page (page/): static files bundled with the package."""
+    name = request.path_params.get("name", "index.html")
+    if name not in PAGE_FILES:
+        raise ApiError(404, f"no such file: {name}", code="not_found")
+    data = (resources.files(__package__) / "page" / name).read_bytes()
+    return Response(data, headers={"Content-Type": PAGE_FILES[name], "Cache-Control": "no-cache"})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """The router's refusals (no such path, method not allowed) as API errors."""
+    path = request.url.path
+    if exc.status_code == 405:
+        e = ApiError(405, f"{request.method} is not allowed on {path}", headers=exc.headers)
+    elif exc.status_code == 404:
+        e = ApiError(404, f"no such endpoint: {path}", code="not_found")
+    else:
+        e = ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
+    return error_response(request, e, OLLAMA if path.startswith("/api/") else OPENAI)
+
+
+# -- the request log -----------------------------------------------------------------
+
+class RequestLog:
+    """ASGI middleware: one log line per request (``client "METHOD path" status
+    ms note``) and the request counters of /metrics."""
+
+    def __init__(self, app, *, state):
+        self.app, self.state = app, state
+        self.paths = {r.path for r in state.routes if "{" not in r.path}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), 0
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.state.metrics.request(path if path in self.paths else "other", status)
+            if not self.state.settings.quiet:
+                ms = 1000 * (time.perf_counter() - t0)
+                extra = scope.get("state", {}).get("note")
+                client = (scope.get("client") or ("-",))[0]
+                self.state.log(f'{client} "{scope["method"]} {path}" {status} {ms:.0f} ms'
+                               + (f" {extra}" if extra else ""))
+
+
+# -- the application -------------------------------------------------------------------
+
+def create_app(runner: Runner, settings: Settings, metrics, log) -> Starlette:
+    from . import ollama, openai
+
+    routes = [
+        Route("/", endpoint(page, keyed=False), methods=["GET"]),
+        Route("/page/{name}", endpoint(page, keyed=False), methods=["GET"]),
+        Route("/health", endpoint(health, keyed=False), methods=["GET"]),
+        Route("/metrics", endpoint(metrics_text), methods=["GET"]),
+        *openai.routes(),
+        *ollama.routes(),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    state = app.state
+    state.runner, state.settings, state.metrics, state.log = runner, settings, metrics, log
+    state.routes = routes
+    # add_middleware wraps what is there: CORS answers preflights before the
+    # routes, the log (outermost) sees every answer
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                       allow_origin_regex=None if settings.cors_origins else LOCAL_ORIGINS,
+                       allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)
+    app.add_middleware(RequestLog, state=state)
+    return app
+
+
+# -- shared by the endpoints -------------------------------------------------------------
+
+def pick_runner(request: Request, model) -> Runner:
+    """The runner serving ``model`` (a name as /v1/models lists it, or Ollama's
+    ``name:latest``; None: the default); 404 naming what is served."""
+    runner = runner_of(request)
+    if model is None or model == runner.name or model == f"{runner.name}:latest":
+        return runner
+    raise ApiError(404, f"model {show(model)} does not exist; this server has {runner.name!r}",
+                   param="model", code="model_not_found")
+
+
+class Stream:
+    """A streamed answer (ASGI): each chunk is sent as soon as it is made."""
+
+    def __init__(self, chunks, content_type: str):
+        self.chunks = chunks
+        self.headers = [(b"content-type", content_type.encode()), (b"cache-control", b"no-cache")]
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

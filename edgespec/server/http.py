@@ -1,0 +1,237 @@
+"""The HTTP side: uvicorn (httptools' parser) serving the application, with
+edgespec's handling of what a parser refuses and of bodies left unread.
+
+* A request the parser refuses (a bad request line, a malformed, repeated or
+  conflicting Content-Length, Transfer-Encoding beside Content-Length) is a
+  400 in OpenAI's error shape; a Content-Length over 2**64 a 413.
+* A request answered without reading its announced body (refused from its
+  headers: 401, 411, 413, ...) ends its connection: our side is closed for
+  writing, then what the client still sends is discarded (up to
+  max_request_bytes, for LINGER_S), so that the close does not reset the
+  connection before the client has read the answer.
+* A client that ends its side before its body is complete gets a 400 naming
+  the bytes that came; once its body is complete, ending its side counts as
+  going away (its generation stops).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import httptools
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from ..errors import InvalidArgumentError
+from .app import DEFAULT_MAX_REQUEST_BYTES, Settings, create_app
+from .errors import ApiError
+from .metrics import Metrics
+from .runner import SOCKET, Runner, log_to_stderr
+
+LINGER_S = 1.0          # at most this long discarding an unread body after the answer
+KEEP_ALIVE_S = 30       # an idle connection is closed after this long
+
+
+class _Transport:
+    """The connection's transport as one request sees it: closing it after the
+    answer lingers when the request's body was left unread."""
+
+    def __init__(self, protocol: "Protocol"):
+        self._protocol, self._transport = protocol, protocol.transport
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.close_after_answer()
+
+
+class Protocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 connection with the refusals described above."""
+
+    def __init__(self, *args, max_request_bytes: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_request_bytes = max_request_bytes
+        self._discard: int | None = None    # lingering: bytes still to discard
+        self._linger = None
+
+    def on_headers_complete(self) -> None:
+        self.scope.setdefault("extensions", {})[SOCKET] = self.transport.get_extra_info("socket")
+        super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = _Transport(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard is None:
+            super().data_received(data)
+            return
+        self._discard -= len(data)
+        if self._discard <= 0:
+            self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        cycle = self.cycle
+        if self._discard is None and cycle is not None and cycle.more_body and not cycle.response_complete:
+            # the body ended early: the request gets it as it is (then a 400), the
+            # connection closes after the answer
+            cycle.more_body = False
+            cycle.keep_alive = False
+            cycle.message_event.set()
+            return True   # keep our side open for the answer
+        return None       # the client has gone: close (the request sees http.disconnect)
+
+    def connection_lost(self, exc) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+        super().connection_lost(exc)
+
+    def close_after_answer(self) -> None:
+        if self.cycle is None or not self.cycle.more_body:
+            self.transport.close()
+            return
+        self._discard = self.max_request_bytes
+        self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser's refusal (called while its exception is handled)."""
+        reason = sys.exc_info()[1]
+        reason = str(reason) if isinstance(reason, httptools.HttpParserError) else msg
+        if "overflow" in reason:   # a Content-Length past 2**64
+            e = ApiError(413, f"request body of more than 2**64 bytes; this server takes at most "
+                         f"{self.max_request_bytes} (edgespec serve --max-request-bytes)",
+                         code="request_too_large")
+        else:
+            e = ApiError(400, f"malformed HTTP request: {reason}")
+        body = json.dumps(e.body()).encode()
+        self.transport.write(f"HTTP/1.1 {e.status} {'Bad Request' if e.status == 400 else 'Payload Too Large'}"
+                             f"\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                             "connection: close\r\n\r\n".encode() + body)
+        self._discard = self.max_request_bytes
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket. Its protocol is named (IPPROTO_TCP), so that
+    asyncio sets TCP_NODELAY on the connections: a response's head and body,
+    written apart, would otherwise wait on the client's delayed ACK (40 ms)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config, runner: Runner):
+        super().__init__(config)
+        self.runner = runner
+
+    def handle_exit(self, sig, frame) -> None:   # Ctrl-C: generations end at their next piece
+        self.runner.stopping = True
+        super().handle_exit(sig, frame)
+
+
+class Server:
+    """A bound server for one Engine: ``serve_forever()`` serves until
+    ``shutdown()`` (from another thread) or Ctrl-C (from the main thread);
+    ``server_close()`` releases the socket."""
+
+    def __init__(self, engine, host: str, port: int, *, model_name: str, settings: Settings):
+        if settings.max_request_bytes <= 0:
+            raise InvalidArgumentError(f"max_request_bytes must be > 0, got {settings.max_request_bytes}")
+        self.settings = settings
+        self.metrics = Metrics(model_name)
+        self.runner = Runner(engine, model_name, self.metrics, log_to_stderr)
+        self.app = create_app(self.runner, settings, self.metrics, log_to_stderr)
+        self.socket = _listen(host, port)
+        self.server_address = self.socket.getsockname()
+        logging.getLogger("uvicorn").addHandler(logging.NullHandler())   # its messages are ours to write
+        config = uvicorn.Config(self.app, lifespan="off", ws="none", log_config=None, access_log=False,
+                                server_header=False, headers=[("server", "edgespec")],
+                                timeout_keep_alive=KEEP_ALIVE_S,
+                                http=lambda **kw: Protocol(max_request_bytes=settings.max_request_bytes, **kw))
+        self._uvicorn = _Uvicorn(config, self.runner)
+        self._served = threading.Event()
+
+    # what the tests and callers read
+    engine = property(lambda self: self.runner.engine)
+    engine_lock = property(lambda self: self.runner.lock)
+    model_name = property(lambda self: self.runner.name)
+    api_key = property(lambda self: self.settings.api_key)
+    max_request_bytes = property(lambda self: self.settings.max_request_bytes)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def serve_forever(self) -> None:
+        try:
+            asyncio.run(self._uvicorn.serve(sockets=[self.socket]))
+        finally:
+            self._served.set()
+
+    def shutdown(self) -> None:
+        """Stop serving (from another thread) and wait for serve_forever to return."""
+        self._uvicorn.should_exit = True
+        self._served.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+    def serve_until_interrupted(self) -> None:
+        """serve_forever() until Ctrl-C, then stop: the running generation ends
+        at its next piece, queued ones never start. Returns holding the engine
+        lock, so the caller may close the engine."""
+        try:
+            self.serve_forever()
+        except KeyboardInterrupt:   # uvicorn raises the signal again once it has stopped
+            pass
+        finally:
+            self.runner.stop()
+            self.server_close()
+            self.runner.lock.acquire()
+
+
+def default_model_name(engine) -> str:
+    """The id a server reports for ``engine``: the built-in name, or a file's stem."""
+    ref = engine.model_ref
+    if ref.startswith("hf:"):
+        return Path(ref[3:]).stem
+    return Path(ref).stem if ref.endswith(".gguf") or Path(ref).exists() else ref
+
+
+def make_server(engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+                model_name: str | None = None, quiet: bool = False,
+                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                cors_origins: tuple[str, ...] = ()) -> Server:
+    """Bind a server for ``engine`` without serving (port 0 picks a free one)."""
+    settings = Settings(api_key=api_key or None, max_request_bytes=max_request_bytes,
+                        cors_origins=tuple(cors_origins), quiet=quiet)
+    return Server(engine, host, port, model_name=model_name or default_model_name(engine), settings=settings)
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8080, **kwargs) -> None:
+    """Serve ``engine`` until Ctrl-C; returns once no generation is running,
+    so the caller may close the engine."""
+    server = make_server(engine, host, port, **kwargs)
+    print(f"edgespec: serving {server.model_name} at {server.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    server.serve_until_interrupted()

@@ -1,0 +1,387 @@
+"""Ollama's API, so that tools written for Ollama work unchanged:
+``GET /api/version``, ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``,
+``POST /api/generate`` and ``POST /api/chat`` (NDJSON streaming by default,
+``"stream": false`` for one object), ``POST /api/pull`` (built-in names, NDJSON
+progress). Refusals are Ollama's ``{"error": message}``.
+
+Names: the served model is listed as ``NAME:latest``; ``NAME`` is accepted
+too. Sampling ``options`` default to Ollama's (temperature 0.8, top_k 40,
+top_p 0.9, repeat_penalty 1.1 over the last 64 tokens, num_predict -1 = as
+much as fits); options about loading (num_ctx, num_thread, num_gpu, ...) are
+the server's to decide and ignored, as are unknown ones (as Ollama does);
+sampling options the engine does not have are a 400 naming them unless they
+are at their neutral value. ``format``, ``tools``, ``images``, ``suffix``,
+``template`` and ``context`` are refused with a 400 naming the field.
+Durations are nanoseconds; the final object also carries ``edgespec``
+(drafter, tokens/s, speedup, speculative stats).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .. import __version__
+from ..errors import EdgespecError, InvalidArgumentError
+from ..models import registry
+from ..progress import Progress
+from ..sampling import SamplingParams
+from .app import Stream, endpoint, note, pick_runner, read_json
+from .errors import OLLAMA, ApiError, is_int, is_number, show
+from .runner import FINISH_REASON, ClientGone, Completion, Job
+
+# The Ollama API version whose shapes are served (clients check it for features).
+OLLAMA_VERSION = "0.9.0"
+NDJSON = "application/x-ndjson"
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
+            "repeat_last_n": 64}
+LOADING_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram",
+                   "use_mmap", "use_mlock", "vocab_only", "num_keep"}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "mirostat": 0, "typical_p": 1, "tfs_z": 1}
+UNSERVED = ("format", "tools", "images", "suffix", "template", "context")
+CHAT_ROLES = ("system", "user", "assistant")
+PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
+
+
+def routes() -> list[Route]:
+    def ollama(handler, keyed=True):
+        return endpoint(handler, OLLAMA, keyed)
+
+    return [
+        Route("/api/version", ollama(version, keyed=False), methods=["GET"]),
+        Route("/api/tags", ollama(tags), methods=["GET"]),
+        Route("/api/ps", ollama(ps), methods=["GET"]),
+        Route("/api/show", ollama(show_model), methods=["POST"]),
+        Route("/api/generate", ollama(generate), methods=["POST"]),
+        Route("/api/chat", ollama(chat), methods=["POST"]),
+        Route("/api/pull", ollama(pull), methods=["POST"]),
+    ]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+# -- the model's description ----------------------------------------------------------
+
+def _describe(runner) -> tuple[dict, dict]:
+    """(the /api/tags entry, model_info) of a runner's model, read once."""
+    if "ollama" not in runner.cache:
+        from ..models.gguf import model_info
+
+        path = Path(runner.engine.model_path)
+        st = path.stat()
+        builtin = registry.builtin_models().get(runner.engine.model_ref)
+        digest = builtin.sha256 if builtin else hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+        try:
+            info = model_info(path) if path.is_file() else None
+        except EdgespecError:
+            info = None
+        arch = (info.architecture if info else None) or runner.engine.backend.name
+        n = info.n_params if info else 0
+        size_label = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+        details = {"parent_model": "", "format": "gguf" if info else "onnx", "family": arch, "families": [arch],
+                   "parameter_size": size_label, "quantization_level": (info.file_type if info else None) or ""}
+        card = {"name": f"{runner.name}:latest", "model": f"{runner.name}:latest",
+                "modified_at": datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+                "size": st.st_size, "digest": digest, "details": details}
+        model_info_ = {"general.architecture": arch, "general.parameter_count": n}
+        if info:
+            for key, value in (("context_length", info.context_length), ("embedding_length", info.embedding_length),
+                               ("block_count", info.n_layers), ("attention.head_count", info.n_heads),
+                               ("attention.head_count_kv", info.n_kv_heads)):
+                if value is not None:
+                    model_info_[f"{arch}.{key}"] = value
+            model_info_["tokenizer.ggml.bos_token_id"] = info.bos_token_id
+            model_info_["tokenizer.ggml.eos_token_id"] = info.eos_token_id
+        runner.cache["ollama"] = (card, model_info_)
+    return runner.cache["ollama"]
+
+
+def _model(body: dict):
+    """The model a request names ("model", or the older "name")."""
+    model = body.get("model", body.get("name"))
+    if not isinstance(model, str) or not model:
+        raise _bad("model is required (a string)")
+    return model
+
+
+# -- endpoints: models ------------------------------------------------------------------
+
+async def version(request: Request):
+    return JSONResponse({"version": OLLAMA_VERSION, "edgespec": __version__})
+
+
+async def tags(request: Request):
+    runner = pick_runner(request, None)
+    return JSONResponse({"models": [_describe(runner)[0]]})
+
+
+async def ps(request: Request):
+    runner = pick_runner(request, None)
+    card = _describe(runner)[0]
+    return JSONResponse({"models": [{**card, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}]})
+
+
+async def show_model(request: Request):
+    body = await read_json(request)
+    runner = pick_runner(request, _model(body))
+    card, info = _describe(runner)
+    engine = runner.engine
+    return JSONResponse({
+        "modelfile": f"# served by edgespec\nFROM {engine.model_path}\n",
+        "parameters": "\n".join(f"{k:<30} {v}" for k, v in DEFAULTS.items()),
+        "template": engine.chat_template or "{{ .Prompt }}",
+        "details": card["details"], "model_info": info, "capabilities": ["completion"],
+        "modified_at": card["modified_at"]})
+
+
+# -- endpoints: generation ------------------------------------------------------------------
+
+def _options(body: dict, n_ctx: int) -> dict:
+    """Engine.stream's keyword arguments from a request's ``options`` (and ``stop``)."""
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("options must be an object")
+    out = dict(DEFAULTS)
+    for key, value in opts.items():
+        if key in LOADING_OPTIONS or value is None:
+            continue
+        if key in NEUTRAL:
+            if value != NEUTRAL[key]:
+                raise _bad(f"option {key} is not supported (only {NEUTRAL[key]})")
+        elif key in DEFAULTS or key == "seed":
+            ok = is_int(value) if key in ("top_k", "repeat_last_n", "seed") else is_number(value)
+            if not ok:
+                raise _bad(f"option {key} must be a number, got {show(value)}")
+            out[key] = value
+        elif key == "num_predict":
+            if not is_int(value) or value == 0 or value < -2:
+                raise _bad(f"option num_predict must be an integer > 0, -1 or -2, got {show(value)}")
+            out["max_tokens"] = value
+        elif key == "stop":
+            if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
+                raise _bad("option stop must be a list of non-empty strings")
+            out["stop"] = value
+    if out.get("max_tokens", -1) < 0:   # -1: until the end of text or the context; -2: fill the context
+        out["max_tokens"] = n_ctx
+    if out["temperature"] < 1e-6:
+        out["temperature"] = 0.0
+    try:
+        SamplingParams(**{k: out[k] for k in (*DEFAULTS, "seed") if k in out})
+    except InvalidArgumentError as e:
+        raise _bad(f"options: {e}")
+    return out
+
+
+def _check_served(body: dict) -> None:
+    for field in UNSERVED:
+        if body.get(field) not in (None, "", [], {}):
+            raise _bad(f"{field} is not supported by this server")
+    if body.get("think") is True:
+        raise _bad("think is not supported by this server")
+
+
+def _stream_flag(body: dict) -> bool:
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be a boolean")
+    return stream
+
+
+def _text(value, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _bad(f"{what} must be a string")
+    return value
+
+
+async def generate(request: Request):
+    body = await read_json(request)
+    model = _model(body)
+    runner = pick_runner(request, model)
+    _check_served(body)
+    stream = _stream_flag(body)
+    prompt, system = _text(body.get("prompt"), "prompt"), _text(body.get("system"), "system")
+    raw = body.get("raw", False)
+    if not isinstance(raw, bool):
+        raise _bad("raw must be a boolean")
+    opts = _options(body, runner.n_ctx)
+    if not prompt:   # Ollama's "load the model": it is loaded
+        return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
+                             "done_reason": "load"})
+    if raw or not runner.engine.chat_template:
+        c = Completion(prompt=(system + "\n\n" if system and not raw else "") + prompt)
+    else:
+        c = Completion(messages=([{"role": "system", "content": system}] if system else [])
+                       + [{"role": "user", "content": prompt}])
+    c.options = opts
+    return await _answer(request, runner, c, model, stream, chat=False)
+
+
+async def chat(request: Request):
+    body = await read_json(request)
+    model = _model(body)
+    runner = pick_runner(request, model)
+    _check_served(body)
+    stream = _stream_flag(body)
+    messages = body.get("messages")
+    if messages is None:
+        messages = []
+    if not isinstance(messages, list):
+        raise _bad("messages must be a list of {role, content} objects")
+    msgs = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise _bad(f"messages[{i}] must be an object with role system, user or assistant")
+        if m.get("images") or m.get("tool_calls"):
+            raise _bad(f"messages[{i}]: images and tool_calls are not supported by this server")
+        msgs.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
+    opts = _options(body, runner.n_ctx)
+    if not msgs:   # Ollama's "load the model": it is loaded
+        return JSONResponse({"model": model, "created_at": _now(),
+                             "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    c = Completion(messages=msgs)
+    c.options = opts
+    return await _answer(request, runner, c, model, stream, chat=True)
+
+
+async def _answer(request: Request, runner, c: Completion, model: str, stream: bool, chat: bool):
+    job = runner.start(c, request)
+    try:
+        await job.started()
+    except BaseException:
+        job.close()
+        raise
+
+    def piece_obj(text: str) -> dict:
+        out = {"model": model, "created_at": _now()}
+        if chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["response"] = text
+        out["done"] = False
+        return out
+
+    if stream:
+        return Stream(_lines(request, job, piece_obj), NDJSON)
+    try:
+        text = "".join([piece async for piece in job.pieces()])
+    finally:
+        job.close()
+    if job.client_gone:
+        raise ClientGone()
+    return JSONResponse(_final(request, job, piece_obj(text)))
+
+
+def _final(request: Request, job: Job, obj: dict) -> dict:
+    s = job.result.stats
+    note(request, f"{s.n_tokens} tokens {s.tokens_per_s:.1f} tok/s")
+    return {**obj, "done": True, "done_reason": FINISH_REASON.get(s.stop_reason, "stop"),
+            "total_duration": int((time.time() - job.created) * 1e9), "load_duration": 0,
+            "prompt_eval_count": s.prompt_tokens, "prompt_eval_duration": int(s.prefill_s * 1e9),
+            "eval_count": s.n_tokens, "eval_duration": int(s.decode_s * 1e9),
+            "edgespec": {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3),
+                         "speedup": round(job.speedup, 3),
+                         "spec": s.spec.to_dict() if s.spec is not None else None}}
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+async def _lines(request: Request, job: Job, piece_obj):
+    try:
+        try:
+            async for piece in job.pieces():
+                yield _line(piece_obj(piece))
+        except ApiError as e:
+            yield _line(e.body(OLLAMA))
+            return
+        if job.client_gone:
+            note(request, "client disconnected")
+            return
+        yield _line(_final(request, job, piece_obj("")))
+    finally:
+        job.close()
+
+
+# -- endpoints: pull ------------------------------------------------------------------------
+
+class _Report(Progress):
+    """Download progress posted to the event loop, at most every PULL_REPORT_S."""
+
+    def __init__(self, name: str, total: int, post):
+        super().__init__(name, total, enabled=False)
+        self.post, self.last = post, 0.0
+
+    def update(self, n: int = 1, status: str = "") -> None:
+        super().update(n, status)
+        now = time.monotonic()
+        if now - self.last >= PULL_REPORT_S or self.count >= self.total:
+            self.last = now
+            self.post(self.count)
+
+
+async def pull(request: Request):
+    body = await read_json(request)
+    name = _model(body).removesuffix(":latest")
+    stream = _stream_flag(body)
+    models = registry.builtin_models()
+    if name not in models:
+        raise ApiError(404, f"model {show(name)} is not a built-in model (known: {', '.join(models)})")
+    entry = models[name]
+    digest = f"sha256:{entry.sha256}"
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def post(item) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def fetch() -> None:
+        try:
+            registry.pull_entry(entry, bar=_Report(name, entry.size, post))
+            post(None)
+        except EdgespecError as e:
+            post(e)
+
+    loop.run_in_executor(None, fetch)   # goes on if the client leaves (as Ollama's does)
+
+    async def progress():
+        """The bytes fetched so far, until the pull ends (ModelFetchError if it failed)."""
+        while (item := await queue.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def lines():
+        yield _line({"status": "pulling manifest"})
+        try:
+            async for done in progress():
+                yield _line({"status": f"pulling {entry.sha256[:12]}", "digest": digest,
+                             "total": entry.size, "completed": done})
+        except EdgespecError as e:
+            yield _line({"error": str(e)})
+            return
+        for status in ("verifying sha256 digest", "writing manifest", "success"):
+            yield _line({"status": status})
+
+    if stream:
+        return Stream(lines(), NDJSON)
+    try:
+        async for _ in progress():
+            pass
+    except EdgespecError as e:
+        raise ApiError(500, str(e), type="server_error")
+    return JSONResponse({"status": "success"})

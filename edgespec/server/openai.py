@@ -1,0 +1,250 @@
+"""OpenAI's API: ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream`` for
+server-sent events, ``stream_options.include_usage`` for a usage chunk).
+Responses carry OpenAI's fields plus ``edgespec``: the generation's drafter,
+tokens per second, estimated speedup over plain decoding and speculative
+stats.
+
+Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
+omitted (OpenAI's default; send 0 for greedy, reproducible output),
+``max_tokens`` is 256, capped at the room the prompt leaves in the context.
+``n`` must be 1; unknown fields are ignored, as OpenAI's clients send extras.
+Ranges are OpenAI's: temperature in [0, 2] (below 1e-6 is greedy), top_p in
+[0, 1] (0 keeps the most likely token only), at most 16 stop strings.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from .app import Stream, endpoint, note, pick_runner, read_json
+from .errors import ApiError, bad, is_int, is_number, show
+from .runner import FINISH_REASON, ClientGone, Completion, Job
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
+MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
+MIN_TEMPERATURE = 1e-6        # the sampler's smallest; below it is greedy
+MIN_TOP_P = 1e-6              # the sampler's top_p is in (0, 1]; this keeps the top token only
+MAX_STOP = 16                 # stop strings per request
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/models", endpoint(list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+    ]
+
+
+# -- request fields ----------------------------------------------------------------------
+
+def options(body: dict) -> dict:
+    """Engine.stream's keyword arguments from a completion request's sampling fields."""
+    opts: dict = {}
+    param = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    max_tokens = body.get(param)
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if not is_int(max_tokens) or max_tokens <= 0:
+        raise bad(param, f"{param} must be an integer > 0, got {show(max_tokens)}")
+    opts["max_tokens"] = max_tokens
+
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = DEFAULT_TEMPERATURE
+    if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                  f"got {show(temperature)}")
+    opts["temperature"] = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
+
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not is_number(top_p) or not 0 <= top_p <= 1:
+            raise bad("top_p", f"top_p must be a number in [0, 1], got {show(top_p)}")
+        opts["top_p"] = max(float(top_p), MIN_TOP_P)
+
+    seed = body.get("seed")
+    if seed is not None:
+        if not is_int(seed) or not 0 <= seed < 2**64:
+            raise bad("seed", f"seed must be an integer in [0, 2**64), got {show(seed)}")
+        opts["seed"] = seed
+
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stops, list) and len(stops) <= MAX_STOP
+                and all(isinstance(s, str) and s for s in stops)):
+            raise bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP} "
+                      "non-empty strings")
+        opts["stop"] = stops
+
+    n = body.get("n")
+    if n is not None and not (is_int(n) and n == 1):
+        raise bad("n", f"only n = 1 is supported, got {show(n)}")
+    return opts
+
+
+def messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role "
+                      "system, developer, user or assistant")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # content parts: only text is served
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string")
+        out.append({"role": CHAT_ROLES[role], "content": content})
+    return out
+
+
+def prompt(body: dict) -> str:
+    text = body.get("prompt")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str) or not text:
+        raise bad("prompt", "prompt must be a non-empty string")
+    return text
+
+
+def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
+    """(the Completion, stream, include_usage) of a request body."""
+    opts = options(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", "stream must be a boolean")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise bad("stream_options", "stream_options must be an object")
+    c = Completion(messages=messages(body)) if chat else Completion(prompt=prompt(body))
+    c.options = opts
+    return c, stream, stream_options.get("include_usage") is True
+
+
+def model_field(body: dict):
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "model must be a string")
+    return model
+
+
+# -- endpoints ---------------------------------------------------------------------------
+
+def _card(runner) -> dict:
+    return {"id": runner.name, "object": "model", "created": runner.created, "owned_by": "edgespec"}
+
+
+async def list_models(request: Request):
+    return JSONResponse({"object": "list", "data": [_card(pick_runner(request, None))]})
+
+
+async def get_model(request: Request):
+    return JSONResponse(_card(pick_runner(request, request.path_params["model"])))
+
+
+async def chat_completions(request: Request):
+    return await _complete(request, chat=True)
+
+
+async def completions(request: Request):
+    return await _complete(request, chat=False)
+
+
+async def _complete(request: Request, chat: bool):
+    body = await read_json(request)
+    runner = pick_runner(request, model_field(body))
+    c, stream, include_usage = completion(body, chat)
+    job = runner.start(c, request)
+    try:
+        await job.started()
+    except BaseException:
+        job.close()
+        raise
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
+            "created": int(time.time()), "model": runner.name}
+    if stream:
+        return Stream(_events(request, job, head, chat, include_usage), "text/event-stream")
+    try:
+        text = "".join([piece async for piece in job.pieces()])
+    finally:
+        job.close()
+    if job.client_gone:
+        raise ClientGone()
+    usage, extra = extras(request, job)
+    finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return JSONResponse({**head, "choices": [choice], "usage": usage, "edgespec": extra})
+
+
+def extras(request: Request, job: Job) -> tuple[dict, dict]:
+    """(usage, edgespec) of a finished generation; notes it for the log line."""
+    s = job.result.stats
+    usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.n_tokens,
+             "total_tokens": s.prompt_tokens + s.n_tokens}
+    extra = {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3), "speedup": round(job.speedup, 3),
+             "spec": s.spec.to_dict() if s.spec is not None else None}
+    note(request, f"{s.n_tokens} tokens {s.tokens_per_s:.1f} tok/s")
+    return usage, extra
+
+
+def _event(obj) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+async def _events(request: Request, job: Job, head: dict, chat: bool, include_usage: bool):
+    """The server-sent events of a streamed completion: a chunk per piece,
+    a final chunk with finish_reason and the edgespec stats, usage on request,
+    [DONE]. A failure mid-generation is an error event, without [DONE]."""
+
+    def chunk(delta_or_text, finish=None) -> dict:
+        if chat:
+            choice = {"index": 0, "delta": delta_or_text, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta_or_text, "logprobs": None, "finish_reason": finish}
+        return {**head, "choices": [choice]}
+
+    try:
+        if chat:
+            yield _event(chunk({"role": "assistant", "content": ""}))
+        try:
+            async for piece in job.pieces():
+                yield _event(chunk({"content": piece} if chat else piece))
+        except ApiError as e:
+            yield _event({"error": e.body()["error"]})
+            return
+        if job.client_gone:
+            note(request, "client disconnected")
+            return
+        usage, extra = extras(request, job)
+        final = chunk({} if chat else "", FINISH_REASON.get(job.result.stats.stop_reason, "stop"))
+        final["edgespec"] = extra
+        yield _event(final)
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": usage})
+        yield _event("[DONE]")
+    finally:
+        job.close()

@@ -1,0 +1,266 @@
+"""Where a request becomes Engine calls, whichever API it came through.
+
+An endpoint parses its request into a ``Completion`` (the prompt or the chat,
+and Engine.stream's keyword arguments), then::
+
+    job = runner.start(completion, request)
+    await job.started()     # tokenized outside the engine lock (400 if over the context), then
+                            # queued behind other generations; 4xx if the engine refuses
+    async for piece in job.pieces(): ...      # text pieces as the engine makes them
+    job.close()                               # job.result: the engine's Result
+
+The engine is not thread-safe: generations run one at a time, each in a
+worker thread holding ``runner.lock``, in the order they take it; the event
+loop never blocks on the engine. The worker counts the prompt's tokens before
+it takes the lock, so a prompt over the context is refused without waiting
+for the running generation. Pieces cross from the worker to the loop
+through a queue. A client that goes away (``http.disconnect``) cancels its
+job: a queued one never starts, a running one ends after its next piece (a
+token, at most a step).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+from ..errors import ContextOverflowError, EdgespecError, InvalidArgumentError
+from .errors import ApiError, server_error
+
+SOCKET = "edgespec.socket"   # the ASGI scope extension holding the connection's socket (http.py)
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+@dataclass
+class Completion:
+    """What a request asks of the engine."""
+
+    prompt: str | None = None            # a plain prompt, or
+    messages: list[dict] | None = None   # a chat, rendered through the model's template
+    options: dict = field(default_factory=dict)   # Engine.stream's keyword arguments (max_tokens, temperature, ...)
+
+    @property
+    def prompt_args(self) -> dict:
+        return {"messages": self.messages} if self.messages is not None else {"prompt": self.prompt}
+
+    @property
+    def param(self) -> str:
+        """The request field that prompt errors name."""
+        return "messages" if self.messages is not None else "prompt"
+
+
+def speedup(stats, costs: list[float] | None) -> float:
+    """Estimated speed over plain decoding on this machine: the tokens the
+    target steps made, over what those steps cost in units of a plain step
+    (the machine's measured batch-cost curve: a step verifying n draft tokens
+    costs cost[n + 1])."""
+    spec = stats.spec
+    if spec is None or not spec.target_steps or not costs:
+        return 1.0
+    cost = spec.target_steps - spec.spec_steps
+    for n, by in spec.by_length.items():
+        cost += by["steps"] * costs[min(int(n) + 1, len(costs) - 1)]
+    return (spec.target_steps + spec.accepted) / cost if cost > 0 else 1.0
+
+
+class Runner:
+    """One Engine serving many requests (see the module docstring)."""
+
+    def __init__(self, engine, name: str, metrics=None, log=None):
+        self.engine = engine
+        self.name = name                 # the model id clients send
+        self.metrics = metrics
+        self.log = log or (lambda line: None)
+        self.lock = threading.Lock()     # held by the running generation
+        self.created = int(time.time())
+        self.cache: dict = {}            # facts about the model endpoints compute once
+        self.stopping = False            # set on shutdown: generations end at their next piece
+        self._tokenizing = 0             # prompts being tokenized outside the lock
+        self._tokenizers_done = threading.Condition()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.backend.n_ctx
+
+    def stop(self) -> None:
+        """Shut down: running generations end at their next piece, queued ones
+        never start; returns once no prompt is being tokenized."""
+        with self._tokenizers_done:
+            self.stopping = True
+            self._tokenizers_done.wait_for(lambda: self._tokenizing == 0)
+
+    @contextmanager
+    def _tokenizer(self):
+        """The engine's tokenizer, used outside the engine lock (never after shutdown)."""
+        with self._tokenizers_done:
+            if self.stopping:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            self._tokenizing += 1
+        try:
+            yield
+        finally:
+            with self._tokenizers_done:
+                self._tokenizing -= 1
+                self._tokenizers_done.notify_all()
+
+    def count_prompt(self, c: Completion) -> int:
+        """The tokens of ``c``'s prompt, counted outside the engine lock (llama.cpp's
+        tokenizer is read-only once a model is loaded), so that a prompt over the
+        context is refused without waiting for the running generation."""
+        with self._tokenizer():
+            try:
+                n = len(self.engine.prompt_tokens(c.prompt, c.messages))
+            except InvalidArgumentError as e:     # a chat template refusing the messages
+                raise ApiError(400, str(e), param=c.param)
+        if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
+            raise ApiError(400, "the prompt has no tokens", param=c.param)
+        if n >= self.n_ctx:
+            raise ApiError(400, f"the prompt is {n} tokens but the context holds {self.n_ctx}",
+                           param=c.param, code="context_length_exceeded")
+        return n
+
+    def start(self, c: Completion, request=None) -> "Job":
+        """Queue ``c`` for the engine; ``request``'s client is watched for going away."""
+        return Job(self, c, request)
+
+    def finished(self, job: "Job") -> None:
+        """Called in the worker, still holding the engine, once a generation ended."""
+        stats = job.result.stats
+        costs = self.engine.batch_costs() if stats.spec is not None else None
+        job.speedup = speedup(stats, costs)
+        if self.metrics is not None:
+            self.metrics.generation(stats, job.speedup)
+
+
+_STARTED, _END = object(), object()
+
+
+class Job:
+    """One generation, run by a worker thread (see the module docstring)."""
+
+    def __init__(self, runner: Runner, completion: Completion, request=None):
+        self.runner, self.completion = runner, completion
+        self.result = None               # the engine's Result once it ended
+        self.speedup = 1.0
+        self.client_gone = False
+        self.created = time.time()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._watcher = self._loop.create_task(self._watch(request.receive)) if request is not None else None
+        self._socket = request.scope.get("extensions", {}).get(SOCKET) if request is not None else None
+        threading.Thread(target=self._run, name="edgespec-generation", daemon=True).start()
+
+    # -- the event loop's side ----------------------------------------------------
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.client_gone = True
+        self._cancel.set()
+
+    async def started(self) -> None:
+        """Wait for the engine; ApiError if it refused the request, ClientGone
+        if the client left while queued."""
+        item = await self._queue.get()
+        if item is _STARTED:
+            return
+        if isinstance(item, ApiError):
+            raise item
+        raise ClientGone()
+
+    async def pieces(self):
+        """The text pieces; ApiError if the engine failed mid-generation."""
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, ApiError):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        """Stop the generation (if it still runs) and the watching."""
+        self._cancel.set()
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    # -- the worker's side ------------------------------------------------------
+
+    def _peer_gone(self) -> bool:
+        """Whether the client has closed its connection (end-of-file waiting) or
+        reset it, asked of the socket itself: the event loop learns it a little
+        later. A peek: a pipelined next request is left alone."""
+        if self._socket is None:
+            return False
+        try:
+            with self._socket.dup() as s:
+                s.setblocking(False)
+                return s.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:   # nothing to read: still there
+            return False
+        except OSError:           # reset, or closed already
+            return True
+
+    def _post(self, item) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _run(self) -> None:
+        r, c = self.runner, self.completion
+        try:
+            n = r.count_prompt(c)
+            # clients send large values meaning "as much as fits"
+            c.options["max_tokens"] = min(c.options["max_tokens"], r.n_ctx - n)
+            with r.lock:
+                if r.stopping:
+                    self._post(ApiError(503, "the server is shutting down", type="server_error"))
+                elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
+                    self._generate(r, c)
+        except ApiError as e:   # the prompt refused
+            self._post(e)
+        except BaseException:   # a bug: logged, answered as a 500
+            r.log(traceback.format_exc().rstrip())
+            self._post(server_error("internal server error"))
+        finally:
+            self._post(_END)
+
+    def _generate(self, r: Runner, c: Completion) -> None:
+        try:
+            gen = r.engine.stream(**c.prompt_args, **c.options)
+        except ContextOverflowError as e:
+            self._post(ApiError(400, str(e), param=c.param, code="context_length_exceeded"))
+            return
+        except InvalidArgumentError as e:
+            self._post(ApiError(400, str(e)))
+            return
+        except EdgespecError as e:
+            self._post(server_error(str(e)))
+            return
+        self._post(_STARTED)
+        try:
+            for piece in gen:
+                self._post(piece)
+                if self._cancel.is_set() or r.stopping:
+                    break
+        except EdgespecError as e:   # the backend failed mid-generation
+            self._post(server_error(str(e)))
+        finally:
+            gen.close()   # this thread owns the generation: closing it is immediate
+            self.result = gen.result
+            if self.result is not None:
+                r.finished(self)
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+def log_to_stderr(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
