@@ -11,9 +11,9 @@ A model's cost is its file (the weights are mapped) plus the KV caches of
 all its slots and its embeddings context, from the GGUF's hyperparameters: an
 upper bound, since a slot's context is made when first used. Before a load,
 idle models (no request holding them) are unloaded, least recently used
-first, until the new one fits; when models in use hold the budget, the load
-is refused with PoolFullError (a server answers 503) rather than waiting for
-them. A name the pool does not serve is a built-in model the pool adds (and
+first, until the new one fits; when models in use hold the budget, or the
+model alone is over it, the load is refused with PoolFullError (a server
+answers 503) rather than waiting. A name the pool does not serve is a built-in model the pool adds (and
 pulls on first use) when ``pull`` is on; otherwise ModelNotFoundError names
 the available ones.
 """
@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 from .backends import resolve_model
 from .backends.base import DEFAULT_CTX, available_memory, kv_cache_bytes
 from .engine import Engine
-from .errors import EngineBusyError, InvalidArgumentError, ModelNotFoundError
+from .errors import EdgespecError, EngineBusyError, InvalidArgumentError, ModelNotFoundError
 from .models import registry
 from .models.gguf import GGUFFile
 
@@ -55,6 +55,10 @@ def default_budget() -> int | None:
     """BUDGET_SHARE of the memory available now; None where the system does not say."""
     have = available_memory()
     return int(have * BUDGET_SHARE) if have is not None else None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def model_bytes(path: Path, n_ctx: int | None, contexts: int) -> int:
@@ -86,7 +90,8 @@ class EnginePool:
     """Engines by model name (see the module docstring). ``refs``: model
     references (built-in names, paths, ``hf:``), served under ``model_name``
     of each, the first as the default. ``max_loaded_bytes``: the memory
-    budget (None: ``default_budget()``; 0: none). Every other keyword goes to
+    budget (None: ``default_budget()``; 0: none). A ``(name, ref)`` pair in
+    ``refs`` serves ``ref`` under ``name``. Every other keyword goes to
     each Engine (backend, threads, n_ctx, slots, drafter, ...)."""
 
     def __init__(self, refs: Sequence[str], *, max_loaded_bytes: int | None = None, pull: bool = True,
@@ -96,8 +101,8 @@ class EnginePool:
         if max_loaded_bytes is not None and (isinstance(max_loaded_bytes, bool) or max_loaded_bytes < 0):
             raise InvalidArgumentError(f"max_loaded_bytes must be >= 0, got {max_loaded_bytes!r}")
         self._entries: dict[str, _Entry] = {}
-        for ref in refs:
-            name = model_name(str(ref))
+        for item in refs:
+            name, ref = item if isinstance(item, tuple) else (model_name(str(item)), str(item))
             if name in self._entries:
                 raise InvalidArgumentError(f"two models would be served as '{name}': {self._entries[name].ref} "
                                            f"and {ref}")
@@ -126,6 +131,27 @@ class EnginePool:
         with self._lock:
             return [{"name": e.name, "ref": e.ref, "loaded": e.engine is not None, "bytes": e.bytes}
                     for e in self._entries.values()]
+
+    def add(self, name: str) -> None:
+        """Serve ``name`` too if it is a built-in model and pulling is on (it is
+        pulled on first use); else ModelNotFoundError naming the served ones."""
+        self._entry(name)
+
+    def loaded(self, name: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry is not None and entry.engine is not None
+
+    def local_path(self, name: str) -> Path | None:
+        """The model file of ``name`` if it is on this machine (nothing is
+        pulled or loaded); None otherwise."""
+        entry = self._entry(name)
+        if entry.engine is not None:
+            return Path(entry.engine.model_path)
+        try:
+            return registry.resolve(entry.ref, pull_missing=False)
+        except EdgespecError:
+            return None
 
     def _entry(self, name: str | None) -> _Entry:
         """The entry for ``name`` (None: the default), adding a pullable built-in model."""
@@ -193,9 +219,9 @@ class EnginePool:
             if self.budget is None:
                 return []
             if need > self.budget:
-                raise InvalidArgumentError(f"model '{entry.name}' needs about {need / 2**30:.2f} GiB loaded, "
-                                           f"more than the whole budget of {self.budget / 2**30:.2f} GiB "
-                                           "(--max-loaded-bytes)")
+                raise PoolFullError(f"model '{entry.name}' needs about {_size(need)} loaded, "
+                                    f"more than the whole budget of {_size(self.budget)} "
+                                    "(--max-loaded-bytes)")
             used = sum(e.bytes for e in self._entries.values())
             idle = sorted((e for e in self._entries.values() if e.engine is not None and e.leases == 0),
                           key=lambda e: e.last_used)
@@ -206,8 +232,8 @@ class EnginePool:
                 used -= e.bytes
             if used + need > self.budget:
                 busy = [e.name for e in self._entries.values() if e.bytes and e not in victims]
-                raise PoolFullError(f"loading model '{entry.name}' (about {need / 2**30:.2f} GiB) would pass the "
-                                    f"memory budget of {self.budget / 2**30:.2f} GiB while {', '.join(busy)} "
+                raise PoolFullError(f"loading model '{entry.name}' (about {_size(need)}) would pass the "
+                                    f"memory budget of {_size(self.budget)} while {', '.join(busy)} "
                                     "serve requests; try again when they finish")
             engines = []
             for e in victims:

@@ -78,7 +78,7 @@ def test_models_in_use_are_never_unloaded(three_models):
 
 def test_a_model_over_the_whole_budget_is_refused(three_models):
     with EnginePool(three_models, max_loaded_bytes=1000, **OPTIONS) as pool:
-        with pytest.raises(InvalidArgumentError, match="whole budget"):
+        with pytest.raises(PoolFullError, match="whole budget"):
             with pool.engine("a"):
                 pass
         assert [m["bytes"] for m in pool.models()] == [0, 0, 0]
