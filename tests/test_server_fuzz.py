@@ -1,11 +1,12 @@
 """Fuzzing the server's request handling (edgespec.server) with Hypothesis.
 
-Random JSON for /v1/chat/completions and /v1/completions: the fields the
-server reads, each either near-valid (roles, content parts, small numbers
+Random JSON for /v1/chat/completions, /v1/completions, /api/generate and
+/api/chat: the fields the server reads, each either near-valid (roles, content parts, small numbers
 around the edges of their ranges) or any JSON value at all (lone surrogates,
 NaN, huge integers, nesting included), plus unknown fields and raw bytes. Every
 request must be answered with 200 (a completion or an event stream that ends
-in [DONE]) or a 4xx in OpenAI's error shape; never a 5xx, never a hang.
+in [DONE]; Ollama's: one object, or NDJSON lines ending in one with done) or
+a 4xx in the API's error shape; never a 5xx, never a hang.
 
 The model is the tiny random llama (2 layers, SmolLM2's tokenizer and chat
 template) with a 256-token context, so a generation of up to max_tokens 2, or
@@ -140,6 +141,59 @@ def test_fuzz_completion_bodies(server, body):
        | ANY.map(lambda v: json.dumps(v).encode()[:-1]))   # cut short
 def test_fuzz_raw_bodies(server, path, data):
     check_answer(*post(server, path, data), data)
+
+
+OLLAMA_OPTIONS = st.fixed_dictionaries({  # num_predict -1 / -2 (or absent) generates up to the context: rarely
+    "num_predict": mostly(st.integers(1, 2), st.sampled_from([-1, -2, 0, -3, "x"]))}, optional={
+    "temperature": field(mostly(st.floats(0, 2), st.sampled_from([-1.0, 1e-7]))),
+    "top_k": field(st.integers(-1, 100)), "top_p": field(mostly(st.floats(0.01, 1), st.just(1.5))),
+    "min_p": field(st.floats(0, 0.99)), "repeat_penalty": field(mostly(st.floats(0.5, 2), st.just(0.0))),
+    "seed": field(st.integers(0, 2**64 - 1)),
+    "stop": field(st.lists(TEXT, max_size=3)), "num_ctx": ANY, "mirostat": field(st.sampled_from([0, 1])),
+})
+OLLAMA_REQUIRED = {"model": field(mostly(st.sampled_from([MODEL, MODEL + ":latest"]), st.just("llama3"))),
+                   "options": field(OLLAMA_OPTIONS)}
+OLLAMA_COMMON = {"stream": field(st.booleans()), "format": field(st.sampled_from(["", "json"])), "keep_alive": ANY}
+OLLAMA_MESSAGE = field(st.fixed_dictionaries({"role": field(mostly(st.sampled_from(["system", "user", "assistant"]),
+                                                                    st.just("tool")))},
+                                             optional={"content": field(TEXT), "images": field(st.just([]))}))
+OLLAMA_GENERATE = st.fixed_dictionaries(OLLAMA_REQUIRED,
+                                        optional={**OLLAMA_COMMON, "prompt": field(TEXT), "system": field(TEXT),
+                                                  "raw": field(st.booleans())})
+OLLAMA_CHAT = st.fixed_dictionaries(OLLAMA_REQUIRED,
+                                    optional={**OLLAMA_COMMON, "messages": field(st.lists(OLLAMA_MESSAGE, max_size=3))})
+
+
+def check_ollama_answer(status: int, content_type: str, data: bytes, request) -> None:
+    assert status < 500, (status, data, request)
+    if status >= 400:
+        err = json.loads(data)
+        assert set(err) == {"error"} and isinstance(err["error"], str) and err["error"], (err, request)
+        event(f"HTTP {status}")
+        return
+    assert status == 200, (status, data, request)
+    if content_type == "application/x-ndjson":
+        lines = [json.loads(line) for line in data.decode().splitlines()]
+        assert all(not line["done"] for line in lines[:-1]) and lines[-1]["done"], (lines, request)
+    else:
+        lines = [json.loads(data)]
+        assert lines[0]["done"] is True, (lines, request)
+    event(f"HTTP 200, {len(lines)} lines")
+
+
+OLLAMA_FUZZ = settings(FUZZ, max_examples=75)
+
+
+@OLLAMA_FUZZ
+@given(body=with_extras(OLLAMA_GENERATE))
+def test_fuzz_ollama_generate(server, body):
+    check_ollama_answer(*post(server, "/api/generate", json.dumps(body).encode()), body)
+
+
+@OLLAMA_FUZZ
+@given(body=with_extras(OLLAMA_CHAT))
+def test_fuzz_ollama_chat(server, body):
+    check_ollama_answer(*post(server, "/api/chat", json.dumps(body).encode()), body)
 
 
 def test_huge_max_tokens_gets_the_room_left(server):

@@ -324,14 +324,42 @@ def cli(*args, env=None, timeout=120):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
+    """`edgespec serve` and Ctrl-C while it generates: the answer ends at its
+    next piece (a done line, not a cut stream), the process exits with 0."""
+    import re
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", "--model", str(tiny_llama_path), "--port", "0",
+                             "--threads", "1", "--ctx", "4096", "--ctx-extend", "--drafter", "none", "-q",
+                             "--model-name", MODEL],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        host, port = re.search(r"http://([\d.]+):(\d+)", line).groups()
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/api/generate", body=json.dumps(     # the random model never ends by itself
+            {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}))
+        resp = conn.getresponse()
+        assert json.loads(resp.readline())["done"] is False
+        proc.send_signal(signal.SIGINT)
+        *_, last = [json.loads(x) for x in resp.read().decode().splitlines()]
+        assert last["done"] is True and 0 < last["eval_count"] < 4000, last
+        assert proc.wait(60) == 0
+        assert proc.stderr.read().strip().endswith("stopped")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_version():
     from edgespec import __version__
     p = cli("--version")
     assert p.returncode == 0 and p.stdout.strip() == f"edgespec {__version__}"
 
 
-def invoke(*args, env):
-    """The command line in-process: (exit code, stderr, the EdgespecError raised or None)."""
+def invoke(*args, env=None):
+    """The command line in-process: (exit code, stdout, stderr, the EdgespecError raised or None)."""
     from typer.testing import CliRunner
 
     import edgespec.cli.serve  # noqa: F401  (registers `serve`)
@@ -341,7 +369,12 @@ def invoke(*args, env):
     result = CliRunner().invoke(cli_app.app, list(args), env=env)
     error = result.exception if isinstance(result.exception, EdgespecError) else None
     assert error is not None or result.exception is None or isinstance(result.exception, SystemExit), result
-    return result.exit_code, result.stderr, error
+    return result.exit_code, result.stdout, result.stderr, error
+
+
+def test_shell_completion_is_enabled():
+    code, stdout, _, _ = invoke("--show-completion", "bash")
+    assert code == 0 and "COMPREPLY" in stdout and "_completion" in stdout
 
 
 def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
@@ -352,7 +385,7 @@ def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
     env = {"EDGESPEC_CONFIG": str(config), "EDGESPEC_PORT": None}
     for extra_env, args, got in (({}, [], "70001"), ({"EDGESPEC_PORT": "70002"}, [], "70002"),
                                  ({"EDGESPEC_PORT": "70002"}, ["--port", "70003"], "70003")):
-        code, stderr, _ = invoke("serve", *args, env={**env, **extra_env})
+        code, _, stderr, _ = invoke("serve", *args, env={**env, **extra_env})
         assert code == 2 and stderr.strip() == f"error: --port must be in [0, 65535], got {got}", stderr
 
 
@@ -366,7 +399,7 @@ def test_config_env_and_flags_precedence(tmp_path, tiny_llama_path):
 def test_bad_config_names_file_and_key(tmp_path, text, words):
     config = tmp_path / "config.toml"
     config.write_text(text)
-    _, _, error = invoke("serve", "--help", env={"EDGESPEC_CONFIG": str(config)})
+    _, _, _, error = invoke("serve", "--help", env={"EDGESPEC_CONFIG": str(config)})
     assert error is not None and str(error).startswith(f"{config}: ") and words in str(error), error
     assert "\n" not in str(error)
 

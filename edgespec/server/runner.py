@@ -283,7 +283,10 @@ class Job:
             return True
 
     def _post(self, item) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:   # the event loop has closed (the server stopped): nobody is listening
+            self._cancel.set()
 
     def _run(self) -> None:
         r, c = self.runner, self.completion
