@@ -178,13 +178,13 @@ def test_least_recently_used_model_is_unloaded_under_the_budget(models):
     (["--max-loaded-bytes", "-1"], "--max-loaded-bytes must be >= 0, got -1"),
 ])
 def test_serve_options_are_checked(args, words):
-    code, stderr, _ = invoke("serve", *args, env={})
+    code, _, stderr, _ = invoke("serve", *args, env={})
     assert code == 2 and stderr.strip() == f"error: {words}", stderr
 
 
 def test_serve_loads_its_first_model_at_start(tmp_path, models):
-    code, stderr, _ = invoke("serve", "--model", models[0], "--model", str(tmp_path / "missing.gguf"),
+    code, _, stderr, _ = invoke("serve", "--model", models[0], "--model", str(tmp_path / "missing.gguf"),
                              "--host", "256.0.0.1", env={})   # the second is not read before it is asked for
     assert code == 2 and stderr.startswith("error: cannot listen on 256.0.0.1"), stderr
-    _, _, error = invoke("serve", "--model", str(tmp_path / "missing.gguf"), "--model", models[0], env={})
+    _, _, _, error = invoke("serve", "--model", str(tmp_path / "missing.gguf"), "--model", models[0], env={})
     assert error is not None and "missing.gguf" in str(error)
