@@ -188,3 +188,17 @@ def test_serve_loads_its_first_model_at_start(tmp_path, models):
     assert code == 2 and stderr.startswith("error: cannot listen on 256.0.0.1"), stderr
     _, _, _, error = invoke("serve", "--model", str(tmp_path / "missing.gguf"), "--model", models[0], env={})
     assert error is not None and "missing.gguf" in str(error)
+
+
+def test_a_built_in_model_is_added_when_asked_for(models, smollm2_path):
+    with EnginePool(models[:1], max_loaded_bytes=0, **OPTIONS) as pool:
+        server, thread = serving(pool)
+        try:
+            reply = chat(server, "smollm2-135m", [{"role": "user", "content": "Hi"}])
+            assert reply["model"] == "smollm2-135m"
+            _, listing = get_json(server, "/v1/models")
+            assert [(m["id"], m["loaded"]) for m in listing["data"]] == [("alpha", False), ("smollm2-135m", True)]
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(10)
