@@ -8,7 +8,12 @@
 An Engine may be shared between threads: generations run one at a time, in
 the order they ask (``blocking=False`` raises EngineBusyError instead of
 waiting), and ``cancel()`` from any thread stops the running one within one
-target step or one chunk of prompt evaluation.
+target step or one chunk of prompt evaluation. With ``slots=N`` it keeps N
+KV caches (one context each over the one loaded model): each generation runs
+in the slot holding the longest prefix of its prompt (else an empty or the
+least recently used one), so N conversations keep their prefixes.
+
+    vectors = engine.embed(["first text", "second text"])   # (2, n_embd), unit length
 """
 from __future__ import annotations
 
@@ -20,13 +25,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from . import drafters as drafting
 from .backends import BACKENDS, Interrupted, open_backend, resolve_model
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
 from .drafters import Draft, Drafter, DrafterConfig, Verified
 from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
-                     InvalidArgumentError)
+                     InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
 from .planner import Planner, batch_costs
@@ -35,6 +42,9 @@ from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
 DEFAULT_DRAFT_MAX = 16  # most draft tokens (tree nodes) per target step
+# GGUF <arch>.pooling_type (llama.cpp's enum) -> how embed() pools token states;
+# absent or 0 (none): the mean.
+POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
 
 
 @dataclass
@@ -83,7 +93,8 @@ class SpecStats:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0         # prompt tokens whose K/V were reused from the previous generation
+    cached_tokens: int = 0         # prompt tokens whose K/V were reused from an earlier generation
+    slot: int = 0                  # the KV-cache slot it ran in
     n_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -219,6 +230,10 @@ def _whole(name: str, value, minimum: int) -> None:
         raise InvalidArgumentError(f"{name} must be a whole number >= {minimum}, got {value!r}"[:200])
 
 
+def _is_token(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _check_threads(threads: int | None, force: bool) -> None:
     if threads is None:
         return
@@ -241,11 +256,13 @@ class Engine:
     them is onnx (cpu, qnn, openvino, dml, coreml, cuda). ``n_ctx`` defaults
     to 4096 tokens or the model's training context if smaller; a larger one
     than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
-    ``force_threads``.
+    ``force_threads``. ``slots``: KV caches kept (each of ``n_ctx``, made when
+    first used; llama and native backends).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, backend: str = "llama",
                  threads: int | None = None, n_ctx: int | None = None, n_batch: int = 512,
+                 slots: int = 1,
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
                  draft_backend: str | None = None, ep: str | None = None,
                  ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
@@ -254,6 +271,9 @@ class Engine:
         _whole("n_batch", n_batch, 1)
         _whole("gpu_layers", gpu_layers, 0)
         _whole("draft_max", draft_max, 1)
+        _whole("slots", slots, 1)
+        if slots > 1 and backend == "onnx":
+            raise InvalidArgumentError("the onnx backend keeps one KV cache: slots must be 1")
         if n_ctx is not None:
             _whole("n_ctx", n_ctx, 1)
         if not 1 <= draft_max < min(n_batch, 64):
@@ -269,7 +289,7 @@ class Engine:
         self.model_ref = str(model) if model is not None else registry.default_model()
         self.model_path: Path = resolve_model(backend, self.model_ref)
         self.backend = open_backend(backend, self.model_path, n_ctx=n_ctx, n_batch=n_batch,
-                                    threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
+                                    threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS, slots=slots,
                                     ep=ep, ctx_extend=ctx_extend, verbose=verbose)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
                                              draft_model=draft_model, draft_backend=draft_backend,
@@ -314,9 +334,16 @@ class Engine:
 
     def forget_prefix(self) -> None:
         """Make the next generation evaluate its whole prompt instead of reusing
-        the K/V of the previous one's common prefix (benchmarks time prefill so)."""
+        the K/V of an earlier one's common prefix (benchmarks time prefill so):
+        every slot is emptied."""
         with self._exclusive():
-            self.backend.clear()
+            self.backend.clear_slots()
+
+    def slot_stats(self) -> list[dict]:
+        """Each KV-cache slot's counters: tokens held, generations started in
+        it, those with a reused prefix, prompt tokens reused in all."""
+        with self._reading():
+            return [asdict(s) for s in self.backend.slot_stats()]
 
     # -- sharing between threads --------------------------------------------
 
@@ -478,6 +505,76 @@ class Engine:
         utf8_text(prompt, "prompt")
         with self._reading():
             return self.backend.tokenize(prompt)
+
+    # -- embeddings ---------------------------------------------------------------
+
+    def embedding_inputs(self, inputs) -> list[list[int]]:
+        """The token sequences ``embed`` evaluates for ``inputs``: a string, a
+        list of strings, a list of token ids or a list of such lists (OpenAI's
+        ``input``). Thread-safe; it does not wait for a running generation."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and _is_token(inputs[0])):
+            inputs = [inputs]
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            raise InvalidArgumentError("input must be a non-empty string, list of strings, "
+                                       "list of token ids or list of such lists")
+        out = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidArgumentError(f"input {i} is an empty string")
+                with self._reading():
+                    tokens = self.backend.tokenize(utf8_text(item, f"input {i}"))
+            elif isinstance(item, (list, tuple)) and item and all(_is_token(t) for t in item):
+                tokens = list(item)
+                bad = next((t for t in tokens if not 0 <= t < self.backend.n_vocab), None)
+                if bad is not None:
+                    raise InvalidArgumentError(f"input {i}: token id {bad} is outside the vocabulary "
+                                               f"[0, {self.backend.n_vocab})")
+            else:
+                raise InvalidArgumentError(f"input {i} must be a non-empty string or list of token ids")
+            if not tokens:
+                raise InvalidArgumentError(f"input {i} has no tokens")
+            if len(tokens) > self.backend.n_ctx:
+                raise ContextOverflowError(f"input {i} is {len(tokens)} tokens but the context holds "
+                                           f"{self.backend.n_ctx}")
+            out.append(tokens)
+        return out
+
+    @property
+    def pooling(self) -> str:
+        """How ``embed`` pools token states: the model's own GGUF
+        ``<arch>.pooling_type`` (mean, cls = first token, last), else mean."""
+        with self._reading():
+            arch = self.backend.metadata("general.architecture")
+            value = self.backend.metadata(f"{arch}.pooling_type")
+        if value is None:
+            return "mean"
+        kind = POOLING.get(int(value)) if value.isdigit() else None
+        if kind is None:
+            raise UnsupportedModelError(f"{self.model_ref}: pooling type {value} (a reranker?) is not "
+                                        "one embeddings can use (mean, cls, last)")
+        return kind
+
+    def embed(self, inputs, *, normalize: bool = True) -> np.ndarray:
+        """One vector per input (see ``embedding_inputs``): ``(n, n_embd)``
+        float32, the model's hidden states after its final norm pooled as
+        ``pooling`` says, scaled to unit length unless ``normalize`` is False.
+        The inputs are evaluated apart from every generation's KV cache, in
+        shared batches, between generations (never interleaved with one)."""
+        sequences = self.embedding_inputs(inputs)
+        pooling = self.pooling
+        with self._exclusive():
+            states = self.backend.hidden_states(sequences)
+        if pooling == "cls":
+            vectors = np.stack([s[0] for s in states])
+        elif pooling == "last":
+            vectors = np.stack([s[-1] for s in states])
+        else:
+            vectors = np.stack([s.mean(axis=0, dtype=np.float64) for s in states]).astype(np.float32)
+        if normalize:
+            norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+            vectors = vectors / np.where(norms > 0, norms, 1)
+        return vectors
 
     # -- generation -------------------------------------------------------------
 
@@ -690,6 +787,7 @@ class Engine:
                     if t_decode is None:
                         t_decode = time.perf_counter()
                         stats.prefill_s, stats.cached_tokens = step.seconds, step.cached
+                        stats.slot = backend.slot
                     elif spec is not None:
                         spec.count(step.source, step.drafted, step.accepted)
                     for i, token in enumerate(step.tokens):

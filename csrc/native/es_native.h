@@ -172,12 +172,16 @@ void es_model_free(es_model * model);
 
 const char * es_model_arch(const es_model * model);  // "llama", "gemma3", ...; owned by model
 int32_t es_model_n_vocab(const es_model * model);
+int32_t es_model_n_embd(const es_model * model);     // width of a hidden state
 int32_t es_model_n_ctx_train(const es_model * model);
 
 typedef struct es_context_params {
     int32_t n_ctx;      // KV cache capacity in tokens; <= 0: the model's training context; default 4096
     int32_t n_batch;    // most tokens one es_decode takes (at most n_ctx: larger is cut); default 512
     int32_t n_threads;  // worker threads; <= 0: one per online CPU; default 0
+    bool    embeddings; // es_decode keeps the hidden states after the final norm of rows
+                        // [logits_from, n) (es_context_embeddings) instead of logits, and
+                        // skips the vocabulary projection; default false
 } es_context_params;
 
 es_context_params es_context_default_params(void);
@@ -202,8 +206,14 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
               int32_t n, int32_t logits_from);
 
 // The (n - logits_from, n_vocab) logits of the last es_decode; owned by ctx,
-// valid until the next es_decode or es_context_free.
+// valid until the next es_decode or es_context_free. NULL with embeddings.
 const float * es_context_logits(const es_context * ctx);
+
+// With es_context_params.embeddings: the (n - logits_from, n_embd) hidden
+// states after the final norm of the last es_decode, the input of the
+// vocabulary projection (what embeddings pool); owned by ctx, valid until the
+// next es_decode or es_context_free. NULL without embeddings or before a decode.
+const float * es_context_embeddings(const es_context * ctx);
 
 // Keeps the first n_keep cells of the KV cache (rollback); n_keep in [0, n_past].
 int es_context_truncate(es_context * ctx, int32_t n_keep);

@@ -365,11 +365,12 @@ void es_model_free(es_model * m) {
 const char * es_model_arch(const es_model * m) { return m && m->arch ? m->arch->name : ""; }
 int32_t es_model_n_vocab(const es_model * m) { return m ? m->n_vocab : 0; }
 int32_t es_model_n_ctx_train(const es_model * m) { return m ? m->n_ctx_train : 0; }
+int32_t es_model_n_embd(const es_model * m) { return m ? m->n_embd : 0; }
 
 /* ---- context --------------------------------------------------------------- */
 
 es_context_params es_context_default_params(void) {
-    return (es_context_params) { .n_ctx = 4096, .n_batch = 512, .n_threads = 0 };
+    return (es_context_params) { .n_ctx = 4096, .n_batch = 512, .n_threads = 0, .embeddings = false };
 }
 
 // The widest activation row (bytes) any of the model's dense weights reads.
@@ -406,6 +407,7 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     c->n_ctx = n_ctx;
     c->n_batch = n_batch;
     c->n_threads = n_threads;
+    c->embeddings = p.embeddings;
     int rc = es_pool_init(n_threads, &c->pool);
     if (rc == ES_OK && m->experts) rc = es_moe_init(m->experts, n_batch, &c->moe);
     if (rc != ES_OK) { es_context_free(c); return rc; }
@@ -473,6 +475,9 @@ int32_t es_context_n_ctx(const es_context * c) { return c ? c->n_ctx : 0; }
 int32_t es_context_n_batch(const es_context * c) { return c ? c->n_batch : 0; }
 int32_t es_context_n_past(const es_context * c) { return c ? c->n_past : 0; }
 const float * es_context_logits(const es_context * c) { return c ? c->logits : NULL; }
+const float * es_context_embeddings(const es_context * c) {
+    return c && c->embeddings && c->n_embd_rows > 0 ? c->xn : NULL;
+}
 
 int es_context_truncate(es_context * c, int32_t n_keep) {
     if (!c || n_keep < 0 || n_keep > c->n_past) return ES_ERR_INVALID_ARG;
@@ -816,9 +821,10 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
     }
     if (ctx->n_past + n > ctx->n_ctx) return ES_ERR_CONTEXT_FULL;
     int rc = plan_batch(ctx, parents, n);
-    if (rc == ES_OK) rc = reserve_logits(ctx, n - logits_from);
+    if (rc == ES_OK && !ctx->embeddings) rc = reserve_logits(ctx, n - logits_from);
     if (rc != ES_OK) return rc;
     ctx->n = n;
+    ctx->n_embd_rows = 0;
 
     // Token embeddings.
     const int64_t D = m->n_embd;
@@ -834,10 +840,17 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
         if (rc != ES_OK) { ctx->n = 0; return rc; }
     }
 
-    // Output rows: final norm, then the vocabulary projection.
+    // Output rows: final norm, then the vocabulary projection (hidden states
+    // for embeddings stop at the norm).
     const int32_t rows = n - logits_from;
     float * xo = ctx->x + (size_t) logits_from * D;
     es__rms_norm(xo, &m->output_norm, ctx->xn, rows, D, m->norm_eps);
+    if (ctx->embeddings) {
+        ctx->n_embd_rows = rows;
+        ctx->n_past += n;
+        ctx->n = 0;
+        return ES_OK;
+    }
     const es_weight * out_w = &m->output;
     rc = es__matmul(ctx, 1, &out_w, ctx->xn, &ctx->logits, rows);
     if (rc != ES_OK) { ctx->n = 0; return rc; }

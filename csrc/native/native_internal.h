@@ -274,6 +274,8 @@ struct es_context {
     es_moe   * moe;        // owned; NULL for a dense model
     int32_t    n_ctx, n_batch, n_threads;
     int32_t    n_past;     // cells in use in the KV cache
+    bool       embeddings; // es_decode stops at the final norm: xn holds the output rows
+    int32_t    n_embd_rows;// rows of xn holding the last es_decode's hidden states (embeddings)
     uint16_t * k_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16, after RoPE
     uint16_t * v_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16
     int32_t  * cell_pos;   // (n_ctx) position of the token in each cell
@@ -282,7 +284,8 @@ struct es_context {
     int32_t  * pos;        // (n_batch) positions
     uint8_t  * sees;       // (n_batch, n_batch) sees[i * n_batch + j]: token i attends to batch token j
     float    * x;          // (n_batch, n_embd) residual stream
-    float    * xn;         // (n_batch, n_embd) a block's normed input
+    float    * xn;         // (n_batch, n_embd) a block's normed input; after an es_decode with
+                           // embeddings: the (n_embd_rows, n_embd) final-normed output rows
     float    * q;          // (n_batch, n_head * head_dim)
     float    * k;          // (n_batch, n_head_kv * head_dim)
     float    * v;          // (n_batch, n_head_kv * head_dim)

@@ -6,6 +6,8 @@
  *     tree batch among decoy siblings (batch invariance), with 1 or 2 threads;
  *   - truncate rolls back exactly; bad tokens, parents, sizes and a full
  *     context are refused with the cache as before;
+ *   - an embeddings context gives hidden states instead of logits, the same
+ *     for a sequence alone and packed beside another in one batch (two roots);
  *   - a missing file, a file of another format and bad params fail with a message.
  * Numerical parity with llama.cpp is tested from Python (tests/test_native.py).
  */
@@ -42,6 +44,46 @@ static float * copy_logits(const es_context * ctx, int32_t n, int32_t n_vocab) {
 
 static bool same_row(const float * a, const float * b, int32_t n_vocab) {
     return memcmp(a, b, (size_t) n_vocab * sizeof *a) == 0;
+}
+
+// Embeddings: (n, n_embd) hidden states, no logits; two sequences packed as
+// two roots of one batch get the rows each gets alone.
+static void check_embeddings(es_model * m, const es_token * seq) {
+    es_context_params p = es_context_default_params();
+    p.n_ctx = N_CTX;
+    p.n_batch = 32;
+    p.n_threads = 2;
+    p.embeddings = true;
+    es_context * ctx = NULL;
+    CHECK(es_context_init(m, &p, &ctx) == ES_OK);
+    if (!ctx) return;
+    const int32_t D = es_model_n_embd(m), A = 5, B = N_SEQ - A;
+    CHECK(D > 0);
+    CHECK(es_context_embeddings(ctx) == NULL);   // before any decode
+    float * alone = malloc((size_t) N_SEQ * (size_t) D * sizeof *alone);
+    CHECK(es_decode(ctx, seq, NULL, A, 0) == ES_OK);
+    CHECK(es_context_logits(ctx) == NULL && es_context_embeddings(ctx) != NULL);
+    if (alone) memcpy(alone, es_context_embeddings(ctx), (size_t) A * D * sizeof *alone);
+    CHECK(es_context_truncate(ctx, 0) == ES_OK);
+    CHECK(es_decode(ctx, seq + A, NULL, B, 0) == ES_OK);
+    if (alone) memcpy(alone + (size_t) A * D, es_context_embeddings(ctx), (size_t) B * D * sizeof *alone);
+
+    CHECK(es_context_truncate(ctx, 0) == ES_OK);
+    int32_t parents[N_SEQ];
+    for (int32_t i = 0; i < N_SEQ; i++) parents[i] = i == 0 || i == A ? -1 : i - 1;
+    CHECK(es_decode(ctx, seq, parents, N_SEQ, 0) == ES_OK);
+    const float * packed = es_context_embeddings(ctx);
+    CHECK(packed != NULL);
+    if (alone && packed) CHECK(memcmp(alone, packed, (size_t) N_SEQ * D * sizeof *alone) == 0);
+    bool finite = true;
+    for (int64_t i = 0; packed && i < (int64_t) N_SEQ * D; i++) finite = finite && packed[i] == packed[i];
+    CHECK(finite);
+    // Rows from logits_from on only.
+    CHECK(es_context_truncate(ctx, 0) == ES_OK);
+    CHECK(es_decode(ctx, seq, NULL, A, A - 1) == ES_OK);
+    if (alone) CHECK(memcmp(es_context_embeddings(ctx), alone + (size_t) (A - 1) * D, (size_t) D * sizeof *alone) == 0);
+    free(alone);
+    es_context_free(ctx);
 }
 
 static void check_model(const char * path) {
@@ -111,6 +153,7 @@ static void check_model(const char * path) {
         free(alone);
         es_context_free(ctx);
     }
+    check_embeddings(m, seq);
     es_model_free(m);
 }
 

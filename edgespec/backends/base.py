@@ -34,18 +34,41 @@ The rules, the same on every backend:
   the order of KV cells and holes left by rejected branches change them.
 * An evaluation that fails or is interrupted leaves the cache holding what
   the record says.
+
+Slots. A backend opened with ``slots=N`` keeps N KV caches over one loaded
+model (a context each, made when first used), each with its own record.
+``reuse_prefix`` picks the slot a generation runs in: the one sharing the
+longest prefix with its tokens, if taking it discards little of what that
+slot holds (a tenth while an empty slot remains, half once none does: a
+shared system prompt must not take over another conversation's slot), else
+an empty slot, else the least recently used; every other call works on the
+selected slot. A backend supplies ``_select_slot(i)``
+for N > 1.
+
+Embeddings. ``hidden_states(sequences)`` evaluates token sequences on an
+embeddings context of their own (no slot's cache changes) and returns every
+token's hidden state after the final norm; several sequences share a batch.
+A backend supplies ``_hidden(pieces, fresh)``: one batch of sequences, each
+from position 0 after an emptied cache (``fresh``), or one sequence appended
+to the cache (a long sequence in chunks).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ..capi import Closing
-from ..errors import ContextOverflowError, EngineClosedError, InvalidArgumentError
+from ..errors import (ContextOverflowError, EngineClosedError, InvalidArgumentError,
+                      UnsupportedModelError)
 
 DEFAULT_CTX = 4096    # the KV cache size when none is asked for (capped at the training context)
 MIN_CTX = 16          # smaller caches trip llama.cpp's asserts, and hold no useful text
 MAX_CTX = 2**31 - 1   # positions are int32 in every backend
+MAX_SLOTS = 64        # KV-cache slots per backend
+EMBED_SEQS = 16       # sequences in one embeddings batch
 
 
 def context_size(requested: int | None, limit: int, *, extend: bool | None = False,
@@ -75,30 +98,77 @@ def available_memory() -> int | None:
     return None
 
 
+def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:
+    """Bytes of an F16 KV cache of ``n_ctx`` tokens (keys and values, every
+    layer) from a model's GGUF hyperparameters (``metadata(key)``: a value or
+    None); None when the model does not state them."""
+    arch = metadata("general.architecture")
+    try:
+        n_layer = int(metadata(f"{arch}.block_count"))
+        n_embd = int(metadata(f"{arch}.embedding_length"))
+        n_head = int(metadata(f"{arch}.attention.head_count"))
+        n_head_kv = int(metadata(f"{arch}.attention.head_count_kv") or n_head)
+        head_dim = int(metadata(f"{arch}.attention.key_length") or n_embd // n_head)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+
+
 class Interrupted(Exception):
     """Raised by ``decode`` when its ``cancel`` callable said stop between chunks."""
+
+
+@dataclass
+class SlotStats:
+    """What one KV-cache slot did: generations it served, and prompt tokens
+    whose K/V it already held."""
+
+    slot: int
+    tokens: int = 0       # tokens its cache holds now
+    uses: int = 0         # generations started in it
+    prefix_hits: int = 0  # of those, with a reused prefix
+    reused: int = 0       # prompt tokens not evaluated again, summed
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most limit."""
+    n, limit = 0, min(limit, len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class Backend(Closing, ABC):
     """Base of every backend: the KV-cache record and protocol over the primitives.
 
-    Subclasses set ``name``, ``path``, ``n_vocab``, ``n_ctx``, ``n_batch``,
-    ``n_ctx_train`` and ``threads``, give the vocabulary half of the contract
-    (``tokenize``, ``piece``, ``is_eog``, ``token_text``, ``metadata``,
-    ``bos_token``, ``eos_token``; see ``vocab.VocabMixin``), and implement
-    ``_evaluate``, ``_truncate`` and ``_close``.
+    Subclasses set ``name``, ``path``, ``n_vocab``, ``n_embd``, ``n_ctx``,
+    ``n_batch``, ``n_ctx_train`` and ``threads``, give the vocabulary half of
+    the contract (``tokenize``, ``piece``, ``is_eog``, ``token_text``,
+    ``metadata``, ``bos_token``, ``eos_token``; see ``vocab.VocabMixin``), and
+    implement ``_evaluate``, ``_truncate`` and ``_close`` (``_select_slot``
+    for several slots, ``_hidden`` for embeddings).
     """
 
     name: str
     n_vocab: int
+    n_embd: int
     n_ctx: int
     n_batch: int
     threads: int
     _closed = False   # class defaults: close() works on a half-made backend too
     _tree_cells = 0   # cells of an evaluated draft tree, after the record
 
-    def __init__(self):
-        self._cells: list[int] = []  # the tokens the KV cache holds, in position order
+    def __init__(self, slots: int = 1):
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+            raise InvalidArgumentError(f"slots must be a whole number in [1, {MAX_SLOTS}], got {slots!r}")
+        self.n_slots = slots
+        # Per slot: the tokens its KV cache holds, in position order; _cells is the selected one's.
+        self._records: list[list[int]] = [[] for _ in range(slots)]
+        self._stats = [SlotStats(i) for i in range(slots)]
+        self._last_used = [0] * slots   # LRU clock value of each slot's last generation
+        self._clock = 0
+        self.slot = 0
+        self._cells = self._records[0]
 
     # -- primitives ---------------------------------------------------------
 
@@ -115,22 +185,24 @@ class Backend(Closing, ABC):
     def _close(self) -> None:
         """Free the backend's objects; safe on a half-made backend."""
 
+    def _select_slot(self, i: int) -> None:
+        """Make slot i's context (on first use) the one evaluated and truncated."""
+        raise InvalidArgumentError(f"the {self.name} backend has one KV-cache slot")
+
+    def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
+        """One batch on the embeddings context: ``fresh``, each piece is a
+        sequence from position 0 in an emptied cache; otherwise the one piece
+        continues the sequence in the cache. Returns the (total tokens,
+        n_embd) hidden states after the final norm, a copy."""
+        raise UnsupportedModelError(f"the {self.name} backend does not compute embeddings")
+
     def _check_kv_memory(self, n_ctx: int) -> None:
         """Refuse a KV cache (F16 keys and values, every layer) larger than the
         memory available, before anything is allocated. Uses the GGUF's own
         hyperparameters; a model that does not state them is not checked."""
-        arch = self.metadata("general.architecture")
-        try:
-            n_layer = int(self.metadata(f"{arch}.block_count"))
-            n_embd = int(self.metadata(f"{arch}.embedding_length"))
-            n_head = int(self.metadata(f"{arch}.attention.head_count"))
-            n_head_kv = int(self.metadata(f"{arch}.attention.head_count_kv") or n_head)
-            head_dim = int(self.metadata(f"{arch}.attention.key_length") or n_embd // n_head)
-        except (TypeError, ValueError, ZeroDivisionError):
-            return
-        need = 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+        need = kv_cache_bytes(self.metadata, n_ctx)
         have = available_memory()
-        if have is not None and need > have:
+        if need is not None and have is not None and need > have:
             raise InvalidArgumentError(f"a context of {n_ctx} tokens needs {need / 2**30:.1f} GiB for its KV "
                                        f"cache, but {have / 2**30:.1f} GiB of memory is available")
 
@@ -162,7 +234,7 @@ class Backend(Closing, ABC):
         try:
             self._truncate(len(self._cells))
         except Exception:
-            self._cells = []
+            self._cells.clear()
             self._truncate(0)
 
     def _check_tokens(self, tokens: Sequence[int]) -> None:
@@ -271,20 +343,105 @@ class Backend(Closing, ABC):
         del self._cells[n_keep:]
 
     def reuse_prefix(self, tokens: Sequence[int]) -> int:
-        """Keep the longest prefix the cache shares with ``tokens``, short of
-        their last token (which is always evaluated again: its row gives the
-        next token). Returns how many tokens are kept; the caller decodes
-        ``tokens[kept:]``."""
+        """Select the slot for a generation of ``tokens`` (see the module
+        docstring) and keep the longest prefix its cache shares with them,
+        short of their last token (which is always evaluated again: its row
+        gives the next token). Returns how many tokens are kept; the caller
+        decodes ``tokens[kept:]``."""
         self._check_open()
-        keep, limit = 0, min(len(self._cells), len(tokens) - 1)
-        while keep < limit and self._cells[keep] == tokens[keep]:
-            keep += 1
+        self.use_slot(self.choose_slot(tokens))
+        keep = common_prefix(self._cells, tokens, len(tokens) - 1)
         self.truncate(keep)
+        self._clock += 1
+        self._last_used[self.slot] = self._clock
+        stats = self._stats[self.slot]
+        stats.uses += 1
+        stats.prefix_hits += keep > 0
+        stats.reused += keep
         return keep
 
+    def choose_slot(self, tokens: Sequence[int]) -> int:
+        """The slot a generation of ``tokens`` would run in (see the module docstring)."""
+        if self.n_slots == 1:
+            return 0
+        limit = len(tokens) - 1
+        empty = [i for i, record in enumerate(self._records) if not record]
+        # The largest share of a slot's tokens a match may discard.
+        share = 0.1 if empty else 0.5
+        matches = [(n, self._last_used[i], i) for i, record in enumerate(self._records)
+                   if (n := common_prefix(record, tokens, limit)) > 0 and len(record) - n <= share * len(record)]
+        if matches:
+            return max(matches)[2]
+        if empty:
+            return empty[0]
+        return min(range(self.n_slots), key=lambda i: self._last_used[i])
+
+    def use_slot(self, i: int) -> None:
+        """Select slot i: later calls evaluate into and truncate its cache."""
+        self._check_open()
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_slots:
+            raise InvalidArgumentError(f"slot {i!r} is outside [0, {self.n_slots})")
+        if i == self.slot:
+            return
+        self._settle()
+        self._select_slot(i)
+        self.slot = i
+        self._cells = self._records[i]
+
+    def slot_stats(self) -> list[SlotStats]:
+        """A snapshot of every slot's counters."""
+        return [SlotStats(s.slot, len(self._records[s.slot]), s.uses, s.prefix_hits, s.reused)
+                for s in self._stats]
+
     def clear(self) -> None:
-        """Empty the cache."""
+        """Empty the selected slot's cache."""
         self.truncate(0)
+
+    def clear_slots(self) -> None:
+        """Empty every slot's cache; slot 0 is selected afterwards."""
+        for i in reversed(range(self.n_slots)):
+            if self._records[i] or i == 0:
+                self.use_slot(i)
+                self.clear()
+
+    # -- embeddings --------------------------------------------------------------
+
+    def hidden_states(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """The hidden state after the final norm of every token of each
+        sequence, ``(len(sequence), n_embd)`` float32 each, each sequence
+        evaluated on its own from position 0 (packed into shared batches).
+        No slot's KV cache changes."""
+        self._check_open()
+        seqs = [list(s) for s in sequences]
+        for i, seq in enumerate(seqs):
+            if not seq:
+                raise InvalidArgumentError(f"input {i} has no tokens")
+            if len(seq) > self.n_ctx:
+                raise ContextOverflowError(f"input {i} is {len(seq)} tokens but the context holds {self.n_ctx}")
+            self._check_tokens(seq)
+        out: list[np.ndarray | None] = [None] * len(seqs)
+        pack: list[int] = []   # indices of the sequences in the next batch
+
+        def flush():
+            if pack:
+                rows = self._hidden([seqs[j] for j in pack], True)
+                start = 0
+                for j in pack:
+                    out[j] = rows[start:start + len(seqs[j])]
+                    start += len(seqs[j])
+                pack.clear()
+
+        for i, seq in enumerate(seqs):
+            if len(seq) > self.n_batch:   # alone, in chunks appended to the cache
+                flush()
+                chunks = [seq[a:a + self.n_batch] for a in range(0, len(seq), self.n_batch)]
+                out[i] = np.concatenate([self._hidden([c], k == 0) for k, c in enumerate(chunks)])
+                continue
+            if len(pack) == EMBED_SEQS or sum(len(seqs[j]) for j in pack) + len(seq) > self.n_batch:
+                flush()
+            pack.append(i)
+        flush()
+        return out
 
     def close(self) -> None:
         if not self._closed:

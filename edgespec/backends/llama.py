@@ -1,7 +1,8 @@
 """llama.cpp backend, through llama-cpp-python's low-level C API bindings.
 
-Only llama.cpp's own objects are touched here: model, context, KV memory and
-one preallocated batch. Logits stay in llama.cpp's buffer; callers get the
+Only llama.cpp's own objects are touched here: one model, a context per
+KV-cache slot (made on first use) and one more with embeddings, their KV
+memory and preallocated batches. Logits stay in llama.cpp's buffer; callers get the
 address of the first output row and hand it to the C core. The KV-cache
 protocol (chunking, trees, rollback) is base.Backend's.
 """
@@ -11,22 +12,26 @@ import ctypes
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
+import numpy as np
 
 from ..errors import BackendError, ModelFormatError
 from . import default_threads
-from .base import Backend, context_size
+from .base import EMBED_SEQS, Backend, context_size
 from .vocab import Vocab, VocabMixin, init_llama
 
 
 class LlamaBackend(VocabMixin, Backend):
     name = "llama"
-    _model = _ctx = _batch = None  # llama.cpp objects, freed by close() in reverse order
+    # llama.cpp objects, freed by close() in reverse order
+    _model = _ctx = _batch = _embed_ctx = _embed_batch = None
+    _contexts: list = []
     _n_tree_seqs = 1               # KV sequences the last draft tree used
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
-                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
+                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
                  swa_full: bool = True, ctx_extend: bool = False, verbose: bool = False):
-        super().__init__()
+        super().__init__(slots)
+        self._contexts = [None] * slots
         init_llama(verbose)
         self.path = Path(path)
 
@@ -38,40 +43,49 @@ class LlamaBackend(VocabMixin, Backend):
                                    "(unsupported architecture or damaged file)")
         self.vocab = Vocab(self._model)
         self.n_vocab = self.vocab.n_vocab
+        self.n_embd = lc.llama_model_n_embd(self._model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
+        self.threads = threads or default_threads()
+        self._swa_full = swa_full
         try:
             n_ctx = context_size(n_ctx, self.n_ctx_train, extend=ctx_extend)
             self._check_kv_memory(n_ctx)
+            self._ctx = self._contexts[0] = self._new_context(n_ctx, n_batch, n_seq)
         except BaseException:
             self.close()
             raise
-
-        threads = threads or default_threads()
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
-        cparams.n_seq_max = n_seq
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.no_perf = True
-        # A full-size sliding-window cache lets rejected draft positions be
-        # removed again (llama.cpp cannot roll back a trimmed SWA cache).
-        cparams.swa_full = swa_full
-        # Draft-tree branches are sequences sharing the prefix's cells; a unified
-        # cache makes llama_memory_seq_cp a tag on those cells, not a copy.
-        cparams.kv_unified = True
-        self._ctx = lc.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
-            self.close()
-            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self._mem = lc.llama_get_memory(self._ctx)
         self.n_ctx = lc.llama_n_ctx(self._ctx)
         # llama.cpp caps the batch at the context size it was asked for.
         self.n_batch = lc.llama_n_batch(self._ctx)
         self.n_seq = n_seq
-        self.threads = threads
         self._batch = lc.llama_batch_init(self.n_batch, 0, n_seq)
+
+    def _new_context(self, n_ctx: int, n_batch: int, n_seq: int, embeddings: bool = False):
+        """A llama_context on the model (the caller frees it)."""
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        # A full-size sliding-window cache lets rejected draft positions be
+        # removed again (llama.cpp cannot roll back a trimmed SWA cache).
+        cparams.swa_full = self._swa_full
+        # Draft-tree branches are sequences sharing the prefix's cells; a unified
+        # cache makes llama_memory_seq_cp a tag on those cells, not a copy.
+        # (Embeddings: sequences of a batch take cells anywhere in the cache.)
+        cparams.kv_unified = True
+        if embeddings:
+            # Every token's hidden state after the final norm; pooling is the engine's.
+            cparams.embeddings = True
+            cparams.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
+        ctx = lc.llama_init_from_model(self._model, cparams)
+        if not ctx:
+            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        return ctx
 
     # -- primitives (base.Backend owns the protocol) -------------------------
 
@@ -132,13 +146,51 @@ class LlamaBackend(VocabMixin, Backend):
             lc.llama_memory_seq_rm(self._mem, s, -1, -1)
         self._n_tree_seqs = 1
 
+    def _select_slot(self, i: int) -> None:
+        if self._contexts[i] is None:
+            self._check_kv_memory(self.n_ctx)
+            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch, self.n_seq)
+        self._ctx = self._contexts[i]
+        self._mem = lc.llama_get_memory(self._ctx)
+
+    def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
+        if self._embed_ctx is None:
+            self._check_kv_memory(self.n_ctx)
+            self._embed_ctx = self._new_context(self.n_ctx, self.n_batch, EMBED_SEQS, embeddings=True)
+            self._embed_batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        ctx, b = self._embed_ctx, self._embed_batch
+        mem = lc.llama_get_memory(ctx)
+        if fresh:
+            lc.llama_memory_clear(mem, True)
+            start = 0
+        else:  # one sequence, continued
+            start = lc.llama_memory_seq_pos_max(mem, 0) + 1
+        i = 0
+        for seq, piece in enumerate(pieces):
+            for pos, token in enumerate(piece):
+                b.token[i] = token
+                b.pos[i] = start + pos
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = True
+                i += 1
+        b.n_tokens = i
+        rc = lc.llama_decode(ctx, b)
+        if rc != 0:
+            raise BackendError(f"llama_decode (embeddings) failed with status {rc}")
+        rows = lc.llama_get_embeddings(ctx)
+        return np.ctypeslib.as_array(rows, shape=(i, self.n_embd)).copy()
+
     def _close(self) -> None:
-        if self._batch is not None:
-            lc.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            lc.llama_free(self._ctx)
-            self._ctx = None
+        for b in (self._embed_batch, self._batch):
+            if b is not None:
+                lc.llama_batch_free(b)
+        self._batch = self._embed_batch = None
+        for c in (self._embed_ctx, *self._contexts):
+            if c:
+                lc.llama_free(c)
+        self._ctx = self._embed_ctx = None
+        self._contexts = []
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, lib
 from ..errors import ContextOverflowError, InvalidArgumentError, ModelFormatError
 from ..models import registry
@@ -70,19 +72,23 @@ class NativeModel(Owned):
         self._ptr = out[0]
         self.arch = ffi.string(lib.es_model_arch(self._ptr)).decode()
         self.n_vocab = lib.es_model_n_vocab(self._ptr)
+        self.n_embd = lib.es_model_n_embd(self._ptr)
         self.n_ctx_train = lib.es_model_n_ctx_train(self._ptr)
 
 
 class NativeContext(Owned):
-    """An es_context: thread pool, KV cache and logits over one NativeModel."""
+    """An es_context: thread pool, KV cache and logits (or, with
+    ``embeddings``, hidden states) over one NativeModel; several may share it."""
 
     _free = lib.es_context_free
 
-    def __init__(self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int):
+    def __init__(self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int,
+                 embeddings: bool = False):
         params = lib.es_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_threads = threads
+        params.embeddings = embeddings
         out = ffi.new("es_context **")
         check(lib.es_context_init(model._ptr, ffi.new("es_context_params *", params), out),
               f"native context of {n_ctx} tokens")
@@ -97,6 +103,18 @@ class NativeContext(Owned):
 
     def decode(self, tokens: list[int], parents: list[int] | None, logits_from: int) -> int:
         """One es_decode; returns the address of the first kept logits row."""
+        self._decode(tokens, parents, logits_from)
+        return int(ffi.cast("uintptr_t", lib.es_context_logits(self._ptr)))
+
+    def hidden(self, tokens: list[int], parents: list[int] | None) -> np.ndarray:
+        """One es_decode on an embeddings context: the (n, n_embd) hidden states, a copy."""
+        self._decode(tokens, parents, 0)
+        rows = lib.es_context_embeddings(self._ptr)
+        n_embd = self.model.n_embd
+        return np.frombuffer(ffi.buffer(rows, len(tokens) * n_embd * 4), dtype=np.float32).reshape(
+            len(tokens), n_embd).copy()
+
+    def _decode(self, tokens: list[int], parents: list[int] | None, logits_from: int) -> None:
         n = len(tokens)
         status = lib.es_decode(self._ptr, ffi.new("es_token[]", tokens),
                                ffi.new("int32_t[]", parents) if parents is not None else ffi.NULL,
@@ -104,25 +122,29 @@ class NativeContext(Owned):
         if status == lib.ES_ERR_CONTEXT_FULL:
             raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}")
         check(status, "es_decode")
-        return int(ffi.cast("uintptr_t", lib.es_context_logits(self._ptr)))
 
     def truncate(self, n_keep: int) -> None:
         check(lib.es_context_truncate(self._ptr, n_keep), f"truncate to {n_keep} tokens")
 
 
 class NativeBackend(VocabMixin, Backend):
+    """One es_model; an es_context per KV-cache slot (made on first use) and
+    one more, with embeddings, for hidden states."""
+
     name = "native"
-    _ctx = _model = None
+    _ctx = _model = _embed_ctx = None
+    _contexts: list = []
     vocab = None
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
-                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1,
+                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
                  ctx_extend: bool = False, verbose: bool = False):
         # gpu_layers and n_seq do not apply: the engine runs on the CPU, and
         # draft trees need no sequences (a tree is one batch with parents).
-        super().__init__()
+        super().__init__(slots)
         self.path = Path(path)
         self._model = NativeModel(self.path)
+        self._contexts = [None] * slots
         try:
             self.vocab = Vocab.load(self.path, verbose=verbose)
             if self.vocab.n_vocab != self._model.n_vocab:
@@ -131,15 +153,20 @@ class NativeBackend(VocabMixin, Backend):
             self.threads = threads or default_threads()
             n_ctx = context_size(n_ctx, self._model.n_ctx_train, extend=ctx_extend)
             self._check_kv_memory(n_ctx)
-            self._ctx = NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads)
+            self._ctx = self._contexts[0] = self._new_context(n_ctx, n_batch)
         except BaseException:
             self.close()
             raise
         self.n_vocab = self._model.n_vocab
+        self.n_embd = self._model.n_embd
         self.n_ctx_train = self._model.n_ctx_train
         self.arch = self._model.arch
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
+
+    def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
+        return NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
+                             embeddings=embeddings)
 
     # -- primitives (base.Backend owns the protocol) -------------------------
 
@@ -151,10 +178,35 @@ class NativeBackend(VocabMixin, Backend):
     def _truncate(self, n_keep: int) -> None:
         self._ctx.truncate(n_keep)
 
+    def _select_slot(self, i: int) -> None:
+        if self._contexts[i] is None:
+            self._check_kv_memory(self.n_ctx)
+            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch)
+        self._ctx = self._contexts[i]
+
+    def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
+        if self._embed_ctx is None:
+            self._check_kv_memory(self.n_ctx)
+            self._embed_ctx = self._new_context(self.n_ctx, self.n_batch, embeddings=True)
+        ctx = self._embed_ctx
+        tokens = [t for p in pieces for t in p]
+        if not fresh:
+            return ctx.hidden(tokens, None)
+        ctx.truncate(0)
+        # Several sequences in one batch: each starts a new root (parent -1 at
+        # position 0 of the empty cache) and sees only its own tokens.
+        parents, start = [], 0
+        for p in pieces:
+            parents += [-1, *range(start, start + len(p) - 1)]
+            start += len(p)
+        return ctx.hidden(tokens, parents)
+
     def _close(self) -> None:
-        if self._ctx is not None:
-            self._ctx.close()
-            self._ctx = None
+        for c in (self._embed_ctx, *self._contexts):
+            if c is not None:
+                c.close()
+        self._ctx = self._embed_ctx = None
+        self._contexts = []
         if self.vocab is not None:
             self.vocab.close()
             self.vocab = None

@@ -1,5 +1,8 @@
-"""`edgespec serve`: an HTTP server for one model (see edgespec.server): OpenAI's
-and Ollama's APIs, /metrics and a chat page. Every option may also come from
+"""`edgespec serve`: an HTTP server for one or several models (see
+edgespec.server and edgespec.pool): OpenAI's and Ollama's APIs, /metrics and
+a chat page. The first model loads at start; the others when first asked
+for, the least recently used idle one unloaded when a load would pass
+--max-loaded-bytes. Every option may also come from
 its EDGESPEC_* environment variable or the [serve] table of the config file
 (edgespec.cli.config). Ctrl-C stops it after the running generation's next piece."""
 from __future__ import annotations
@@ -8,9 +11,12 @@ from typing import Optional
 
 import typer
 
+from ..backends.base import MAX_SLOTS
 from ..server import DEFAULT_MAX_REQUEST_BYTES
 from . import app, fail
-from .options import EngineOptions, engine_options, with_envvar
+from .options import MODEL_HELP, EngineOptions, engine_options, with_envvar
+
+DEFAULT_SLOTS = 3   # KV caches per model: an editor's completion, its chat and one more client
 
 
 def _opt(*args, **kwargs):
@@ -18,15 +24,24 @@ def _opt(*args, **kwargs):
 
 
 @app.command()
-@engine_options(envvars=True)
+@engine_options(envvars=True, exclude=("model",))
 def serve(
     engine: EngineOptions = ...,
+    models: Optional[list[str]] = _opt(None, "--model", "-m", help=MODEL_HELP + " Repeatable: every one "
+                                       "is served under its name, the first is the default."),
+    all_cached: bool = _opt(False, "--all-cached", help="Also serve every built-in model in the cache."),
+    slots: int = _opt(DEFAULT_SLOTS, "--slots", help=f"KV-cache slots per model, [1, {MAX_SLOTS}]: each keeps "
+                      "one conversation's prefix (a context of --ctx tokens each, made when first used)."),
+    max_loaded_bytes: Optional[int] = _opt(None, "--max-loaded-bytes",
+                                           help="Memory budget of the loaded models, bytes (file + KV caches); "
+                                                "0: none (default: 80% of the memory available at start)."),
     host: str = _opt("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = _opt(8080, "--port", help="TCP port, [0, 65535]; 0 picks a free one."),
     api_key: str = _opt(None, "--api-key", help="Require 'Authorization: Bearer KEY' on the APIs and /metrics "
                                                 "(default: open)."),
-    model_name: str = _opt(None, "--model-name", help="Model id clients send and /v1/models lists "
-                                                      "(default: the built-in name or the file's stem)."),
+    model_name: str = _opt(None, "--model-name", help="Id of the first model, as clients send it and "
+                                                      "/v1/models lists it (default: the built-in name or the "
+                                                      "file's stem)."),
     cors_origin: Optional[list[str]] = _opt(None, "--cors-origin",
                                             help="Browser origin allowed to call the server, e.g. "
                                                  "http://localhost:3000, or '*' for any (repeatable; default: "
@@ -36,22 +51,41 @@ def serve(
                                        "a larger one gets 413 without being read)."),
     quiet: bool = _opt(False, "--quiet", "-q", help="No per-request log lines on stderr."),
 ):
-    """Serve a model over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
+    """Serve models over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
     Sampling settings come with each request."""
+    import dataclasses
+
+    from ..models import registry
+    from ..pool import EnginePool, cached_models
     from ..server import make_server
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
     if max_request_bytes <= 0:
         raise fail(f"--max-request-bytes must be > 0, got {max_request_bytes}")
-    with engine.open() as e:
+    if not 1 <= slots <= MAX_SLOTS:
+        raise fail(f"--slots must be in [1, {MAX_SLOTS}], got {slots}")
+    if max_loaded_bytes is not None and max_loaded_bytes < 0:
+        raise fail(f"--max-loaded-bytes must be >= 0, got {max_loaded_bytes}")
+    refs: list = list(dict.fromkeys(models or []))
+    if all_cached:
+        refs += [name for name in cached_models() if name not in refs]
+    refs = refs or [registry.default_model()]
+    if model_name:
+        refs[0] = (model_name, refs[0])
+    options = dataclasses.asdict(engine)
+    del options["model"]
+    with EnginePool(refs, max_loaded_bytes=max_loaded_bytes, slots=slots, **options) as pool:
+        with pool.engine() as e:   # the first model now: a bad file or option fails here
+            drafter = e.drafter
         try:
-            server = make_server(e, host, port, api_key=api_key, model_name=model_name, quiet=quiet,
+            server = make_server(pool, host, port, api_key=api_key, quiet=quiet,
                                  max_request_bytes=max_request_bytes, cors_origins=tuple(cors_origin or ()))
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
-        typer.echo(f"serving {server.model_name} (drafter {e.drafter}) at {server.url} (chat page), "
-                   f"{server.url}/v1 (OpenAI), {server.url}/api (Ollama)"
+        budget = f"{pool.budget / 2**30:.1f} GiB" if pool.budget else "none"
+        typer.echo(f"serving {', '.join(pool.names)} (drafter {drafter}, {slots} slots each, memory budget "
+                   f"{budget}) at {server.url} (chat page), {server.url}/v1 (OpenAI), {server.url}/api (Ollama)"
                    f"{' with an API key' if server.api_key else ''}; Ctrl-C to stop", err=True)
         server.serve_until_interrupted()
         typer.echo("stopped", err=True)

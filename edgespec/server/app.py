@@ -27,8 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import OLLAMA, OPENAI, ApiError, show
-from .runner import ClientGone, Runner
+from .errors import OLLAMA, OPENAI, ApiError
+from .runner import ClientGone, Runner, Runners
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token context's text several times over
 BODY_TIMEOUT_S = 120           # the longest a request body may take to arrive
@@ -106,8 +106,8 @@ async def read_json(request: Request) -> dict:
 
 # -- endpoints -------------------------------------------------------------------------
 
-def runner_of(request: Request) -> Runner:
-    return request.app.state.runner
+def runners_of(request: Request) -> Runners:
+    return request.app.state.runners
 
 
 def note(request: Request, text: str) -> None:
@@ -219,7 +219,7 @@ class RequestLog:
 
 # -- the application -------------------------------------------------------------------
 
-def create_app(runner: Runner, settings: Settings, metrics, log) -> Starlette:
+def create_app(runners: Runners, settings: Settings, metrics, log) -> Starlette:
     from . import ollama, openai
 
     routes = [
@@ -232,7 +232,7 @@ def create_app(runner: Runner, settings: Settings, metrics, log) -> Starlette:
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     state = app.state
-    state.runner, state.settings, state.metrics, state.log = runner, settings, metrics, log
+    state.runners, state.settings, state.metrics, state.log = runners, settings, metrics, log
     state.routes = routes
     # add_middleware wraps what is there: CORS answers preflights before the
     # routes, the log (outermost) sees every answer
@@ -245,14 +245,11 @@ def create_app(runner: Runner, settings: Settings, metrics, log) -> Starlette:
 
 # -- shared by the endpoints -------------------------------------------------------------
 
-def pick_runner(request: Request, model) -> Runner:
+def pick_runner(request: Request, model, *, add: bool = True) -> Runner:
     """The runner serving ``model`` (a name as /v1/models lists it, or Ollama's
-    ``name:latest``; None: the default); 404 naming what is served."""
-    runner = runner_of(request)
-    if model is None or model == runner.name or model == f"{runner.name}:latest":
-        return runner
-    raise ApiError(404, f"model {show(model)} does not exist; this server has {runner.name!r}",
-                   param="model", code="model_not_found")
+    ``name:latest``; None: the default); 404 naming what is served. With a
+    pool, a built-in model it may pull is added (unless ``add`` is False)."""
+    return runners_of(request).get(model, add=add)
 
 
 class Stream:

@@ -21,17 +21,17 @@ import logging
 import socket
 import sys
 import threading
-from pathlib import Path
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..errors import InvalidArgumentError
+from ..pool import EnginePool, model_name as served_name
 from .app import DEFAULT_MAX_REQUEST_BYTES, Settings, create_app
 from .errors import ApiError
 from .metrics import Metrics
-from .runner import SOCKET, Runner, log_to_stderr
+from .runner import SOCKET, Runners, log_to_stderr
 
 LINGER_S = 1.0          # at most this long discarding an unread body after the answer
 KEEP_ALIVE_S = 30       # an idle connection is closed after this long
@@ -140,27 +140,28 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class _Uvicorn(uvicorn.Server):
-    def __init__(self, config, runner: Runner):
+    def __init__(self, config, runners: Runners):
         super().__init__(config)
-        self.runner = runner
+        self.runners = runners
 
     def handle_exit(self, sig, frame) -> None:   # Ctrl-C: generations end at their next piece
-        self.runner.stopping = True
+        self.runners.set_stopping()
         super().handle_exit(sig, frame)
 
 
 class Server:
-    """A bound server for one Engine: ``serve_forever()`` serves until
-    ``shutdown()`` (from another thread) or Ctrl-C (from the main thread);
-    ``server_close()`` releases the socket."""
+    """A bound server for one Engine or an EnginePool's models:
+    ``serve_forever()`` serves until ``shutdown()`` (from another thread) or
+    Ctrl-C (from the main thread); ``server_close()`` releases the socket."""
 
     def __init__(self, engine, host: str, port: int, *, model_name: str, settings: Settings):
         if settings.max_request_bytes <= 0:
             raise InvalidArgumentError(f"max_request_bytes must be > 0, got {settings.max_request_bytes}")
         self.settings = settings
         self.metrics = Metrics(model_name)
-        self.runner = Runner(engine, model_name, self.metrics, log_to_stderr)
-        self.app = create_app(self.runner, settings, self.metrics, log_to_stderr)
+        self.runners = Runners(engine, model_name, self.metrics, log_to_stderr)
+        self.runner = self.runners.default
+        self.app = create_app(self.runners, settings, self.metrics, log_to_stderr)
         self.socket = _listen(host, port)
         self.server_address = self.socket.getsockname()
         logging.getLogger("uvicorn").addHandler(logging.NullHandler())   # its messages are ours to write
@@ -168,7 +169,7 @@ class Server:
                                 server_header=False, headers=[("server", "edgespec")],
                                 timeout_keep_alive=KEEP_ALIVE_S,
                                 http=lambda **kw: Protocol(max_request_bytes=settings.max_request_bytes, **kw))
-        self._uvicorn = _Uvicorn(config, self.runner)
+        self._uvicorn = _Uvicorn(config, self.runners)
         self._served = threading.Event()
 
     # what the tests and callers read
@@ -199,31 +200,31 @@ class Server:
 
     def serve_until_interrupted(self) -> None:
         """serve_forever() until Ctrl-C, then stop: the running generation ends
-        at its next piece, queued ones never start. Returns holding the engine
-        lock, so the caller may close the engine."""
+        at its next piece, queued ones never start. Returns holding every
+        engine lock, so the caller may close the engine (or pool)."""
         try:
             self.serve_forever()
         except KeyboardInterrupt:   # uvicorn raises the signal again once it has stopped
             pass
         finally:
-            self.runner.stop()
             self.server_close()
-            self.runner.lock.acquire()
+            self.runners.stop()
 
 
 def default_model_name(engine) -> str:
-    """The id a server reports for ``engine``: the built-in name, or a file's stem."""
-    ref = engine.model_ref
-    if ref.startswith("hf:"):
-        return Path(ref[3:]).stem
-    return Path(ref).stem if ref.endswith(".gguf") or Path(ref).exists() else ref
+    """The id a server reports for ``engine``: the built-in name, or a file's
+    stem; for a pool, its default model's name."""
+    if isinstance(engine, EnginePool):
+        return engine.default
+    return served_name(engine.model_ref)
 
 
 def make_server(engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 model_name: str | None = None, quiet: bool = False,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                 cors_origins: tuple[str, ...] = ()) -> Server:
-    """Bind a server for ``engine`` without serving (port 0 picks a free one)."""
+    """Bind a server for ``engine`` (an Engine or an EnginePool) without
+    serving (port 0 picks a free one)."""
     settings = Settings(api_key=api_key or None, max_request_bytes=max_request_bytes,
                         cors_origins=tuple(cors_origins), quiet=quiet)
     return Server(engine, host, port, model_name=model_name or default_model_name(engine), settings=settings)

@@ -44,8 +44,8 @@ class Metrics:
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def generation(self, stats, speedup: float) -> None:
-        m = self.model
+    def generation(self, stats, speedup: float, model: str | None = None) -> None:
+        m = model or self.model
         self.generations.labels(m).inc()
         self.prompt_tokens.labels(m).inc(stats.prompt_tokens)
         self.cached_tokens.labels(m).inc(stats.cached_tokens)

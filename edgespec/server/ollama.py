@@ -2,7 +2,9 @@
 ``GET /api/version``, ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``,
 ``POST /api/generate`` and ``POST /api/chat`` (NDJSON streaming by default,
 ``"stream": false`` for one object), ``POST /api/pull`` (built-in names, NDJSON
-progress). Refusals are Ollama's ``{"error": message}``.
+progress), ``POST /api/embed`` (and the older ``/api/embeddings``). Refusals
+are Ollama's ``{"error": message}``. /api/tags lists the served models whose
+files are on this machine, /api/ps the loaded ones.
 
 Names: the served model is listed as ``NAME:latest``; ``NAME`` is accepted
 too. Sampling ``options`` default to Ollama's (temperature 0.8, top_k 40,
@@ -29,13 +31,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+import anyio
+
 from .. import __version__
 from ..errors import EdgespecError, GrammarError, InvalidArgumentError
 from ..grammar import Grammar
 from ..models import registry
 from ..progress import Progress
 from ..sampling import SamplingParams
-from .app import Stream, endpoint, note, pick_runner, read_json
+from .app import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -64,6 +68,8 @@ def routes() -> list[Route]:
         Route("/api/generate", ollama(generate), methods=["POST"]),
         Route("/api/chat", ollama(chat), methods=["POST"]),
         Route("/api/pull", ollama(pull), methods=["POST"]),
+        Route("/api/embed", ollama(embed), methods=["POST"]),
+        Route("/api/embeddings", ollama(embeddings_legacy), methods=["POST"]),
     ]
 
 
@@ -82,15 +88,15 @@ def _describe(runner) -> tuple[dict, dict]:
     if "ollama" not in runner.cache:
         from ..models.gguf import model_info
 
-        path = Path(runner.engine.model_path)
+        path = Path(runner.model_path)
         st = path.stat()
-        builtin = registry.builtin_models().get(runner.engine.model_ref)
+        builtin = registry.builtin_models().get(runner.name)
         digest = builtin.sha256 if builtin else hashlib.sha256(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
         try:
             info = model_info(path) if path.is_file() else None
         except EdgespecError:
             info = None
-        arch = (info.architecture if info else None) or runner.engine.backend.name
+        arch = (info.architecture if info else None) or "onnx"
         n = info.n_params if info else 0
         size_label = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
         details = {"parent_model": "", "format": "gguf" if info else "onnx", "family": arch, "families": [arch],
@@ -126,19 +132,20 @@ async def version(request: Request):
 
 
 async def tags(request: Request):
-    runner = pick_runner(request, None)
-    return JSONResponse({"models": [_describe(runner)[0]]})
+    runners = [r for r in runners_of(request) if r.model_path is not None]
+    return JSONResponse({"models": [_describe(r)[0] for r in runners]})
 
 
 async def ps(request: Request):
-    runner = pick_runner(request, None)
-    card = _describe(runner)[0]
-    return JSONResponse({"models": [{**card, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}]})
+    cards = [_describe(r)[0] for r in runners_of(request) if r.loaded]
+    return JSONResponse({"models": [{**card, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
+                                    for card in cards]})
 
 
 async def show_model(request: Request):
     body = await read_json(request)
     runner = pick_runner(request, _model(body))
+    await runner.ready()
     card, info = _describe(runner)
     engine = runner.engine
     return JSONResponse({
@@ -231,6 +238,7 @@ async def generate(request: Request):
     runner = pick_runner(request, model)
     _check_served(body)
     stream = _stream_flag(body)
+    await runner.ready()
     prompt, system = _text(body.get("prompt"), "prompt"), _text(body.get("system"), "system")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
@@ -254,6 +262,7 @@ async def chat(request: Request):
     runner = pick_runner(request, model)
     _check_served(body)
     stream = _stream_flag(body)
+    await runner.ready()
     messages = body.get("messages")
     if messages is None:
         messages = []
@@ -402,3 +411,32 @@ async def pull(request: Request):
     except EdgespecError as e:
         raise ApiError(500, str(e), type="server_error")
     return JSONResponse({"status": "success"})
+
+
+# -- endpoints: embeddings ----------------------------------------------------------------
+
+async def embed(request: Request):
+    """``input``: a string or a list of strings; unit-length vectors, as Ollama's."""
+    body = await read_json(request)
+    model = _model(body)
+    runner = pick_runner(request, model)
+    inputs = body.get("input")
+    if not (isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(t, str) for t in inputs))):
+        raise _bad("input must be a string or a list of strings")
+    t0 = time.perf_counter()
+    vectors, n_tokens = await anyio.to_thread.run_sync(runner.embed, inputs)
+    note(request, f"{len(vectors)} embeddings, {n_tokens} tokens")
+    return JSONResponse({"model": model, "embeddings": vectors.tolist(),
+                         "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,
+                         "prompt_eval_count": n_tokens})
+
+
+async def embeddings_legacy(request: Request):
+    """The older endpoint: ``prompt`` (one string) -> ``embedding``."""
+    body = await read_json(request)
+    runner = pick_runner(request, _model(body))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("prompt must be a non-empty string")
+    vectors, _ = await anyio.to_thread.run_sync(runner.embed, prompt)
+    return JSONResponse({"embedding": vectors[0].tolist()})

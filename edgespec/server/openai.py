@@ -1,6 +1,9 @@
 """OpenAI's API: ``GET /v1/models``, ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream`` for
-server-sent events, ``stream_options.include_usage`` for a usage chunk).
+server-sent events, ``stream_options.include_usage`` for a usage chunk),
+``POST /v1/embeddings`` (``encoding_format`` float or base64). /v1/models
+lists every model the server serves, with ``loaded`` saying which are in
+memory now.
 Responses carry OpenAI's fields plus ``edgespec``: the generation's drafter,
 tokens per second, estimated speedup over plain decoding and speculative
 stats.
@@ -19,9 +22,12 @@ that does not parse is returned as text with finish_reason "stop" and a
 """
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
+
+import anyio
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -29,7 +35,7 @@ from starlette.routing import Route
 
 from ..chat import tools as chat_tools
 from . import fields
-from .app import Stream, endpoint, note, pick_runner, read_json
+from .app import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import ApiError, bad, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -49,6 +55,7 @@ def routes() -> list[Route]:
         Route("/v1/models/{model:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embeddings), methods=["POST"]),
     ]
 
 
@@ -168,15 +175,42 @@ def model_field(body: dict):
 # -- endpoints ---------------------------------------------------------------------------
 
 def _card(runner) -> dict:
-    return {"id": runner.name, "object": "model", "created": runner.created, "owned_by": "edgespec"}
+    return {"id": runner.name, "object": "model", "created": runner.created, "owned_by": "edgespec",
+            "loaded": runner.loaded}
 
 
 async def list_models(request: Request):
-    return JSONResponse({"object": "list", "data": [_card(pick_runner(request, None))]})
+    return JSONResponse({"object": "list", "data": [_card(r) for r in runners_of(request)]})
 
 
 async def get_model(request: Request):
-    return JSONResponse(_card(pick_runner(request, request.path_params["model"])))
+    return JSONResponse(_card(pick_runner(request, request.path_params["model"], add=False)))
+
+
+async def embeddings(request: Request):
+    """One vector per input (a string, a list of strings, a list of token ids
+    or of such lists): the model's hidden states pooled as its metadata says
+    (mean by default), unit length."""
+    body = await read_json(request)
+    runner = pick_runner(request, model_field(body))
+    if "input" not in body:
+        raise bad("input", "input is required: a string, a list of strings or of token id lists")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad("encoding_format", f"encoding_format must be float or base64, got {show(fmt)}")
+    dimensions = body.get("dimensions")
+    vectors, n_tokens = await anyio.to_thread.run_sync(runner.embed, body["input"])
+    if dimensions is not None and not (is_int(dimensions) and dimensions == vectors.shape[1]):
+        raise bad("dimensions", f"this model's embeddings have {vectors.shape[1]} dimensions; "
+                  f"got {show(dimensions)}")
+    if fmt == "base64":   # little-endian float32, as OpenAI's clients decode it
+        data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+    else:
+        data = [v.tolist() for v in vectors]
+    note(request, f"{len(data)} embeddings, {n_tokens} tokens")
+    return JSONResponse({"object": "list", "model": runner.name,
+                         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
 async def chat_completions(request: Request):
@@ -231,8 +265,10 @@ def extras(request: Request, job: Job) -> tuple[dict, dict]:
     """(usage, edgespec) of a finished generation; notes it for the log line."""
     s = job.result.stats
     usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.n_tokens,
-             "total_tokens": s.prompt_tokens + s.n_tokens}
+             "total_tokens": s.prompt_tokens + s.n_tokens,
+             "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
     extra = {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3), "speedup": round(job.speedup, 3),
+             "slot": s.slot,
              "spec": s.spec.to_dict() if s.spec is not None else None}
     note(request, f"{s.n_tokens} tokens {s.tokens_per_s:.1f} tok/s")
     return usage, extra

@@ -17,6 +17,14 @@ for the running generation. Pieces cross from the worker to the loop
 through a queue. A client that goes away (``http.disconnect``) cancels its
 job: a queued one never starts, a running one ends after its next piece (a
 token, at most a step).
+
+Several models (``Runners`` over an EnginePool): a runner per model name,
+each with its own lock, so generations of different models may run at the
+same time. A job leases its model from the pool in the worker thread, which
+loads it if needed and keeps it from being unloaded until the job ends; the
+event loop awaits ``runner.ready()`` before it reads the engine itself.
+Embeddings (``runner.embed``) run in a worker thread between the model's
+generations (the engine's own lock).
 """
 from __future__ import annotations
 
@@ -29,8 +37,11 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import anyio
 
-from ..errors import ContextOverflowError, EdgespecError, InvalidArgumentError
+from ..errors import (ContextOverflowError, EdgespecError, InvalidArgumentError, ModelFetchError,
+                      ModelNotFoundError)
+from ..pool import EnginePool, PoolFullError
 from .errors import ApiError, server_error
 
 SOCKET = "edgespec.socket"   # the ASGI scope extension holding the connection's socket (http.py)
@@ -74,11 +85,17 @@ def speedup(stats, costs: list[float] | None) -> float:
     return (spec.target_steps + spec.accepted) / cost if cost > 0 else 1.0
 
 
-class Runner:
-    """One Engine serving many requests (see the module docstring)."""
+MAX_EMBED_INPUTS = 2048   # inputs per embeddings request (OpenAI's limit)
 
-    def __init__(self, engine, name: str, metrics=None, log=None):
-        self.engine = engine
+
+class Runner:
+    """One model serving many requests (see the module docstring): an Engine,
+    or a model of an EnginePool, loaded by the first job that needs it (in
+    its worker thread) and held loaded while a job runs."""
+
+    def __init__(self, engine, name: str, metrics=None, log=None, pool: EnginePool | None = None):
+        self._engine = engine
+        self.pool = pool
         self.name = name                 # the model id clients send
         self.metrics = metrics
         self.log = log or (lambda line: None)
@@ -90,8 +107,65 @@ class Runner:
         self._tokenizers_done = threading.Condition()
 
     @property
+    def engine(self):
+        """The model's Engine; from a pool, loaded first if it is not (blocking:
+        the event loop awaits ``ready()`` before it reads this)."""
+        if self.pool is None:
+            return self._engine
+        with self.lease() as engine:
+            return engine
+
+    @property
+    def loaded(self) -> bool:
+        return self.pool is None or self.pool.loaded(self.name)
+
+    async def ready(self) -> None:
+        """Load the model, in a worker thread, if it is not loaded."""
+        if not self.loaded:
+            await anyio.to_thread.run_sync(lambda: self.engine)
+
+    @property
+    def model_path(self):
+        """The model's file if it is on this machine (nothing is loaded), else None."""
+        return self.pool.local_path(self.name) if self.pool is not None else self._engine.model_path
+
+    @contextmanager
+    def lease(self):
+        """The Engine, kept loaded (a pool unloads only idle models) until the
+        block ends; a pool's refusals as ApiErrors."""
+        if self.pool is None:
+            yield self._engine
+            return
+        try:
+            with self.pool.engine(self.name) as engine:
+                yield engine
+        except ModelNotFoundError as e:
+            raise ApiError(404, str(e), param="model", code="model_not_found")
+        except PoolFullError as e:
+            raise ApiError(503, str(e), type="server_error", code="model_not_loaded")
+        except ModelFetchError as e:
+            raise ApiError(502, str(e), type="server_error", code="model_not_loaded")
+
+    @property
     def n_ctx(self) -> int:
         return self.engine.backend.n_ctx
+
+    def embed(self, inputs) -> tuple[list, int]:
+        """(vectors, prompt tokens) of an embeddings request's ``input``, in the
+        calling (worker) thread; the engine runs it between generations."""
+        if isinstance(inputs, list) and len(inputs) > MAX_EMBED_INPUTS:
+            raise ApiError(400, f"input holds {len(inputs)} items; at most {MAX_EMBED_INPUTS}", param="input")
+        with self._tokenizer(), self.lease() as engine:
+            try:
+                sequences = engine.embedding_inputs(inputs)
+                vectors = engine.embed(sequences)
+            except ContextOverflowError as e:
+                raise ApiError(400, str(e), param="input", code="context_length_exceeded")
+            except InvalidArgumentError as e:
+                raise ApiError(400, str(e), param="input")
+            except EdgespecError as e:   # a backend without embeddings, a reranker's pooling
+                raise ApiError(400, f"model {self.name!r} does not serve embeddings: {e}", param="model")
+        return vectors, sum(len(s) for s in sequences)
 
     def stop(self) -> None:
         """Shut down: running generations end at their next piece, queued ones
@@ -140,7 +214,7 @@ class Runner:
         costs = self.engine.batch_costs() if stats.spec is not None else None
         job.speedup = speedup(stats, costs)
         if self.metrics is not None:
-            self.metrics.generation(stats, job.speedup)
+            self.metrics.generation(stats, job.speedup, self.name)
 
 
 _STARTED, _END = object(), object()
@@ -223,14 +297,15 @@ class Job:
     def _run(self) -> None:
         r, c = self.runner, self.completion
         try:
-            n = r.count_prompt(c)
-            # clients send large values meaning "as much as fits"
-            c.options["max_tokens"] = min(c.options["max_tokens"], r.n_ctx - n)
-            with r.lock:
-                if r.stopping:
-                    self._post(ApiError(503, "the server is shutting down", type="server_error"))
-                elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
-                    self._generate(r, c)
+            with r.lease():   # a pool's model: loaded here, and not unloaded while the job runs
+                n = r.count_prompt(c)
+                # clients send large values meaning "as much as fits"
+                c.options["max_tokens"] = min(c.options["max_tokens"], r.n_ctx - n)
+                with r.lock:
+                    if r.stopping:
+                        self._post(ApiError(503, "the server is shutting down", type="server_error"))
+                    elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
+                        self._generate(r, c)
         except ApiError as e:   # the prompt refused
             self._post(e)
         except BaseException:   # a bug: logged, answered as a 500
@@ -265,6 +340,62 @@ class Job:
             self.result = gen.result
             if self.result is not None:
                 r.finished(self)
+
+
+class Runners:
+    """A server's runners by model name: one Engine's, or an EnginePool's
+    models (a built-in name the pool may pull is added when first asked for)."""
+
+    def __init__(self, source, name: str, metrics=None, log=None):
+        self.pool = source if isinstance(source, EnginePool) else None
+        self._metrics, self._log = metrics, log
+        self._lock = threading.Lock()
+        names = self.pool.names if self.pool is not None else [name]
+        self._runners = {n: self._runner(n, source) for n in names}
+        self.default = self._runners[self.pool.default if self.pool is not None else name]
+
+    def _runner(self, name: str, source) -> Runner:
+        if self.pool is not None:
+            return Runner(None, name, self._metrics, self._log, pool=self.pool)
+        return Runner(source, name, self._metrics, self._log)
+
+    def __iter__(self):
+        with self._lock:
+            return iter(list(self._runners.values()))
+
+    def get(self, model: str | None, *, add: bool = True) -> Runner:
+        """The runner of ``model`` (None: the default; Ollama's ``name:latest``
+        too); 404 naming the served models."""
+        if model is None:
+            return self.default
+        name = model[:-len(":latest")] if model.endswith(":latest") else model
+        with self._lock:
+            runner = self._runners.get(name) or self._runners.get(model)
+            if runner is not None:
+                return runner
+            if add and self.pool is not None:
+                try:
+                    self.pool.add(name)
+                except ModelNotFoundError:
+                    pass
+                else:
+                    runner = self._runners[name] = self._runner(name, self.pool)
+                    return runner
+            served = ", ".join(self._runners)
+        raise ApiError(404, f"model {model[:80]!r} does not exist; this server has {served}",
+                       param="model", code="model_not_found")
+
+    def set_stopping(self) -> None:
+        for r in self:
+            r.stopping = True
+
+    def stop(self) -> None:
+        """Shut every runner down (see Runner.stop) and take their locks: no
+        generation runs once this returns."""
+        for r in self:
+            r.stop()
+        for r in self:
+            r.lock.acquire()
 
 
 class ClientGone(Exception):

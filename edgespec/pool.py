@@ -1,0 +1,271 @@
+"""Several models behind one server: an Engine per model name, loaded on first
+use and unloaded least recently used first under a memory budget.
+
+    pool = EnginePool(["smollm2-135m", "qwen2.5-coder-0.5b"], slots=3, threads=2)
+    with pool.engine("qwen2.5-coder-0.5b") as engine:    # loads it, or waits for its load
+        engine.generate("def fib(n):")
+    pool.models()       # [{"name", "loaded", "bytes"}, ...]: what the pool serves
+    pool.close()
+
+A model's cost is its file (the weights are mapped) plus the KV caches of
+all its slots and its embeddings context, from the GGUF's hyperparameters: an
+upper bound, since a slot's context is made when first used. Before a load,
+idle models (no request holding them) are unloaded, least recently used
+first, until the new one fits; when models in use hold the budget, or the
+model alone is over it, the load is refused with PoolFullError (a server
+answers 503) rather than waiting. A name the pool does not serve is a built-in model the pool adds (and
+pulls on first use) when ``pull`` is on; otherwise ModelNotFoundError names
+the available ones.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from .backends import resolve_model
+from .backends.base import DEFAULT_CTX, available_memory, kv_cache_bytes
+from .engine import Engine
+from .errors import EdgespecError, EngineBusyError, InvalidArgumentError, ModelNotFoundError
+from .models import registry
+from .models.gguf import GGUFFile
+
+BUDGET_SHARE = 0.8   # the default budget: this share of the memory available when the pool starts
+
+
+class PoolFullError(EngineBusyError):
+    """Loading a model would pass the memory budget, and the loaded models are in use."""
+
+
+def model_name(ref: str) -> str:
+    """The name a model is served under: the built-in name, or a file's stem."""
+    if ref.startswith("hf:"):
+        return Path(ref[3:]).stem
+    return Path(ref).stem if ref.endswith(".gguf") or Path(ref).exists() else ref
+
+
+def cached_models() -> list[str]:
+    """The built-in models in the cache, intact (``--all-cached``)."""
+    return [m["name"] for m in registry.list_models() if m["cached"]]
+
+
+def default_budget() -> int | None:
+    """BUDGET_SHARE of the memory available now; None where the system does not say."""
+    have = available_memory()
+    return int(have * BUDGET_SHARE) if have is not None else None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def model_bytes(path: Path, n_ctx: int | None, contexts: int) -> int:
+    """What a model at ``path`` costs loaded: its file(s) plus ``contexts`` KV
+    caches of ``n_ctx`` tokens (the engine's default when None)."""
+    if path.is_dir():   # an ONNX export
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    size = path.stat().st_size
+    with GGUFFile(path) as f:
+        arch = f.get("general.architecture")
+        train = f.get(f"{arch}.context_length") or 0
+        ctx = n_ctx or (min(DEFAULT_CTX, train) if train else DEFAULT_CTX)
+        kv = kv_cache_bytes(f.get, ctx)
+    return size + contexts * (kv or 0)
+
+
+@dataclass
+class _Entry:
+    name: str
+    ref: str
+    engine: Engine | None = None
+    bytes: int = 0             # the estimate it was admitted with (0 while not loaded)
+    leases: int = 0            # requests holding it
+    last_used: int = 0         # the pool's clock at its latest lease
+    loading: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EnginePool:
+    """Engines by model name (see the module docstring). ``refs``: model
+    references (built-in names, paths, ``hf:``), served under ``model_name``
+    of each, the first as the default. ``max_loaded_bytes``: the memory
+    budget (None: ``default_budget()``; 0: none). A ``(name, ref)`` pair in
+    ``refs`` serves ``ref`` under ``name``. Every other keyword goes to
+    each Engine (backend, threads, n_ctx, slots, drafter, ...)."""
+
+    def __init__(self, refs: Sequence[str], *, max_loaded_bytes: int | None = None, pull: bool = True,
+                 opener: Callable[..., Engine] = Engine, **engine_options):
+        if not refs:
+            raise InvalidArgumentError("the pool needs at least one model")
+        if max_loaded_bytes is not None and (isinstance(max_loaded_bytes, bool) or max_loaded_bytes < 0):
+            raise InvalidArgumentError(f"max_loaded_bytes must be >= 0, got {max_loaded_bytes!r}")
+        self._entries: dict[str, _Entry] = {}
+        for item in refs:
+            name, ref = item if isinstance(item, tuple) else (model_name(str(item)), str(item))
+            if name in self._entries:
+                raise InvalidArgumentError(f"two models would be served as '{name}': {self._entries[name].ref} "
+                                           f"and {ref}")
+            self._entries[name] = _Entry(name, str(ref))
+        self.default = next(iter(self._entries))
+        self.budget = default_budget() if max_loaded_bytes is None else max_loaded_bytes or None
+        self.pull = pull
+        self._opener = opener
+        self._options = engine_options
+        self._backend = engine_options.get("backend", "llama")
+        # contexts per model: a slot each, and the embeddings context
+        self._contexts = engine_options.get("slots", 1) + 1
+        self._lock = threading.Lock()
+        self._clock = 0
+        self._closed = False
+
+    # -- names ----------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def models(self) -> list[dict]:
+        """What the pool serves: name, reference, whether loaded, the bytes it was admitted with."""
+        with self._lock:
+            return [{"name": e.name, "ref": e.ref, "loaded": e.engine is not None, "bytes": e.bytes}
+                    for e in self._entries.values()]
+
+    def add(self, name: str) -> None:
+        """Serve ``name`` too if it is a built-in model and pulling is on (it is
+        pulled on first use); else ModelNotFoundError naming the served ones."""
+        self._entry(name)
+
+    def loaded(self, name: str) -> bool:
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry is not None and entry.engine is not None
+
+    def local_path(self, name: str) -> Path | None:
+        """The model file of ``name`` if it is on this machine (nothing is
+        pulled or loaded); None otherwise."""
+        entry = self._entry(name)
+        if entry.engine is not None:
+            return Path(entry.engine.model_path)
+        try:
+            return registry.resolve(entry.ref, pull_missing=False)
+        except EdgespecError:
+            return None
+
+    def _entry(self, name: str | None) -> _Entry:
+        """The entry for ``name`` (None: the default), adding a pullable built-in model."""
+        name = self.default if name is None else name
+        with self._lock:
+            if self._closed:
+                raise EngineBusyError("the pool is closed")
+            entry = self._entries.get(name)
+            if entry is None and self.pull and name in registry.builtin_models():
+                entry = self._entries[name] = _Entry(name, name)
+            if entry is None:
+                raise ModelNotFoundError(f"model '{name}' is not served here (available: "
+                                         f"{', '.join(self._entries)})")
+            return entry
+
+    # -- leases -----------------------------------------------------------------
+
+    @contextmanager
+    def engine(self, name: str | None = None) -> Iterator[Engine]:
+        """Hold the Engine of ``name`` (loading it first if needed) for a request."""
+        entry = self._lease(name)
+        try:
+            yield entry.engine
+        finally:
+            with self._lock:
+                entry.leases -= 1
+
+    def _lease(self, name: str | None) -> _Entry:
+        entry = self._entry(name)
+        with entry.loading:   # one load per model; others asking for it wait here
+            with self._lock:
+                if entry.engine is not None:
+                    return self._take(entry)
+            path = resolve_model(self._backend, entry.ref)   # pulls a built-in model on first use
+            need = model_bytes(path, self._options.get("n_ctx"), self._contexts)
+            victims = self._make_room(entry, need)
+            for engine in victims:
+                engine.close()
+            try:
+                engine = self._opener(str(path), **self._options)
+            except BaseException:
+                with self._lock:
+                    entry.bytes = 0   # the reserved room
+                raise
+            with self._lock:
+                if self._closed:
+                    engine.close()
+                    raise EngineBusyError("the pool is closed")
+                entry.engine, entry.bytes = engine, need
+                return self._take(entry)
+
+    def _take(self, entry: _Entry) -> _Entry:
+        """Under the lock: one more lease, and the LRU clock."""
+        self._clock += 1
+        entry.leases += 1
+        entry.last_used = self._clock
+        return entry
+
+    def _make_room(self, entry: _Entry, need: int) -> list[Engine]:
+        """Unload idle models, least recently used first, until ``need`` more
+        bytes fit the budget; returns their engines, to be closed. The room is
+        reserved for ``entry`` at once (its bytes set), so concurrent loads of
+        other models count it."""
+        with self._lock:
+            if self.budget is None:
+                return []
+            if need > self.budget:
+                raise PoolFullError(f"model '{entry.name}' needs about {_size(need)} loaded, "
+                                    f"more than the whole budget of {_size(self.budget)} "
+                                    "(--max-loaded-bytes)")
+            used = sum(e.bytes for e in self._entries.values())
+            idle = sorted((e for e in self._entries.values() if e.engine is not None and e.leases == 0),
+                          key=lambda e: e.last_used)
+            victims = []
+            while used + need > self.budget and idle:
+                e = idle.pop(0)
+                victims.append(e)
+                used -= e.bytes
+            if used + need > self.budget:
+                busy = [e.name for e in self._entries.values() if e.bytes and e not in victims]
+                raise PoolFullError(f"loading model '{entry.name}' (about {_size(need)}) would pass the "
+                                    f"memory budget of {_size(self.budget)} while {', '.join(busy)} "
+                                    "serve requests; try again when they finish")
+            engines = []
+            for e in victims:
+                engines.append(e.engine)
+                e.engine, e.bytes = None, 0
+            entry.bytes = need
+            return engines
+
+    # -- lifetime -----------------------------------------------------------------
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name`` now if loaded and idle; returns whether it was unloaded."""
+        entry = self._entry(name)
+        with self._lock:
+            if entry.engine is None or entry.leases:
+                return False
+            engine, entry.engine, entry.bytes = entry.engine, None, 0
+        engine.close()
+        return True
+
+    def close(self) -> None:
+        """Close every engine (running generations are cancelled and waited for)."""
+        with self._lock:
+            self._closed = True
+            engines = [e.engine for e in self._entries.values() if e.engine is not None]
+            for e in self._entries.values():
+                e.engine, e.bytes = None, 0
+        for engine in engines:
+            engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
