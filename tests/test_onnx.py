@@ -94,6 +94,198 @@ def test_requantize8_is_close():
     assert np.abs(back - w).max() <= np.abs(w).max() / 127
 
 
+# -- every architecture, on tiny fixtures (fast tier) ---------------------------
+
+TINY = {"llama": "tiny_llama_path", "qwen2": "tiny_qwen2_path", "gemma3": "tiny_gemma3_path"}
+TINY_PROMPT = "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(request, tmp_path_factory):
+    """arch -> (GGUF, its fp32 export), exported once per module."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            gguf_path = request.getfixturevalue(TINY[arch])
+            made[arch] = (gguf_path, onnx_export.export(gguf_path, tmp_path_factory.mktemp("onnx") / arch,
+                                                        weights="fp32", progress=False))
+        return made[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_every_architecture_matches_the_native_engine(tiny_exports, arch):
+    """A prompt, a step of several tokens after it and a draft tree: the same
+    logits as the native engine (which keeps F16 weights and an F16 cache,
+    hence the tolerance) and the same argmax."""
+    gguf_path, folder = tiny_exports(arch)
+    native = open_backend("native", gguf_path, n_ctx=256, threads=1)
+    backend = open_backend("onnx", folder, n_ctx=256, threads=1)
+    try:
+        v = native.n_vocab
+        tokens = native.tokenize(TINY_PROMPT)
+        if arch == "gemma3":  # the prompt outruns layer 0's window
+            assert len(tokens) > onnx_export.load_export(folder)["config"]["n_swa"]
+        n = len(tokens)
+        pairs = [(_rows(native.decode(tokens, logits_from=0), n, v), _rows(backend.decode(tokens, logits_from=0), n, v)),
+                 (_rows(native.decode(tokens[:5], logits_from=0), 5, v),
+                  _rows(backend.decode(tokens[:5], logits_from=0), 5, v))]
+        for be in (native, backend):
+            be.truncate(10)
+        tree = ([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1])
+        pairs.append((_rows(native.decode_tree(*tree), 4, v), _rows(backend.decode_tree(*tree), 4, v)))
+        for ref, got in pairs:
+            assert np.abs(ref - got).max() < 0.05
+            assert (ref.argmax(-1) == got.argmax(-1)).all()
+    finally:
+        native.close()
+        backend.close()
+
+
+def test_gemma3_window_is_applied(tiny_exports):
+    """Without its sliding window (every slot treated as near) the gemma3 graph
+    parts from the native engine: the window, not luck, makes the parity above."""
+    gguf_path, folder = tiny_exports("gemma3")
+    native = open_backend("native", gguf_path, n_ctx=256, threads=1)
+    backend = open_backend("onnx", folder, n_ctx=256, threads=1)
+    try:
+        tokens = native.tokenize(TINY_PROMPT)
+        n, v = len(tokens), native.n_vocab
+        ref = _rows(native.decode(tokens, logits_from=0), n, v)
+        backend._n_swa = 1 << 30
+        got = _rows(backend.decode(tokens, logits_from=0), n, v)
+        assert np.abs(ref - got).max() > 0.5
+    finally:
+        native.close()
+        backend.close()
+
+
+def _cache(backend) -> list[np.ndarray]:
+    return [a.copy() for a in backend._cache]
+
+
+def test_cache_is_written_in_place_only_at_the_new_rows(tiny_onnx_dir):
+    """The KV cache stays in the buffers bound to the session: a step writes its
+    own slot (and the slot after it, which takes the graph's copy of the last
+    row and is written again by the next step) and nothing else; a rollback
+    moves nothing, and evaluating the same tokens again gives the same logits."""
+    backend = open_backend("onnx", tiny_onnx_dir, n_ctx=64, threads=1)
+    try:
+        addresses = [a.ctypes.data for a in backend._cache]
+        tokens = backend.tokenize(TINY_PROMPT)[:20]
+        v = backend.n_vocab
+        backend.decode(tokens[:12])
+        before = _cache(backend)
+        first = _rows(backend.decode(tokens[12:15], logits_from=0), 3, v)
+        after = _cache(backend)
+        for a, b in zip(before, after):
+            changed = np.flatnonzero((a != b).any(axis=(0, 1, 3)))
+            assert changed.min() == 12 and changed.max() <= 15
+        backend.truncate(12)
+        assert _cache(backend)[0].tobytes() == after[0].tobytes()  # nothing moved
+        again = _rows(backend.decode(tokens[12:15], logits_from=0), 3, v)
+        assert np.array_equal(first, again)
+        assert [a.ctypes.data for a in backend._cache] == addresses
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_static_shapes_pad_calls_and_match_the_dynamic_graph(tiny_exports, tmp_path, arch):
+    """--static-shapes: every input and output has fixed dimensions, calls are
+    padded to the fixed width (two calls for a longer prompt), draft trees go
+    through the same mask, and the logits are the dynamic graph's (float16
+    cache against float32: a tolerance)."""
+    gguf_path, dynamic_dir = tiny_exports(arch)
+    folder = onnx_export.export(gguf_path, tmp_path / "static", weights="fp32", static_shapes=True,
+                                cache_len=64, progress=False)
+    model = onnx.load(str(folder / "model.onnx"))
+    for value in list(model.graph.input) + list(model.graph.output):
+        assert all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim), value.name
+    static = open_backend("onnx", folder, threads=1)
+    dynamic = open_backend("onnx", dynamic_dir, n_ctx=256, threads=1)
+    try:
+        assert static.n_ctx == 64 - onnx_export.STATIC_SEQ
+        tokens = dynamic.tokenize(TINY_PROMPT)[:24]
+        assert len(tokens) > onnx_export.STATIC_SEQ
+        n, v = len(tokens), dynamic.n_vocab
+        a = _rows(dynamic.decode(tokens, logits_from=0), n, v)
+        b = _rows(static.decode(tokens, logits_from=0), n, v)
+        np.testing.assert_allclose(a, b, atol=0.02)
+        for be in (static, dynamic):
+            be.truncate(10)
+        tree = ([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1])
+        np.testing.assert_allclose(_rows(dynamic.decode_tree(*tree), 4, v), _rows(static.decode_tree(*tree), 4, v),
+                                   atol=0.02)
+    finally:
+        static.close()
+        dynamic.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tiny_logits_do_not_depend_on_the_call(tmp_path, tiny_vocab_path, arch):
+    """The row invariance exact speculation rests on, on 4-bit blocks (MatMulNBits,
+    whose one-row and several-row kernels round differently) and on the window
+    and global layers: a token's logits are bit-identical alone, in a k-row
+    call and as a one-path tree (a tree with siblings is not: see
+    OnnxBackend.exact_trees)."""
+    import tiny_gguf
+
+    gguf_path = tmp_path / f"{arch}-q4_1.gguf"
+    write = tiny_gguf.write_tiny_llama if arch == "llama" else tiny_gguf.write_tiny_gemma3
+    write(gguf_path, tiny_vocab_path, dtype=tiny_gguf.Q.Q4_1)
+    folder = onnx_export.export(gguf_path, tmp_path / "int4", weights="int4", progress=False)
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(folder / "model.onnx")).graph.node)
+    backend = open_backend("onnx", folder, n_ctx=128, threads=1)
+    try:
+        _check_row_invariance(backend)
+    finally:
+        backend.close()
+
+
+def _check_row_invariance(backend) -> None:
+    v = backend.n_vocab
+    prompt = backend.tokenize("The capital of France is Paris, and the capital of")
+    following = backend.tokenize(" Germany is Berlin. The capital of Italy is Rome.")[:8]
+    n = len(prompt)
+    backend.decode(prompt)
+    alone = np.concatenate([_rows(backend.decode([t]), 1, v) for t in following])
+    for k in range(2, len(following) + 1):
+        backend.truncate(n)
+        rows = _rows(backend.decode(following[:k], logits_from=0), k, v)
+        assert np.array_equal(rows, alone[:k]), f"{k} rows: max |diff| {np.abs(rows - alone[:k]).max()}"
+    backend.truncate(n)  # a one-path tree is a chain: no holes, the same rows
+    rows = _rows(backend.decode_tree([following[0]], following[1:3], [-1, 0], [1, 2]), 3, v)
+    assert np.array_equal(rows, alone[:3])
+
+
+def test_first_path_of_a_tree():
+    from edgespec.drafters import Draft
+
+    tree = Draft(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 2], source="recycle")
+    chain = tree.first_path()
+    assert chain.tokens == [10, 12, 14] and chain.parents is None and chain.source == "recycle"
+    assert Draft(tokens=[1, 2]).first_path().tokens == [1, 2]
+
+
+def test_tree_drafts_are_verified_as_chains(tiny_onnx_dir, monkeypatch):
+    """On the onnx backend the recycling drafter's trees become their first
+    paths: no tree call reaches the backend, drafts are made, and the output is
+    plain decoding's."""
+    from edgespec.backends.onnx import OnnxBackend
+
+    trees = []
+    original = OnnxBackend.decode_tree
+    monkeypatch.setattr(OnnxBackend, "decode_tree", lambda self, *a: trees.append(a) or original(self, *a))
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    with Engine(str(tiny_onnx_dir), backend="onnx", threads=1, n_ctx=256) as engine:
+        plain = engine.generate(prompt, max_tokens=24, drafter="none")
+        spec = engine.generate(prompt, max_tokens=24, drafter="recycle")
+    assert spec.tokens == plain.tokens
+    assert spec.stats.spec.drafted > 0 and trees == []
+
+
 # -- the exported folder --------------------------------------------------------
 
 
@@ -193,26 +385,11 @@ def test_greedy_output_equals_llama(llama_engine, onnx_engine, prompt, chat):
 def test_a_token_s_logits_do_not_depend_on_its_call(request, shapes):
     """What exact speculation rests on, checked on this machine's kernels: a
     token's logits are bit-identical whether it is evaluated alone (a plain
-    step), as row i of a k-row call (a verification batch) or as a node of a
-    draft tree beside a sibling."""
+    step) or as row i of a k-row call (a verification batch)."""
     folder = request.getfixturevalue("export_dir" if shapes == "dynamic" else "static_export_dir")
     backend = open_backend("onnx", folder, n_ctx=256, threads=2)
     try:
-        v = backend.n_vocab
-        prompt = backend.tokenize("The capital of France is Paris, and the capital of")
-        following = backend.tokenize(" Germany is Berlin. The capital of Italy is Rome.")[:8]
-        n = len(prompt)
-        backend.decode(prompt)
-        alone = np.concatenate([_rows(backend.decode([t]), 1, v) for t in following])
-        for k in range(2, len(following) + 1):
-            backend.truncate(n)
-            rows = _rows(backend.decode(following[:k], logits_from=0), k, v)
-            assert np.array_equal(rows, alone[:k]), f"{k} rows: max |diff| {np.abs(rows - alone[:k]).max()}"
-        sibling = following[5]  # node 0 beside the chain following[1] <- following[2]
-        backend.truncate(n)
-        rows = _rows(backend.decode_tree([following[0]], [sibling, following[1], following[2]], [-1, -1, 1],
-                                         [1, 1, 2]), 4, v)
-        assert np.array_equal(rows[[0, 2, 3]], alone[:3])
+        _check_row_invariance(backend)
     finally:
         backend.close()
 

@@ -66,7 +66,13 @@ def resolve_model(ref: str, *, weights: str = "int4") -> Path:
 
 class OnnxBackend(VocabMixin, Backend):
     name = "onnx"
-    _session = None
+    # A tree node sits after the slots of its earlier siblings' branches, masked
+    # out; ONNX Runtime's softmax and attention sums run over SIMD lanes, so
+    # those holes move the node's keys between lanes and round its row
+    # differently from the same token in a chain. The engine verifies a tree
+    # drafter's first path as a chain instead.
+    exact_trees = False
+    _session = _io = None
     vocab = None
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
@@ -95,17 +101,19 @@ class OnnxBackend(VocabMixin, Backend):
         self.threads = threads or default_threads()
         self.n_layer = cfg["n_layer"]
         self.static = meta["static"]
+        self._n_swa = cfg["n_swa"] if cfg.get("swa_layers") and any(cfg["swa_layers"]) else 0
         if self.static:
             # Fixed shapes: calls of `seq` tokens (padded), a cache of `ctx` slots of
             # which the last `seq` take a call's padding.
             self._chunk = self.static["seq"]
             self.n_ctx = context_size(n_ctx, self.static["ctx"] - self._chunk, extend=None,
                                       limit_name="the static graph's cache")
-            self._kv_shape = (1, cfg["n_head_kv"], self.static["ctx"], cfg["head_dim"])
+            slots, cache_type = self.static["ctx"], np.float16
         else:
-            # The graph's RoPE tables cover the training context and no more.
-            self.n_ctx = context_size(n_ctx, self.n_ctx_train, extend=None)
-            self._kv_shape = (1, cfg["n_head_kv"], 0, cfg["head_dim"])
+            # The graph's RoPE tables cover `positions`; one slot more than the
+            # context takes the copy of a call's last row (see onnx_export).
+            self.n_ctx = context_size(n_ctx, min(self.n_ctx_train, meta["positions"]), extend=None)
+            slots, cache_type = self.n_ctx + 1, np.float32
         self.n_batch = min(n_batch, self.n_ctx)
         if not self.static:
             self._chunk = self.n_batch
@@ -121,8 +129,20 @@ class OnnxBackend(VocabMixin, Backend):
             self.close()
             raise BackendError(f"onnxruntime could not load {self.path} on {ep}: "
                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
-        self._outputs = ["logits"] + [f"present.{i}.{k}" for i in range(self.n_layer) for k in ("key", "value")]
-        self._kv = [np.zeros(self._kv_shape, dtype=np.float16)] * (2 * self.n_layer)
+        # The KV cache: one buffer per layer and kind, bound once as both the
+        # graph's past input and its present output, so that a call writes only
+        # its new rows in place (the caller-owned memory ORT runs on).
+        self._io = self._session.io_binding()
+        self._cache = []  # (1, n_head_kv, slots, head_dim) arrays the OrtValues wrap
+        for i in range(self.n_layer):
+            for kind in ("key", "value"):
+                array = np.zeros((1, cfg["n_head_kv"], slots, cfg["head_dim"]), dtype=cache_type)
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+                self._cache.append(array)
+                self._io.bind_ortvalue_input(f"past.{i}.{kind}", value)
+                self._io.bind_ortvalue_output(f"present.{i}.{kind}", value)
+        self._slot_pos = np.zeros(slots, dtype=np.int64)  # the position each cache slot holds
+        self._logits_bufs: dict[int, tuple[np.ndarray, object]] = {}
         self._n = 0  # cache slots written
 
     # -- evaluation ---------------------------------------------------------
@@ -146,41 +166,58 @@ class OnnxBackend(VocabMixin, Backend):
         self._logits = kept[0] if len(kept) == 1 else np.concatenate(kept)
         return self._logits.ctypes.data
 
+    def _logits_buffer(self, n_rows: int) -> np.ndarray:
+        """The (1, n_rows, n_vocab) float32 output buffer for calls with n_rows rows, bound."""
+        import onnxruntime as ort
+
+        if n_rows not in self._logits_bufs:
+            array = np.empty((1, n_rows, self.n_vocab), dtype=np.float32)
+            self._logits_bufs[n_rows] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+        array, value = self._logits_bufs[n_rows]
+        self._io.bind_ortvalue_output("logits", value)
+        return array
+
     def _run(self, tokens, positions, bias: np.ndarray, rows: np.ndarray, first_slot: int) -> np.ndarray:
         """One graph call for m tokens written to slots first_slot...; returns
         their logits rows ``rows`` (len(rows), n_vocab)."""
         m = len(tokens)
-        slots = None
+        self._slot_pos[first_slot:first_slot + m] = positions
+        feeds = {}
         if self.static:  # pad to the fixed width; a padding row sees only its own slot
-            width, size = self._chunk, self._kv_shape[2]
+            width, size = self._chunk, len(self._slot_pos)
             tokens = list(tokens) + [0] * (width - m)
             positions = list(positions) + [positions[-1]] * (width - m)
             full = np.full((width, size), MASKED, dtype=np.float32)
             full[:m, :bias.shape[1]] = bias
             slots = np.arange(first_slot, first_slot + width, dtype=np.int64)
             full[np.arange(m, width), slots[m:]] = 0
+            self._slot_pos[slots[m:]] = positions[-1]
             bias, wanted, rows = full, rows, np.arange(width, dtype=np.int64)
-        feeds = {
-            "input_ids": np.asarray(tokens, dtype=np.int64)[None],
-            "position_ids": np.asarray(positions, dtype=np.int64)[None],
-            "attention_bias": bias[None, None],
-            "logits_rows": rows,
-        }
-        if slots is not None:
             feeds["cache_slots"] = slots
-        for i in range(self.n_layer):
-            feeds[f"past.{i}.key"] = self._kv[2 * i]
-            feeds[f"past.{i}.value"] = self._kv[2 * i + 1]
+            seen = self._slot_pos[:size]
+        else:  # one column more: the slot of the graph's copy of the last row
+            bias = np.concatenate([bias, np.full((m, 1), MASKED, dtype=np.float32)], axis=1)
+            seen = self._slot_pos[:bias.shape[1]]
+        feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
+        feeds["position_ids"] = np.asarray(positions, dtype=np.int64)[None]
+        feeds["attention_bias"] = bias[None, None]
+        feeds["logits_rows"] = rows
+        if self._n_swa:  # sliding-window layers: a token sees the positions p - n_swa < q <= p
+            far = np.asarray(positions, dtype=np.int64)[:, None] - seen[None, :] >= self._n_swa
+            feeds["attention_bias_local"] = np.where(far, MASKED, bias)[None, None]
+        feeds = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive during the run
+        for name, array in feeds.items():
+            self._io.bind_cpu_input(name, array)
+        out = self._logits_buffer(len(rows))
         try:
-            out = self._session.run(self._outputs, feeds)
+            self._session.run_with_iobinding(self._io)
         except Exception as e:
             raise BackendError(f"onnxruntime failed: {str(e).strip().splitlines()[0]}") from e
-        self._kv = out[1:]
         self._n = first_slot + m
-        logits = out[0][0]                                   # (rows, n_vocab)
-        if slots is not None:
+        logits = out[0]                                     # (rows, n_vocab)
+        if self.static:
             logits = logits[wanted]
-        return np.ascontiguousarray(logits, dtype=np.float32)
+        return np.array(logits, dtype=np.float32)
 
     # -- primitives (base.Backend owns the protocol) -------------------------
 
@@ -203,15 +240,12 @@ class OnnxBackend(VocabMixin, Backend):
         return self._forward(tokens, positions, bias, logits_from)
 
     def _truncate(self, n_keep: int) -> None:
-        """Keep the first n_keep slots (a static cache keeps its slots; the
-        mask hides them until they are written again)."""
-        if n_keep < self._n:
-            if not self.static:
-                self._kv = [np.ascontiguousarray(a[:, :, :n_keep]) for a in self._kv]
-            self._n = n_keep
+        """Keep the first n_keep slots: nothing moves, the slots after them are
+        written again by the next call (the mask hides them until then)."""
+        self._n = min(self._n, n_keep)
 
     def _close(self) -> None:
-        self._session = None
+        self._io = self._session = None
         if self.vocab is not None:
             self.vocab.close()
             self.vocab = None
