@@ -14,6 +14,10 @@ backend's.
 """
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,20 +41,97 @@ PROVIDERS = {
 MASKED = np.float32(-np.inf)
 
 
-def provider(ep: str) -> str:
-    """The installed ONNX Runtime provider for ``--ep``; a clear error otherwise."""
+def provider(ep: str) -> tuple[str, dict]:
+    """The installed ONNX Runtime provider for ``--ep`` (``name`` or
+    ``name:DEVICE``, e.g. openvino:NPU) and its options; a clear error otherwise."""
     import onnxruntime as ort
 
-    if ep not in PROVIDERS:
-        raise InvalidArgumentError(f"unknown execution provider '{ep}' (known: {', '.join(PROVIDERS)})")
+    name, _, device = ep.partition(":")
+    if name not in PROVIDERS:
+        raise InvalidArgumentError(f"unknown execution provider '{name}' (known: {', '.join(PROVIDERS)})")
+    if device and name != "openvino":
+        raise InvalidArgumentError(f"--ep {ep}: a device is chosen for openvino only (openvino:CPU, NPU, GPU)")
+    if device and not re.fullmatch(r"(CPU|GPU|NPU)(\.\d+)?", device.upper()):
+        raise InvalidArgumentError(f"unknown OpenVINO device '{device}' (CPU, GPU or NPU, e.g. openvino:NPU)")
     installed = ort.get_available_providers()
-    if PROVIDERS[ep] not in installed:
-        have = [name for name, p in PROVIDERS.items() if p in installed]
+    if PROVIDERS[name] not in installed:
+        have = [n for n, p in PROVIDERS.items() if p in installed]
         raise InvalidArgumentError(
-            f"execution provider '{ep}' ({PROVIDERS[ep]}) is not in this onnxruntime build; "
+            f"execution provider '{name}' ({PROVIDERS[name]}) is not in this onnxruntime build; "
             f"available: {', '.join(have)} (install the onnxruntime package built for it, "
             "e.g. onnxruntime-qnn, onnxruntime-openvino, onnxruntime-directml, onnxruntime-gpu)")
-    return PROVIDERS[ep]
+    options = {"device_type": device.upper()} if device else {}
+    if name == "OpenVINOExecutionProvider" and options.get("device_type", "CPU") == "CPU":
+        options["precision"] = "FP32"  # OpenVINO's CPU device may otherwise run in bf16
+    return PROVIDERS[name], options
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def session(path: Path, ep: str, threads: int, *, verbose: bool = False, optimize: bool = True):
+    """An InferenceSession of ``path`` on ``ep`` (falling back to the CPU for
+    the nodes the provider leaves). A provider that is installed but cannot
+    open its device is a BackendError saying so, in one line (ONNX Runtime
+    itself would only warn and run everything on the CPU)."""
+    import onnxruntime as ort
+
+    name, options = provider(ep)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.log_severity_level = 0 if verbose else 3
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if not verbose:
+        ort.set_default_logger_severity(4)  # a provider failing to start logs before it falls back
+    providers = [(name, options)] + ([("CPUExecutionProvider", {})] if name != "CPUExecutionProvider" else [])
+    try:
+        sess = ort.InferenceSession(str(path), opts, providers=providers)
+    except Exception as e:
+        raise BackendError(f"onnxruntime could not load {path} on {ep}: {_first_line(e)}") from e
+    if name not in sess.get_providers():
+        device = f" device {options['device_type']}" if "device_type" in options else " device"
+        devices = getattr(ort.capi._pybind_state, "get_available_openvino_device_ids", None)
+        have = f" (devices here: {', '.join(devices())})" if devices and name == "OpenVINOExecutionProvider" else ""
+        raise BackendError(f"execution provider '{ep}' is installed but could not open its{device}{have}")
+    return sess
+
+
+def placement(path: Path, ep: str, threads: int = 1) -> dict:
+    """Where the nodes of the graph at ``path`` run on ``ep``, from ONNX
+    Runtime's own node placement report (graph optimizations off, so that the
+    nodes are the exported ones): {"provider", "nodes" (in the graph),
+    "on_provider", "fallback": [(node name, operator), ...] left to the CPU}."""
+    import onnx
+
+    n_nodes = len(onnx.load(str(path), load_external_data=False).graph.node)
+    name, _ = provider(ep)
+    with tempfile.TemporaryFile(mode="w+") as log:
+        saved = os.dup(2)
+        try:
+            sys.stderr.flush()
+            os.dup2(log.fileno(), 2)
+            session(path, ep, threads, verbose=True, optimize=False)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        lines = log.read().splitlines()
+    fallback, section = [], None
+    for line in lines:
+        if "Node(s) placed on [" in line:
+            section = line.split("[", 2)[2].split("]")[0]
+        elif section and "VerifyEachNodeIsAssignedToAnEp]   " in line:
+            op, _, node = line.split("]   ", 1)[1].partition(" (")
+            if section == "CPUExecutionProvider" and name != section:
+                fallback.append((node.rstrip(")"), op))
+        elif section:
+            section = None if "VerifyEachNodeIsAssignedToAnEp" not in line else section
+    return {"provider": name, "nodes": n_nodes, "on_provider": n_nodes - len(fallback), "fallback": fallback}
 
 
 def resolve_model(ref: str, *, weights: str = "int4") -> Path:
@@ -81,7 +162,7 @@ class OnnxBackend(VocabMixin, Backend):
 
         super().__init__()
         self.ep = ep = ep or "cpu"
-        providers = [provider(ep)] + (["CPUExecutionProvider"] if ep != "cpu" else [])
+        provider(ep)  # before reading anything
         self.folder = Path(path)
         meta = onnx_export.load_export(self.folder)
         cfg = meta["config"]
@@ -118,17 +199,13 @@ class OnnxBackend(VocabMixin, Backend):
         if not self.static:
             self._chunk = self.n_batch
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = self.threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.log_severity_level = 0 if verbose else 3
         try:
-            self._session = ort.InferenceSession(str(self.path), opts, providers=providers)
-        except Exception as e:
+            self._session = session(self.path, ep, self.threads, verbose=verbose)
+        except BaseException:
             self.close()
-            raise BackendError(f"onnxruntime could not load {self.path} on {ep}: "
-                               f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+            raise
+        if self.static:
+            self._check_static_shapes(cfg)
         # The KV cache: one buffer per layer and kind, bound once as both the
         # graph's past input and its present output, so that a call writes only
         # its new rows in place (the caller-owned memory ORT runs on).
@@ -144,6 +221,18 @@ class OnnxBackend(VocabMixin, Backend):
         self._slot_pos = np.zeros(slots, dtype=np.int64)  # the position each cache slot holds
         self._logits_bufs: dict[int, tuple[np.ndarray, object]] = {}
         self._n = 0  # cache slots written
+
+    def _check_static_shapes(self, cfg: dict) -> None:
+        """A static graph whose inputs are not the shapes its config names (a
+        model.onnx exported for another call shape) is refused with both."""
+        want = {"attention_bias": [1, 1, self.static["seq"], self.static["ctx"]],
+                "past.0.key": [1, cfg["n_head_kv"], self.static["ctx"], cfg["head_dim"]]}
+        have = {i.name: i.shape for i in self._session.get_inputs() if i.name in want}
+        if have != want:
+            self.close()
+            raise ModelFormatError(f"{self.path}: the graph takes {have}, but {onnx_export.CONFIG_FILE} "
+                                   f"says calls of {self.static['seq']} tokens over {self.static['ctx']} "
+                                   f"cache slots {want}; export the model again")
 
     # -- evaluation ---------------------------------------------------------
 

@@ -397,7 +397,7 @@ class _Builder:
         g = self.g
         n, k = w.shape
         if bias is not None:
-            inputs = inputs + [""] * (5 - len(inputs)) + [bias]
+            inputs = inputs + [""] * (4 - len(inputs)) + [bias]  # after B, scales, zero_points, g_idx
         y = g.op("MatMulNBits", [x] + inputs, domain=MS_DOMAIN,
                  K=k, N=n, bits=w.bits, block_size=BLOCK, accuracy_level=4)
         if w.mins is None:
@@ -456,7 +456,38 @@ class _Builder:
         return embed, head
 
     def rms_norm(self, x: str, weight: str) -> str:
-        return self.g.op("RMSNormalization", [x, weight], axis=-1, epsilon=self.cfg.rms_eps)
+        """RMS norm over the last axis: ONNX's RMSNormalization, or in a static
+        graph the plain operators NPU compilers know (OpenVINO's provider
+        leaves RMSNormalization to the CPU)."""
+        g = self.g
+        if not self.static:
+            return g.op("RMSNormalization", [x, weight], axis=-1, epsilon=self.cfg.rms_eps)
+        mean = g.op("ReduceMean", [g.op("Mul", [x, x]), self.shared("axis.last", np.array([-1], np.int64))])
+        eps = self.shared("rms.eps", np.array(self.cfg.rms_eps, np.float32))
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, eps])])])
+        return g.op("Mul", [g.op("Mul", [x, inv]), weight])
+
+    def rope(self, x: str, n_heads: int, cos_sin: tuple[str, str], pos: str) -> str:
+        """RoPE in plain operators on x (1, S, n_heads * D) at positions pos (1, S):
+        the table rows of each position, then each pair (x1, x2) -> (x1 c - x2 s,
+        x1 s + x2 c); a pair is two adjacent dimensions (llama) or dimension i and
+        i + D/2 (NEOX)."""
+        g, D = self.g, self.cfg.head_dim
+        if self.cfg.rope_neox:   # (1, S, H, 2, D/2): the halves
+            split, table = [1, -1, n_heads, 2, D // 2], [1, -1, 1, 1, D // 2]
+            axis = 3
+        else:                    # (1, S, H, D/2, 2): adjacent pairs
+            split, table = [1, -1, n_heads, D // 2, 2], [1, -1, 1, D // 2, 1]
+            axis = 4
+        pairs = g.op("Reshape", [x, self.shared(f"rope.split{n_heads}", np.array(split, np.int64))])
+        x1, x2 = g.op("Split", [pairs], n_out=2, axis=axis, num_outputs=2)
+        shape = self.shared("rope.table_shape", np.array(table, np.int64))
+        c = g.op("Reshape", [g.op("Gather", [cos_sin[0], pos]), shape])
+        s = g.op("Reshape", [g.op("Gather", [cos_sin[1], pos]), shape])
+        r1 = g.op("Sub", [g.op("Mul", [x1, c]), g.op("Mul", [x2, s])])
+        r2 = g.op("Add", [g.op("Mul", [x1, s]), g.op("Mul", [x2, c])])
+        return g.op("Reshape", [g.op("Concat", [r1, r2], axis=axis),
+                                self.shared(f"flat{n_heads}", np.array([1, -1, n_heads * D], np.int64))])
 
     def head_norm(self, x: str, weight: str, n_heads: int) -> str:
         """gemma3: RMS norm of each head of x (1, S, n_heads * D)."""
@@ -510,15 +541,13 @@ class _Builder:
 
     def attention_ops(self, i: int, q: str, k: str, v: str, pos: str, bias: str, slots: str,
                       rope: tuple[str, str]) -> str:
-        """The static graph's attention in plain operators (what NPU compilers take):
-        RoPE, the new keys and values scattered into the float16 cache at
+        """The static graph's attention in plain operators (what NPU compilers take,
+        every one inside OpenVINO's set): RoPE, the new keys and values scattered into the float16 cache at
         ``cache_slots``, scores over all C slots under the mask."""
         cfg, g = self.cfg, self.g
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         G = H // KV
-        il = 0 if cfg.rope_neox else 1
-        q = g.op("RotaryEmbedding", [q, pos, rope[0], rope[1]], domain=MS_DOMAIN, interleaved=il, num_heads=H)
-        k = g.op("RotaryEmbedding", [k, pos, rope[0], rope[1]], domain=MS_DOMAIN, interleaved=il, num_heads=KV)
+        q, k = self.rope(q, H, rope, pos), self.rope(k, KV, rope, pos)
         # (1, S, KV*D) -> (1, KV, S, D), float16 like llama.cpp's cache
         shape = lambda name, dims: self.shared(f"attn.{name}", np.array(dims, np.int64))  # noqa: E731
         k = g.op("Transpose", [g.op("Reshape", [k, shape("kv_heads", [1, -1, KV, D])])], perm=[0, 2, 1, 3])
@@ -651,6 +680,12 @@ def check_weights(weights: str) -> str:
     return weights
 
 
+def check_cache_len(cache_len: int) -> int:
+    if not STATIC_SEQ * 2 <= cache_len <= MAX_POSITIONS:
+        raise InvalidArgumentError(f"--cache-len must be {STATIC_SEQ * 2} to {MAX_POSITIONS}, got {cache_len}")
+    return cache_len
+
+
 def _file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -695,8 +730,8 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     except BaseException:
         reader.close()
         raise
-    if static_shapes and not STATIC_SEQ * 2 <= cache_len <= MAX_POSITIONS:
-        raise InvalidArgumentError(f"--cache-len must be {STATIC_SEQ * 2} to {MAX_POSITIONS}, got {cache_len}")
+    if static_shapes:
+        check_cache_len(cache_len)
     static = (STATIC_SEQ, cache_len) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
     bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
