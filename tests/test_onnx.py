@@ -362,7 +362,7 @@ def test_export_is_a_checked_graph_with_contrib_ops(export_dir, smollm2_path):
     model = onnx.load(str(export_dir / "model.onnx"))
     onnx.checker.check_model(model)
     ops = {n.op_type for n in model.graph.node}
-    assert {"MatMulNBits", "RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= ops
+    assert {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     bits = {a.i for n in nbits for a in n.attribute if a.name == "bits"}
     assert bits == {4, 8}  # Q4_1 layers in 4 bits, the Q8_0 output matrix in 8
@@ -406,7 +406,9 @@ def test_logits_agree_with_llama(llama_engine, export_dir):
     llama.cpp's own top-2 margin is clear. (Bit-equality is out of reach:
     llama.cpp's quantized dot products make its output jump on ulp-level
     differences, e.g. in its approximate SiLU, and its flash attention
-    accumulates in float16; the export emulates its activation rounding.)"""
+    accumulates in float16. The export no longer emulates llama.cpp's
+    activation rounding, which cost a dozen operators per product: an rms
+    difference of about 0.9 in smollm2's logits.)"""
     backend = open_backend("onnx", export_dir, n_ctx=1024, threads=2)
     target = llama_engine.backend
     n_vocab = target.n_vocab
@@ -426,7 +428,7 @@ def test_logits_agree_with_llama(llama_engine, export_dir):
             clear = top2[:, 1] - top2[:, 0] > 0.5
             same = ref.argmax(-1) == got.argmax(-1)
             assert same[clear].all(), f"{prompt!r}: top-1 differs where llama's margin is clear"
-            assert np.sqrt(((ref - got) ** 2).mean()) < 0.5
+            assert np.sqrt(((ref - got) ** 2).mean()) < 1.5
             agree += same.sum()
             total += n
     finally:

@@ -1,12 +1,15 @@
 """ONNX Runtime backend: a decoder graph from ``edgespec export-onnx`` on an
 execution provider (CPU, or an NPU/GPU through QNN, OpenVINO, DirectML, CoreML, CUDA).
 
-The KV cache is explicit: one (1, n_head_kv, P, head_dim) float16 key and value array
-per layer, fed to the graph as ``past.*`` and replaced by its ``present.*``
-outputs. Rolling back is slicing. Every call passes an additive attention
-mask, so a draft tree is one call: each node sees the cache, the prefix and
-its own ancestors. Logits come back as a C-contiguous float32 numpy array that
-this object keeps alive until the next call; callers get its address.
+The KV cache is one (1, n_head_kv, slots, head_dim) array per layer and kind
+(float32 for the dynamic graph, float16 for a static one), allocated once and
+bound through IO binding as both the graph's ``past.*`` input and its
+``present.*`` output: a call writes only its new rows, in place, and rolling
+back is forgetting slots (the next call writes them again; the mask hides them
+until then). Every call passes an additive attention mask, so a draft tree is
+one call: each node sees the cache, the prefix and its own ancestors. Logits
+land in a bound float32 buffer per row count; callers get the address of the
+wanted rows, alive until the next call.
 
 Tokenizer, metadata and chat template come from the source GGUF through
 llama.cpp's vocabulary (edgespec.backends.vocab), token for token the llama
@@ -39,6 +42,7 @@ PROVIDERS = {
     "coreml": "CoreMLExecutionProvider",
 }
 MASKED = np.float32(-np.inf)
+KEPT_LOGITS_ROWS = 32  # output buffers kept for calls of up to this many logits rows
 
 
 def provider(ep: str) -> tuple[str, dict]:
@@ -241,7 +245,8 @@ class OnnxBackend(VocabMixin, Backend):
         row i may attend to the slots where it is 0. Runs in chunks (n_batch
         tokens, or the static graph's fixed width, padded); keeps the logits of
         rows >= first_row, C-contiguous float32 (n - first_row, n_vocab), alive
-        until the next call, and returns their address."""
+        until the next call, and returns their address (the bound output
+        buffer itself for a one-chunk call of the dynamic graph)."""
         start, n = self._n, len(tokens)
         kept = []
         for a in range(0, n, self._chunk):
@@ -250,8 +255,8 @@ class OnnxBackend(VocabMixin, Backend):
             if len(rows) == 0:
                 rows = np.array([b - a - 1], dtype=np.int64)  # a chunk before the wanted rows
             logits = self._run(tokens[a:b], positions[a:b], bias[a:b, :start + b], rows, start + a)
-            if b > first_row:
-                kept.append(logits)
+            if b > first_row:  # a later chunk may reuse the buffer: keep a copy
+                kept.append(logits if b == n else logits.copy())
         self._logits = kept[0] if len(kept) == 1 else np.concatenate(kept)
         return self._logits.ctypes.data
 
@@ -259,10 +264,13 @@ class OnnxBackend(VocabMixin, Backend):
         """The (1, n_rows, n_vocab) float32 output buffer for calls with n_rows rows, bound."""
         import onnxruntime as ort
 
-        if n_rows not in self._logits_bufs:
+        if n_rows in self._logits_bufs:
+            array, value = self._logits_bufs[n_rows]
+        else:
             array = np.empty((1, n_rows, self.n_vocab), dtype=np.float32)
-            self._logits_bufs[n_rows] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-        array, value = self._logits_bufs[n_rows]
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            if n_rows <= KEPT_LOGITS_ROWS:  # the row counts of plain and verification steps
+                self._logits_bufs[n_rows] = (array, value)
         self._io.bind_ortvalue_output("logits", value)
         return array
 
@@ -303,10 +311,8 @@ class OnnxBackend(VocabMixin, Backend):
         except Exception as e:
             raise BackendError(f"onnxruntime failed: {str(e).strip().splitlines()[0]}") from e
         self._n = first_slot + m
-        logits = out[0]                                     # (rows, n_vocab)
-        if self.static:
-            logits = logits[wanted]
-        return np.array(logits, dtype=np.float32)
+        logits = out[0]                                     # (rows, n_vocab), the bound buffer
+        return logits[wanted] if self.static else logits
 
     # -- primitives (base.Backend owns the protocol) -------------------------
 

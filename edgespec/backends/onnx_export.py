@@ -1,25 +1,34 @@
-"""Export a GGUF llama-architecture model as an ONNX decoder graph for ONNX Runtime.
+"""Export a GGUF model (llama, qwen2, gemma3) as an ONNX decoder graph for ONNX Runtime.
 
     export(gguf_path, out_dir, weights="int4")         # model.onnx + edgespec-onnx.json
     cached_export(gguf_path, "int4")                   # the same, once, into the edgespec cache
 
-The graph evaluates S new tokens against an explicit KV cache (batch 1):
+The graph evaluates S new tokens against a KV cache the caller owns (batch 1):
 
     inputs   input_ids       int64   (1, S)
              position_ids    int64   (1, S)        RoPE position of each token
              attention_bias  float32 (1, 1, S, T)  0 where a token may attend, -inf elsewhere
+             attention_bias_local                  the same for sliding-window layers (gemma3)
              logits_rows     int64   (R,)          which of the S tokens get a logits row
-             past.{i}.key / past.{i}.value  float16 (1, n_head_kv, P, head_dim), one pair per layer
+             past.{i}.key / past.{i}.value         (1, n_head_kv, C, head_dim), one pair per layer
     outputs  logits          float32 (1, R, n_vocab)
-             present.{i}.key / present.{i}.value   (1, n_head_kv, T, head_dim)
+             present.{i}.key / present.{i}.value   (1, n_head_kv, C, head_dim)
 
-with T = P + S in the dynamic graph (the present cache is the past one with
-the S new entries appended). The mask is an input because a draft tree needs
-more than causality: each node sees the cache, the prefix and its ancestors.
-``--static-shapes`` fixes S and the cache length C instead, as NPU providers
-need: past and present are (1, n_head_kv, C, head_dim), the new entries are
-scattered into the slots given by an extra input ``cache_slots`` int64 (S,),
-and attention runs over all C slots (T = C) under the mask.
+The mask is an input because a draft tree needs more than causality: each node
+sees the cache, the prefix and its ancestors. The backend binds past and
+present to one buffer per layer (IO binding), so a call writes only its own
+rows into the cache, in place, and a rollback moves nothing.
+
+Dynamic graph (CPU, GPU): S and C free, the cache float32, C the context plus
+one slot. T = P + S + 1 for a call after P cached tokens. Attention is
+GroupQueryAttention (RoPE, the write of the new rows at slots P..., scores under
+the mask, softmax, weighted sum: one operator per layer).
+
+``--static-shapes`` (NPU compilers): S = 16 and C = ``--cache-len`` fixed, the
+cache float16, T = C; the new rows are scattered into the slots given by an
+extra input ``cache_slots`` int64 (S,), attention runs over all C slots under
+the mask, and everything is plain ONNX operators plus MatMulNBits (all inside
+OpenVINO's supported set: ``edgespec onnx-placement``).
 
 Row invariance: a token's logits must not depend on how many tokens share its
 call, or speculative greedy output would part from plain decoding (a plain step
@@ -29,31 +38,31 @@ GEMV kernel that applies zero points inside the integer dot product and a
 multi-row one to a GEMM kernel that corrects them afterwards with block sums,
 and the two round differently (up to 0.7 in smollm2-135m's logits). So the
 dynamic graph never multiplies a lone row: it appends a copy of its last token
-(id, position, mask row) to every call, as row S, and drops that row's key and
-value before they reach the cache; the output norm and head likewise see the R
-requested rows plus a copy of the last, dropped from the logits. With S + 1 >= 2
-rows, and the copy the only row that can be left over when MLAS splits rows
-into tiles of 128 or pairs, every real row goes through the same kernels
-whatever S is. A static graph's calls all have S rows already.
+(id, position, mask row) to every call, as row S; that row's key and value land
+in the slot after the call, which the next call overwrites, and its logits are
+dropped. With S + 1 >= 2 rows, and the copy the only row that can be left over
+when MLAS splits rows into tiles of 128 or pairs, every real row goes through
+the same kernels whatever S is. A static graph's calls all have S rows already.
+(Draft trees are not invariant: see OnnxBackend.exact_trees.)
 
 Operators (ONNX Runtime contrib ops, com.microsoft, where they help):
-    MatMulNBits                       every linear layer in int4/int8 exports. GGUF Q4_0 and
-                                      Q4_1 blocks of 32 map onto 4-bit blocks exactly: Q4_0's
-                                      value d*(q-8) is the op's default zero point 8, Q4_1's
-                                      d*q + m is (q - zp)*d with a float zero point -m/d.
-                                      Q8_0 blocks map onto 8-bit blocks (zero point 128);
-                                      other types are dequantized and requantized to 8 bits.
-    RotaryEmbedding                   RoPE (llama: adjacent pairs, "interleaved")
+    MatMulNBits                       every linear layer in int4/int8 exports, on activations
+                                      quantized per block of 32 (accuracy_level 4). GGUF Q4_0
+                                      and Q4_1 blocks of 32 map onto 4-bit blocks exactly:
+                                      Q4_0's value d*(q-8) is the op's default zero point 8;
+                                      Q4_1's d*q + m is d*q (zero point 0) plus
+                                      blocksum(x) . m, a small MatMul beside it. Q8_0 blocks
+                                      map onto 8-bit blocks (zero point 128); other types
+                                      (K-quants, Q5_0) are dequantized and requantized to 8 bits.
+                                      qwen2's Q/K/V biases are the op's bias input.
+    GroupQueryAttention               the dynamic graph's attention (above)
     SkipSimplifiedLayerNormalization  RMS norm with the residual add fused, between blocks;
-                                      the first and the final norm are ONNX's own
-                                      RMSNormalization (opset 23): onnx.checker does not know
-                                      ORT's SimplifiedLayerNormalization in the ONNX domain
-    MatMul / Softmax                  attention itself: GroupQueryAttention masks causally by
-                                      sequence index on its own and has no free-form mask for
-                                      a tree's siblings on every provider, so attention is plain
-                                      ops under the additive mask input.
+                                      other RMS norms (the first, the final, gemma3's head,
+                                      post-attention and post-FFN norms) are ONNX's own
+                                      RMSNormalization (opset 23) in the dynamic graph and
+                                      plain operators in a static one
 The token embedding shares the output matrix's 8-bit blocks (tied weights):
-Gather the rows, then scale them.
+Gather the rows, then scale them (gemma3: also by sqrt(n_embd)).
 """
 from __future__ import annotations
 
