@@ -330,6 +330,12 @@ def test_openvino_greedy_output_equals_the_cpu_provider(tiny_exports, tmp_path, 
                                   capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stderr
             assert "(100.0%) on OpenVINOExecutionProvider" in proc.stdout, proc.stdout
+    else:  # OpenVINO has no GroupQueryAttention: each one is named, left to the CPU
+        proc = subprocess.run([python, "-m", "edgespec", "onnx-placement", str(folder), "--ep", "openvino"],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        left = [line for line in proc.stdout.splitlines() if line.startswith("  on the CPU: ")]
+        assert sum("(GroupQueryAttention)" in line for line in left) == 2, proc.stdout
     cpu = _generate(sys.executable, folder, "cpu")
     assert cpu["n_tokens"] == 16
     assert _generate(python, folder, "openvino")["text"] == cpu["text"]
@@ -550,6 +556,40 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, smollm2_path, export_dir
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, proc.stderr)
     assert not (tmp_path / "a").exists()
+
+
+def test_tiny_bad_input_is_one_line_and_exit_2(tmp_path, tiny_llama_path, tiny_onnx_dir):
+    cases = [
+        (["export-onnx", str(tiny_llama_path), str(tmp_path / "a"), "--static-shapes", "--cache-len", "8"],
+         "--cache-len must be 32 to 8192, got 8"),
+        (["generate", "hi", "--backend", "onnx", "--model", str(tiny_onnx_dir), "--ep", "cpu:NPU"],
+         "a device is chosen for openvino only"),
+        (["onnx-placement", str(tmp_path)], "not an edgespec ONNX export"),
+    ]
+    for args, message in cases:
+        proc = _cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args, proc.stderr)
+
+
+def test_static_graph_of_another_call_shape_is_refused(tmp_path, tiny_llama_path):
+    """A static export whose model.onnx was made for another cache length than
+    its config says is refused, naming both shapes."""
+    small = onnx_export.export(tiny_llama_path, tmp_path / "small", weights="fp32", static_shapes=True,
+                               cache_len=64, progress=False)
+    large = onnx_export.export(tiny_llama_path, tmp_path / "large", weights="fp32", static_shapes=True,
+                               cache_len=128, progress=False)
+    (small / "model.onnx").replace(tmp_path / "small.onnx")
+    (large / "model.onnx").replace(small / "model.onnx")
+    with pytest.raises(ModelFormatError, match=r"takes .*128.* says calls of 16 tokens over 64 cache slots"):
+        open_backend("onnx", small, threads=1)
+
+
+def test_placement_report_names_every_node(tiny_onnx_dir):
+    proc = _cli("onnx-placement", str(tiny_onnx_dir), "--ep", "cpu")
+    n_nodes = len(onnx.load(str(tiny_onnx_dir / "model.onnx")).graph.node)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{n_nodes} of {n_nodes} nodes (100.0%) on CPUExecutionProvider"
 
 
 def test_cli_export_and_generate(tmp_path, smollm2_path):
