@@ -1,9 +1,15 @@
-"""ONNX Runtime against llama.cpp on the same model and machine: export time,
+"""ONNX Runtime against llama.cpp on the same model and machine: export time
+and size, the fraction of the graph's nodes the execution provider runs,
 plain greedy decode tokens/s of the onnx backend (CPU provider by default)
 and the llama backend, interleaved round by round in one process so that
 machine drift cancels, and the logits agreement of the two.
 
     python benchmarks/bench_onnx.py --model smollm2-135m --threads 2 --tokens 128 --rounds 3 [--ep cpu]
+    python benchmarks/bench_onnx.py --export-only smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+
+The OpenVINO provider's figures come from the interpreter that has
+onnxruntime-openvino (a virtualenv of its own, see .ci/run):
+``$EDGESPEC_OPENVINO_PYTHON benchmarks/bench_onnx.py --ep openvino``.
 
 Decode speed is the engine's own: generated tokens / time after the first
 token (prefill excluded), the same for both backends. Logits agreement is
@@ -22,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import Engine
+from edgespec.backends import onnx as onnx_backend
 from edgespec.backends import onnx_export
 from edgespec.models import registry
 
@@ -55,6 +62,23 @@ def logits_agreement(llama: Engine, onnx: Engine, n_tokens: int) -> dict:
     return {"max_abs": max_abs, "rms": float(np.sqrt(np.mean(diffs))), "top1": agree / total, "rows": total}
 
 
+def export_figures(model: str, weights: str, folder: Path, static: bool = False) -> Path:
+    t0 = time.perf_counter()
+    folder = onnx_export.export(registry.model_path_checked(model), folder, weights=weights,
+                                static_shapes=static, progress=False)
+    size = (folder / onnx_export.MODEL_FILE).stat().st_size
+    print(f"export {model} ({weights}{', static shapes' if static else ''}): "
+          f"{time.perf_counter() - t0:.1f} s, model.onnx {size / 1e6:.1f} MB")
+    return folder
+
+
+def placement_figures(folder: Path, ep: str) -> None:
+    report = onnx_backend.placement(folder / onnx_export.MODEL_FILE, ep)
+    ops = sorted({op for _, op in report["fallback"]})
+    print(f"  nodes on {report['provider']}: {report['on_provider']} of {report['nodes']} "
+          f"({100 * report['on_provider'] / report['nodes']:.1f}%)" + (f"; left to the CPU: {', '.join(ops)}" if ops else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -63,15 +87,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--export-only", nargs="+", metavar="MODEL",
+                    help="Only export each model (dynamic and static shapes): time, size, node placement.")
     args = ap.parse_args()
 
-    gguf = registry.model_path_checked(args.model)
     with tempfile.TemporaryDirectory(prefix="bench-onnx-") as tmp:
-        t0 = time.perf_counter()
-        folder = onnx_export.export(gguf, Path(tmp) / "export", weights=args.weights, progress=False)
-        export_s = time.perf_counter() - t0
-        size = (folder / onnx_export.MODEL_FILE).stat().st_size
-        print(f"export {args.model} ({args.weights}): {export_s:.1f} s, model.onnx {size / 1e6:.1f} MB")
+        if args.export_only:
+            for model in args.export_only:
+                for static in (False, True):
+                    folder = export_figures(model, args.weights, Path(tmp) / f"{model}-{static}", static)
+                    placement_figures(folder, args.ep)
+            return
+        gguf = registry.model_path_checked(args.model)
+        folder = export_figures(args.model, args.weights, Path(tmp) / "export")
+        placement_figures(folder, args.ep)
 
         with Engine(str(gguf), threads=args.threads, n_ctx=1024) as llama, \
                 Engine(str(folder), backend="onnx", ep=args.ep, threads=args.threads, n_ctx=1024) as onnx:

@@ -697,6 +697,8 @@ class Engine:
                 planner.record_draft_time(d.name, time.perf_counter() - t0, len(draft))
             if not len(draft):
                 continue
+            if not self.backend.exact_trees:  # verified as a chain: exact where a tree is not
+                draft = draft.first_path()
             draft, value = planner.cut(draft, may_skip)
             if len(draft) and value > best_value:
                 best, best_value = draft, value

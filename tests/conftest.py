@@ -1,6 +1,6 @@
 """Session-wide model files: the two built-in models (pulled into the edgespec
 cache on first use, see edgespec.models.registry), a generated tokenizer and
-tiny random llama and qwen2 models over it (no download).
+tiny random llama, qwen2 and gemma3 models over it (no download).
 
 Every test that uses a built-in model, directly or through fixtures that do,
 is marked ``models`` here, so that ``pytest -m "not models"`` runs the fast
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from edgespec.models import registry
-from tiny_gguf import Q, write_tiny_llama, write_tiny_qwen2, write_tiny_vocab
+from tiny_gguf import Q, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2, write_tiny_vocab
 
 # The fixtures that download a built-in model on first use.
 MODEL_FIXTURES = {"smollm2_path", "gemma_path"}
@@ -67,6 +67,15 @@ def tiny_qwen2_path(tmp_path_factory, tiny_vocab_path):
     generated tokenizer."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf"
     write_tiny_qwen2(path, tiny_vocab_path, dtype=Q.F32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_path(tmp_path_factory, tiny_vocab_path):
+    """A 2-layer random gemma3 (F32; an 8-position sliding window in layer 0,
+    global attention in layer 1) over the generated tokenizer."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-gemma3.gguf"
+    write_tiny_gemma3(path, tiny_vocab_path, dtype=Q.F32)
     return path
 
 

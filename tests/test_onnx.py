@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 
@@ -94,6 +95,268 @@ def test_requantize8_is_close():
     assert np.abs(back - w).max() <= np.abs(w).max() / 127
 
 
+# -- every architecture, on tiny fixtures (fast tier) ---------------------------
+
+TINY = {"llama": "tiny_llama_path", "qwen2": "tiny_qwen2_path", "gemma3": "tiny_gemma3_path"}
+TINY_PROMPT = "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
+
+
+@pytest.fixture(scope="module")
+def tiny_exports(request, tmp_path_factory):
+    """arch -> (GGUF, its fp32 export), exported once per module."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            gguf_path = request.getfixturevalue(TINY[arch])
+            made[arch] = (gguf_path, onnx_export.export(gguf_path, tmp_path_factory.mktemp("onnx") / arch,
+                                                        weights="fp32", progress=False))
+        return made[arch]
+    return get
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_every_architecture_matches_the_native_engine(tiny_exports, arch):
+    """A prompt, a step of several tokens after it and a draft tree: the same
+    logits as the native engine (which keeps F16 weights and an F16 cache,
+    hence the tolerance) and the same argmax."""
+    gguf_path, folder = tiny_exports(arch)
+    native = open_backend("native", gguf_path, n_ctx=256, threads=1)
+    backend = open_backend("onnx", folder, n_ctx=256, threads=1)
+    try:
+        v = native.n_vocab
+        tokens = native.tokenize(TINY_PROMPT)
+        if arch == "gemma3":  # the prompt outruns layer 0's window
+            assert len(tokens) > onnx_export.load_export(folder)["config"]["n_swa"]
+        n = len(tokens)
+        pairs = [(_rows(native.decode(tokens, logits_from=0), n, v), _rows(backend.decode(tokens, logits_from=0), n, v)),
+                 (_rows(native.decode(tokens[:5], logits_from=0), 5, v),
+                  _rows(backend.decode(tokens[:5], logits_from=0), 5, v))]
+        for be in (native, backend):
+            be.truncate(10)
+        tree = ([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1])
+        pairs.append((_rows(native.decode_tree(*tree), 4, v), _rows(backend.decode_tree(*tree), 4, v)))
+        for ref, got in pairs:
+            assert np.abs(ref - got).max() < 0.05
+            assert (ref.argmax(-1) == got.argmax(-1)).all()
+    finally:
+        native.close()
+        backend.close()
+
+
+def test_gemma3_window_is_applied(tiny_exports):
+    """Without its sliding window (every slot treated as near) the gemma3 graph
+    parts from the native engine: the window, not luck, makes the parity above."""
+    gguf_path, folder = tiny_exports("gemma3")
+    native = open_backend("native", gguf_path, n_ctx=256, threads=1)
+    backend = open_backend("onnx", folder, n_ctx=256, threads=1)
+    try:
+        tokens = native.tokenize(TINY_PROMPT)
+        n, v = len(tokens), native.n_vocab
+        ref = _rows(native.decode(tokens, logits_from=0), n, v)
+        backend._n_swa = 1 << 30
+        got = _rows(backend.decode(tokens, logits_from=0), n, v)
+        assert np.abs(ref - got).max() > 0.5
+    finally:
+        native.close()
+        backend.close()
+
+
+def _cache(backend) -> list[np.ndarray]:
+    return [a.copy() for a in backend._cache]
+
+
+def test_cache_is_written_in_place_only_at_the_new_rows(tiny_onnx_dir):
+    """The KV cache stays in the buffers bound to the session: a step writes its
+    own slot (and the slot after it, which takes the graph's copy of the last
+    row and is written again by the next step) and nothing else; a rollback
+    moves nothing, and evaluating the same tokens again gives the same logits."""
+    backend = open_backend("onnx", tiny_onnx_dir, n_ctx=64, threads=1)
+    try:
+        addresses = [a.ctypes.data for a in backend._cache]
+        tokens = backend.tokenize(TINY_PROMPT)[:20]
+        v = backend.n_vocab
+        backend.decode(tokens[:12])
+        before = _cache(backend)
+        first = _rows(backend.decode(tokens[12:15], logits_from=0), 3, v)
+        after = _cache(backend)
+        for a, b in zip(before, after):
+            changed = np.flatnonzero((a != b).any(axis=(0, 1, 3)))
+            assert changed.min() == 12 and changed.max() <= 15
+        backend.truncate(12)
+        assert _cache(backend)[0].tobytes() == after[0].tobytes()  # nothing moved
+        again = _rows(backend.decode(tokens[12:15], logits_from=0), 3, v)
+        assert np.array_equal(first, again)
+        assert [a.ctypes.data for a in backend._cache] == addresses
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_static_shapes_pad_calls_and_match_the_dynamic_graph(tiny_exports, tmp_path, arch):
+    """--static-shapes: every input and output has fixed dimensions, calls are
+    padded to the fixed width (two calls for a longer prompt), draft trees go
+    through the same mask, and the logits are the dynamic graph's (float16
+    cache against float32: a tolerance)."""
+    gguf_path, dynamic_dir = tiny_exports(arch)
+    folder = onnx_export.export(gguf_path, tmp_path / "static", weights="fp32", static_shapes=True,
+                                cache_len=64, progress=False)
+    model = onnx.load(str(folder / "model.onnx"))
+    for value in list(model.graph.input) + list(model.graph.output):
+        assert all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim), value.name
+    static = open_backend("onnx", folder, threads=1)
+    dynamic = open_backend("onnx", dynamic_dir, n_ctx=256, threads=1)
+    try:
+        assert static.n_ctx == 64 - onnx_export.STATIC_SEQ
+        tokens = dynamic.tokenize(TINY_PROMPT)[:24]
+        assert len(tokens) > onnx_export.STATIC_SEQ
+        n, v = len(tokens), dynamic.n_vocab
+        a = _rows(dynamic.decode(tokens, logits_from=0), n, v)
+        b = _rows(static.decode(tokens, logits_from=0), n, v)
+        np.testing.assert_allclose(a, b, atol=0.02)
+        for be in (static, dynamic):
+            be.truncate(10)
+        tree = ([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1])
+        np.testing.assert_allclose(_rows(dynamic.decode_tree(*tree), 4, v), _rows(static.decode_tree(*tree), 4, v),
+                                   atol=0.02)
+    finally:
+        static.close()
+        dynamic.close()
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_tiny_logits_do_not_depend_on_the_call(tmp_path, tiny_vocab_path, arch):
+    """The row invariance exact speculation rests on, on 4-bit blocks (MatMulNBits,
+    whose one-row and several-row kernels round differently) and on the window
+    and global layers: a token's logits are bit-identical alone, in a k-row
+    call and as a one-path tree (a tree with siblings is not: see
+    OnnxBackend.exact_trees)."""
+    import tiny_gguf
+
+    gguf_path = tmp_path / f"{arch}-q4_1.gguf"
+    write = {"llama": tiny_gguf.write_tiny_llama, "qwen2": tiny_gguf.write_tiny_qwen2,
+             "gemma3": tiny_gguf.write_tiny_gemma3}[arch]
+    write(gguf_path, tiny_vocab_path, dtype=tiny_gguf.Q.Q4_1)
+    folder = onnx_export.export(gguf_path, tmp_path / "int4", weights="int4", progress=False)
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(folder / "model.onnx")).graph.node)
+    backend = open_backend("onnx", folder, n_ctx=128, threads=1)
+    try:
+        _check_row_invariance(backend)
+    finally:
+        backend.close()
+
+
+def _check_row_invariance(backend) -> None:
+    v = backend.n_vocab
+    prompt = backend.tokenize("The capital of France is Paris, and the capital of")
+    following = backend.tokenize(" Germany is Berlin. The capital of Italy is Rome.")[:8]
+    n = len(prompt)
+    backend.decode(prompt)
+    alone = np.concatenate([_rows(backend.decode([t]), 1, v) for t in following])
+    for k in range(2, len(following) + 1):
+        backend.truncate(n)
+        rows = _rows(backend.decode(following[:k], logits_from=0), k, v)
+        assert np.array_equal(rows, alone[:k]), f"{k} rows: max |diff| {np.abs(rows - alone[:k]).max()}"
+    backend.truncate(n)  # a one-path tree is a chain: no holes, the same rows
+    rows = _rows(backend.decode_tree([following[0]], following[1:3], [-1, 0], [1, 2]), 3, v)
+    assert np.array_equal(rows, alone[:3])
+
+
+def test_first_path_of_a_tree():
+    from edgespec.drafters import Draft
+
+    tree = Draft(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 2], source="recycle")
+    chain = tree.first_path()
+    assert chain.tokens == [10, 12, 14] and chain.parents is None and chain.source == "recycle"
+    assert Draft(tokens=[1, 2]).first_path().tokens == [1, 2]
+
+
+def test_tree_drafts_are_verified_as_chains(tiny_onnx_dir, monkeypatch):
+    """On the onnx backend the recycling drafter's trees become their first
+    paths: no tree call reaches the backend, drafts are made, and the output is
+    plain decoding's."""
+    from edgespec.backends.onnx import OnnxBackend
+
+    trees = []
+    original = OnnxBackend.decode_tree
+    monkeypatch.setattr(OnnxBackend, "decode_tree", lambda self, *a: trees.append(a) or original(self, *a))
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    with Engine(str(tiny_onnx_dir), backend="onnx", threads=1, n_ctx=256) as engine:
+        plain = engine.generate(prompt, max_tokens=24, drafter="none")
+        spec = engine.generate(prompt, max_tokens=24, drafter="recycle")
+    assert spec.tokens == plain.tokens
+    assert spec.stats.spec.drafted > 0 and trees == []
+
+
+# -- the OpenVINO provider (its own virtualenv: the package replaces onnxruntime's module) --
+
+
+def _openvino_python() -> str:
+    """The interpreter .ci/run installs onnxruntime-openvino into; the tests skip
+    only when that install failed (EDGESPEC_OPENVINO_SKIP holds pip's reason)
+    or no such interpreter is named here."""
+    reason = os.environ.get("EDGESPEC_OPENVINO_SKIP")
+    if reason:
+        pytest.skip(f"onnxruntime-openvino could not be installed: {reason}")
+    python = os.environ.get("EDGESPEC_OPENVINO_PYTHON")
+    if not python:
+        pytest.skip("EDGESPEC_OPENVINO_PYTHON names no interpreter with onnxruntime-openvino "
+                    "(.ci/run makes one)")
+    return python
+
+
+def _generate(python: str, folder, ep: str) -> dict:
+    proc = subprocess.run([python, "-m", "edgespec", "generate", TINY_PROMPT[:20], "--backend", "onnx",
+                           "--model", str(folder), "--ep", ep, "-n", "16", "--drafter", "none", "--threads", "1",
+                           "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("shapes", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", list(TINY))
+def test_openvino_greedy_output_equals_the_cpu_provider(tiny_exports, tmp_path, arch, shapes):
+    """The same float graph on OpenVINO's CPU device and on ONNX Runtime's CPU
+    provider: the same greedy text (8-bit blocks are not compared: the CPU
+    provider quantizes activations to int8 for them, OpenVINO does not); a
+    static graph runs wholly on OpenVINO."""
+    python = _openvino_python()
+    gguf_path, folder = tiny_exports(arch)
+    if shapes == "static":
+        for weights in ("int4", "fp32"):  # MatMulNBits blocks and float matrices alike
+            folder = onnx_export.export(gguf_path, tmp_path / weights, weights=weights, static_shapes=True,
+                                        cache_len=64, progress=False)
+            proc = subprocess.run([python, "-m", "edgespec", "onnx-placement", str(folder), "--ep", "openvino"],
+                                  capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr
+            assert "(100.0%) on OpenVINOExecutionProvider" in proc.stdout, proc.stdout
+    else:  # OpenVINO has no GroupQueryAttention: each one is named, left to the CPU
+        proc = subprocess.run([python, "-m", "edgespec", "onnx-placement", str(folder), "--ep", "openvino"],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        left = [line for line in proc.stdout.splitlines() if line.startswith("  on the CPU: ")]
+        assert sum("(GroupQueryAttention)" in line for line in left) == 2, proc.stdout
+    cpu = _generate(sys.executable, folder, "cpu")
+    assert cpu["n_tokens"] == 16
+    assert _generate(python, folder, "openvino")["text"] == cpu["text"]
+
+
+def test_openvino_device_that_is_missing_is_one_line(tiny_onnx_dir):
+    python = _openvino_python()
+    devices = subprocess.run([python, "-c", "import onnxruntime.capi._pybind_state as s; "
+                              "print(' '.join(s.get_available_openvino_device_ids()))"],
+                             capture_output=True, text=True, timeout=600).stdout.split()
+    missing = next((d for d in ("NPU", "GPU") if d not in devices), None)
+    if missing is None:
+        pytest.skip(f"this machine has every OpenVINO device ({', '.join(devices)})")
+    for ep, message in ((f"openvino:{missing}", f"is installed but could not open its device {missing}"),
+                        ("openvino:TPU", "unknown OpenVINO device 'TPU'")):
+        proc = subprocess.run([python, "-m", "edgespec", "generate", "hi", "--backend", "onnx", "--model",
+                               str(tiny_onnx_dir), "--ep", ep, "-n", "2"], capture_output=True, text=True, timeout=600)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
 # -- the exported folder --------------------------------------------------------
 
 
@@ -105,7 +368,7 @@ def test_export_is_a_checked_graph_with_contrib_ops(export_dir, smollm2_path):
     model = onnx.load(str(export_dir / "model.onnx"))
     onnx.checker.check_model(model)
     ops = {n.op_type for n in model.graph.node}
-    assert {"MatMulNBits", "RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= ops
+    assert {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     bits = {a.i for n in nbits for a in n.attribute if a.name == "bits"}
     assert bits == {4, 8}  # Q4_1 layers in 4 bits, the Q8_0 output matrix in 8
@@ -146,10 +409,12 @@ def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, expo
 
 def test_logits_agree_with_llama(llama_engine, export_dir):
     """Teacher-forced on llama's greedy text: the top-1 token agrees wherever
-    llama.cpp's own top-2 margin is clear. (Bit-equality is out of reach:
+    llama.cpp's own top-2 margin is clear (over 1). (Bit-equality is out of reach:
     llama.cpp's quantized dot products make its output jump on ulp-level
     differences, e.g. in its approximate SiLU, and its flash attention
-    accumulates in float16; the export emulates its activation rounding.)"""
+    accumulates in float16. The export no longer emulates llama.cpp's
+    activation rounding, which cost a dozen operators per product: an rms
+    difference of about 0.9 in smollm2's logits.)"""
     backend = open_backend("onnx", export_dir, n_ctx=1024, threads=2)
     target = llama_engine.backend
     n_vocab = target.n_vocab
@@ -166,10 +431,10 @@ def test_logits_agree_with_llama(llama_engine, export_dir):
             backend.clear()
             got = _rows(backend.decode(seq, logits_from=len(prompt_tokens) - 1), n, n_vocab)
             top2 = np.sort(ref, axis=-1)[:, -2:]
-            clear = top2[:, 1] - top2[:, 0] > 0.5
+            clear = top2[:, 1] - top2[:, 0] > 1.0
             same = ref.argmax(-1) == got.argmax(-1)
             assert same[clear].all(), f"{prompt!r}: top-1 differs where llama's margin is clear"
-            assert np.sqrt(((ref - got) ** 2).mean()) < 0.5
+            assert np.sqrt(((ref - got) ** 2).mean()) < 1.5
             agree += same.sum()
             total += n
     finally:
@@ -193,26 +458,11 @@ def test_greedy_output_equals_llama(llama_engine, onnx_engine, prompt, chat):
 def test_a_token_s_logits_do_not_depend_on_its_call(request, shapes):
     """What exact speculation rests on, checked on this machine's kernels: a
     token's logits are bit-identical whether it is evaluated alone (a plain
-    step), as row i of a k-row call (a verification batch) or as a node of a
-    draft tree beside a sibling."""
+    step) or as row i of a k-row call (a verification batch)."""
     folder = request.getfixturevalue("export_dir" if shapes == "dynamic" else "static_export_dir")
     backend = open_backend("onnx", folder, n_ctx=256, threads=2)
     try:
-        v = backend.n_vocab
-        prompt = backend.tokenize("The capital of France is Paris, and the capital of")
-        following = backend.tokenize(" Germany is Berlin. The capital of Italy is Rome.")[:8]
-        n = len(prompt)
-        backend.decode(prompt)
-        alone = np.concatenate([_rows(backend.decode([t]), 1, v) for t in following])
-        for k in range(2, len(following) + 1):
-            backend.truncate(n)
-            rows = _rows(backend.decode(following[:k], logits_from=0), k, v)
-            assert np.array_equal(rows, alone[:k]), f"{k} rows: max |diff| {np.abs(rows - alone[:k]).max()}"
-        sibling = following[5]  # node 0 beside the chain following[1] <- following[2]
-        backend.truncate(n)
-        rows = _rows(backend.decode_tree([following[0]], [sibling, following[1], following[2]], [-1, -1, 1],
-                                         [1, 1, 2]), 4, v)
-        assert np.array_equal(rows[[0, 2, 3]], alone[:3])
+        _check_row_invariance(backend)
     finally:
         backend.close()
 
@@ -254,25 +504,28 @@ def test_draft_model_on_llama_target_on_onnx(smollm2_path, export_dir, onnx_engi
 
 
 def test_static_shapes_export_runs_like_the_dynamic_one(static_export_dir, export_dir):
-    folder = static_export_dir
-    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    for value in list(model.graph.input) + list(model.graph.output):
-        assert all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim), value.name
-    static = open_backend("onnx", folder, n_ctx=512, threads=2)
+    """smollm2 with fixed shapes (float16 cache, plain-operator attention) against
+    the dynamic graph (float32 cache, GroupQueryAttention): the same top-1 token
+    wherever the dynamic graph's margin is clear, over two padded calls and a
+    draft tree (8-bit activation rounding turns the cache's float16 rounding
+    into differences of a few tenths in the logits)."""
+    static = open_backend("onnx", static_export_dir, n_ctx=512, threads=2)
     dynamic = open_backend("onnx", export_dir, n_ctx=512, threads=2)
     try:
         tokens = dynamic.tokenize("The capital of France is Paris, and the capital of Germany is Berlin. "
                                   "The capital of Italy is")
         assert len(tokens) > onnx_export.STATIC_SEQ  # two padded calls
         n, v = len(tokens), dynamic.n_vocab
-        a = _rows(dynamic.decode(tokens, logits_from=0), n, v)
-        b = _rows(static.decode(tokens, logits_from=0), n, v)
-        np.testing.assert_allclose(a, b, atol=1e-4)
+        pairs = [(_rows(dynamic.decode(tokens, logits_from=0), n, v), _rows(static.decode(tokens, logits_from=0), n, v))]
         for be in (static, dynamic):
             be.truncate(10)
-        a = _rows(dynamic.decode_tree([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1]), 4, v)
-        b = _rows(static.decode_tree([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1]), 4, v)
-        np.testing.assert_allclose(a, b, atol=1e-4)
+        tree = ([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1])
+        pairs.append((_rows(dynamic.decode_tree(*tree), 4, v), _rows(static.decode_tree(*tree), 4, v)))
+        for a, b in pairs:
+            top2 = np.sort(a, axis=-1)[:, -2:]
+            clear = top2[:, 1] - top2[:, 0] > 1.0
+            assert (a.argmax(-1) == b.argmax(-1))[clear].all()
+            assert np.sqrt(((a - b) ** 2).mean()) < 1.0
     finally:
         static.close()
         dynamic.close()
@@ -305,6 +558,40 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, smollm2_path, export_dir
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (args, proc.stderr)
     assert not (tmp_path / "a").exists()
+
+
+def test_tiny_bad_input_is_one_line_and_exit_2(tmp_path, tiny_llama_path, tiny_onnx_dir):
+    cases = [
+        (["export-onnx", str(tiny_llama_path), str(tmp_path / "a"), "--static-shapes", "--cache-len", "8"],
+         "--cache-len must be 32 to 8192, got 8"),
+        (["generate", "hi", "--backend", "onnx", "--model", str(tiny_onnx_dir), "--ep", "cpu:NPU"],
+         "a device is chosen for openvino only"),
+        (["onnx-placement", str(tmp_path)], "not an edgespec ONNX export"),
+    ]
+    for args, message in cases:
+        proc = _cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], (args, proc.stderr)
+
+
+def test_static_graph_of_another_call_shape_is_refused(tmp_path, tiny_llama_path):
+    """A static export whose model.onnx was made for another cache length than
+    its config says is refused, naming both shapes."""
+    small = onnx_export.export(tiny_llama_path, tmp_path / "small", weights="fp32", static_shapes=True,
+                               cache_len=64, progress=False)
+    large = onnx_export.export(tiny_llama_path, tmp_path / "large", weights="fp32", static_shapes=True,
+                               cache_len=128, progress=False)
+    (small / "model.onnx").replace(tmp_path / "small.onnx")
+    (large / "model.onnx").replace(small / "model.onnx")
+    with pytest.raises(ModelFormatError, match=r"takes .*128.* says calls of 16 tokens over 64 cache slots"):
+        open_backend("onnx", small, threads=1)
+
+
+def test_placement_report_names_every_node(tiny_onnx_dir):
+    proc = _cli("onnx-placement", str(tiny_onnx_dir), "--ep", "cpu")
+    n_nodes = len(onnx.load(str(tiny_onnx_dir / "model.onnx")).graph.node)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{n_nodes} of {n_nodes} nodes (100.0%) on CPUExecutionProvider"
 
 
 def test_cli_export_and_generate(tmp_path, smollm2_path):

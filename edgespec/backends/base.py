@@ -155,6 +155,7 @@ class Backend(Closing, ABC):
     n_ctx: int
     n_batch: int
     threads: int
+    exact_trees = True  # a draft tree's rows equal those of its nodes' paths evaluated as chains
     _closed = False   # class defaults: close() works on a half-made backend too
     _tree_cells = 0   # cells of an evaluated draft tree, after the record
 

@@ -1,25 +1,34 @@
-"""Export a GGUF llama-architecture model as an ONNX decoder graph for ONNX Runtime.
+"""Export a GGUF model (llama, qwen2, gemma3) as an ONNX decoder graph for ONNX Runtime.
 
     export(gguf_path, out_dir, weights="int4")         # model.onnx + edgespec-onnx.json
     cached_export(gguf_path, "int4")                   # the same, once, into the edgespec cache
 
-The graph evaluates S new tokens against an explicit KV cache (batch 1):
+The graph evaluates S new tokens against a KV cache the caller owns (batch 1):
 
     inputs   input_ids       int64   (1, S)
              position_ids    int64   (1, S)        RoPE position of each token
              attention_bias  float32 (1, 1, S, T)  0 where a token may attend, -inf elsewhere
+             attention_bias_local                  the same for sliding-window layers (gemma3)
              logits_rows     int64   (R,)          which of the S tokens get a logits row
-             past.{i}.key / past.{i}.value  float16 (1, n_head_kv, P, head_dim), one pair per layer
+             past.{i}.key / past.{i}.value         (1, n_head_kv, C, head_dim), one pair per layer
     outputs  logits          float32 (1, R, n_vocab)
-             present.{i}.key / present.{i}.value   (1, n_head_kv, T, head_dim)
+             present.{i}.key / present.{i}.value   (1, n_head_kv, C, head_dim)
 
-with T = P + S in the dynamic graph (the present cache is the past one with
-the S new entries appended). The mask is an input because a draft tree needs
-more than causality: each node sees the cache, the prefix and its ancestors.
-``--static-shapes`` fixes S and the cache length C instead, as NPU providers
-need: past and present are (1, n_head_kv, C, head_dim), the new entries are
-scattered into the slots given by an extra input ``cache_slots`` int64 (S,),
-and attention runs over all C slots (T = C) under the mask.
+The mask is an input because a draft tree needs more than causality: each node
+sees the cache, the prefix and its ancestors. The backend binds past and
+present to one buffer per layer (IO binding), so a call writes only its own
+rows into the cache, in place, and a rollback moves nothing.
+
+Dynamic graph (CPU, GPU): S and C free, the cache float32, C the context plus
+one slot. T = P + S + 1 for a call after P cached tokens. Attention is
+GroupQueryAttention (RoPE, the write of the new rows at slots P..., scores under
+the mask, softmax, weighted sum: one operator per layer).
+
+``--static-shapes`` (NPU compilers): S = 16 and C = ``--cache-len`` fixed, the
+cache float16, T = C; the new rows are scattered into the slots given by an
+extra input ``cache_slots`` int64 (S,), attention runs over all C slots under
+the mask, and everything is plain ONNX operators plus MatMulNBits (all inside
+OpenVINO's supported set: ``edgespec onnx-placement``).
 
 Row invariance: a token's logits must not depend on how many tokens share its
 call, or speculative greedy output would part from plain decoding (a plain step
@@ -29,31 +38,31 @@ GEMV kernel that applies zero points inside the integer dot product and a
 multi-row one to a GEMM kernel that corrects them afterwards with block sums,
 and the two round differently (up to 0.7 in smollm2-135m's logits). So the
 dynamic graph never multiplies a lone row: it appends a copy of its last token
-(id, position, mask row) to every call, as row S, and drops that row's key and
-value before they reach the cache; the output norm and head likewise see the R
-requested rows plus a copy of the last, dropped from the logits. With S + 1 >= 2
-rows, and the copy the only row that can be left over when MLAS splits rows
-into tiles of 128 or pairs, every real row goes through the same kernels
-whatever S is. A static graph's calls all have S rows already.
+(id, position, mask row) to every call, as row S; that row's key and value land
+in the slot after the call, which the next call overwrites, and its logits are
+dropped. With S + 1 >= 2 rows, and the copy the only row that can be left over
+when MLAS splits rows into tiles of 128 or pairs, every real row goes through
+the same kernels whatever S is. A static graph's calls all have S rows already.
+(Draft trees are not invariant: see OnnxBackend.exact_trees.)
 
 Operators (ONNX Runtime contrib ops, com.microsoft, where they help):
-    MatMulNBits                       every linear layer in int4/int8 exports. GGUF Q4_0 and
-                                      Q4_1 blocks of 32 map onto 4-bit blocks exactly: Q4_0's
-                                      value d*(q-8) is the op's default zero point 8, Q4_1's
-                                      d*q + m is (q - zp)*d with a float zero point -m/d.
-                                      Q8_0 blocks map onto 8-bit blocks (zero point 128);
-                                      other types are dequantized and requantized to 8 bits.
-    RotaryEmbedding                   RoPE (llama: adjacent pairs, "interleaved")
+    MatMulNBits                       every linear layer in int4/int8 exports, on activations
+                                      quantized per block of 32 (accuracy_level 4). GGUF Q4_0
+                                      and Q4_1 blocks of 32 map onto 4-bit blocks exactly:
+                                      Q4_0's value d*(q-8) is the op's default zero point 8;
+                                      Q4_1's d*q + m is d*q (zero point 0) plus
+                                      blocksum(x) . m, a small MatMul beside it. Q8_0 blocks
+                                      map onto 8-bit blocks (zero point 128); other types
+                                      (K-quants, Q5_0) are dequantized and requantized to 8 bits.
+                                      qwen2's Q/K/V biases are the op's bias input.
+    GroupQueryAttention               the dynamic graph's attention (above)
     SkipSimplifiedLayerNormalization  RMS norm with the residual add fused, between blocks;
-                                      the first and the final norm are ONNX's own
-                                      RMSNormalization (opset 23): onnx.checker does not know
-                                      ORT's SimplifiedLayerNormalization in the ONNX domain
-    MatMul / Softmax                  attention itself: GroupQueryAttention masks causally by
-                                      sequence index on its own and has no free-form mask for
-                                      a tree's siblings on every provider, so attention is plain
-                                      ops under the additive mask input.
+                                      other RMS norms (the first, the final, gemma3's head,
+                                      post-attention and post-FFN norms) are ONNX's own
+                                      RMSNormalization (opset 23) in the dynamic graph and
+                                      plain operators in a static one
 The token embedding shares the output matrix's 8-bit blocks (tied weights):
-Gather the rows, then scale them.
+Gather the rows, then scale them (gemma3: also by sqrt(n_embd)).
 """
 from __future__ import annotations
 
@@ -73,14 +82,15 @@ from ..errors import InvalidArgumentError, ModelFormatError
 from ..models.gguf import GGUFFile, GGUFTensor
 
 FORMAT = "edgespec-onnx"
-FORMAT_VERSION = 2             # 2: the dynamic graph pads every call with a copy of its last row
+FORMAT_VERSION = 3             # 3: GroupQueryAttention over a cache the caller owns (IO binding)
 CONFIG_FILE = "edgespec-onnx.json"
 MODEL_FILE = "model.onnx"
 WEIGHTS = ("int4", "int8", "fp16", "fp32")
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
 BLOCK = 32                    # MatMulNBits block size = the GGUF block of Q4_0/Q4_1/Q8_0
 STATIC_SEQ = 16               # --static-shapes: tokens per call (a verify width)
-STATIC_CTX = 1024             # --static-shapes: cache slots
+STATIC_CTX = 1024             # --static-shapes: cache slots (--cache-len)
+MAX_POSITIONS = 8192          # the dynamic graph's RoPE tables
 OPSET = 23                    # RMSNormalization
 MS_DOMAIN = "com.microsoft"
 FLOAT, FLOAT16 = 1, 10        # onnx.TensorProto element types
@@ -106,6 +116,15 @@ class DecoderConfig:
     rope_dim: int
     rms_eps: float
     tied_output: bool
+    rope_neox: bool = False          # qwen2, gemma3: RoPE on the two halves of a head, not adjacent pairs
+    rope_scale: float = 1.0          # linear RoPE scaling (1 / factor), global layers only
+    qkv_bias: bool = False           # qwen2: biases on the Q, K and V projections
+    gemma: bool = False              # gemma3: Q/K head norms, post-attention and post-FFN norms, GELU,
+    embd_scale: float = 1.0          #   embeddings scaled by sqrt(n_embd)
+    n_swa: int = 0                   # sliding window (0: none): a token sees positions p - n_swa < q <= p
+    swa_layers: list[bool] | None = None
+    rope_base_swa: float = 10000.0
+    softcap: float = 0.0             # final logit soft-capping: tanh(x / c) * c
 
 
 def _field(reader: GGUFFile, key: str, default=None):
@@ -117,19 +136,44 @@ def _field(reader: GGUFFile, key: str, default=None):
     return value
 
 
+def _rope_scale(reader: GGUFFile, arch: str) -> float:
+    """Linear RoPE scaling as es__rope_freq_scale reads it; other kinds are refused."""
+    kind = reader.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ModelFormatError(f"RoPE scaling '{kind}' cannot be exported to ONNX")
+    factor = float(reader.get(f"{arch}.rope.scaling.factor") or reader.get(f"{arch}.rope.scale_linear") or 0)
+    return 1.0 / factor if kind != "none" and factor > 0 else 1.0
+
+
+def _swa_layers(reader: GGUFFile, arch: str, n_layer: int) -> list[bool]:
+    """Which layers use the sliding window (gemma3.c's swa_pattern): one flag per
+    layer, or a period p (default 6) whose last layer is global."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = reader.get(key, 6)
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise ModelFormatError(f"metadata key {key}: expected {n_layer} flags")
+        return [bool(v) for v in value]
+    p = int(value)
+    return [p == 0 or i % p < p - 1 for i in range(n_layer)]
+
+
 def read_config(reader: GGUFFile) -> DecoderConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelFormatError(f"architecture '{arch}' cannot be exported to ONNX yet "
                                f"(supported: {', '.join(ARCHITECTURES)})")
+    if reader.get(f"{arch}.expert_count"):
+        raise ModelFormatError("Mixture-of-Experts models cannot be exported to ONNX yet")
     n_embd = int(_field(reader, f"{arch}.embedding_length"))
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = n_embd // n_head
+    head_dim = int(reader.get(f"{arch}.attention.key_length") or n_embd // n_head)
     names = {t.name for t in reader.tensors}
     n_vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
-    return DecoderConfig(
+    n_layer = int(_field(reader, f"{arch}.block_count"))
+    cfg = DecoderConfig(
         arch=arch,
-        n_layer=int(_field(reader, f"{arch}.block_count")),
+        n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
@@ -141,7 +185,20 @@ def read_config(reader: GGUFFile) -> DecoderConfig:
         rope_dim=int(_field(reader, f"{arch}.rope.dimension_count", head_dim)),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         tied_output="output.weight" not in names,
+        rope_neox=arch in ("qwen2", "gemma3"),
+        rope_scale=_rope_scale(reader, arch),
+        qkv_bias=arch == "qwen2",
     )
+    if cfg.rope_dim != head_dim:
+        raise ModelFormatError(f"RoPE over {cfg.rope_dim} of {head_dim} head dimensions cannot be exported")
+    if arch == "gemma3":
+        cfg.gemma = True
+        cfg.embd_scale = float(np.sqrt(np.float32(n_embd), dtype=np.float32))
+        cfg.n_swa = int(reader.get(f"{arch}.attention.sliding_window", 0))
+        cfg.swa_layers = _swa_layers(reader, arch, n_layer) if cfg.n_swa > 0 else None
+        cfg.rope_base_swa = float(reader.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        cfg.softcap = float(reader.get(f"{arch}.final_logit_softcapping", 0.0))
+    return cfg
 
 
 # ---------------------------------------------------------------------------
@@ -239,15 +296,15 @@ def matrix_nbits(tensor: GGUFTensor, weights: str) -> NBits:
 # ---------------------------------------------------------------------------
 
 
-def rope_cache(n_pos: int, rot_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_cache(n_pos: int, rot_dim: int, base: float, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """(n_pos, rot_dim / 2) cos and sin, computed like llama.cpp's CPU rope: the
-    angle for pair i is pos * base^(-2i/d), accumulated in float32 (theta *= scale)."""
-    scale = np.float32(base) ** np.float32(-2.0 / rot_dim)
+    angle for pair i is scale * pos * base^(-2i/d), accumulated in float32 (theta *= step)."""
+    step = np.float32(base) ** np.float32(-2.0 / rot_dim)
     theta = np.arange(n_pos, dtype=np.float32)
     cols = []
     for _ in range(rot_dim // 2):
-        cols.append(theta)
-        theta = (theta * scale).astype(np.float32)
+        cols.append((theta * np.float32(scale)).astype(np.float32))
+        theta = (theta * step).astype(np.float32)
     angles = np.stack(cols, axis=1).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -265,14 +322,15 @@ class _Graph:
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
-    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs):
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "",
+           outputs: list[str] | None = None, **attrs):
         from onnx import helper
 
         self._n += 1
-        outs = [f"{op_type.lower()}_{self._n}_{i}" for i in range(n_out)]
+        outs = outputs or [f"{op_type.lower()}_{self._n}_{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=f"{op_type}_{self._n}",
                                            domain=domain, **attrs))
-        return outs[0] if n_out == 1 else outs
+        return outs[0] if len(outs) == 1 else outs
 
     def shape(self, name: str, dims: list[int]) -> str:
         return self.const(name, np.array(dims, dtype=np.int64))
@@ -287,9 +345,7 @@ class _Builder:
         self.tensors = {t.name: t for t in reader.tensors}
         self.g = _Graph()
         self.progress = progress
-        self._q8_consts = False
-        self._q8_shapes: set[int] = set()
-        self._indices: set[str] = set()
+        self._consts: set[str] = set()
 
     def tensor(self, name: str):
         t = self.tensors.get(name)
@@ -302,6 +358,13 @@ class _Builder:
         t = self.tensor(name)
         return self.g.const(name, t.dequantize().reshape(-1))
 
+    def shared(self, name: str, array) -> str:
+        """A constant several nodes use, written once."""
+        if name not in self._consts:
+            self._consts.add(name)
+            self.g.const(name, np.asarray(array))
+        return name
+
     def nbits_inputs(self, name: str, w: NBits) -> list[str]:
         g = self.g
         ins = [g.const(f"{name}.q", w.blocks), g.const(f"{name}.scales", w.scales)]
@@ -310,72 +373,51 @@ class _Builder:
             ins.append(g.const(f"{name}.zp", np.zeros(n * ((nb + 1) // 2), np.uint8)))
         return ins
 
-    def linear(self, x: str, names: list[str]) -> str:
-        """x (1, S, K) @ W^T for the row-wise concatenation W of the named (N_i, K) matrices."""
+    def linear(self, x: str, names: list[str], bias: bool = False) -> str:
+        """x (1, S, K) @ W^T (+ b) for the row-wise concatenation W of the named
+        (N_i, K) matrices (and b of their biases)."""
         g = self.g
         key = names[0] if len(names) == 1 else names[0].rsplit(".", 2)[0] + ".fused_" + "_".join(
             n.split(".")[-2] for n in names)
+        b = None
+        if bias:
+            b = g.const(f"{key}.bias", np.concatenate(
+                [self.tensor(n.rsplit(".", 1)[0] + ".bias").dequantize().reshape(-1) for n in names]))
         if self.weights in ("fp16", "fp32"):
             w = np.concatenate([dequantize(self.tensor(n)) for n in names], axis=0)
             dt = np.float16 if self.weights == "fp16" else np.float32
             wt = g.const(key, np.ascontiguousarray(w.T.astype(dt)))
             if self.weights == "fp16":
                 wt = g.op("Cast", [wt], to=FLOAT)
-            return g.op("MatMul", [x, wt])
+            y = g.op("MatMul", [x, wt])
+            return y if b is None else g.op("Add", [y, b])
         parts = [matrix_nbits(self.tensor(n), self.weights) for n in names]
         if len({(p.bits, p.mins is None) for p in parts}) > 1:  # mixed kinds: requantize all
             parts = [requantize8(dequantize(self.tensors[n])) for n in names]
         w = NBits(parts[0].bits, np.concatenate([p.blocks for p in parts]),
                   np.concatenate([p.scales for p in parts]),
                   None if parts[0].mins is None else np.concatenate([p.mins for p in parts]))
-        return self.nbits_matmul(x, w, self.nbits_inputs(key, w), key)
+        return self.nbits_matmul(x, w, self.nbits_inputs(key, w), key, b)
 
-    def q8_activations(self, x: str, k: int, want_sums: bool) -> tuple[str, str | None]:
-        """x (1, S, K) rounded the way llama.cpp's CPU quantizes activations for
-        its dot products (quantize_row_q8_1): per block of 32, d = amax / 127,
-        q = round-half-even(x * 127 / amax), value f16(d) * q. Returns that
-        value (1, S, K) and, if asked, the blocks' sums f16(d * sum(q)) (1, S, K / 32).
-        MatMulNBits at accuracy_level 4 requantizes these values losslessly (the
-        block's absmax is exactly 127 * f16(d)), so its int8 kernels compute the
-        same integer dot products as llama.cpp."""
-        g = self.g
-        if not self._q8_consts:
-            self._q8_consts = True
-            g.const("q8.127", np.array(127, np.float32))
-            g.const("q8.inv127", np.array(1 / 127, np.float32))
-            g.const("q8.tiny", np.array(1e-30, np.float32))
-            g.const("q8.last_axis", np.array([-1], np.int64))
-        if k not in self._q8_shapes:
-            self._q8_shapes.add(k)
-            g.shape(f"q8.blocks{k}", [1, -1, k // BLOCK, BLOCK])
-            g.shape(f"q8.flat{k}", [1, -1, k])
-        blocks = g.op("Reshape", [x, f"q8.blocks{k}"])                                   # (1, S, nb, 32)
-        amax = g.op("ReduceMax", [g.op("Abs", [blocks]), "q8.last_axis"], keepdims=1)
-        d = g.op("Mul", [amax, "q8.inv127"])
-        d16 = g.op("Cast", [g.op("Cast", [d], to=FLOAT16)], to=FLOAT)
-        q = g.op("Round", [g.op("Mul", [blocks, g.op("Div", ["q8.127", g.op("Max", [amax, "q8.tiny"])])])])
-        value = g.op("Reshape", [g.op("Mul", [q, d16]), f"q8.flat{k}"])
-        if not want_sums:
-            return value, None
-        sums = g.op("Mul", [g.op("ReduceSum", [q, "q8.last_axis"], keepdims=0),
-                            g.op("Squeeze", [d, "q8.last_axis"])])
-        return value, g.op("Cast", [g.op("Cast", [sums], to=FLOAT16)], to=FLOAT)
-
-    def nbits_matmul(self, x: str, w: NBits, inputs: list[str], key: str) -> str:
-        """x (1, S, K) @ W^T through MatMulNBits on llama.cpp-rounded activations;
-        Q4_1's minimums add blocksum(x) @ M^T, as ggml_vec_dot_q4_1_q8_1 does."""
+    def nbits_matmul(self, x: str, w: NBits, inputs: list[str], key: str, bias: str | None = None) -> str:
+        """x (1, S, K) @ W^T through MatMulNBits, its int8 kernels (accuracy_level 4:
+        activations quantized per block of 32, as llama.cpp's CPU does); Q4_1's
+        minimums add blocksum(x) @ M^T, as ggml_vec_dot_q4_1_q8_1 does."""
         g = self.g
         n, k = w.shape
-        x, sums = self.q8_activations(x, k, w.mins is not None)
+        if bias is not None:
+            inputs = inputs + [""] * (4 - len(inputs)) + [bias]  # after B, scales, zero_points, g_idx
         y = g.op("MatMulNBits", [x] + inputs, domain=MS_DOMAIN,
                  K=k, N=n, bits=w.bits, block_size=BLOCK, accuracy_level=4)
         if w.mins is None:
             return y
+        blocks = g.op("Reshape", [x, self.shared(f"blocks{k}", np.array([1, -1, k // BLOCK, BLOCK], np.int64))])
+        sums = g.op("ReduceSum", [blocks, self.shared("axis.last", np.array([-1], np.int64))], keepdims=0)
         return g.op("Add", [y, g.op("MatMul", [sums, g.const(f"{key}.mins", np.ascontiguousarray(w.mins.T))])])
 
     def embedding_and_head(self):
-        """Token embedding (Gather) and the output matrix; with tied weights the
-        8-bit blocks are stored once and serve both."""
+        """Token embedding (Gather, scaled by embd_scale) and the output matrix;
+        with tied weights the 8-bit blocks are stored once and serve both."""
         cfg, g = self.cfg, self.g
         emb_t = self.tensor("token_embd.weight")
         if self.weights in ("fp16", "fp32"):
@@ -383,7 +425,7 @@ class _Builder:
             name = g.const("token_embd.weight", table)
             if self.weights == "fp16":
                 name = g.op("Cast", [name], to=FLOAT)
-            embed = lambda ids: g.op("Gather", [name, ids])  # noqa: E731
+            lookup = lambda ids: g.op("Gather", [name, ids])  # noqa: E731
             head_table = name if cfg.tied_output else None
         else:
             w = matrix_nbits(emb_t, "int8")  # Q8_0 exactly, else requantized: the rows must be 8-bit
@@ -392,7 +434,7 @@ class _Builder:
             q, scales = self.nbits_inputs("token_embd", w)
             nb = cfg.n_embd // BLOCK
 
-            def embed(ids):
+            def lookup(ids):
                 rows = g.op("Cast", [g.op("Gather", [q, ids])], to=FLOAT)          # (1, S, nb, 32)
                 rows = g.op("Sub", [rows, g.const("emb.zp", np.array(128, np.float32))])
                 sc = g.op("Gather", [g.op("Reshape", [scales, g.shape("emb.sc_shape", [-1, nb, 1])]), ids])
@@ -400,94 +442,149 @@ class _Builder:
             head_table = (q, scales) if cfg.tied_output else None
             head_w = w
 
+        def embed(ids):                                                       # (1, S) -> (1, S, E)
+            x = lookup(ids)
+            if cfg.embd_scale != 1.0:
+                x = g.op("Mul", [x, g.const("emb.scale", np.array(cfg.embd_scale, np.float32))])
+            return x
+
         def head(x):                                                          # (1, R, E) -> (1, R, V)
             if head_table is None:
-                return self.linear(x, ["output.weight"])
-            if isinstance(head_table, tuple):
-                return self.nbits_matmul(x, head_w, list(head_table), "output")
-            flat = g.op("Reshape", [x, g.shape("head.in_shape", [-1, cfg.n_embd])])
-            y = g.op("Gemm", [flat, head_table], transB=1)
-            return g.op("Reshape", [y, g.shape("head.out_shape", [1, -1, cfg.n_vocab])])
+                y = self.linear(x, ["output.weight"])
+            elif isinstance(head_table, tuple):
+                y = self.nbits_matmul(x, head_w, list(head_table), "output")
+            else:
+                flat = g.op("Reshape", [x, g.shape("head.in_shape", [-1, cfg.n_embd])])
+                y = g.op("Reshape", [g.op("Gemm", [flat, head_table], transB=1),
+                                     g.shape("head.out_shape", [1, -1, cfg.n_vocab])])
+            if cfg.softcap > 0:
+                c = cfg.softcap
+                y = g.op("Mul", [g.op("Tanh", [g.op("Mul", [y, g.const("softcap.inv", np.array(1 / c, np.float32))])]),
+                                 g.const("softcap.c", np.array(c, np.float32))])
+            return y
         return embed, head
 
-    def attention_consts(self) -> None:
-        """Shapes every layer's attention shares (G = query heads per KV head)."""
-        cfg, g = self.cfg, self.g
-        H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        G = H // KV
-        g.shape("attn.kv_heads", [1, -1, KV, D])
-        g.shape("attn.q_heads", [1, -1, KV, G, D])
-        g.shape("attn.q_grouped", [1, KV, -1, D])
-        g.shape("attn.scores_heads", [1, H, -1, 0])      # 0: keep T
-        g.shape("attn.scores_grouped", [1, KV, -1, 0])
-        g.shape("attn.out_heads", [1, KV, G, -1, D])
-        g.shape("attn.out_shape", [1, -1, H * D])
-        g.const("attn.scale", np.array(1.0 / np.sqrt(D), np.float32))
+    def rms_norm(self, x: str, weight: str) -> str:
+        """RMS norm over the last axis: ONNX's RMSNormalization, or in a static
+        graph the plain operators NPU compilers know (OpenVINO's provider
+        leaves RMSNormalization to the CPU)."""
+        g = self.g
+        if not self.static:
+            return g.op("RMSNormalization", [x, weight], axis=-1, epsilon=self.cfg.rms_eps)
+        mean = g.op("ReduceMean", [g.op("Mul", [x, x]), self.shared("axis.last", np.array([-1], np.int64))])
+        eps = self.shared("rms.eps", np.array(self.cfg.rms_eps, np.float32))
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, eps])])])
+        return g.op("Mul", [g.op("Mul", [x, inv]), weight])
 
-    def index(self, name: str, values: list[int]) -> str:
-        """An int64 constant for Slice, written once."""
-        if name not in self._indices:
-            self._indices.add(name)
-            self.g.const(name, np.array(values, np.int64))
-        return name
+    def rope(self, x: str, n_heads: int, cos_sin: tuple[str, str], pos: str) -> str:
+        """RoPE in plain operators on x (1, S, n_heads * D) at positions pos (1, S):
+        the table rows of each position, then each pair (x1, x2) -> (x1 c - x2 s,
+        x1 s + x2 c); a pair is two adjacent dimensions (llama) or dimension i and
+        i + D/2 (NEOX)."""
+        g, D = self.g, self.cfg.head_dim
+        if self.cfg.rope_neox:   # (1, S, H, 2, D/2): the halves
+            split, table = [1, -1, n_heads, 2, D // 2], [1, -1, 1, 1, D // 2]
+            axis = 3
+        else:                    # (1, S, H, D/2, 2): adjacent pairs
+            split, table = [1, -1, n_heads, D // 2, 2], [1, -1, 1, D // 2, 1]
+            axis = 4
+        pairs = g.op("Reshape", [x, self.shared(f"rope.split{n_heads}", np.array(split, np.int64))])
+        x1, x2 = g.op("Split", [pairs], n_out=2, axis=axis, num_outputs=2)
+        shape = self.shared("rope.table_shape", np.array(table, np.int64))
+        c = g.op("Reshape", [g.op("Gather", [cos_sin[0], pos]), shape])
+        s = g.op("Reshape", [g.op("Gather", [cos_sin[1], pos]), shape])
+        r1 = g.op("Sub", [g.op("Mul", [x1, c]), g.op("Mul", [x2, s])])
+        r2 = g.op("Add", [g.op("Mul", [x1, s]), g.op("Mul", [x2, c])])
+        return g.op("Reshape", [g.op("Concat", [r1, r2], axis=axis),
+                                self.shared(f"flat{n_heads}", np.array([1, -1, n_heads * D], np.int64))])
+
+    def head_norm(self, x: str, weight: str, n_heads: int) -> str:
+        """gemma3: RMS norm of each head of x (1, S, n_heads * D)."""
+        D = self.cfg.head_dim
+        heads = self.g.op("Reshape", [x, self.shared(f"heads{n_heads}", np.array([1, -1, n_heads, D], np.int64))])
+        return self.g.op("Reshape", [self.rms_norm(heads, weight),
+                                     self.shared(f"flat{n_heads}", np.array([1, -1, n_heads * D], np.int64))])
 
     def repeat_last_row(self, x: str, axis: int) -> str:
         """x with its last entry along ``axis`` (the token axis) appended once more."""
-        last = self.g.op("Slice", [x, self.index("pad.minus1", [-1]),
-                                   self.index("pad.max", [np.iinfo(np.int64).max]),
-                                   self.index(f"pad.axis{axis}", [axis])])
+        last = self.g.op("Slice", [x, self.shared("pad.minus1", np.array([-1], np.int64)),
+                                   self.shared("pad.max", np.array([np.iinfo(np.int64).max], np.int64)),
+                                   self.shared(f"pad.axis{axis}", np.array([axis], np.int64))])
         return self.g.op("Concat", [x, last], axis=axis)
 
     def drop_last_row(self, x: str) -> str:
         """(1, S + 1, ...) -> (1, S, ...)"""
-        return self.g.op("Slice", [x, self.index("pad.zero", [0]), self.index("pad.minus1", [-1]),
-                                   self.index("pad.axis1", [1])])
+        return self.g.op("Slice", [x, self.shared("pad.zero", np.array([0], np.int64)),
+                                   self.shared("pad.minus1", np.array([-1], np.int64)),
+                                   self.shared("pad.axis1", np.array([1], np.int64))])
 
-    def attention(self, i: int, x: str, pos: str, bias: str, slots: str | None,
-                  rope: tuple[str, str]) -> tuple[str, str, str]:
-        """One attention block on normed x (1, S, E), S + 1 rows in the dynamic graph (the
-        last a copy, kept out of the cache); returns (out, present_k, present_v)."""
+    def qkv(self, i: int, x: str) -> tuple[str, str, str]:
+        """The projections of normed x (1, S, E): q (1, S, H*D), k and v (1, S, KV*D),
+        with qwen2's biases and gemma3's per-head norms (before RoPE)."""
         cfg, g = self.cfg, self.g
         p = f"blk.{i}."
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        qkv = self.linear(x, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
-        q, k, v = g.op("Split", [qkv, g.const(f"{p}qkv_split", np.array([H * D, KV * D, KV * D], np.int64))],
+        qkv = self.linear(x, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], bias=cfg.qkv_bias)
+        q, k, v = g.op("Split", [qkv, self.shared("qkv_split", np.array([H * D, KV * D, KV * D], np.int64))],
                        n_out=3, axis=2)
-        cos, sin = rope
-        q = g.op("RotaryEmbedding", [q, pos, cos, sin], domain=MS_DOMAIN, interleaved=1, num_heads=H)
-        k = g.op("RotaryEmbedding", [k, pos, cos, sin], domain=MS_DOMAIN, interleaved=1, num_heads=KV)
-        if not self.static:  # build()'s copy of the last row does not enter the cache
-            k, v = self.drop_last_row(k), self.drop_last_row(v)
-        # (1, S, KV*D) -> (1, KV, S, D)
-        k = g.op("Transpose", [g.op("Reshape", [k, "attn.kv_heads"])], perm=[0, 2, 1, 3])
-        v = g.op("Transpose", [g.op("Reshape", [v, "attn.kv_heads"])], perm=[0, 2, 1, 3])
-        # The cache holds float16, like llama.cpp's: half the memory and traffic.
+        if cfg.gemma:
+            q = self.head_norm(q, self.vector(p + "attn_q_norm.weight"), H)
+            k = self.head_norm(k, self.vector(p + "attn_k_norm.weight"), KV)
+        return q, k, v
+
+    def attention_gqa(self, i: int, q: str, k: str, v: str, pos: str, bias: str, seqlens: tuple[str, str],
+                      rope: tuple[str, str]) -> str:
+        """The dynamic graph's attention: one GroupQueryAttention (RoPE, the write of
+        the new keys and values into the cache at slots P..., scores under the
+        additive mask, softmax, weighted sum). The past and present caches are one
+        buffer (IO binding), so a call writes only its rows; the last row (build()'s
+        copy) lands in the slot after the call, which the next call overwrites."""
+        cfg = self.cfg
+        out, _, _ = self.g.op("GroupQueryAttention",
+                        [q, k, v, f"past.{i}.key", f"past.{i}.value", seqlens[0], seqlens[1], rope[0], rope[1],
+                         pos, bias],
+                        outputs=[f"attn_{i}", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
+                        num_heads=cfg.n_head, kv_num_heads=cfg.n_head_kv, do_rotary=1,
+                        rotary_interleaved=0 if cfg.rope_neox else 1, scale=float(1 / np.sqrt(cfg.head_dim)))
+        return out
+
+    def attention_ops(self, i: int, q: str, k: str, v: str, pos: str, bias: str, slots: str,
+                      rope: tuple[str, str]) -> str:
+        """The static graph's attention in plain operators (what NPU compilers take,
+        every one inside OpenVINO's set): RoPE, the new keys and values scattered into the float16 cache at
+        ``cache_slots``, scores over all C slots under the mask."""
+        cfg, g = self.cfg, self.g
+        H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        G = H // KV
+        q, k = self.rope(q, H, rope, pos), self.rope(k, KV, rope, pos)
+        # (1, S, KV*D) -> (1, KV, S, D), float16 like llama.cpp's cache
+        shape = lambda name, dims: self.shared(f"attn.{name}", np.array(dims, np.int64))  # noqa: E731
+        k = g.op("Transpose", [g.op("Reshape", [k, shape("kv_heads", [1, -1, KV, D])])], perm=[0, 2, 1, 3])
+        v = g.op("Transpose", [g.op("Reshape", [v, shape("kv_heads", [1, -1, KV, D])])], perm=[0, 2, 1, 3])
         k, v = g.op("Cast", [k], to=FLOAT16), g.op("Cast", [v], to=FLOAT16)
-        past_k, past_v = f"past.{i}.key", f"past.{i}.value"
-        if slots is None:
-            present_k = g.op("Concat", [past_k, k], axis=2)                   # (1, KV, P + S, D)
-            present_v = g.op("Concat", [past_v, v], axis=2)
-        else:
-            present_k = g.op("ScatterElements", [past_k, slots, k], axis=2)   # (1, KV, C, D)
-            present_v = g.op("ScatterElements", [past_v, slots, v], axis=2)
+        present_k = g.op("ScatterElements", [f"past.{i}.key", slots, k], axis=2, outputs=[f"present.{i}.key"])
+        present_v = g.op("ScatterElements", [f"past.{i}.value", slots, v], axis=2, outputs=[f"present.{i}.value"])
         # Grouped-query attention: query head h uses KV head h // G, so the G query
         # heads of a KV head are consecutive: (1, S, H*D) -> (1, KV, G*S, D).
-        q = g.op("Transpose", [g.op("Reshape", [q, "attn.q_heads"])], perm=[0, 2, 3, 1, 4])  # (1, KV, G, S, D)
-        q = g.op("Reshape", [g.op("Mul", [q, "attn.scale"]), "attn.q_grouped"])
+        q = g.op("Transpose", [g.op("Reshape", [q, shape("q_heads", [1, -1, KV, G, D])])], perm=[0, 2, 3, 1, 4])
+        q = g.op("Reshape", [g.op("Mul", [q, self.shared("attn.scale", np.array(1.0 / np.sqrt(D), np.float32))]),
+                             shape("q_grouped", [1, KV, -1, D])])
         keys = g.op("Transpose", [g.op("Cast", [present_k], to=FLOAT)], perm=[0, 1, 3, 2])
-        scores = g.op("MatMul", [q, keys])                                               # (1, KV, G*S, T)
-        scores = g.op("Add", [g.op("Reshape", [scores, "attn.scores_heads"]), bias])      # (1, H, S, T)
-        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), "attn.scores_grouped"])
-        out = g.op("MatMul", [probs, g.op("Cast", [present_v], to=FLOAT)])              # (1, KV, G*S, D)
-        out = g.op("Reshape", [out, "attn.out_heads"])                                     # (1, KV, G, S, D)
-        out = g.op("Reshape", [g.op("Transpose", [out], perm=[0, 3, 1, 2, 4]), "attn.out_shape"])  # (1, S, H*D)
-        return self.linear(out, [p + "attn_output.weight"]), present_k, present_v
+        scores = g.op("MatMul", [q, keys])                                                 # (1, KV, G*S, C)
+        scores = g.op("Add", [g.op("Reshape", [scores, shape("scores_heads", [1, H, -1, 0])]), bias])
+        probs = g.op("Reshape", [g.op("Softmax", [scores], axis=-1), shape("scores_grouped", [1, KV, -1, 0])])
+        out = g.op("MatMul", [probs, g.op("Cast", [present_v], to=FLOAT)])                # (1, KV, G*S, D)
+        out = g.op("Reshape", [out, shape("out_heads", [1, KV, G, -1, D])])                  # (1, KV, G, S, D)
+        return g.op("Reshape", [g.op("Transpose", [out], perm=[0, 3, 1, 2, 4]), shape("out_shape", [1, -1, H * D])])
 
     def ffn(self, i: int, x: str) -> str:
         p = f"blk.{i}."
         gate_up = self.linear(x, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         gate, up = self.g.op("Split", [gate_up], n_out=2, axis=2, num_outputs=2)
-        act = self.g.op("Mul", [gate, self.g.op("Sigmoid", [gate])])       # SiLU
+        if self.cfg.gemma:
+            act = self.g.op("Gelu", [gate], approximate="tanh")
+        else:
+            act = self.g.op("Mul", [gate, self.g.op("Sigmoid", [gate])])       # SiLU
         return self.linear(self.g.op("Mul", [act, up]), [p + "ffn_down.weight"])
 
     def build(self):
@@ -497,56 +594,72 @@ class _Builder:
         KV, D = cfg.n_head_kv, cfg.head_dim
         if self.static:
             S, C = self.static
-            seq, past_len, total = S, C, C
+            seq, cache, total, cache_type = S, C, C, TensorProto.FLOAT16
         else:
-            seq, past_len, total = "S", "P", "T"
+            seq, cache, total, cache_type = "S", "C", "T", TensorProto.FLOAT
+        windowed = cfg.swa_layers is not None and any(cfg.swa_layers)
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, seq]),
             helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, seq]),
             helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, seq, total]),
-            helper.make_tensor_value_info("logits_rows", TensorProto.INT64, ["R"] if not self.static else [seq]),
         ]
-        slots = None
+        if windowed:
+            inputs.append(helper.make_tensor_value_info("attention_bias_local", TensorProto.FLOAT, [1, 1, seq, total]))
+        inputs.append(helper.make_tensor_value_info("logits_rows", TensorProto.INT64, ["R"] if not self.static else [seq]))
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                                 [1, "R" if not self.static else seq, cfg.n_vocab])]
+        n_pos = self.static[1] if self.static else positions_limit(cfg)
+        ropes = {False: tuple(g.const(f"rope.{n}", a) for n, a in zip(
+            ("cos", "sin"), rope_cache(n_pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale)))}
+        if windowed:
+            ropes[True] = tuple(g.const(f"rope_local.{n}", a) for n, a in zip(
+                ("cos", "sin"), rope_cache(n_pos, cfg.rope_dim, cfg.rope_base_swa)))
+        embed, head = self.embedding_and_head()
+        ids, pos, rows = "input_ids", "position_ids", "logits_rows"
+        biases = {False: "attention_bias", True: "attention_bias_local" if windowed else None}
+        slots = seqlens = None
         if self.static:
             inputs.append(helper.make_tensor_value_info("cache_slots", TensorProto.INT64, [seq]))
             # (S,) -> (1, KV, S, D): ScatterElements wants indices of the updates' shape
             slots = g.op("Expand", [g.op("Reshape", ["cache_slots", g.shape("slots.shape", [1, 1, -1, 1])]),
                                     g.shape("slots.expand", [1, KV, seq, D])])
-        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "R" if not self.static else seq, cfg.n_vocab])]
-        cos, sin = rope_cache(self.static[1] if self.static else cfg.n_ctx_train, cfg.rope_dim, cfg.rope_base)
-        rope = (g.const("rope.cos", cos), g.const("rope.sin", sin))
-        embed, head = self.embedding_and_head()
-        self.attention_consts()
-        ids, pos, bias, rows = "input_ids", "position_ids", "attention_bias", "logits_rows"
-        if not self.static:  # one row more, a copy of the last (see the module's docstring)
-            ids, pos, bias, rows = (self.repeat_last_row(ids, 1), self.repeat_last_row(pos, 1),
-                                    self.repeat_last_row(bias, 2), self.repeat_last_row(rows, 0))
+        else:  # one row more, a copy of the last (see the module's docstring)
+            ids, pos, rows = self.repeat_last_row(ids, 1), self.repeat_last_row(pos, 1), self.repeat_last_row(rows, 0)
+            biases = {w: b and self.repeat_last_row(b, 2) for w, b in biases.items()}
+            # GroupQueryAttention's lengths from the mask: T = P + S + 1 keys after the call
+            t64 = g.op("Shape", ["attention_bias"], start=3, end=4)
+            t32 = g.op("Cast", [t64], to=TensorProto.INT32)
+            seqlens = (g.op("Sub", [t32, g.const("gqa.one", np.array([1], np.int32))]),
+                       g.op("Squeeze", [t32, g.const("gqa.axis0", np.array([0], np.int64))]))
         h = embed(ids)                                                        # (1, S (+ 1), E)
-        eps = cfg.rms_eps
-        x = g.op("RMSNormalization", [h, self.vector("blk.0.attn_norm.weight")],
-                 axis=-1, epsilon=eps)
+        x = self.rms_norm(h, self.vector("blk.0.attn_norm.weight"))
         for i in range(cfg.n_layer):
             for kind in ("key", "value"):
-                inputs.append(helper.make_tensor_value_info(f"past.{i}.{kind}", TensorProto.FLOAT16,
-                                                            [1, KV, past_len, D]))
-            attn, pk, pv = self.attention(i, x, pos, bias, slots, rope)
+                inputs.append(helper.make_tensor_value_info(f"past.{i}.{kind}", cache_type, [1, KV, cache, D]))
+                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", cache_type, [1, KV, cache, D]))
+            local = bool(cfg.swa_layers and cfg.swa_layers[i])
+            q, k, v = self.qkv(i, x)
+            if self.static:
+                attn = self.attention_ops(i, q, k, v, pos, biases[local], slots, ropes[local])
+            else:
+                attn = self.attention_gqa(i, q, k, v, pos, biases[local], seqlens, ropes[local])
+            attn = self.linear(attn, [f"blk.{i}.attn_output.weight"])
+            if cfg.gemma:
+                attn = self.rms_norm(attn, self.vector(f"blk.{i}.post_attention_norm.weight"))
             # residual + attention, normed for the FFN; the sum is the new residual
             x, _, _, h = g.op("SkipSimplifiedLayerNormalization",
                               [attn, h, self.vector(f"blk.{i}.ffn_norm.weight")], n_out=4,
-                              domain=MS_DOMAIN, epsilon=eps)
+                              domain=MS_DOMAIN, epsilon=cfg.rms_eps)
             f = self.ffn(i, x)
+            if cfg.gemma:
+                f = self.rms_norm(f, self.vector(f"blk.{i}.post_ffw_norm.weight"))
             nxt = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.n_layer else "output_norm.weight"
             if i + 1 == cfg.n_layer:  # only the requested rows reach the output norm and head
-                h = g.op("Add", [f, h])
-                h = g.op("Gather", [h, rows], axis=1)
-                x = g.op("RMSNormalization", [h, self.vector(nxt)], axis=-1, epsilon=eps)
+                h = g.op("Gather", [g.op("Add", [f, h]), rows], axis=1)
+                x = self.rms_norm(h, self.vector(nxt))
             else:
                 x, _, _, h = g.op("SkipSimplifiedLayerNormalization", [f, h, self.vector(nxt)], n_out=4,
-                                  domain=MS_DOMAIN, epsilon=eps)
-            for kind, name in (("key", pk), ("value", pv)):
-                out = f"present.{i}.{kind}"
-                g.nodes.append(helper.make_node("Identity", [name], [out], name=f"{out}.out"))
-                outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT16, [1, KV, total, D]))
+                                  domain=MS_DOMAIN, epsilon=cfg.rms_eps)
         logits = head(x)
         if not self.static:
             logits = self.drop_last_row(logits)
@@ -559,6 +672,12 @@ class _Builder:
         return model
 
 
+def positions_limit(cfg: DecoderConfig) -> int:
+    """Positions the dynamic graph's RoPE tables cover: the training context, at
+    most MAX_POSITIONS (tables of a 32k-context model would outweigh a small one)."""
+    return min(cfg.n_ctx_train, MAX_POSITIONS) if cfg.n_ctx_train > 0 else MAX_POSITIONS
+
+
 # ---------------------------------------------------------------------------
 # Export: a temporary folder renamed into place when complete
 # ---------------------------------------------------------------------------
@@ -568,6 +687,12 @@ def check_weights(weights: str) -> str:
     if weights not in WEIGHTS:
         raise InvalidArgumentError(f"unknown --weights '{weights}' (available: {', '.join(WEIGHTS)})")
     return weights
+
+
+def check_cache_len(cache_len: int) -> int:
+    if not STATIC_SEQ * 2 <= cache_len <= MAX_POSITIONS:
+        raise InvalidArgumentError(f"--cache-len must be {STATIC_SEQ * 2} to {MAX_POSITIONS}, got {cache_len}")
+    return cache_len
 
 
 def _file_digest(path: Path) -> str:
@@ -594,7 +719,8 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 
 def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights: str = "int4",
-           static_shapes: bool = False, model_ref: str | None = None, progress: bool = True) -> Path:
+           static_shapes: bool = False, cache_len: int = STATIC_CTX, model_ref: str | None = None,
+           progress: bool = True) -> Path:
     """Write ``model.onnx`` and ``edgespec-onnx.json`` for ``gguf_path`` into
     ``out_dir`` (new or empty). Everything is written into a temporary folder
     next to it and renamed into place at the end: an interrupted export leaves
@@ -613,7 +739,9 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     except BaseException:
         reader.close()
         raise
-    static = (STATIC_SEQ, STATIC_CTX) if static_shapes else None
+    if static_shapes:
+        check_cache_len(cache_len)
+    static = (STATIC_SEQ, cache_len) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
     bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
     try:
@@ -631,6 +759,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         meta = {
             "format": FORMAT, "version": FORMAT_VERSION, "model": MODEL_FILE, "weights": weights,
             "static": {"seq": static[0], "ctx": static[1]} if static else None,
+            "positions": static[1] if static else positions_limit(cfg),
             "config": asdict(cfg),
             "source": {"gguf": str(gguf_path), "ref": model_ref or str(gguf_path),
                        "size": gguf_path.stat().st_size, "sha256": _file_digest(gguf_path)},

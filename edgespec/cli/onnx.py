@@ -18,20 +18,43 @@ def export_onnx(
                                              "8-bit), int8, fp16 or fp32."),
     static_shapes: bool = typer.Option(False, "--static-shapes",
                                        help="Fixed shapes for NPU compilers: 16 tokens per call, "
-                                            "a 1024-slot KV cache written through cache_slots."),
+                                            "a --cache-len-slot KV cache written through cache_slots."),
+    cache_len: int = typer.Option(1024, "--cache-len", help="KV cache slots of a --static-shapes graph "
+                                                            "(the context is 16 fewer)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
-    """Export a GGUF llama-architecture model to ONNX (contrib ops: MatMulNBits,
-    RotaryEmbedding, SkipSimplifiedLayerNormalization) with explicit KV-cache inputs."""
+    """Export a GGUF model (llama, qwen2, gemma3) to ONNX with explicit KV-cache
+    inputs (contrib ops: MatMulNBits, GroupQueryAttention, SkipSimplifiedLayerNormalization)."""
     from ..backends import onnx_export
     from ..models import registry
 
     onnx_export.check_weights(weights)  # before fetching or reading anything
+    if static_shapes:
+        onnx_export.check_cache_len(cache_len)
     onnx_export.check_out_dir(out_dir)
     path = registry.model_path_checked(model)
     t0 = time.perf_counter()
     folder = onnx_export.export(path, out_dir, weights=weights, static_shapes=static_shapes,
-                                model_ref=model, progress=not quiet)
+                                cache_len=cache_len, model_ref=model, progress=not quiet)
     typer.echo(f"exported {model} ({weights}{', static shapes' if static_shapes else ''}) to {folder} "
                f"in {time.perf_counter() - t0:.1f} s", err=True)
     typer.echo(str(folder))
+
+
+@app.command("onnx-placement")
+def onnx_placement(
+    folder: str = typer.Argument(..., help="A folder from `edgespec export-onnx`."),
+    ep: str = typer.Option("cpu", "--ep", help="Execution provider (as --ep of generate)."),
+):
+    """Where an exported graph's nodes run on an execution provider: the fraction
+    placed on it, and each node it leaves to the CPU (name and operator)."""
+    from pathlib import Path
+
+    from ..backends import onnx, onnx_export
+
+    meta = onnx_export.load_export(Path(folder))
+    report = onnx.placement(Path(folder) / meta["model"], ep)
+    typer.echo(f"{report['on_provider']} of {report['nodes']} nodes "
+               f"({100 * report['on_provider'] / report['nodes']:.1f}%) on {report['provider']}")
+    for node, op in report["fallback"]:
+        typer.echo(f"  on the CPU: {node} ({op})")

@@ -125,7 +125,8 @@ ENGINE_OPTIONS = {
         "--model may also be a folder from `edgespec export-onnx`, a GGUF is exported into the cache on first use).")),
     "ep": (Optional[str], typer.Option(
         None, "--ep", help="ONNX Runtime execution provider of whichever model runs on the onnx backend: "
-        "cpu, qnn, openvino, dml, coreml or cuda (default: cpu).")),
+        "cpu, qnn, openvino, dml, coreml or cuda (default: cpu); openvino:CPU, openvino:NPU or openvino:GPU "
+        "picks OpenVINO's device.")),
     "threads": (Optional[int], typer.Option(None, "--threads", help="CPU threads, > 0 (default: physical cores).")),
     "n_ctx": (Optional[int], typer.Option(None, "--ctx", help="Context window in tokens, >= 16 (default: 4096, or "
                                               "the model's training context if smaller; longer needs --ctx-extend).")),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from ..errors import InvalidArgumentError
@@ -40,6 +40,18 @@ class Draft:
         for p in self.parents:
             depth.append(1 if p < 0 else depth[p] + 1)
         return depth
+
+    def first_path(self) -> Draft:
+        """A tree's first root-to-leaf path (each node's first child) as a chain;
+        a chain as it is. (Tree drafts carry no q rows.)"""
+        if self.parents is None:
+            return self
+        keep, node = [], -1
+        for i, p in enumerate(self.parents):
+            if p == node:  # the first child of the last node kept
+                keep.append(i)
+                node = i
+        return replace(self, tokens=[self.tokens[i] for i in keep], parents=None)
 
     @property
     def depth(self) -> int:
