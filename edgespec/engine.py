@@ -258,7 +258,9 @@ class Engine:
                                     threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
                                     ep=ep, ctx_extend=ctx_extend, verbose=verbose)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
-                                             draft_model=draft_model, draft_backend=draft_backend,
+                                             draft_model=draft_model,
+                                             paired_draft=registry.paired_draft(self.model_ref),
+                                             draft_backend=draft_backend,
                                              ep=ep, ngram_cache=ngram_cache,
                                              threads=threads, n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, Drafter] = {}
@@ -510,7 +512,12 @@ class Engine:
         best, best_value = Draft(), 0.0
         limit = min(self.draft_max, room)
         for d in drafters:
-            ask = planner.budget(d.name, limit, may_skip) if d.costly else limit
+            if d.costly:
+                if best_value and best_value >= planner.worth(d.name, limit, d.prior):
+                    continue  # a cheap draft is worth at least what this one could be
+                ask = planner.budget(d.name, limit, may_skip, d.prior)
+            else:
+                ask = limit
             if ask <= 0:
                 continue
             t0 = time.perf_counter()
@@ -575,6 +582,8 @@ class Engine:
         drafters = self._open_drafters(request.drafter)
         if drafters and self._planner is None:
             self._planner = Planner(self._batch_costs())
+        for d in drafters:
+            d.planner = self._planner
         backend = self.backend
         prompt = request.prompt_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), seed=request.sampling.seed, drafter=request.drafter)

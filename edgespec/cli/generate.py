@@ -41,6 +41,12 @@ def _summary(result) -> str:
     if s.spec is not None:
         line += (f"; drafter {s.drafter}: drafted {s.spec.drafted}, accepted {s.spec.accepted} "
                  f"({100 * s.spec.acceptance_rate:.0f}%), {s.spec.mean_accepted:.2f} accepted per step")
+        if s.spec.per_drafter:
+            line += "; accepted by " + ", ".join(f"{name} {d['accepted']}/{d['drafted']}"
+                                                 for name, d in s.spec.per_drafter.items())
+        mode = s.spec.drafters.get("model", {}).get("mode")
+        if mode:
+            line += f"; draft model {s.spec.drafters['model']['draft_model']} ({mode})"
     return line
 
 
