@@ -125,3 +125,12 @@ def test_piped_chat_line_that_is_not_utf8_is_one_line_exit_2(smollm2_path):
                   "--threads", "1", stdin=b"ab\xfe\xffcd\n")
     one_line_error(p, "input line 1 is not valid UTF-8 (byte 0xfe at offset 2)")
     assert p.stdout == ""
+
+
+def test_demo_shows_plain_and_speculative_side_by_side(tiny_llama_path):
+    p = run("demo", "--model", str(tiny_llama_path), "--threads", "1", timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "plain vs speculative decoding (--drafter auto)" in p.stdout
+    rows = [line for line in p.stdout.splitlines() if line.startswith("  edit:") or line.startswith("  rewrite:")]
+    assert len(rows) == 3 and all(" yes " in row for row in rows), p.stdout
+    assert "the same text as plain decoding" in p.stdout

@@ -267,3 +267,39 @@ def test_planner_declines_a_slowed_draft_model(tiny_llama_path, monkeypatch):
         asked = spec.stats.spec.drafters["model"]["drafts"]
         assert 1 <= asked <= 3, f"the slowed draft model was asked {asked} times"
         assert engine._planner.draft_cost["model"] > 1.0
+
+
+# -- the built-in models, native backend, past 256 positions ---------------------------
+
+# A code prompt of ~250 tokens: with 24 generated tokens the text passes 256 positions.
+CODE_PROMPT = ("Add a docstring to each function of this Python code and return the full code:\n\n"
+               + "".join(f"def f{i}(x, y):\n    z = x * {i} + y\n    return z - {i}\n\n" for i in range(10)))
+
+
+def _identical_past_256(engine, drafter, **options):
+    plain = engine.generate(CODE_PROMPT, max_tokens=24, drafter="none", chat=True, **options)
+    spec = engine.generate(CODE_PROMPT, max_tokens=24, drafter=drafter, chat=True, **options)
+    assert plain.stats.prompt_tokens + len(plain.tokens) > 256
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    return spec
+
+
+def test_paired_draft_model_greedy_identity(qwen_coder_15b_path, qwen_coder_05b_path):
+    with Engine("qwen2.5-coder-1.5b", backend="native", threads=2, n_ctx=1024, drafter="model") as engine:
+        spec = _identical_past_256(engine, "model")
+        drafter = spec.stats.spec.drafters["model"]
+        assert drafter["draft_model"] == "qwen2.5-coder-0.5b" and drafter["mode"] == model_drafter.SAME_VOCAB
+        assert engine._drafters["model"].backend.name == "native"
+        assert spec.stats.spec.per_drafter["model"]["accepted"] > 0
+
+
+def test_cross_tokenizer_greedy_identity_on_built_in_models(qwen_coder_05b_path, smollm2_path):
+    with Engine("qwen2.5-coder-0.5b", backend="native", threads=2, n_ctx=1024, drafter="model",
+                draft_model="smollm2-135m") as engine:
+        spec = _identical_past_256(engine, "model")
+        assert spec.stats.spec.drafters["model"]["mode"] == model_drafter.CROSS_TOKENIZER
+        assert spec.stats.spec.per_drafter["model"]["accepted"] > 0
+        # sampled: a valid text, drafted and verified as a point-mass proposal
+        r = engine.generate(CODE_PROMPT, max_tokens=16, chat=True, temperature=0.8, seed=3)
+        assert all(0 <= t < engine.backend.n_vocab for t in r.tokens)
+        assert r.stats.spec.drafted > 0

@@ -33,7 +33,6 @@ import numpy as np
 from ..backends import open_backend, resolve_model
 from ..capi import ffi
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
-from ..models import registry
 from ..sampling import Sampler, SamplingParams
 from . import Draft, Drafter, DrafterConfig, Verified
 
