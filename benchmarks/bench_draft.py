@@ -105,20 +105,22 @@ def overhead(args) -> None:
         planner = engine._planner
         for name in ("record", "record_step_time"):
             setattr(planner, name, timed(getattr(planner, name)))
-        fractions, plain_speed, auto_speed, drafted = [], [], [], 0
+        fractions, per_step, plain_speed, auto_speed, drafted = [], [], [], [], 0
         for rnd in range(args.rounds):
             for prompt in PROSE:
                 p = engine.generate(prompt, max_tokens=args.tokens, drafter="none", chat=True)
                 spent[0] = 0.0
                 a = engine.generate(prompt, max_tokens=args.tokens, chat=True)
                 fractions.append(spent[0] / a.stats.decode_s)
+                per_step.append(spent[0] / a.stats.spec.target_steps)
                 plain_speed.append(p.stats.tokens_per_s)
                 auto_speed.append(a.stats.tokens_per_s)
                 drafted += a.stats.spec.drafted
         print(f"{args.model}, {args.backend}, {args.threads} threads, {args.tokens} tokens, "
               f"{len(fractions)} runs, auto drafted {drafted} tokens in all")
         print(f"auto's own time (drafting, planning, bookkeeping) / decode time: "
-              f"median {100 * statistics.median(fractions):.2f}%, max {100 * max(fractions):.2f}%")
+              f"median {100 * statistics.median(fractions):.2f}%, max {100 * max(fractions):.2f}% "
+              f"({1e6 * statistics.median(per_step):.0f} us per step)")
         print(f"tokens/s: plain {statistics.median(plain_speed):.1f}, auto {statistics.median(auto_speed):.1f} "
               f"({statistics.median(a / p for a, p in zip(auto_speed, plain_speed)):.3f}x)")
 

@@ -303,3 +303,20 @@ def test_cross_tokenizer_greedy_identity_on_built_in_models(qwen_coder_05b_path,
         r = engine.generate(CODE_PROMPT, max_tokens=16, chat=True, temperature=0.8, seed=3)
         assert all(0 <= t < engine.backend.n_vocab for t in r.tokens)
         assert r.stats.spec.drafted > 0
+
+
+def test_runner_up_leaves_on_a_cheap_cost_curve_keep_greedy_identity(tiny_llama_path, tiny_vocab_path, tmp_path):
+    """Another random model over the same tokenizer drafts; with batches
+    nearly free the planner widens uncertain positions into trees, which
+    verification walks exactly."""
+    from edgespec.planner import MAX_BATCH, Planner
+
+    other = tmp_path / "other-seed.gguf"
+    write_tiny_llama(other, tiny_vocab_path, seed=5)
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="model",
+                draft_model=str(other), draft_max=6) as engine:
+        engine._planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
+        plain = engine.generate(LONG_TEXT[:200], max_tokens=48, drafter="none")
+        spec = engine.generate(LONG_TEXT[:200], max_tokens=48)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.spec.drafters["model"]["trees"] > 0

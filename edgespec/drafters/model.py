@@ -283,12 +283,15 @@ class ModelDrafter(Drafter):
         but the last. Returns them and, under greedy decoding, for each the
         runner-up token with the draft's probabilities of both."""
         greedy = self._sampler.params.greedy
+        # Runner-ups only where even a certain leaf would pay on this cost curve.
+        want_runners = (greedy and self._bridge is None and self.planner is not None
+                        and self.planner.widen(self.name, n, [1.0]) > 0)
         tokens: list[int] = []
         runners: list[tuple] = []
         for i in range(n):
             if greedy:
                 tok = self._sampler.sample(logits)
-                if self.planner is not None:
+                if want_runners:
                     row = self._row(logits)
                     top2 = np.argpartition(row, -2)[-2:]
                     second = int(top2[0] if top2[1] == tok else top2[1])
