@@ -320,3 +320,31 @@ def test_runner_up_leaves_on_a_cheap_cost_curve_keep_greedy_identity(tiny_llama_
         spec = engine.generate(LONG_TEXT[:200], max_tokens=48)
         assert spec.tokens == plain.tokens
         assert spec.stats.spec.drafters["model"]["trees"] > 0
+
+
+def test_the_server_reports_which_drafter_produced_the_accepted_tokens(tiny_llama_path, monkeypatch):
+    import http.client
+    import json
+    import threading
+
+    import edgespec.engine as engine_module
+    from edgespec.server import make_server
+
+    monkeypatch.setattr(engine_module.registry, "paired_draft", lambda ref: str(tiny_llama_path))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model") as engine:
+        server = make_server(engine, port=0, quiet=True, model_name="tiny")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            host, port = server.server_address[:2]
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": "tiny", "prompt": "Write a sentence about the sea.", "max_tokens": 16, "temperature": 0}),
+                {"Content-Type": "application/json"})
+            body = json.loads(conn.getresponse().read())
+            spec = body["edgespec"]["spec"]
+            assert spec["per_drafter"]["model"]["accepted"] > 0
+            assert spec["drafters"]["model"]["mode"] == model_drafter.SAME_VOCAB
+        finally:
+            server.shutdown()
+            server.server_close()
