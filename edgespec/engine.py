@@ -523,7 +523,7 @@ class Engine:
             t0 = time.perf_counter()
             draft = d.draft(context, ask)
             if d.costly:
-                planner.record_draft_time(d.name, time.perf_counter() - t0, len(draft))
+                planner.record_draft_time(d.name, time.perf_counter() - t0 - d.backlog_seconds, len(draft))
             if not len(draft):
                 continue
             draft, value = planner.cut(draft, may_skip)

@@ -80,6 +80,9 @@ class Drafter(ABC):
     costly: bool = False  # drafting spends real time per token (a draft model): ask only for what pays
     prior: float | None = None  # costly drafters: guessed acceptance before any evidence (None: the planner's)
     planner = None        # the engine's Planner, set before the first draft (drafters that size trees read it)
+    # Costly drafters: seconds of the last draft spent catching up with text
+    # that steps without this drafter added (not a cost of drafting per step).
+    backlog_seconds: float = 0.0
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A new generation starts: ``prompt`` is its whole context, ``sampling``

@@ -23,6 +23,7 @@ for re-tokenized text).
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -269,11 +270,18 @@ class ModelDrafter(Drafter):
         self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
         self._chain = []
 
-    def _sync(self, context: Sequence[int]) -> int:
-        """Bring the cache up to ``context``; returns the last row's logits address."""
+    def _sync(self, context: Sequence[int], per_step: int) -> int:
+        """Bring the cache up to ``context``; returns the last row's logits
+        address. Of the time, what goes beyond the ``per_step`` tokens a
+        drafter asked at every step would evaluate is backlog_seconds."""
         keep = self.backend.reuse_prefix(context)
-        self.n_evaluated += len(context) - keep
-        return self.backend.decode(context[keep:])
+        n = len(context) - keep
+        self.n_evaluated += n
+        t0 = time.perf_counter()
+        logits = self.backend.decode(context[keep:])
+        if n > per_step:
+            self.backlog_seconds = (time.perf_counter() - t0) * (n - per_step) / n
+        return logits
 
     def _row(self, logits: int) -> np.ndarray:
         return np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * self.n_vocab), dtype=np.float32)
@@ -322,11 +330,12 @@ class ModelDrafter(Drafter):
         if max_tokens <= 0 or len(context) + max_tokens >= self.backend.n_ctx:
             return Draft(source=self.name)
         self.n_drafts += 1
+        self.backlog_seconds = 0.0
         if self._bridge is not None:
             return self._draft_text(context, max_tokens)
         if not self._sampler.params.greedy and self._probs.shape[0] < max_tokens:
             self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
-        logits = self._sync(context)
+        logits = self._sync(context, max_tokens + 1)
         self._refill_penalty(context)
         self._base = self.backend.n_past
         tokens, runners = self._chain_from(logits, max_tokens, stop_at_control=False)
@@ -358,7 +367,7 @@ class ModelDrafter(Drafter):
         bridge = self._bridge
         if not bridge.update(context):
             return Draft(source=self.name)
-        logits = self._sync(bridge.d_tokens)
+        logits = self._sync(bridge.d_tokens, max_tokens + 2)
         # One token more than asked: the last target token is dropped.
         tokens, _ = self._chain_from(logits, max_tokens + 1, stop_at_control=True)
         text = b"".join(self.backend.piece(t) for t in tokens)
