@@ -348,3 +348,52 @@ def test_the_server_reports_which_drafter_produced_the_accepted_tokens(tiny_llam
         finally:
             server.shutdown()
             server.server_close()
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Chi-square critical value at p = 0.001 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_cross_tokenizer_sampling_follows_the_target_distribution(tiny_llama_path, other_vocab_llama):
+    """End to end on the tiny models: the first four tokens sampled with
+    cross-tokenizer drafts follow the target's own distribution, computed
+    exactly from its sampler probabilities along every prefix."""
+    params = SamplingParams(temperature=0.8, top_k=3)
+    kw = dict(temperature=params.temperature, top_k=params.top_k)
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model",
+                draft_model=str(other_vocab_llama)) as engine:
+        prompt = "def fibonacci(n):\n    if n < 2:\n"
+        context = engine.prompt_tokens(prompt)
+        backend = engine.backend
+        exact: dict[tuple, float] = {}
+        with Sampler(params, backend.n_vocab) as sampler:
+            def walk(prefix, prob):
+                if len(prefix) == 4:
+                    exact[tuple(prefix)] = prob
+                    return
+                backend.clear()
+                p = sampler.probs(backend.decode(context + prefix))
+                for t in map(int, np.nonzero(p)[0]):
+                    if backend.is_eog(t):
+                        exact[(*prefix, "eos")] = exact.get((*prefix, "eos"), 0.0) + prob * float(p[t])
+                    else:
+                        walk(prefix + [t], prob * float(p[t]))
+            walk([], 1.0)
+        assert abs(sum(exact.values()) - 1.0) < 1e-4
+        n, counts, drafted = 1200, {}, 0
+        for seed in range(n):
+            r = engine.generate(prompt, max_tokens=4, seed=seed, **kw)
+            key = (*r.tokens, "eos") if r.stats.stop_reason == "eos" else tuple(r.tokens)
+            counts[key] = counts.get(key, 0) + 1
+            drafted += r.stats.spec.drafted
+    # (random models: most of their text merges into the context's last tokens or is not UTF-8)
+    assert drafted > n // 20, f"only {drafted} draft tokens in {n} generations"
+    assert set(counts) <= set(exact)
+    # cells expected fewer than 5 times go into one bin
+    big = [k for k, p in exact.items() if p * n >= 5]
+    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    assert chi2 < _chi2_critical(len(cells) - 1), f"chi-square {chi2:.1f} over {len(cells)} cells"

@@ -23,6 +23,7 @@ for re-tokenized text).
 """
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import replace
@@ -367,9 +368,13 @@ class ModelDrafter(Drafter):
         bridge = self._bridge
         if not bridge.update(context):
             return Draft(source=self.name)
-        logits = self._sync(bridge.d_tokens, max_tokens + 2)
-        # One token more than asked: the last target token is dropped.
-        tokens, _ = self._chain_from(logits, max_tokens + 1, stop_at_control=True)
+        # Enough draft tokens for one target token more than asked (the last
+        # is dropped), at the context's own ratio of draft to target tokens.
+        ratio = len(bridge.d_tokens) / len(bridge.t_tokens)
+        n = min(math.ceil((max_tokens + 1) * ratio), 4 * (max_tokens + 1),
+                self.backend.n_ctx - len(bridge.d_tokens) - 1)
+        logits = self._sync(bridge.d_tokens, n + 1)
+        tokens, _ = self._chain_from(logits, n, stop_at_control=True)
         text = b"".join(self.backend.piece(t) for t in tokens)
         proposal = bridge.target_tokens(text)
         if text and not proposal:
