@@ -34,9 +34,9 @@ PROSE = ["Write a short paragraph about the history of lighthouses.",
          "Explain how a bicycle gear works."]
 
 
-def _prompts() -> list[suites.Prompt]:
+def _prompts(names) -> list[suites.Prompt]:
     """The first prompt of each suite."""
-    return [suites.load_suite(name)[0] for name in SUITES]
+    return [suites.load_suite(name)[0] for name in names]
 
 
 def pairs(args) -> None:
@@ -55,7 +55,7 @@ def pairs(args) -> None:
     accepted = {label: [0, 0] for label in configs}
     mismatches = []
     for rnd in range(args.rounds):
-        for p in _prompts():
+        for p in _prompts(args.suites):
             suite, prompt = p.suite, p.prompt
             plain = plain_engine.generate(prompt, chat=p.chat, max_tokens=args.tokens, drafter="none")
             speeds["plain"].append(plain.stats.tokens_per_s)
@@ -72,13 +72,13 @@ def pairs(args) -> None:
         print(f"round {rnd + 1}/{args.rounds} done", flush=True)
     print(f"\n{args.model}, {args.backend}, {args.threads} threads, greedy, {args.tokens} tokens, "
           f"{args.rounds} rounds (x plain: median of paired rounds)")
-    print(f"{'configuration':<34} {'tok/s':>7} " + " ".join(f"{s:>6}" for s in SUITES)
+    print(f"{'configuration':<34} {'tok/s':>7} " + " ".join(f"{s:>6}" for s in args.suites)
           + f" {'accept':>7}  accepted by")
     print(f"{'plain':<34} {statistics.median(speeds['plain']):>7.2f}")
     for label in configs:
         acc = accepted[label][0] / accepted[label][1] if accepted[label][1] else 0.0
         print(f"{label:<34} {statistics.median(speeds[label]):>7.2f} "
-              + " ".join(f"{statistics.median(ratios[label][s]):>5.2f}x" for s in SUITES)
+              + " ".join(f"{statistics.median(ratios[label][s]):>5.2f}x" for s in args.suites)
               + f" {100 * acc:>6.0f}%  " + ", ".join(f"{k} {v}" for k, v in carried[label].items()))
     print("greedy output identical to plain decoding:", "yes" if not mismatches else f"NO {mismatches}")
     for engine in engines.values():
@@ -133,7 +133,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--suites", default=",".join(SUITES), help="pairs: comma-separated suites (first prompt of each)")
     args = ap.parse_args()
+    args.suites = [x for x in args.suites.split(",") if x]
     if args.model is None:
         args.model = "qwen2.5-coder-1.5b" if args.what == "pairs" else "smollm2-135m"
     (pairs if args.what == "pairs" else overhead)(args)
