@@ -292,7 +292,9 @@ class Engine:
                                     threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS, slots=slots,
                                     ep=ep, ctx_extend=ctx_extend, verbose=verbose)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
-                                             draft_model=draft_model, draft_backend=draft_backend,
+                                             draft_model=draft_model,
+                                             paired_draft=registry.paired_draft(self.model_ref),
+                                             draft_backend=draft_backend,
                                              ep=ep, ngram_cache=ngram_cache,
                                              threads=threads, n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, Drafter] = {}
@@ -688,13 +690,18 @@ class Engine:
         best, best_value = Draft(), 0.0
         limit = min(self.draft_max, room)
         for d in drafters:
-            ask = planner.budget(d.name, limit, may_skip) if d.costly else limit
+            if d.costly:
+                if best_value and best_value >= planner.worth(d.name, limit, d.prior):
+                    continue  # a cheap draft is worth at least what this one could be
+                ask = planner.budget(d.name, limit, may_skip, d.prior)
+            else:
+                ask = limit
             if ask <= 0:
                 continue
             t0 = time.perf_counter()
             draft = d.draft(context, ask)
             if d.costly:
-                planner.record_draft_time(d.name, time.perf_counter() - t0, len(draft))
+                planner.record_draft_time(d.name, time.perf_counter() - t0 - d.backlog_seconds, len(draft))
             if not len(draft):
                 continue
             if not self.backend.exact_trees:  # verified as a chain: exact where a tree is not
@@ -768,6 +775,8 @@ class Engine:
         drafters = self._open_drafters(request.drafter)
         if drafters and self._planner is None:
             self._planner = Planner(self._batch_costs())
+        for d in drafters:
+            d.planner = self._planner
         backend = self.backend
         prompt = request.prompt_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), seed=request.sampling.seed, drafter=request.drafter)

@@ -133,22 +133,27 @@ class Acceptance:
 
     prior: float = PRIOR_ALPHA
     alpha: list[float] = field(default_factory=list)
+    seen: int = 0   # depths with evidence: deeper ones are taken to be like the deepest of them
 
     def __post_init__(self):
         self.alpha = self.alpha or [self.prior] * MAX_BATCH
 
     def update(self, depth: int, n_accepted: int) -> None:
         """A draft reaching ``depth`` had its first ``n_accepted`` levels accepted."""
-        for d in range(min(depth, n_accepted + 1)):
+        reached = min(depth, n_accepted + 1)
+        for d in range(reached):
             hit = 1.0 if d < n_accepted else 0.0
             self.alpha[d] = EMA * self.alpha[d] + (1 - EMA) * hit
+        self.seen = max(self.seen, reached)
 
     def expected(self, depth: int) -> list[float]:
         """e[d] = 1 (the target's own token) + expected accepted tokens of a
-        draft cut at depth d, for d = 0..depth."""
+        draft cut at depth d, for d = 0..depth. A depth never drafted yet
+        borrows the acceptance of the deepest one seen, so that drafts that
+        have only ever been short can grow."""
         e, run = [1.0], 1.0
         for d in range(min(depth, MAX_BATCH - 1)):
-            run *= self.alpha[d]
+            run *= self.alpha[d] if d < self.seen or not self.seen else self.alpha[self.seen - 1]
             e.append(e[-1] + run)
         return e
 
@@ -188,10 +193,15 @@ class Planner:
         """Time to try a minimal draft so that acceptance estimates can recover."""
         return self.plain_steps >= EXPLORE_EVERY
 
-    def budget(self, key: str, limit: int, may_skip: bool) -> int:
+    def budget(self, key: str, limit: int, may_skip: bool, prior: float | None = None) -> int:
         """How many tokens to ask a costly drafter (one that spends time per
-        token, like a draft model) for: the chain length worth the most."""
-        e = self._acc(key).expected(limit)
+        token, like a draft model) for: the chain length worth the most.
+        ``prior``: the drafter's guess of its acceptance before any evidence;
+        a drafter without evidence yet is asked for a short probe."""
+        acc = self._acc(key, prior)
+        if not acc.seen and key not in self.draft_cost and limit > 0:
+            return min(limit, 2)   # nothing known yet: a probe measures its cost
+        e = acc.expected(limit)
         per_token = self.draft_cost.get(key, 0.0)
         best_k, best = 0, 1.0
         for k in range(1, len(e)):
@@ -201,6 +211,30 @@ class Planner:
         if best_k == 0 and limit > 0 and (not may_skip or self.probing()):
             best_k = 1 if may_skip else min(limit, 2)
         return best_k
+
+    def worth(self, key: str, limit: int, prior: float | None = None) -> float:
+        """The most a costly drafter's chain of up to ``limit`` tokens is
+        expected to be worth (speed relative to plain decoding, drafting time
+        included): a cheaper draft already worth as much makes asking it moot."""
+        e = self._acc(key, prior).expected(limit)
+        per_token = self.draft_cost.get(key, 0.0)
+        return max((e[k] / (self.cost(k + 1) + per_token * k) for k in range(1, len(e))), default=0.0)
+
+    def widen(self, key: str, n_chain: int, gains: list[float]) -> int:
+        """How many leaves to add to a chain of ``n_chain`` tokens, taking
+        ``gains`` in order (each the expected tokens a leaf adds: the chance
+        that the chain is accepted up to its parent and the leaf's token is
+        the target's): as many as raise the expected speed, a tree's accepted
+        path costing its evaluation again with the next batch."""
+        e = self._acc(key).expected(n_chain)[-1]
+        marginal = self.cost(2) - self.cost(1)
+        best, best_j, g = e / self.cost(n_chain + 1), 0, 0.0
+        for j, gain in enumerate(gains, 1):
+            g += gain
+            value = (e + g) / (self.cost(n_chain + 1 + j) + (e + g - 1.0) * marginal)
+            if value > best:
+                best, best_j = value, j
+        return best_j
 
     def cut(self, draft: Draft, may_skip: bool) -> tuple[Draft, float]:
         """The most valuable part of ``draft`` (cut by depth) and its expected

@@ -1,4 +1,4 @@
-"""Session-wide model files: the two built-in models (pulled into the edgespec
+"""Session-wide model files: the built-in models (pulled into the edgespec
 cache on first use, see edgespec.models.registry), a generated tokenizer and
 tiny random llama, qwen2 and gemma3 models over it (no download).
 
@@ -13,7 +13,7 @@ from edgespec.models import registry
 from tiny_gguf import Q, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2, write_tiny_vocab
 
 # The fixtures that download a built-in model on first use.
-MODEL_FIXTURES = {"smollm2_path", "gemma_path"}
+MODEL_FIXTURES = {"smollm2_path", "gemma_path", "qwen_coder_05b_path", "qwen_coder_15b_path"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,6 +30,16 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def gemma_path():
     return registry.resolve("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_05b_path():
+    return registry.resolve("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_15b_path():
+    return registry.resolve("qwen2.5-coder-1.5b")
 
 
 @pytest.fixture(scope="session")

@@ -156,3 +156,12 @@ def test_generate_with_json_schema_and_grammar(tiny_llama_path, tmp_path):
 def test_bad_schema_or_grammar_is_one_line_before_loading(tmp_path, command, content, flag, message):
     (tmp_path / "f").write_text(content)
     one_line_error(run(*command, "--model", str(tmp_path / "absent.gguf"), flag, str(tmp_path / "f")), message)
+
+
+def test_demo_shows_plain_and_speculative_side_by_side(tiny_llama_path):
+    p = run("demo", "--model", str(tiny_llama_path), "--threads", "1", timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "plain vs speculative decoding (--drafter auto)" in p.stdout
+    rows = [line for line in p.stdout.splitlines() if line.startswith("  edit:") or line.startswith("  rewrite:")]
+    assert len(rows) == 3 and all(" yes " in row for row in rows), p.stdout
+    assert "the same text as plain decoding" in p.stdout

@@ -131,3 +131,12 @@ def test_a_curve_of_unknown_load_is_measured_again_once(tiny_llama_path, tmp_pat
     assert costs != stale
     entry = json.loads((tmp_path / planner.COST_FILE).read_text())[planner._cost_key(backend)]
     assert entry["costs"] == costs and "load" in entry
+
+
+def test_widen_adds_leaves_only_where_the_cost_curve_pays():
+    p = Planner(FLAT)
+    for _ in range(30):
+        p.record("m", 4, 2)
+    assert p.widen("m", 4, [0.4, 0.3, 0.01]) >= 2      # cheap batches: likely leaves pay
+    assert Planner(LINEAR).widen("m", 4, [0.4, 0.3]) == 0   # every node costs a full token
+    assert p.widen("m", 4, []) == 0

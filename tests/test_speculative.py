@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from edgespec import Engine
-from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError
+from edgespec.errors import InvalidArgumentError
 
 # Prompts with copyable content (where n-gram drafts get accepted) and without.
 COPY_PROMPTS = [
@@ -154,9 +154,15 @@ def test_sampled_speculation_is_valid(self_drafted):
     assert a.stats.spec.acceptance_rate > 0.5  # draft = target: q == p, rejections are rare
 
 
-def test_incompatible_draft_model_names_the_difference(smollm2_path, gemma_path):
-    with pytest.raises(IncompatibleDraftModelError, match="vocabulary of 262144 tokens, the target 49152"):
-        Engine(str(smollm2_path), drafter="model", draft_model=str(gemma_path))
+def test_another_vocabulary_drafts_across_tokenizers_and_says_why(smollm2_path, gemma_path):
+    """Gemma's tokenizer round-trips SmolLM2's text: cross-tokenizer mode, the
+    difference named; a draft model larger than its target gets a warning."""
+    with pytest.warns(UserWarning, match="larger than the target"):
+        engine = Engine(str(smollm2_path), drafter="model", draft_model=str(gemma_path), n_ctx=512)
+    with engine:
+        drafter = engine._drafters["model"]
+        assert drafter.mode == "cross-tokenizer"
+        assert "vocabulary of 262144 tokens, the target 49152" in drafter.difference
 
 
 def test_model_drafter_needs_a_model(smollm2_path):

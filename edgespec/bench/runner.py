@@ -57,7 +57,7 @@ class BenchOptions:
     langs: list[str] | None = None
     limit: int | None = None            # None: DEFAULT_LIMIT per shipped suite, every prompt of a --prompts file
     prompts_file: Path | None = None
-    drafters: list[str] = field(default_factory=lambda: ["none", "ngram", "recycle", "auto"])
+    drafters: list[str] = field(default_factory=lambda: ["none", "ngram", "auto"])
     draft_model: str | None = None
     ngram_cache: str | None = None
     modes: list[str] = field(default_factory=lambda: ["greedy"])
@@ -96,8 +96,8 @@ class BenchOptions:
             raise InvalidArgumentError("sampled mode needs --temperature > 0 and --top-p in (0, 1]")
         if self.llama_cpp_bin is not None and not Path(self.llama_cpp_bin).is_dir():
             raise InvalidArgumentError(f"--llama-cpp-bin {self.llama_cpp_bin}: no such directory")
-        if "model" in self.drafters and not self.draft_model:
-            raise InvalidArgumentError("drafter 'model' needs --draft-model")
+        if "model" in self.drafters and not (self.draft_model or registry.paired_draft(self.model or "")):
+            raise InvalidArgumentError("drafter 'model' needs --draft-model (this model has no paired draft model)")
 
     def open_engine(self, drafter: str, ngram_cache: str | None) -> Engine:
         """The Engine of one edgespec configuration: these options with ``drafter``."""
@@ -279,7 +279,8 @@ class Lineup:
         model_path = self.plain.engine.model_path
         wanted = options.peers if options.peers is not None else \
             [p for p in PEERS if p.startswith("llama-cpp-python") or options.llama_cpp_bin is not None]
-        draft_path = registry.model_path_checked(options.draft_model) if options.draft_model else None
+        draft = options.draft_model or registry.paired_draft(options.model or registry.default_model())
+        draft_path = registry.model_path_checked(draft) if draft else None
         for name in wanted:
             try:
                 if model_path.suffix != ".gguf":

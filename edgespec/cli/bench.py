@@ -28,9 +28,10 @@ def bench(
     langs: str = typer.Option(None, "--langs", help="Only prompts in these language tags (e.g. deu,jpn,python)."),
     prompts: Path = typer.Option(None, "--prompts", help="Your own prompts instead of the suites: JSONL, "
                                  'one {"prompt": ..., "id"?, "lang"?, "chat"? (default true)} per line.'),
-    drafters: str = typer.Option("none,ngram,recycle,auto", "--drafters",
+    drafters: str = typer.Option("none,ngram,auto", "--drafters",
                                  help="Comma-separated: none, ngram, recycle, cache, auto, model "
-                                      "(none, the baseline, is always run)."),
+                                      "(none, the baseline, is always run; model without --draft-model "
+                                      "uses the model's paired draft model)."),
     modes: str = typer.Option("greedy", "--modes", help="greedy, sampled or greedy,sampled."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens generated per run (> 0)."),
     repeats: int = typer.Option(2, "--repeats", help="Measured passes over the prompts (> 0), after one warm-up."),
@@ -53,7 +54,8 @@ def bench(
     """Benchmark plain decoding, each drafter and peers on real prompts, side by side.
     Every edgespec configuration opens its Engine with the engine options; the
     cache drafter without --ngram-cache gets a cache built from the shipped suite
-    texts, and --draft-model also drafts for the llama.cpp:speculative peer.
+    texts, and --draft-model (else the model's paired draft model) also drafts
+    for the llama.cpp:speculative peer.
     Exits 1 when a greedy speculative run differs from plain decoding."""
     from ..bench import report
     from ..bench.runner import BenchOptions, run_bench

@@ -135,10 +135,13 @@ ENGINE_OPTIONS = {
     "gpu_layers": (int, typer.Option(0, "--gpu-layers", help="Layers to offload to Metal/CUDA/Vulkan if "
                                                              "llama.cpp was built with one, >= 0 (llama backend).")),
     "drafter": (str, typer.Option("auto", "--drafter", help="none, ngram, recycle, cache, model or auto "
-                                                            "(chooses per step, and decodes plainly when speculation "
-                                                            "does not pay).")),
+                                                            "(chooses per step among ngram, cache and the draft "
+                                                            "model, and decodes plainly when speculation does not "
+                                                            "pay).")),
     "draft_model": (Optional[str], typer.Option(None, "--draft-model", help="Draft model for the model and auto "
-                                                "drafters (same tokenizer as the target).")),
+                                                "drafters (default: the model's paired draft model, if the registry "
+                                                "names one; a draft model with another tokenizer drafts text in "
+                                                "cross-tokenizer mode).")),
     "draft_backend": (Optional[str], typer.Option(None, "--draft-backend", help="Backend of the draft model "
                                                   "(default: the target's), e.g. onnx on an NPU with a llama target.")),
     "draft_max": (int, typer.Option(DEFAULT_DRAFT_MAX, "--draft-max", help=f"Most draft tokens per target step, "

