@@ -43,7 +43,7 @@ DEFAULT_LIMIT = 4
 @dataclass
 class BenchOptions:
     model: str | None = None
-    backend: str = "llama"
+    backend: str | None = None         # None: edgespec.backends.default_backend
     ep: str | None = None               # onnx backend's execution provider
     draft_backend: str | None = None    # the draft model's backend (default: the target's)
     threads: int | None = None
@@ -482,7 +482,7 @@ def settings(plan: Plan, plain: Configuration) -> dict:
     built_cache = "cache" in plan.drafters and not o.ngram_cache
     return {
         "model": o.model or registry.default_model(), "model_path": str(plain.engine.model_path),
-        "backend": o.backend, "ep": o.ep, "draft_backend": o.draft_backend,
+        "backend": plain.engine.backend.name, "ep": o.ep, "draft_backend": o.draft_backend,
         "threads": plain.threads, "suites": o.suites if not o.prompts_file else [],
         "prompts_file": str(o.prompts_file) if o.prompts_file else None,
         "langs": o.langs, "limit": o.limit, "drafters": plan.drafters,

@@ -39,7 +39,7 @@ def serve(
                                  max_request_bytes=max_request_bytes)
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
-        typer.echo(f"serving {server.model_name} (drafter {e.drafter}) at {server.url}/v1"
+        typer.echo(f"serving {server.model_name} (backend {e.backend.name}, drafter {e.drafter}) at {server.url}/v1"
                    f"{' with an API key' if server.api_key else ''}; Ctrl-C to stop", err=True)
         server.serve_until_interrupted()
         typer.echo("stopped", err=True)
