@@ -64,6 +64,20 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * x * (1.0 + 0.044715 * x * x)))
 
 
+def sliding_layers(f: GGUFFile) -> list[bool]:
+    """Which layers attend through a sliding window (gemma3: the
+    attention.sliding_window_pattern flags, or every layer but each p-th for
+    a pattern p, default 6); none for the other architectures."""
+    arch = f.get("general.architecture")
+    n_layer = f.get(f"{arch}.block_count")
+    if arch != "gemma3" or not f.get(f"{arch}.attention.sliding_window", 0):
+        return [False] * n_layer
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):   # one flag per layer
+        return [bool(v) for v in pattern]
+    return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
+
+
 class Reference:
     """The float64 forward pass of one GGUF file (see the module's doc)."""
 
@@ -90,11 +104,7 @@ class Reference:
             self.n_swa = key("attention.sliding_window", 0) if self.kind.gemma else 0
             self.rope_base_swa = key("rope.freq_base_swa", 10000.0)
             self.softcap = key("final_logit_softcapping", 0.0) if self.kind.gemma else 0.0
-            pattern = key("attention.sliding_window_pattern", 6)
-            if isinstance(pattern, list):   # one flag per layer
-                self.swa = [bool(v) for v in pattern]
-            else:
-                self.swa = [pattern == 0 or il % pattern < pattern - 1 for il in range(self.n_layer)]
+            self.swa = sliding_layers(f)
             self.out_name = "output.weight" if f.tensor("output.weight") else "token_embd.weight"  # tied
             self.n_vocab = f.tensor(self.out_name).shape[1]
         self._out32: np.ndarray | None = None
@@ -130,7 +140,7 @@ class Reference:
         q = linear(h, "attn_q").reshape(n, self.n_head, hd)
         k = linear(h, "attn_k").reshape(n, self.n_head_kv, hd)
         v = linear(h, "attn_v").reshape(n, self.n_head_kv, hd)
-        swa = kind.gemma and self.n_swa > 0 and self.swa[il]
+        swa = self.swa[il]
         base, scale = (self.rope_base_swa, 1.0) if swa else (self.rope_base, self.rope_scale)
         if kind.gemma:
             q, k = self._norm(q, w["attn_q_norm.weight"]), self._norm(k, w["attn_k_norm.weight"])
