@@ -250,15 +250,15 @@ class Engine:
         for name in (backend, draft_backend):
             if name is not None and name not in BACKENDS:
                 raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
-        if ep is not None and "onnx" not in (backend, draft_backend):
-            raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
-                                       "use it with backend onnx or draft_backend onnx")
         self.drafter = drafting.check_name(drafter)
         self.draft_max = draft_max
         self.model_ref = str(model) if model is not None else registry.default_model()
         auto = backend is None
         if auto:
             backend = default_backend(self.model_ref, gpu_layers)
+        if ep is not None and "onnx" not in (backend, draft_backend):
+            raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
+                                       "use it with backend onnx or draft_backend onnx")
         options = dict(n_ctx=n_ctx, n_batch=n_batch, threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
                        ep=ep, ctx_extend=ctx_extend, verbose=verbose)
         self.model_path: Path = resolve_model(backend, self.model_ref)
