@@ -11,7 +11,7 @@ from edgespec.backends import default_backend
 from edgespec.errors import ContextOverflowError, InvalidArgumentError, ModelFormatError, ModelNotFoundError
 from edgespec.text import TextStream
 from reference import greedy_reference
-from tiny_gguf import copy_gguf
+from tiny_gguf import copy_gguf, write_tiny_llama
 
 PROMPTS = [
     "The capital of France is",
@@ -122,12 +122,16 @@ def test_context_fills_up(tiny_llama_path):
     assert result.stats.prompt_tokens + result.stats.n_tokens == n_ctx
 
 
-def test_default_backend_per_architecture(tiny_llama_path, tiny_qwen2_path, tmp_path):
+def test_default_backend_per_architecture(tiny_llama_path, tiny_qwen2_path, tiny_vocab_path, tmp_path):
     """Native where it decodes at least as fast as llama.cpp (llama, qwen2),
-    llama with GPU layers, onnx for an exported folder; Engine follows it."""
+    llama for MoE files and with GPU layers, onnx for an exported folder;
+    Engine follows it."""
     assert default_backend(tiny_llama_path) == default_backend(tiny_qwen2_path) == "native"
     assert default_backend(tiny_llama_path, gpu_layers=1) == "llama"
     assert default_backend(tmp_path) == "onnx"
+    moe = tmp_path / "moe.gguf"
+    write_tiny_llama(moe, tiny_vocab_path, n_expert=4, n_expert_used=2)
+    assert default_backend(moe) == "llama"
     with Engine(str(tiny_qwen2_path), threads=1, n_ctx=64) as engine:
         assert engine.backend.name == "native"
 
