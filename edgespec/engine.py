@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import drafters as drafting
-from .backends import BACKENDS, Interrupted, open_backend, resolve_model
+from .backends import BACKENDS, Interrupted, default_backend, open_backend, resolve_model
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
 from .drafters import Draft, Drafter, DrafterConfig, Verified
@@ -249,7 +249,10 @@ class Engine:
 
     ``model``: a built-in name (``edgespec models list``), a GGUF path or
     ``hf:owner/repo/file.gguf`` (with ``backend="onnx"`` also a folder from
-    ``edgespec export-onnx``; a GGUF is exported on first use). ``gpu_layers``
+    ``edgespec export-onnx``; a GGUF is exported on first use). ``backend``
+    None chooses one per model (edgespec.backends.default_backend: native
+    where it is at least llama.cpp's speed, else llama; a file of a variant
+    the native engine does not read falls back to llama). ``gpu_layers``
     offloads layers when llama.cpp was built with Metal/CUDA/Vulkan.
     ``draft_backend`` runs the draft model on another backend than the
     target; ``ep`` is the ONNX Runtime execution provider of whichever of
@@ -260,7 +263,7 @@ class Engine:
     first used; llama and native backends).
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, backend: str = "llama",
+    def __init__(self, model: str | os.PathLike | None = None, *, backend: str | None = None,
                  threads: int | None = None, n_ctx: int | None = None, n_batch: int = 512,
                  slots: int = 1,
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
@@ -272,25 +275,35 @@ class Engine:
         _whole("gpu_layers", gpu_layers, 0)
         _whole("draft_max", draft_max, 1)
         _whole("slots", slots, 1)
-        if slots > 1 and backend == "onnx":
-            raise InvalidArgumentError("the onnx backend keeps one KV cache: slots must be 1")
         if n_ctx is not None:
             _whole("n_ctx", n_ctx, 1)
         if not 1 <= draft_max < min(n_batch, 64):
             raise InvalidArgumentError(f"draft_max must be in [1, {min(n_batch, 64) - 1}], got {draft_max}")
-        for name in (backend, draft_backend or backend):
-            if name not in BACKENDS:
+        for name in (backend, draft_backend):
+            if name is not None and name not in BACKENDS:
                 raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
-        if ep is not None and "onnx" not in (backend, draft_backend):
-            raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
-                                       "use it with backend onnx or draft_backend onnx")
         self.drafter = drafting.check_name(drafter)
         self.draft_max = draft_max
         self.model_ref = str(model) if model is not None else registry.default_model()
+        auto = backend is None
+        if auto:
+            backend = default_backend(self.model_ref, gpu_layers)
+        if slots > 1 and backend == "onnx":
+            raise InvalidArgumentError("the onnx backend keeps one KV cache: slots must be 1")
+        if ep is not None and "onnx" not in (backend, draft_backend):
+            raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
+                                       "use it with backend onnx or draft_backend onnx")
+        options = dict(n_ctx=n_ctx, n_batch=n_batch, threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
+                       slots=slots, ep=ep, ctx_extend=ctx_extend, verbose=verbose)
         self.model_path: Path = resolve_model(backend, self.model_ref)
-        self.backend = open_backend(backend, self.model_path, n_ctx=n_ctx, n_batch=n_batch,
-                                    threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS, slots=slots,
-                                    ep=ep, ctx_extend=ctx_extend, verbose=verbose)
+        try:
+            self.backend = open_backend(backend, self.model_path, **options)
+        except UnsupportedModelError:
+            if not (auto and backend == "native"):
+                raise
+            # A variant of a native architecture the engine does not read (an extra tensor).
+            self.model_path = resolve_model("llama", self.model_ref)
+            self.backend = open_backend("llama", self.model_path, **options)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
                                              draft_model=draft_model,
                                              paired_draft=registry.paired_draft(self.model_ref),

@@ -25,6 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Callable
 
 from .models import registry
 from .drafters import Draft
@@ -45,17 +46,17 @@ def _cost_key(backend) -> str:
 MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
 
 
-def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
-    """Time target batches of MEASURED sizes after a short prefix; returns
-    cost[k] = t(k) / t(1) for k = 0..MAX_BATCH (cost[0] = 0), interpolated
-    linearly between measured sizes. Leaves the KV cache cleared."""
+def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int, float]:
+    """Seconds of one target batch of each of ``sizes`` tokens (every row's
+    logits kept, as verification does) after a ``prefix``-token context, the
+    fastest of ``reps``. Leaves the KV cache cleared."""
     tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 16)
-    while len(tokens) < prefix + MAX_BATCH:
+    while len(tokens) < prefix + max(sizes):
         tokens += tokens
     backend.clear()
     backend.decode(tokens[:prefix])
     times = {}
-    for k in MEASURED:
+    for k in sizes:
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -64,6 +65,14 @@ def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[flo
             backend.truncate(prefix)
         times[k] = best
     backend.clear()
+    return times
+
+
+def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
+    """Time target batches of MEASURED sizes after a short prefix; returns
+    cost[k] = t(k) / t(1) for k = 0..MAX_BATCH (cost[0] = 0), interpolated
+    linearly between measured sizes. Leaves the KV cache cleared."""
+    times = time_batches(backend, MEASURED, reps=reps, prefix=prefix)
     costs = [0.0] * (MAX_BATCH + 1)
     for lo, hi in zip(MEASURED, MEASURED[1:]):
         for k in range(lo, hi + 1):
@@ -86,38 +95,46 @@ def _other_load() -> float:
         return 0.0
 
 
-def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
-    """The cached cost curve for this backend, measuring it when missing.
+def cached_measurement(file: str, key: str, field: str, measure: Callable[[], Any],
+                       valid: Callable[[Any], bool], *, remeasure: bool = False) -> Any:
+    """A measurement of this machine, cached in ``registry.home() / file`` as
+    ``{key: {field: value, "load": load}}``; ``measure()`` runs when it is
+    missing, not ``valid``, or ``remeasure`` is asked.
 
-    A curve measured while the machine was busy (other work loading it more
+    A value measured while the machine was busy (other work loading it more
     than BUSY) is kept as provisional: it is measured again the next time the
     machine is quieter than it was then, so one busy first run does not
-    decide for good that speculation never pays."""
-    path = registry.home() / COST_FILE
-    key = _cost_key(backend)
+    decide for good."""
+    path = registry.home() / file
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
     entry, load = table.get(key), _other_load()
-    # (a bare list was written before loads were recorded: measured again once)
-    if (not remeasure and isinstance(entry, dict) and isinstance(entry.get("costs"), list)
-            and len(entry["costs"]) == MAX_BATCH + 1
+    # (an entry without a recorded load was written before loads were: measured again once)
+    if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
             and not (entry.get("load", 0.0) > BUSY and load < entry["load"] - BUSY / 2)):
-        return entry["costs"]
-    costs = measure_batch_costs(backend)
-    table[key] = {"costs": costs, "load": round(load, 3)}
+        return entry[field]
+    value = measure()
+    table[key] = {field: value, "load": round(load, 3)}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(table, indent=1))
         os.replace(tmp, path)
     except OSError:
-        # An unwritable cache only costs a measurement per process: the curve
+        # An unwritable cache only costs a measurement per process: the value
         # is used all the same.
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-    return costs
+    return value
+
+
+def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
+    """The cached cost curve for this backend, measuring it when missing
+    (provisional when measured on a busy machine: see cached_measurement)."""
+    return cached_measurement(COST_FILE, _cost_key(backend), "costs", lambda: measure_batch_costs(backend),
+                              lambda c: isinstance(c, list) and len(c) == MAX_BATCH + 1, remeasure=remeasure)
 
 
 def speedup_ceiling(costs: list[float]) -> tuple[float, int]:

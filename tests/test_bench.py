@@ -205,3 +205,64 @@ def test_forget_prefix_makes_the_next_run_evaluate_its_whole_prompt(tiny_llama_p
         assert engine.generate("Hello there, how are you", max_tokens=2, temperature=0).stats.cached_tokens > 0
         engine.forget_prefix()
         assert engine.generate("Hello there, how are you", max_tokens=2, temperature=0).stats.cached_tokens == 0
+
+
+# -- the memory roofline -------------------------------------------------------
+
+
+def test_bandwidth_is_measured_in_c_and_cached(tmp_path, monkeypatch):
+    from edgespec.bench import hardware
+    from edgespec.capi import ffi, lib
+
+    assert lib.es_measure_bandwidth(ffi.NULL, ffi.NULL) == lib.ES_ERR_INVALID_ARG
+    assert hardware.measure_bandwidth(2, n_bytes=8 << 20, passes=2) > 1e8   # > 0.1 GB/s anywhere
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(hardware, "measure_bandwidth", lambda threads: measured.append(threads) or 5e9)
+    assert hardware.bandwidth(2) == hardware.bandwidth(2) == 5e9
+    assert measured == [2]                                  # the second call read the cache
+    assert hardware.bandwidth(2, remeasure=True) == 5e9 and measured == [2, 2]
+
+
+def test_bytes_per_token_count_what_a_token_reads(tiny_llama_path, tmp_path, tiny_vocab_path):
+    from edgespec.bench.roofline import bytes_per_token
+    from edgespec.models.gguf import GGUFFile
+    from tiny_gguf import write_tiny_llama
+
+    with GGUFFile(tiny_llama_path) as f:
+        embd = f.tensor("token_embd.weight")
+        tied = f.tensor("output.weight") is None
+        rest = sum(t.n_bytes for t in f.tensors if t.name != "token_embd.weight")
+    # 2 layers x keys and values x 2 KV heads x head size 16 x 2 bytes (F16), per position
+    per_position = 2 * 2 * 2 * 16 * 2
+    got = bytes_per_token(tiny_llama_path, 100)
+    assert got["weights"] == rest + embd.n_bytes // embd.shape[1] + (embd.n_bytes if tied else 0)
+    assert got["kv_cache"] == 100 * per_position and got["total"] == got["weights"] + got["kv_cache"]
+    # MoE: only the used experts' share of the expert tensors.
+    moe = tmp_path / "moe.gguf"
+    write_tiny_llama(moe, tiny_vocab_path, n_expert=4, n_expert_used=2)
+    with GGUFFile(moe) as f:
+        experts = sum(t.n_bytes for t in f.tensors if "_exps." in t.name)
+        total = sum(t.n_bytes for t in f.tensors)
+        embd = f.tensor("token_embd.weight")
+        tied = f.tensor("output.weight") is None
+    want = total - experts // 2 - embd.n_bytes + embd.n_bytes // embd.shape[1] + (embd.n_bytes if tied else 0)
+    assert bytes_per_token(moe, 1)["weights"] == want
+
+
+def test_roofline_run_writes_valid_results(tiny_llama_path, tmp_path):
+    out = tmp_path / "out"
+    p = run_cli("--roofline", "--model", str(tiny_llama_path), "--threads", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((out / "results.json").read_text())
+    jsonschema.validate(doc, report.schema())
+    r = doc["roofline"]
+    assert [x["backend"] for x in r["backends"]] == ["native", "llama"]
+    assert r["bandwidth_bytes_per_s"] > 0 and r["batch_sizes"] == [1, 2, 4, 8, 16]
+    for x in r["backends"]:
+        assert x["status"] == "ok" and x["batch_cost"][0] == 1.0 and len(x["batch_cost"]) == 5
+        assert x["fraction_of_roofline"] == pytest.approx(x["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
+    assert r["roofline_tokens_per_s"] == pytest.approx(r["bandwidth_bytes_per_s"] / r["bytes_per_token"]["total"])
+    assert "## Memory roofline" in (out / "results.md").read_text()
+    assert [f.name for f in out.glob("*.png")] == list(report.ROOFLINE_PLOTS)
+    assert (out / "roofline.png").read_bytes().startswith(PNG)

@@ -21,7 +21,7 @@ def test_generate_json(tiny_llama_path):
                 "tokens_per_s", "model", "backend"):
         assert key in out
     assert out["n_tokens"] == len(out["tokens"]) == 7
-    assert out["backend"] == "llama"
+    assert out["backend"] == "native"  # the default for a llama model
 
 
 def test_generate_json_with_drafter(smollm2_path):

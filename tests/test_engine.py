@@ -2,13 +2,16 @@
 random llama on both the llama and the native backend)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import edgespec
 from edgespec import Engine
+from edgespec.backends import default_backend
 from edgespec.errors import ContextOverflowError, InvalidArgumentError, ModelFormatError, ModelNotFoundError
 from edgespec.text import TextStream
 from reference import greedy_reference
+from tiny_gguf import copy_gguf, write_tiny_llama
 
 PROMPTS = [
     "The capital of France is",
@@ -19,7 +22,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    with Engine(str(smollm2_path), threads=2, n_ctx=1024) as engine:
+    # llama.cpp: the greedy tests below compare with a bare llama.cpp loop.
+    with Engine(str(smollm2_path), backend="llama", threads=2, n_ctx=1024) as engine:
         yield engine
 
 
@@ -37,7 +41,7 @@ def test_greedy_matches_bare_llama_cpp_loop(smollm2, smollm2_path, prompt):
 
 
 def test_gemma_greedy_matches_bare_llama_cpp_loop(gemma_path):
-    with Engine(str(gemma_path), threads=2, n_ctx=512) as engine:
+    with Engine(str(gemma_path), backend="llama", threads=2, n_ctx=512) as engine:
         result = engine.generate("The three primary colors are", max_tokens=24)
     assert result.tokens == greedy_reference(gemma_path, "The three primary colors are", 24)
     assert result.stats.n_tokens == len(result.tokens) > 0
@@ -118,6 +122,29 @@ def test_context_fills_up(tiny_llama_path):
     assert result.stats.prompt_tokens + result.stats.n_tokens == n_ctx
 
 
+def test_default_backend_per_architecture(tiny_llama_path, tiny_qwen2_path, tiny_vocab_path, tmp_path):
+    """Native where it decodes at least as fast as llama.cpp (llama, qwen2),
+    llama for MoE files and with GPU layers, onnx for an exported folder;
+    Engine follows it."""
+    assert default_backend(tiny_llama_path) == default_backend(tiny_qwen2_path) == "native"
+    assert default_backend(tiny_llama_path, gpu_layers=1) == "llama"
+    assert default_backend(tmp_path) == "onnx"
+    moe = tmp_path / "moe.gguf"
+    write_tiny_llama(moe, tiny_vocab_path, n_expert=4, n_expert_used=2)
+    assert default_backend(moe) == "llama"
+    with Engine(str(tiny_qwen2_path), threads=1, n_ctx=64) as engine:
+        assert engine.backend.name == "native"
+
+
+def test_default_backend_falls_back_on_a_variant_native_does_not_read(tiny_llama_path, tmp_path):
+    """Llama 3.1's RoPE frequency factors: llama.cpp reads them, the native engine refuses them."""
+    extra = tmp_path / "rope-freqs.gguf"
+    copy_gguf(tiny_llama_path, extra, add={"rope_freqs.weight": np.ones(8)})  # (head_dim / 2)
+    with Engine(str(extra), threads=1, n_ctx=64) as engine:
+        assert engine.backend.name == "llama"
+        assert engine.generate("Hello", max_tokens=4).stats.n_tokens == 4
+
+
 def test_unknown_model():
     with pytest.raises(ModelNotFoundError, match="unknown model"):
         Engine("no-such-model")
@@ -178,6 +205,6 @@ def test_chat_turns_reuse_earlier_turns(smollm2):
 
 
 def test_small_context_prefills_long_prompts_in_chunks(tiny_llama_path):
-    with Engine(str(tiny_llama_path), threads=1, n_ctx=100) as engine:  # llama.cpp caps the batch at 100
+    with Engine(str(tiny_llama_path), backend="llama", threads=1, n_ctx=100) as engine:  # llama.cpp caps the batch at 100
         result = engine.generate("word " * 180, max_tokens=4)
     assert result.stats.prompt_tokens > 150 and result.stats.n_tokens > 0

@@ -21,10 +21,10 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends import open_backend
+from edgespec.bench.reference import forward_reference, kl_rows
 from edgespec.capi import ffi, lib
 from edgespec.drafters import Draft
 from edgespec.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from reference import forward_reference
 from tiny_gguf import Q, copy_gguf, write_tiny_llama
 
 N_CTX = 512
@@ -135,7 +135,7 @@ def test_tiny_float_model_matches_llama_cpp(tiny_float):
 
 
 def test_tiny_float_model_matches_float64_reference(tiny_float):
-    """The forward pass against tests/reference.py's float64 numpy over the
+    """The forward pass against edgespec.bench.reference's float64 numpy over the
     file's own weights: only the F16 KV cache and F16 queries round here."""
     with open_backend("native", tiny_float, n_ctx=N_CTX, threads=2) as nb:
         tokens = nb.tokenize(TEXT * 2)[:128]

@@ -45,7 +45,7 @@ def static_export_dir(tmp_path_factory, smollm2_path):
 
 @pytest.fixture(scope="module")
 def llama_engine(smollm2_path):
-    with Engine(str(smollm2_path), threads=2, n_ctx=1024) as engine:
+    with Engine(str(smollm2_path), backend="llama", threads=2, n_ctx=1024) as engine:
         yield engine
 
 
@@ -482,7 +482,7 @@ def test_speculation_on_onnx_is_exact(onnx_engine, drafter):
 def test_draft_model_on_onnx_target_on_llama(smollm2_path, export_dir, llama_engine):
     prompt = PARITY_PROMPTS[1][0]
     plain = llama_engine.generate(prompt, max_tokens=40, drafter="none")
-    with Engine(str(smollm2_path), threads=2, n_ctx=1024, drafter="model", draft_model=str(export_dir),
+    with Engine(str(smollm2_path), backend="llama", threads=2, n_ctx=1024, drafter="model", draft_model=str(export_dir),
                 draft_backend="onnx", ep="cpu", draft_max=4) as engine:
         spec = engine.generate(prompt, max_tokens=40)
         assert engine._drafters["model"].backend.name == "onnx"

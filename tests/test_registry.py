@@ -620,10 +620,11 @@ def test_cli_models_info(tiny_llama_path):
         n_vocab = f.array_length("tokenizer.ggml.tokens")
     assert info["architecture"] == "llama" and info["vocab_size"] == n_vocab
     assert info["path"] == str(path) and info["has_chat_template"] is True
+    assert info["default_backend"] == "native"
 
     result = runner.invoke(cli.app, ["models", "info", str(path)])
     assert result.exit_code == 0, result.output
-    assert "architecture    llama" in result.stdout
+    assert "architecture    llama" in result.stdout and "default backend native" in result.stdout
 
 
 def test_cli_models_pull_and_path(fake_model, home):

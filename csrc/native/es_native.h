@@ -219,6 +219,28 @@ const float * es_context_embeddings(const es_context * ctx);
 int es_context_truncate(es_context * ctx, int32_t n_keep);
 
 /* ========================================================================
+ * Memory bandwidth (bandwidth.c)
+ *
+ * The read bandwidth a decode step can draw on: threads of the engine's pool
+ * stream through a buffer far larger than the last-level cache, each its own
+ * contiguous slice, summing it so that no load can be skipped. The buffer is
+ * first written by the thread that reads each slice (pages local to it).
+ * ======================================================================== */
+
+typedef struct es_bandwidth_params {
+    int64_t n_bytes;    // buffer read per pass; <= 0: 512 MiB; default 512 MiB
+    int32_t n_threads;  // readers; <= 0: one per online CPU; default 0
+    int32_t n_passes;   // timed passes, the fastest kept; <= 0: 5; default 5
+} es_bandwidth_params;
+
+es_bandwidth_params es_bandwidth_default_params(void);
+
+// Measures read bandwidth: *bytes_per_s is n_bytes over the fastest pass's
+// wall time (params NULL: the defaults). ES_ERR_NO_MEMORY: the buffer or the
+// pool could not be made; ES_ERR_INVALID_ARG: bytes_per_s NULL.
+int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_s);
+
+/* ========================================================================
  * GGUF validation (validate.c)
  *
  * One pass over an open GGUF file before any engine reads it: what llama.cpp

@@ -16,12 +16,38 @@ from .base import Backend, Interrupted  # noqa: F401  (the contract, re-exported
 
 BACKENDS = ("llama", "native", "onnx")
 
+# Architectures the native engine decodes at least as fast as llama.cpp
+# (benchmarks/bench_native.py speed, 2 threads, native / llama.cpp: llama
+# (smollm2-135m) 1.14x, qwen2 0.5B 1.05x and 1.5B 1.11x on a quiet machine;
+# gemma3-270m faster too, measured on a busy one): there it is the default
+# backend, and its bit-exact speculation is what users get unasked.
+# Mixture-of-experts files (qwen3moe, llama with experts) stay on llama.cpp.
+NATIVE_DEFAULT_ARCHS = ("llama", "qwen2", "gemma3")
+
 
 def default_threads() -> int:
     """Physical cores are what matters for decoding; on SMT machines with many
     logical CPUs use half of them."""
     n = os.cpu_count() or 1
     return n if n <= 4 else n // 2
+
+
+def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
+    """The backend a model runs on when none is named: native for the
+    architectures of NATIVE_DEFAULT_ARCHS, onnx for an exported folder, llama
+    (llama.cpp) for everything else and whenever layers go to a GPU.
+    ``model`` is a model reference (resolved, and downloaded if it must be)."""
+    from ..models import registry
+    from ..models.gguf import GGUFFile
+
+    if gpu_layers > 0:
+        return "llama"
+    if Path(model).expanduser().is_dir():
+        return "onnx"
+    with GGUFFile(registry.resolve(str(model))) as f:
+        arch = f.get("general.architecture")
+        dense = not f.get(f"{arch}.expert_count", 0)
+    return "native" if arch in NATIVE_DEFAULT_ARCHS and dense else "llama"
 
 
 def _module(name: str):

@@ -11,7 +11,9 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-PLOTS = ("speedup.png", "speedup_by_language.png", "acceptance_vs_length.png", "ceiling_fraction.png")
+PLOTS = ("speedup.png", "speedup_by_language.png", "acceptance_vs_length.png", "ceiling_fraction.png",
+         "roofline.png")
+ROOFLINE_PLOTS = ("roofline.png",)   # of a `--roofline` run
 
 
 def schema() -> dict:
@@ -35,15 +37,47 @@ def _fmt(x, spec: str, none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
 
+def _machine(h: dict) -> str:
+    return (f"{h['cpu']}, {h['physical_cores'] or '?'} cores ({h['logical_cores']} logical), "
+            f"{', '.join(h['simd']) or 'no SIMD flags read'}, {h['ram_gib']} GiB, {h['os']}")
+
+
+def roofline_markdown(r: dict | None) -> list[str]:
+    """The memory roofline section of results.md."""
+    if r is None:
+        return []
+    b = r["bytes_per_token"]
+    sizes = "/".join(str(k) for k in r["batch_sizes"])
+    lines = [
+        "## Memory roofline", "",
+        f"Read bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({r['threads']} threads); a decoded token "
+        f"reads {b['total'] / 1e6:.1f} MB (weights {b['weights'] / 1e6:.1f} MB, KV cache {b['kv_cache'] / 1e6:.2f} MB "
+        f"at {b['context']} positions): roofline {r['roofline_tokens_per_s']:.1f} tokens/s.", "",
+        f"| backend | decode tok/s | of roofline | batch cost of {sizes} tokens (x one token) |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for x in r["backends"]:
+        if x["status"] != "ok":
+            lines.append(f"| {x['backend']} | failed: {x['error']} | | |")
+            continue
+        lines.append(f"| {x['backend']} | {x['decode_tokens_per_s']:.1f} | {x['fraction_of_roofline']:.0%} "
+                     f"| {' / '.join(f'{c:.2f}' for c in x['batch_cost'])} |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
+    if doc.get("kind") == "roofline":
+        s, h = doc["settings"], doc["hardware"]
+        lines = [f"# edgespec bench --roofline: {s['model']}", "",
+                 f"{_machine(h)}; load average {h['load_average_start']} -> {h.get('load_average_end')}.", "",
+                 *roofline_markdown(doc["roofline"])]
+        return "\n".join(lines) + "\n"
     s, h, c = doc["settings"], doc["hardware"], doc["ceiling"]
     cost = " / ".join(f"{c['batch_cost'][k - 1]:.2f}" for k in (2, 4, 8, 16))
     lines = [
         f"# edgespec bench: {s['model']}",
         "",
-        f"{h['cpu']}, {h['physical_cores'] or '?'} cores ({h['logical_cores']} logical), "
-        f"{', '.join(h['simd']) or 'no SIMD flags read'}, {h['ram_gib']} GiB, {h['os']}; "
-        f"{s['threads']} threads, backend {s['backend']}; load average {h['load_average_start']} -> "
+        f"{_machine(h)}; {s['threads']} threads, backend {s['backend']}; load average {h['load_average_start']} -> "
         f"{h.get('load_average_end')}.",
         "",
         f"Suites {', '.join(s['suites']) or s['prompts_file']}, {len(doc['prompts'])} prompts, "
@@ -82,6 +116,8 @@ def markdown(doc: dict) -> str:
         lines += ["", f"Greedy runs that differ from plain decoding: {len(doc['divergences'])} "
                   f"(first divergent context positions: "
                   f"{', '.join(str(d['context_position']) for d in doc['divergences'])})."]
+    if doc.get("roofline"):
+        lines += [""] + roofline_markdown(doc["roofline"])
     for n in doc["notes"]:
         lines += ["", f"Note: {n}"]
     return "\n".join(lines) + "\n"
@@ -102,9 +138,6 @@ def plots(doc: dict, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = doc["settings"]["modes"]
-    ceiling = doc["ceiling"]["speedup"]
-    rows = [r for r in doc["configurations"] if r["name"] != "edgespec:none" and r["runs"]]
     written = []
 
     def save(fig, name):
@@ -121,6 +154,47 @@ def plots(doc: dict, out_dir: Path) -> list[str]:
         finally:
             plt.close(fig)
         written.append(name)
+
+    if doc.get("kind") != "roofline":
+        _run_plots(doc, plt, save)
+    if doc.get("roofline"):
+        _roofline_plot(doc["roofline"], doc["settings"]["model"], plt, save)
+    return written
+
+
+def _roofline_plot(r: dict, model: str, plt, save) -> None:
+    """Decode speed against the roofline, and the batch cost curves."""
+    ok = [x for x in r["backends"] if x["status"] == "ok"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    a1.bar([x["backend"] for x in ok], [x["decode_tokens_per_s"] for x in ok])
+    a1.axhline(r["roofline_tokens_per_s"], color="red", ls="--", lw=0.8,
+               label=f"roofline {r['roofline_tokens_per_s']:.1f} tok/s "
+                     f"({r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)")
+    for i, x in enumerate(ok):
+        a1.text(i, x["decode_tokens_per_s"], f"{x['fraction_of_roofline']:.0%}", ha="center", va="bottom")
+    a1.set_ylabel("decode tokens/s")
+    a1.set_title(f"Decode against the memory roofline ({model})")
+    a1.legend(fontsize=7)
+    sizes = r["batch_sizes"]
+    for x in ok:
+        a2.plot(sizes, x["batch_cost"], marker="o", ms=3, label=x["backend"])
+    a2.plot(sizes, sizes, color="gray", ls=":", lw=0.8, label="k x one token")
+    a2.axhline(1.0, color="black", lw=0.8)
+    a2.set_xscale("log", base=2)
+    a2.set_xticks(sizes)
+    a2.set_xticklabels([str(k) for k in sizes])
+    a2.set_xlabel("tokens in one batch")
+    a2.set_ylabel("time / one token's")
+    a2.set_title("Batch cost")
+    a2.legend(fontsize=7)
+    save(fig, "roofline.png")
+
+
+def _run_plots(doc: dict, plt, save) -> None:
+    """The plots of a full run: speedups, acceptance, share of the ceiling."""
+    modes = doc["settings"]["modes"]
+    ceiling = doc["ceiling"]["speedup"]
+    rows = [r for r in doc["configurations"] if r["name"] != "edgespec:none" and r["runs"]]
 
     # 1. Speedup per configuration, per suite.
     suites = sorted({k for r in rows for k in r["by_suite"]})
@@ -185,7 +259,6 @@ def plots(doc: dict, out_dir: Path) -> list[str]:
     a2.set_ylabel("(k + 1) / cost(k + 1)")
     a2.set_title("Best speedup per draft length on this machine")
     save(fig, PLOTS[3])
-    return written
 
 
 def write(doc: dict, out_dir: Path) -> tuple[list[Path], str | None]:

@@ -31,6 +31,7 @@ from ..progress import Progress
 from . import suites as suite_data
 from .hardware import PeakRSS, fingerprint
 from .peers import PEERS, PeerError, RunResult, open_peer
+from .roofline import measure_roofline
 
 SCHEMA = "edgespec.bench/1"
 MODES = ("greedy", "sampled")
@@ -43,7 +44,7 @@ DEFAULT_LIMIT = 4
 @dataclass
 class BenchOptions:
     model: str | None = None
-    backend: str = "llama"
+    backend: str | None = None         # None: edgespec.backends.default_backend
     ep: str | None = None               # onnx backend's execution provider
     draft_backend: str | None = None    # the draft model's backend (default: the target's)
     threads: int | None = None
@@ -69,7 +70,7 @@ class BenchOptions:
     temperature: float = 0.8
     top_p: float = 0.95
     seed: int = 0
-    remeasure_costs: bool = True        # measure the batch cost curve now instead of using the cached one
+    remeasure_costs: bool = True        # measure the batch cost curve (and bandwidth) now, not the cached ones
     quick: bool = False
 
     def check(self) -> None:
@@ -454,6 +455,14 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
             tally = measure(plan, lineup, slots, bar)
         finally:
             lineup.close()
+    model_path, backend = lineup.plain.engine.model_path, lineup.plain.engine.backend.name
+    roofline = None
+    if model_path.suffix == ".gguf":
+        bar.note("measuring the memory roofline")
+        roofline = measure_roofline(model_path, [backend, "llama"], lineup.plain.threads,
+                                    remeasure_bandwidth=plan.options.remeasure_costs)
+    else:
+        notes.append(f"no memory roofline: it reads a GGUF file's tensors, not {model_path}")
     doc = {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -463,6 +472,7 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
         "peak_rss_method": rss.method + "; in-process configurations share one process, so their "
                            "figure includes every model loaded in it; binaries: the child's own peak",
         "ceiling": ceiling,
+        "roofline": roofline,
         "peers": lineup.peers,
         "prompts": [p.to_dict() for p in plan.prompts],
         "runs": tally.runs,
@@ -477,13 +487,35 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
     return doc
 
 
+def run_roofline(options: BenchOptions, *, command: str | None = None) -> dict:
+    """Only the memory roofline (``edgespec bench --roofline``): bandwidth,
+    bytes per token, decode speed and batch cost curve of the backend asked
+    for (default: native) beside llama.cpp's."""
+    from ..backends import default_threads
+
+    options.check()
+    ref = options.model or registry.default_model()
+    path = registry.model_path_checked(ref)
+    threads = options.threads or default_threads()
+    load_start = _load_average()
+    roofline = measure_roofline(path, [options.backend or "native", "llama"], threads,
+                                remeasure_bandwidth=options.remeasure_costs)
+    hardware = fingerprint(threads)
+    hardware["load_average_start"], hardware["load_average_end"] = load_start, _load_average()
+    return {"schema": SCHEMA, "kind": "roofline",
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command or shlex.join(sys.argv),
+            "settings": {"model": ref, "model_path": str(path), "threads": threads},
+            "hardware": hardware, "roofline": roofline, "notes": []}
+
+
 def settings(plan: Plan, plain: Configuration) -> dict:
     """results.json "settings": what was run, as run."""
     o = plan.options
     built_cache = "cache" in plan.drafters and not o.ngram_cache
     return {
         "model": o.model or registry.default_model(), "model_path": str(plain.engine.model_path),
-        "backend": o.backend, "ep": o.ep, "draft_backend": o.draft_backend,
+        "backend": plain.engine.backend.name, "ep": o.ep, "draft_backend": o.draft_backend,
         "threads": plain.threads, "suites": o.suites if not o.prompts_file else [],
         "prompts_file": str(o.prompts_file) if o.prompts_file else None,
         "langs": o.langs, "limit": o.limit, "drafters": plan.drafters,

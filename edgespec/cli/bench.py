@@ -48,6 +48,9 @@ def bench(
                                               "at the start, or use the one cached from earlier."),
     quick: bool = typer.Option(False, "--quick", help="One prompt per suite, 48 tokens, drafters none,ngram,auto, "
                                "one repeat: a smoke run (about a minute on 2 cores)."),
+    roofline: bool = typer.Option(False, "--roofline", help="Only the memory roofline: this machine's read "
+                                  "bandwidth over the bytes a token reads, and the decode speed and batch cost "
+                                  "(1-16 tokens) of --backend (default: native) beside llama.cpp's."),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for results.json, results.md and the plots."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress line on stderr."),
 ):
@@ -55,10 +58,11 @@ def bench(
     Every edgespec configuration opens its Engine with the engine options; the
     cache drafter without --ngram-cache gets a cache built from the shipped suite
     texts, and --draft-model (else the model's paired draft model) also drafts
-    for the llama.cpp:speculative peer.
+    for the llama.cpp:speculative peer. Every run ends with the memory roofline
+    (--roofline: only that).
     Exits 1 when a greedy speculative run differs from plain decoding."""
     from ..bench import report
-    from ..bench.runner import BenchOptions, run_bench
+    from ..bench.runner import BenchOptions, run_bench, run_roofline
     from ..errors import InvalidArgumentError
 
     if prompts is not None and not prompts.exists():
@@ -74,13 +78,13 @@ def bench(
         raise InvalidArgumentError("--suite is empty")
     if not options.modes:
         raise InvalidArgumentError("--modes is empty")
-    doc = run_bench(options, progress=progress)
+    doc = run_roofline(options) if roofline else run_bench(options, progress=progress)
     files, no_plots = report.write(doc, out)
     typer.echo(report.markdown(doc))
     if no_plots:
         typer.echo(no_plots, err=True)
     typer.echo(f"wrote {', '.join(str(f) for f in files)}", err=True)
-    bad = {k: v for k, v in doc["greedy_mismatches"].items() if v}
+    bad = {k: v for k, v in doc.get("greedy_mismatches", {}).items() if v}
     if bad:
         typer.echo("FAIL: greedy runs differ from plain decoding: "
                    + ", ".join(f"{k} {v}" for k, v in bad.items())

@@ -82,11 +82,14 @@ def info_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Show a model's architecture, size, quantization, vocabulary and chat template."""
-    info = model_info(registry.model_path_checked(ref))
+    from ..backends import default_backend
+
+    path = registry.model_path_checked(ref)
+    info, backend = model_info(path), default_backend(path)
     if as_json:
-        typer.echo(json.dumps(info.to_dict(), indent=2))
+        typer.echo(json.dumps({**info.to_dict(), "default_backend": backend}, indent=2))
     else:
-        for label, value in _info_rows(info):
+        for label, value in _info_rows(info) + [("default backend", backend)]:
             typer.echo(f"{label:<16}{value}")
 
 

@@ -40,7 +40,7 @@ class EngineOptions:
     """How a command opens its Engine (the fields are Engine's keyword arguments)."""
 
     model: Optional[str]
-    backend: str
+    backend: Optional[str]
     ep: Optional[str]
     threads: Optional[int]
     n_ctx: Optional[int]
@@ -120,9 +120,11 @@ MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (defaul
 
 ENGINE_OPTIONS = {
     "model": (Optional[str], typer.Option(None, "--model", "-m", help=MODEL_HELP)),
-    "backend": (str, typer.Option(
-        "llama", "--backend", help="llama (llama.cpp), native (edgespec's own C engine) or onnx (ONNX Runtime; "
-        "--model may also be a folder from `edgespec export-onnx`, a GGUF is exported into the cache on first use).")),
+    "backend": (Optional[str], typer.Option(
+        None, "--backend", help="llama (llama.cpp), native (edgespec's own C engine) or onnx (ONNX Runtime; "
+        "--model may also be a folder from `edgespec export-onnx`, a GGUF is exported into the cache on first use) "
+        "(default: native for llama, qwen2 and gemma3 models, llama for other architectures and with --gpu-layers; "
+        "`edgespec models info` says which).")),
     "ep": (Optional[str], typer.Option(
         None, "--ep", help="ONNX Runtime execution provider of whichever model runs on the onnx backend: "
         "cpu, qnn, openvino, dml, coreml or cuda (default: cpu); openvino:CPU, openvino:NPU or openvino:GPU "
