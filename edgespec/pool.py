@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .backends import resolve_model
+from .backends import default_backend, resolve_model
 from .backends.base import DEFAULT_CTX, available_memory, kv_cache_bytes
 from .engine import Engine
 from .errors import EdgespecError, EngineBusyError, InvalidArgumentError, ModelNotFoundError
@@ -112,7 +112,7 @@ class EnginePool:
         self.pull = pull
         self._opener = opener
         self._options = engine_options
-        self._backend = engine_options.get("backend", "llama")
+        self._backend = engine_options.get("backend")   # None: each model's default
         # contexts per model: a slot each, and the embeddings context
         self._contexts = engine_options.get("slots", 1) + 1
         self._lock = threading.Lock()
@@ -185,7 +185,8 @@ class EnginePool:
             with self._lock:
                 if entry.engine is not None:
                     return self._take(entry)
-            path = resolve_model(self._backend, entry.ref)   # pulls a built-in model on first use
+            backend = self._backend or default_backend(entry.ref, self._options.get("gpu_layers") or 0)
+            path = resolve_model(backend, entry.ref)   # pulls a built-in model on first use
             need = model_bytes(path, self._options.get("n_ctx"), self._contexts)
             victims = self._make_room(entry, need)
             for engine in victims:
