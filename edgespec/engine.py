@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from . import drafters as drafting
+from . import moe
 from .backends import BACKENDS, Interrupted, open_backend, resolve_model
 from .chat import template as chat_templates
 from .drafters import Draft, Drafter, DrafterConfig, Verified
@@ -89,6 +90,7 @@ class GenerationStats:
     seed: int = 0
     drafter: str = "none"
     spec: SpecStats | None = None   # None for plain decoding
+    experts: dict | None = None     # the expert cache's counters over this generation (moe.stats_dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,7 +229,11 @@ class Engine:
     them is onnx (cpu, qnn, openvino, dml, coreml, cuda). ``n_ctx`` defaults
     to 4096 tokens or the model's training context if smaller; a larger one
     than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
-    ``force_threads``.
+    ``force_threads``. ``expert_cache_mb`` (native backend, MoE models) keeps
+    at most that many MB of expert weights in memory, read from disk on
+    demand; ``expert_precision`` (exact, balanced, fast), ``expert_policy``
+    (adaptive, lru) and ``expert_prefetch`` (layers ahead, 0: off) tune it
+    (edgespec.moe).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, backend: str = "llama",
@@ -235,8 +241,12 @@ class Engine:
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
                  draft_backend: str | None = None, ep: str | None = None,
                  ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
-                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False):
+                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False,
+                 expert_cache_mb: int | None = None, expert_precision: str = "exact",
+                 expert_policy: str = "adaptive", expert_prefetch: int = moe.DEFAULT_PREFETCH):
         _check_threads(threads, force_threads)
+        experts = moe.ExpertCache.of(expert_cache_mb, expert_precision, expert_policy,
+                                     expert_prefetch, backend)
         _whole("n_batch", n_batch, 1)
         _whole("gpu_layers", gpu_layers, 0)
         _whole("draft_max", draft_max, 1)
@@ -256,7 +266,7 @@ class Engine:
         self.model_path: Path = resolve_model(backend, self.model_ref)
         self.backend = open_backend(backend, self.model_path, n_ctx=n_ctx, n_batch=n_batch,
                                     threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
-                                    ep=ep, ctx_extend=ctx_extend, verbose=verbose)
+                                    ep=ep, ctx_extend=ctx_extend, experts=experts, verbose=verbose)
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
                                              draft_model=draft_model, draft_backend=draft_backend,
                                              ep=ep, ngram_cache=ngram_cache,
@@ -582,6 +592,7 @@ class Engine:
         out: list[int] = []
         text = TextStream(request.stop)
         t_decode = None
+        backend.expert_stats(reset=True)
         with Sampler(request.sampling, backend.n_vocab) as sampler:
             for t in prompt:
                 sampler.accept(t)
@@ -623,6 +634,7 @@ class Engine:
                 steps.close()
                 stats.decode_s = time.perf_counter() - t_decode if t_decode is not None else 0.0
                 stats.n_tokens = len(out)
+                stats.experts = backend.expert_stats()
                 if spec is not None:
                     spec.planner = self._planner.summary()
                     spec.drafters = {d.name: d.stats() for d in drafters}
