@@ -31,6 +31,7 @@ def _result_json(engine, result) -> dict:
         "threads": engine.backend.threads,
         "drafter": s.drafter,
         **({"spec": s.spec.to_dict()} if s.spec is not None else {}),
+        **({"experts": s.experts} if s.experts is not None else {}),
     }
 
 
@@ -41,7 +42,16 @@ def _summary(result) -> str:
     if s.spec is not None:
         line += (f"; drafter {s.drafter}: drafted {s.spec.drafted}, accepted {s.spec.accepted} "
                  f"({100 * s.spec.acceptance_rate:.0f}%), {s.spec.mean_accepted:.2f} accepted per step")
+    if s.experts is not None:
+        line += "; " + experts_summary(s.experts)
     return line
+
+
+def experts_summary(x: dict) -> str:
+    """The expert cache's counters of one generation, in one phrase."""
+    return (f"experts: {100 * x['hit_rate']:.0f}% hits, {x['bytes_read'] / 1e6:.1f} MB read, "
+            f"{x['substitutions']} substituted, prefetch {100 * x['prefetch_accuracy']:.0f}% used, "
+            f"stall {x['stall_ms_per_token']:.2f} ms/token")
 
 
 @app.command()
