@@ -267,11 +267,15 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
     data_off = -(-(_SIDECAR_HEADER + 8 * n_copies) // _ALIGN_DATA) * _ALIGN_DATA
     with open(model, "rb") as f:
         meta = f.read(reader.data_offset)
-    meta += b"\0" * (-len(meta) % 8)
+    # The metadata and tensor infos, and the routers (which differ between
+    # models of one shape), each zero-padded to 8 bytes: the checksums added.
+    by_name = {t.name: t for t in reader.tensors}
+    parts = [meta] + [bytes(_raw(by_name[f"blk.{il}.ffn_gate_inp.weight"])) for il in range(n_layer)]
+    identity = sum(checksum(p + b"\0" * (-len(p) % 8)) for p in parts) % 2**64
     header = bytearray(_SIDECAR_HEADER)
     header[0:8] = SIDECAR_MAGIC
     fields = [(8, "<I", _SIDECAR_VERSION), (12, "<I", int(q4)), (16, "<I", n_layer), (20, "<I", E),
-              (24, "<Q", D), (32, "<Q", F), (40, "<Q", model.stat().st_size), (48, "<Q", checksum(meta)),
+              (24, "<Q", D), (32, "<Q", F), (40, "<Q", model.stat().st_size), (48, "<Q", identity),
               (56, "<Q", stride), (64, "<Q", data_off)]
     import struct
     for off, fmt, v in fields:
@@ -342,7 +346,7 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
             tensors.append((name, shape, int(t.tensor_type), experts * raw.nbytes))
             sources.append(lambda raw=raw: np.broadcast_to(raw, (experts, *raw.shape)))
         else:
-            shape = tuple(int(x) for x in reversed(t.shape[:t.n_dims]))
+            shape = tuple(int(x) for x in reversed(t.shape))
             tensors.append((t.name, shape, int(t.tensor_type), int(t.n_bytes)))
             sources.append(lambda t=t: np.asarray(t.data))
 

@@ -260,8 +260,9 @@ void es_model_expert_stats_reset(es_model * model);
 const char * es_model_expert_error(const es_model * model);
 
 // The low-precision sidecar (edgespec moe prepare): a header that ties it to
-// one model file (size and a checksum of its metadata), then per layer and
-// expert one Q4_0 copy of gate, up and down, each with its checksum.
+// one model file (its size, and a checksum of its metadata and routers),
+// then per layer and expert one Q4_0 copy of gate, up and down, each with
+// its checksum (layout: expert_cache.c).
 #define ES_SIDECAR_MAGIC "ESMOELP1"
 // The checksum the sidecar uses, over n bytes (n a multiple of 8): the sum
 // of each little-endian 64-bit word times (2i + 1), modulo 2^64.

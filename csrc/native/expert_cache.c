@@ -42,8 +42,13 @@ enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
 
 // Routing weight below which BALANCED serves a miss from the low-precision copy.
 #define BALANCED_THRESHOLD 0.25f
-// Sidecar layout (little-endian): the header, then one checksum per
-// (layer, expert), then at data_offset the copies, expert_stride bytes each.
+// Sidecar layout (little-endian): the header of SIDECAR_HEADER bytes
+//   0 magic[8]  8 u32 version  12 u32 type (Q4_0)  16 u32 n_layer  20 u32 n_expert
+//   24 u64 n_embd  32 u64 n_ff  40 u64 model file size  48 u64 model identity
+//   (checksum of its metadata plus those of its routers)  56 u64 expert stride
+//   64 u64 data offset  72 u64 checksum of bytes 0..71,
+// then one u64 checksum per (layer, expert), then at the data offset the
+// copies (gate | up | down, zero-padded), expert stride bytes each.
 enum { SIDECAR_VERSION = 1, SIDECAR_HEADER = 80, SLOT_ALIGN = 64 };
 
 typedef struct slot {
@@ -503,16 +508,28 @@ static int open_sidecar(es_expert_cache * c, const es_gguf * g, const char * pat
             return ES_ERR_FORMAT;
         }
     }
-    // The model's metadata and tensor infos, which fix every tensor's place.
+    // The model's metadata and tensor infos, which fix every tensor's place,
+    // and its routers, which differ between models of one shape: each
+    // checksummed zero-padded to 8 bytes, the checksums added.
     const size_t meta = (size_t) es_gguf_data_offset(g);
     uint8_t * buf = calloc(round_up(meta, 8), 1);
     if (!buf) return ES_ERR_NO_MEMORY;
     int rc = pread_full(c->fd, buf, meta, 0);
-    const uint64_t sum = es_sidecar_checksum(buf, round_up(meta, 8));
+    uint64_t sum = es_sidecar_checksum(buf, round_up(meta, 8));
     free(buf);
+    for (int32_t il = 0; il < c->n_layer && rc == ES_OK; il++) {
+        char name[64];
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", (int) il);
+        const es_tensor * t = es_gguf_find_tensor(g, name);
+        uint8_t * r = calloc(round_up(t->nbytes, 8), 1);
+        if (!r) return ES_ERR_NO_MEMORY;
+        memcpy(r, t->data, t->nbytes);
+        sum += es_sidecar_checksum(r, round_up(t->nbytes, 8));
+        free(r);
+    }
     if (rc != ES_OK || sum != rd64(h + 48)) {
-        snprintf(err, err_cap, "sidecar %s was made for another model: the metadata checksums "
-                 "differ", path);
+        snprintf(err, err_cap, "sidecar %s was made for another model: the checksums of its "
+                 "metadata and routers differ", path);
         return ES_ERR_FORMAT;
     }
     const size_t b = es_type_row_bytes(ES_TYPE_Q4_0, D), bf = es_type_row_bytes(ES_TYPE_Q4_0, F);
