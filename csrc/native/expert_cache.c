@@ -94,6 +94,7 @@ struct es_expert_cache {
     int32_t   depth;          // prefetch depth now
     int64_t   win_pref, win_used;  // prefetches and their uses since the last adaptation
     uint64_t  win_tick;
+    int64_t   win_start_ns, io_busy_ns;  // the window's start; the I/O thread's reading time in it
     es_expert_provider provider;
     es_expert_stats st;
     char err[256];
@@ -191,9 +192,12 @@ static void * io_main(void * arg) {
         char err[sizeof c->err];
         size_t bytes = 0;
         errno = 0;
+        const int64_t t0 = now_ns();
         const int rc = read_expert(c, il, e, low, s->data, &bytes, err, sizeof err);
+        const int64_t busy = now_ns() - t0;
 
         pthread_mutex_lock(&c->mu);
+        c->io_busy_ns += busy;
         s->state = rc == ES_OK ? SLOT_READY : SLOT_FAILED;
         s->rc = rc;
         if (rc != ES_OK) memcpy(c->err, err, sizeof err);
@@ -334,19 +338,30 @@ static int32_t lookup(es_expert_cache * c, int32_t layer, int32_t e, bool low) {
     return si;
 }
 
-// Every 4 * n_layer ticks: one layer deeper when most prefetches were used,
-// one shallower when few were; never more slots than half the cache.
+// Every 4 * n_layer ticks: when the I/O thread was reading nearly all the
+// time, prefetching only competes with the reads decoding waits for (and
+// adds the wrong guesses' bytes): one layer shallower, down to none.
+// Otherwise one deeper when most prefetches were used, one shallower when
+// few were. Never more slots than half the cache.
 static void adapt_depth(es_expert_cache * c) {
     if (c->tick - c->win_tick < 4 * (uint64_t) c->n_layer) return;
+    const int64_t now = now_ns();
+    const double busy = now > c->win_start_ns ? (double) c->io_busy_ns / (double) (now - c->win_start_ns)
+                                              : 0.0;
     const int32_t cap = c->n_slots / (2 * c->k) > 1 ? c->n_slots / (2 * c->k) : 1;
-    if (c->win_pref >= 8) {
-        const double used = (double) c->win_used / (double) c->win_pref;
-        if (used >= 0.6 && c->depth < c->max_depth) c->depth++;
-        else if (used < 0.3 && c->depth > 1) c->depth--;
+    const double used = c->win_pref ? (double) c->win_used / (double) c->win_pref : 1.0;
+    if (busy >= 0.9) {
+        if (c->depth > 0) c->depth--;
+    } else if (c->depth == 0 || (c->win_pref >= 8 && used >= 0.6)) {
+        if (c->depth < c->max_depth) c->depth++;
+    } else if (c->win_pref >= 8 && used < 0.3 && c->depth > 1) {
+        c->depth--;
     }
     if (c->depth > cap) c->depth = cap;
     c->win_pref = c->win_used = 0;
     c->win_tick = c->tick;
+    c->win_start_ns = now;
+    c->io_busy_ns = 0;
 }
 
 /* ---- the provider ---------------------------------------------------------- */
@@ -593,6 +608,7 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     c->policy = p->expert_policy;
     c->max_depth = p->prefetch_depth;
     c->depth = p->prefetch_depth > 0 ? 1 : 0;
+    c->win_start_ns = now_ns();
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work, NULL);
     pthread_cond_init(&c->done, NULL);
