@@ -60,16 +60,16 @@ def worker(args) -> None:
         # llama.cpp repacks Q4_0/Q8_0 weights for its AVX kernels into
         # anonymous memory, which takes the whole model off the memory map;
         # without the extra buffer types every weight stays mapped.
-        import llama_cpp
+        import llama_cpp.llama_cpp as lc  # what edgespec's llama backend calls
 
-        default = llama_cpp.llama_model_default_params
+        default = lc.llama_model_default_params
 
         def params():
             p = default()
             p.use_extra_bufts = False
             return p
 
-        llama_cpp.llama_model_default_params = params
+        lc.llama_model_default_params = params
     kw = dict(backend=args.backend, threads=args.threads, n_ctx=1024, drafter=args.drafter)
     if args.cache_mb:
         kw.update(expert_cache_mb=args.cache_mb, expert_policy=args.policy,
@@ -254,9 +254,9 @@ def quality(args) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     dense = registry.resolve(args.upcycle)
-    up = work / f"{dense.stem}-moe{args.experts}-top{args.top_k}.gguf"
+    up = work / f"{dense.stem}-moe{args.experts}-top{args.top_k}-r{args.router_scale:g}.gguf"
     if not up.exists():
-        moe.upcycle(dense, up, experts=args.experts, top_k=args.top_k)
+        moe.upcycle(dense, up, experts=args.experts, top_k=args.top_k, router_scale=args.router_scale)
     if not moe.sidecar_path(up).exists():
         moe.prepare(up)
     expert_bytes, _ = sizes(up)
@@ -314,6 +314,8 @@ def main() -> None:
     ap.add_argument("--upcycle", default="smollm2-135m", help="the dense model of the quality part")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--router-scale", type=float, default=8.0,
+                    help="upcycled routers' scale: sharper routing gives balanced low-weight experts")
     ap.add_argument("--cache-fraction", type=float, default=0.5, help="quality: cache size / expert bytes")
     ap.add_argument("--positions", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=2)

@@ -16,13 +16,14 @@ Every file is written beside its destination and renamed into place.
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import InvalidArgumentError, ModelFormatError, UnsupportedModelError
+from .errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .progress import Progress
 
 PRECISIONS = ("exact", "balanced", "fast")   # enum es_expert_precision, in order
@@ -113,10 +114,10 @@ def _gguf():
 
 def _reader(path: os.PathLike | str):
     gguf = _gguf()
+    if not Path(path).is_file():
+        raise ModelNotFoundError(f"{path}: no such file")
     try:
         return gguf.GGUFReader(str(path))
-    except FileNotFoundError:
-        raise
     except Exception as e:  # the reader raises ValueError, struct.error, ... on a bad file
         raise ModelFormatError(f"{path}: not a readable GGUF file ({e})"[:300]) from None
 
@@ -250,7 +251,6 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
     gguf = _gguf()
     model = Path(model)
     if not model.is_file():
-        from .errors import ModelNotFoundError
         raise ModelNotFoundError(f"{model}: no such file")
     out = Path(out) if out is not None else sidecar_path(model)
     reader = _reader(model)
@@ -277,7 +277,6 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
     fields = [(8, "<I", _SIDECAR_VERSION), (12, "<I", int(q4)), (16, "<I", n_layer), (20, "<I", E),
               (24, "<Q", D), (32, "<Q", F), (40, "<Q", model.stat().st_size), (48, "<Q", identity),
               (56, "<Q", stride), (64, "<Q", data_off)]
-    import struct
     for off, fmt, v in fields:
         struct.pack_into(fmt, header, off, v)
     struct.pack_into("<Q", header, 72, checksum(bytes(header[:72])))
@@ -317,10 +316,11 @@ class _Bytes(Progress):
 # ---- upcycle and synth ------------------------------------------------------------------------
 
 def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, top_k: int = 2,
-            seed: int = 0, progress: bool = True) -> Path:
+            seed: int = 0, router_scale: float = 1.0, progress: bool = True) -> Path:
     """A Mixtral-style MoE made of the dense llama-family GGUF ``model``:
     in each layer ``experts`` copies of its FFN and a router of random
-    projections choosing ``top_k``."""
+    projections, N(0, router_scale^2 / n_embd), choosing ``top_k`` (a larger
+    scale routes more sharply: unequal weights, as trained routers give)."""
     gguf = _gguf()
     _check_counts(experts, top_k)
     reader = _reader(model)
@@ -339,7 +339,7 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
             raw = _raw(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
             name = f"blk.{kind[1]}.{kind[2]}_exps.weight"
             if kind[2] == "ffn_gate":
-                router = (rng.standard_normal((experts, D), dtype=np.float32) / np.float32(np.sqrt(D)))
+                router = rng.standard_normal((experts, D), dtype=np.float32) * np.float32(router_scale / np.sqrt(D))
                 tensors.append((f"blk.{kind[1]}.ffn_gate_inp.weight", (experts, D), 0, router.nbytes))
                 sources.append(lambda r=router: r)
             shape = (experts, *(int(x) for x in reversed(t.shape[:2])))
@@ -453,12 +453,10 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         w.add_expert_used_count(top_k)
 
     def data():
-        for name, shape, t, _ in tensors:
-            arr = sources[len(done)]()
-            done.append(name)
+        for (_, shape, t, _), make in zip(tensors, sources):
+            arr = make()
             yield arr.reshape(*shape[:-1], -1) if t not in (0, 1) else arr.reshape(shape)
 
-    done: list[str] = []
     total = sum(t[3] for t in tensors)
     with _Output(out) as tmp:
         _write_gguf(tmp, "llama", keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,

@@ -25,6 +25,8 @@ def upcycle(
                                 "layer's FFN."),
     top_k: int = typer.Option(2, "--top-k", help="Experts per token, [1, --experts]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the routers' random projections."),
+    router_scale: float = typer.Option(1.0, "--router-scale", help="Scale of the routers' projections: "
+                                       "larger routes more sharply (unequal expert weights)."),
     out: Path = typer.Option(..., "--out", help="The GGUF file to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
@@ -35,7 +37,7 @@ def upcycle(
     path = registry.model_path_checked(model)
     t0 = time.perf_counter()
     _done("upcycled MoE", moe.upcycle(path, out, experts=experts, top_k=top_k, seed=seed,
-                                      progress=not quiet), t0)
+                                      router_scale=router_scale, progress=not quiet), t0)
 
 
 @moe_app.command()
