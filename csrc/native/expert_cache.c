@@ -317,6 +317,12 @@ static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bo
     s->freq_tick = c->tick;
     s->last_use = c->tick;
     c->map[low][layer * c->n_expert + e] = si;
+    // A full copy makes the expert's low-precision one useless: its slot is free.
+    const int32_t lo = low ? -1 : c->map[1][layer * c->n_expert + e];
+    if (lo >= 0 && !c->slots[lo].held &&
+        (c->slots[lo].state == SLOT_READY || c->slots[lo].state == SLOT_FAILED)) {
+        forget(c, &c->slots[lo]);
+    }
     queue_add(c, si, demand);
     pthread_cond_signal(&c->work);
     return si;
