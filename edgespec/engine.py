@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import drafters as drafting
+from . import moe
 from .backends import BACKENDS, Interrupted, default_backend, open_backend, resolve_model
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
@@ -102,6 +103,7 @@ class GenerationStats:
     seed: int = 0
     drafter: str = "none"
     spec: SpecStats | None = None   # None for plain decoding
+    experts: dict | None = None     # the expert cache's counters over this generation (moe.stats_dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -261,6 +263,11 @@ class Engine:
     than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
     ``force_threads``. ``slots``: KV caches kept (each of ``n_ctx``, made when
     first used; llama and native backends).
+    ``force_threads``. ``expert_cache_mb`` (native backend, MoE models) keeps
+    at most that many MB of expert weights in memory, read from disk on
+    demand; ``expert_precision`` (exact, balanced, fast), ``expert_policy``
+    (adaptive, lru) and ``expert_prefetch`` (layers ahead, 0: off) tune it
+    (edgespec.moe).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, backend: str | None = None,
@@ -269,8 +276,14 @@ class Engine:
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
                  draft_backend: str | None = None, ep: str | None = None,
                  ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
-                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False):
+                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False,
+                 expert_cache_mb: int | None = None, expert_precision: str = "exact",
+                 expert_policy: str = "adaptive", expert_prefetch: int = moe.DEFAULT_PREFETCH):
         _check_threads(threads, force_threads)
+        if backend is None and expert_cache_mb is not None:
+            backend = "native"   # the expert cache is the native engine's
+        experts = moe.ExpertCache.of(expert_cache_mb, expert_precision, expert_policy,
+                                     expert_prefetch, backend)
         _whole("n_batch", n_batch, 1)
         _whole("gpu_layers", gpu_layers, 0)
         _whole("draft_max", draft_max, 1)
@@ -294,7 +307,7 @@ class Engine:
             raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
                                        "use it with backend onnx or draft_backend onnx")
         options = dict(n_ctx=n_ctx, n_batch=n_batch, threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
-                       slots=slots, ep=ep, ctx_extend=ctx_extend, verbose=verbose)
+                       slots=slots, ep=ep, ctx_extend=ctx_extend, experts=experts, verbose=verbose)
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
             self.backend = open_backend(backend, self.model_path, **options)
@@ -797,6 +810,7 @@ class Engine:
         out: list[int] = []
         text = TextStream(request.stop)
         t_decode = None
+        backend.expert_stats(reset=True)
         with Sampler(request.sampling, backend.n_vocab) as sampler:
             for t in prompt:
                 sampler.accept(t)
@@ -843,6 +857,7 @@ class Engine:
                 steps.close()
                 stats.decode_s = time.perf_counter() - t_decode if t_decode is not None else 0.0
                 stats.n_tokens = len(out)
+                stats.experts = backend.expert_stats()
                 if spec is not None:
                     spec.planner = self._planner.summary()
                     spec.drafters = {d.name: d.stats() for d in drafters}

@@ -155,8 +155,32 @@ enum es_experts_mode {
     ES_EXPERTS_F32    = 1,  // F32 copies made on demand (the path an expert cache takes; tests)
 };
 
+// What a cache miss of an expert that matters little to a token is served
+// from (expert cache): the full-precision weights always (EXACT: output
+// bit-identical to the unlimited engine), or the low-precision copy of the
+// sidecar when the expert's routing weight is below 0.25 (BALANCED) or on
+// every miss (FAST).
+enum es_expert_precision {
+    ES_PRECISION_EXACT = 0, ES_PRECISION_BALANCED = 1, ES_PRECISION_FAST = 2,
+};
+
+// Which cached expert makes room: ADAPTIVE weighs how often an expert was
+// used lately (decaying frequency) against how many layers away its next
+// use is; LRU takes the least recently used (the benchmark's baseline).
+enum es_expert_policy { ES_POLICY_ADAPTIVE = 0, ES_POLICY_LRU = 1 };
+
 typedef struct es_model_params {
     int32_t experts;  // enum es_experts_mode; default ES_EXPERTS_MAPPED
+    // > 0: expert weights are not read through the mapping but with pread
+    // into a cache of at most this many bytes, on an I/O thread (MoE
+    // models; ignored by dense ones). Default 0: no cache.
+    int64_t expert_cache_bytes;
+    int32_t expert_precision;     // enum es_expert_precision; default EXACT
+    int32_t expert_policy;        // enum es_expert_policy; default ADAPTIVE
+    int32_t prefetch_depth;       // most layers ahead whose experts are predicted and
+                                  // loaded early (adapted to the hit rate); 0: none; default 3
+    const char * expert_sidecar;  // low-precision copies (es_expert_sidecar_*); NULL: none;
+                                  // required by BALANCED and FAST; read at load only
 } es_model_params;
 
 es_model_params es_model_default_params(void);
@@ -217,6 +241,42 @@ const float * es_context_embeddings(const es_context * ctx);
 
 // Keeps the first n_keep cells of the KV cache (rollback); n_keep in [0, n_past].
 int es_context_truncate(es_context * ctx, int32_t n_keep);
+
+/* ---- expert cache (expert_cache.c) ---------------------------------------- */
+
+// Counters of a model's expert cache since load (or the last reset).
+typedef struct es_expert_stats {
+    int64_t budget_bytes;    // expert_cache_bytes as given
+    int64_t cache_bytes;     // bytes of the cache's slots: never above budget_bytes
+    int32_t n_slots;         // experts it holds at once
+    int32_t prefetch_depth;  // layers ahead prefetched now
+    int64_t tokens;          // tokens through the first MoE layer
+    int64_t lookups;         // experts asked for (per layer and batch)
+    int64_t hits;            // found cached (or on their way: prefetched)
+    int64_t loads;           // reads from disk (misses and prefetches)
+    int64_t bytes_read;      // bytes those reads took
+    int64_t substitutions;   // lookups served by a low-precision copy
+    int64_t prefetches;      // loads started by prefetch
+    int64_t prefetch_used;   // of those, used before being evicted
+    int64_t evictions;
+    int64_t stall_ns;        // time decoding waited for reads
+} es_expert_stats;
+
+// ES_ERR_INVALID_ARG: no model, or a model without an expert cache.
+int es_model_expert_stats(const es_model * model, es_expert_stats * out);
+void es_model_expert_stats_reset(es_model * model);
+// The one-line reason of the last failed read (file changed on disk, short
+// read, sidecar checksum); "" when none. Owned by model.
+const char * es_model_expert_error(const es_model * model);
+
+// The low-precision sidecar (edgespec moe prepare): a header that ties it to
+// one model file (its size, and a checksum of its metadata and routers),
+// then per layer and expert one Q4_0 copy of gate, up and down, each with
+// its checksum (layout: expert_cache.c).
+#define ES_SIDECAR_MAGIC "ESMOELP1"
+// The checksum the sidecar uses, over n bytes (n a multiple of 8): the sum
+// of each little-endian 64-bit word times (2i + 1), modulo 2^64.
+uint64_t es_sidecar_checksum(const void * data, size_t n);
 
 /* ========================================================================
  * Memory bandwidth (bandwidth.c)

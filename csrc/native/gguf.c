@@ -489,6 +489,10 @@ int32_t es_gguf_version(const es_gguf * g) { return g ? g->version : 0; }
 int64_t es_gguf_alignment(const es_gguf * g) { return g ? (int64_t) g->alignment : 0; }
 int64_t es_gguf_data_offset(const es_gguf * g) { return g ? (int64_t) g->data_start : 0; }
 
+int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t) {
+    return (int64_t) ((const uint8_t *) t->data - g->data);
+}
+
 int64_t es_gguf_n_tensors(const es_gguf * g) { return g ? g->n_tensors : 0; }
 
 const es_tensor * es_gguf_tensor_at(const es_gguf * g, int64_t i) {

@@ -298,7 +298,11 @@ static int check_hparams(const es_model * m, char * err, size_t err_cap) {
 }
 
 es_model_params es_model_default_params(void) {
-    return (es_model_params) { .experts = ES_EXPERTS_MAPPED };
+    return (es_model_params) {
+        .experts = ES_EXPERTS_MAPPED, .expert_cache_bytes = 0,
+        .expert_precision = ES_PRECISION_EXACT, .expert_policy = ES_POLICY_ADAPTIVE,
+        .prefetch_depth = 3, .expert_sidecar = NULL,
+    };
 }
 
 int es_model_load(const char * path, const es_model_params * params, es_model ** out,
@@ -312,6 +316,12 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     const es_model_params p = params ? *params : es_model_default_params();
     if (p.experts != ES_EXPERTS_MAPPED && p.experts != ES_EXPERTS_F32) {
         set_err(err, err_cap, "unknown experts mode %d", (int) p.experts);
+        return ES_ERR_INVALID_ARG;
+    }
+    if (p.expert_cache_bytes < 0 || (p.expert_cache_bytes > 0 && p.experts != ES_EXPERTS_MAPPED)) {
+        set_err(err, err_cap, "an expert cache of %lld bytes with experts mode %d: the cache "
+                "takes the place of the mapped experts only", (long long) p.expert_cache_bytes,
+                (int) p.experts);
         return ES_ERR_INVALID_ARG;
     }
     es_model * m = calloc(1, sizeof *m);
@@ -346,6 +356,13 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     if (rc == ES_OK) rc = m->arch->load(m, err, err_cap);
     if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
+    if (rc == ES_OK && m->experts && p.expert_cache_bytes > 0) {
+        rc = es_expert_cache_init(m->gguf, path, m->experts, &p, &m->expert_cache, err, err_cap);
+        if (rc == ES_OK) {
+            es_experts_set_provider(m->experts, es_expert_cache_provider(m->expert_cache));
+        }
+        m->params.expert_sidecar = NULL;  // the caller's string: read at load only
+    }
     if (rc != ES_OK) {
         es_model_free(m);
         return rc;
@@ -356,6 +373,7 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
 
 void es_model_free(es_model * m) {
     if (!m) return;
+    es_expert_cache_free(m->expert_cache);
     es_experts_free(m->experts);
     free(m->layers);
     es_gguf_close(m->gguf);
@@ -366,6 +384,20 @@ const char * es_model_arch(const es_model * m) { return m && m->arch ? m->arch->
 int32_t es_model_n_vocab(const es_model * m) { return m ? m->n_vocab : 0; }
 int32_t es_model_n_ctx_train(const es_model * m) { return m ? m->n_ctx_train : 0; }
 int32_t es_model_n_embd(const es_model * m) { return m ? m->n_embd : 0; }
+
+int es_model_expert_stats(const es_model * m, es_expert_stats * out) {
+    if (!m || !m->expert_cache || !out) return ES_ERR_INVALID_ARG;
+    es_expert_cache_stats(m->expert_cache, out);
+    return ES_OK;
+}
+
+void es_model_expert_stats_reset(es_model * m) {
+    if (m && m->expert_cache) es_expert_cache_stats_reset(m->expert_cache);
+}
+
+const char * es_model_expert_error(const es_model * m) {
+    return m && m->expert_cache ? es_expert_cache_error(m->expert_cache) : "";
+}
 
 /* ---- context --------------------------------------------------------------- */
 

@@ -166,6 +166,10 @@ void es_experts_free(es_experts * ex) {
 
 const es_moe_params * es_experts_params(const es_experts * ex) { return &ex->p; }
 
+const es_tensor * es_experts_tensor(const es_experts * ex, int32_t il, int32_t which) {
+    return ex->layers[il].exps[which];
+}
+
 const es_expert_provider * es_experts_provider(const es_experts * ex) { return &ex->provider; }
 
 void es_experts_set_provider(es_experts * ex, const es_expert_provider * provider) {
@@ -191,6 +195,14 @@ struct es_moe {
     int32_t * cursor;      // (n_expert) scratch of the grouping
     int32_t * active;      // (n_expert) experts with at least one pair, ascending
     int32_t   n_active;
+    float   * importance;  // (n_expert) per active expert: its largest weight in the batch
+    int32_t   a0, a1;      // the group of active[] being computed
+    float   * pf_probs;    // (n_expert) prefetch: a later layer's router on one token
+    int32_t * pf_chosen;   // (n_batch * k) the experts it predicts, per token
+    float   * pf_weight;   // (n_batch * k)
+    int32_t * pf_experts;  // (n_expert) their union, and
+    float   * pf_imp;      // (n_expert) each one's largest weight
+    uint8_t * pf_in;       // (router row) one token's input in that router's format
     es_expert_view * view; // (n_expert, 3) the active experts' matrices
     uint8_t * router_in;   // (n_batch, router row) inputs in the router's activation format
     size_t    router_row;
@@ -225,13 +237,21 @@ int es_moe_init(const es_experts * ex, int32_t n_batch, es_moe ** out) {
     m->order     = malloc(B * K * sizeof *m->order);
     m->cursor    = malloc(E * sizeof *m->cursor);
     m->active    = malloc(E * sizeof *m->active);
+    m->importance = malloc(E * sizeof *m->importance);
+    m->pf_probs  = malloc(E * sizeof *m->pf_probs);
+    m->pf_chosen = malloc(B * K * sizeof *m->pf_chosen);
+    m->pf_weight = malloc(B * K * sizeof *m->pf_weight);
+    m->pf_experts = malloc(E * sizeof *m->pf_experts);
+    m->pf_imp    = malloc(E * sizeof *m->pf_imp);
+    m->pf_in     = malloc(m->router_row);
     m->view      = malloc(E * 3 * sizeof *m->view);
     m->router_in = malloc(B * m->router_row);
     m->gate      = malloc(B * K * (size_t) p->n_ff * sizeof *m->gate);
     m->up        = malloc(B * K * (size_t) p->n_ff * sizeof *m->up);
     m->y         = malloc(B * K * (size_t) p->n_embd * sizeof *m->y);
     if (!m->probs || !m->chosen || !m->weight || !m->start || !m->order || !m->cursor ||
-        !m->active ||
+        !m->active || !m->importance || !m->pf_probs || !m->pf_chosen || !m->pf_weight ||
+        !m->pf_experts || !m->pf_imp || !m->pf_in ||
         !m->view || !m->router_in || !m->gate || !m->up || !m->y) {
         es_moe_free(m);
         return ES_ERR_NO_MEMORY;
@@ -250,6 +270,13 @@ void es_moe_free(es_moe * m) {
     free(m->router_in);
     free(m->view);
     free(m->active);
+    free(m->importance);
+    free(m->pf_probs);
+    free(m->pf_chosen);
+    free(m->pf_weight);
+    free(m->pf_experts);
+    free(m->pf_imp);
+    free(m->pf_in);
     free(m->cursor);
     free(m->order);
     free(m->start);
@@ -362,7 +389,7 @@ static void step_inputs(void * arg, int32_t ith, int32_t nth) {
     }
 }
 
-// Step 3: gate and up of every active expert for its pairs; each thread
+// Step 3: gate and up of the group's experts for their pairs; each thread
 // takes the same share of every expert's rows.
 static void step_gate_up(void * arg, int32_t ith, int32_t nth) {
     moe_job * job = arg;
@@ -370,7 +397,7 @@ static void step_gate_up(void * arg, int32_t ith, int32_t nth) {
     const int64_t D = m->ex->p.n_embd, F = m->ex->p.n_ff;
     int64_t r0, r1;
     split(F, ith, nth, &r0, &r1);
-    for (int32_t a = 0; a < m->n_active; a++) {
+    for (int32_t a = m->a0; a < m->a1; a++) {
         const int32_t e = m->active[a];
         for (int w = ES_EXPERT_GATE; w <= ES_EXPERT_UP; w++) {
             const es_expert_view * v = &m->view[e * 3 + w];
@@ -387,15 +414,15 @@ static void step_gate_up(void * arg, int32_t ith, int32_t nth) {
     }
 }
 
-// Step 4: SwiGLU, silu(gate) * up, and its conversion for down; pairs
-// striped over threads.
+// Step 4: SwiGLU, silu(gate) * up, and its conversion for down; the
+// group's pairs (consecutive in order[]) striped over threads.
 static void step_swiglu(void * arg, int32_t ith, int32_t nth) {
     moe_job * job = arg;
     es_moe * m = job->m;
     const int64_t F = m->ex->p.n_ff;
-    const int32_t K = m->ex->p.n_expert_used;
-    for (int32_t pair = ith; pair < job->n_tokens * K; pair += nth) {
-        const int32_t e = m->chosen[pair];
+    const int32_t i0 = m->start[m->active[m->a0]], i1 = m->start[m->active[m->a1 - 1] + 1];
+    for (int32_t i = i0 + ith; i < i1; i += nth) {
+        const int32_t pair = m->order[i], e = m->chosen[pair];
         const int32_t dtype = m->view[e * 3 + ES_EXPERT_DOWN].type;
         float * g = m->gate + (size_t) pair * F;
         const float * u = m->up + (size_t) pair * F;
@@ -411,7 +438,7 @@ static void step_down(void * arg, int32_t ith, int32_t nth) {
     const int64_t D = m->ex->p.n_embd, F = m->ex->p.n_ff;
     int64_t r0, r1;
     split(D, ith, nth, &r0, &r1);
-    for (int32_t a = 0; a < m->n_active; a++) {
+    for (int32_t a = m->a0; a < m->a1; a++) {
         const int32_t e = m->active[a];
         const es_expert_view * v = &m->view[e * 3 + ES_EXPERT_DOWN];
         for (int32_t i = m->start[e]; i < m->start[e + 1]; i++) {
@@ -447,7 +474,7 @@ static void step_combine(void * arg, int32_t ith, int32_t nth) {
 /* ---- the block ------------------------------------------------------------ */
 
 // Groups the batch's pairs by expert (a counting sort, tokens ascending
-// within an expert) and lists the active experts.
+// within an expert), lists the active experts and their importance.
 static void group_pairs(es_moe * m, int32_t n_tokens) {
     const int32_t E = m->ex->p.n_expert, P = n_tokens * m->ex->p.n_expert_used;
     memset(m->start, 0, (size_t) (E + 1) * sizeof *m->start);
@@ -459,16 +486,24 @@ static void group_pairs(es_moe * m, int32_t n_tokens) {
     }
     memcpy(m->cursor, m->start, (size_t) E * sizeof *m->cursor);
     for (int32_t pair = 0; pair < P; pair++) m->order[m->cursor[m->chosen[pair]]++] = pair;
+    for (int32_t a = 0; a < m->n_active; a++) {
+        const int32_t e = m->active[a];
+        float w = 0.0f;
+        for (int32_t i = m->start[e]; i < m->start[e + 1]; i++) {
+            w = fmaxf(w, m->weight[m->order[i]]);
+        }
+        m->importance[a] = w;
+    }
 }
 
-// Lists the activation formats the active experts' gate and up matrices
-// read, and sizes the buffers for them and for down's inputs.
+// Lists the activation formats the group's gate and up matrices read, and
+// sizes the buffers for them and for down's inputs.
 // ES_ERR_UNSUPPORTED: the provider gave a type es_matvec does not take.
 static int plan_buffers(es_moe * m, int32_t n_tokens) {
     const es_moe_params * p = &m->ex->p;
     m->n_act = 0;
     m->down_row = 0;
-    for (int32_t a = 0; a < m->n_active; a++) {
+    for (int32_t a = m->a0; a < m->a1; a++) {
         const int32_t e = m->active[a];
         for (int w = 0; w < 3; w++) {
             if (es_act_type(m->view[e * 3 + w].type) < 0) return ES_ERR_UNSUPPORTED;
@@ -492,12 +527,76 @@ static int plan_buffers(es_moe * m, int32_t n_tokens) {
                    (size_t) n_tokens * (size_t) p->n_expert_used * m->down_row);
 }
 
-static void put_views(es_moe * m, int32_t il, int32_t n_active) {
+// Hands back the views of active[a0, a1) and ends the provider's hold.
+static void put_views(es_moe * m, int32_t il, int32_t a0, int32_t a1) {
     const es_expert_provider * pv = &m->ex->provider;
-    for (int32_t a = 0; a < n_active; a++) {
+    for (int32_t a = a0; a < a1; a++) {
         const int32_t e = m->active[a];
         for (int w = 0; w < 3; w++) pv->put(pv->self, il, e, w, &m->view[e * 3 + w]);
     }
+    if (pv->end) pv->end(pv->self, il);
+}
+
+// Tokens up to which a batch's later layers are predicted (decoding and
+// short verification batches; a prompt's batch would name every expert).
+enum { PREFETCH_MAX_TOKENS = 8 };
+
+// Names to the provider the experts that the routers of layers il+1 ..
+// il+depth choose for the batch's input x of layer il.
+static void prefetch(es_moe * m, int32_t il, const float * x, int32_t n_tokens) {
+    const es_expert_provider * pv = &m->ex->provider;
+    if (!pv->prefetch || n_tokens > PREFETCH_MAX_TOKENS) return;
+    const es_moe_params * p = &m->ex->p;
+    const int32_t depth = pv->prefetch_depth(pv->self), K = p->n_expert_used;
+    for (int32_t d = 1; d <= depth && il + d < p->n_layer; d++) {
+        const es_tensor * router = m->ex->layers[il + d].gate_inp;
+        for (int32_t e = 0; e < p->n_expert; e++) m->pf_imp[e] = -1.0f;
+        for (int32_t t = 0; t < n_tokens; t++) {
+            es_quantize_act(router->type, x + (size_t) t * p->n_embd, m->pf_in, p->n_embd);
+            es_matvec(router->type, router->data, m->pf_in, p->n_embd, 0, p->n_expert,
+                      m->pf_probs);
+            route(p, m->pf_probs, m->pf_chosen + (size_t) t * K, m->pf_weight + (size_t) t * K);
+            for (int32_t j = 0; j < K; j++) {
+                const int32_t e = m->pf_chosen[t * K + j];
+                m->pf_imp[e] = fmaxf(m->pf_imp[e], m->pf_weight[t * K + j]);
+            }
+        }
+        int32_t n = 0;
+        for (int32_t e = 0; e < p->n_expert; e++) {
+            if (m->pf_imp[e] >= 0.0f) {
+                m->pf_experts[n] = e;
+                m->pf_imp[n++] = m->pf_imp[e];
+            }
+        }
+        pv->prefetch(pv->self, il + d, n, m->pf_experts, m->pf_imp);
+    }
+}
+
+// Gets the views of active[a0, a1) (after the provider's begin, and for
+// the first group the prefetch of later layers, which runs while the
+// group's misses are read); on failure none is held.
+static int get_views(es_moe * m, int32_t il, const float * x, int32_t n_tokens, int32_t a0,
+                     int32_t a1) {
+    const es_expert_provider * pv = &m->ex->provider;
+    if (pv->begin) {
+        const int rc = pv->begin(pv->self, il, n_tokens, a1 - a0, m->active + a0,
+                                 m->importance + a0);
+        if (rc != ES_OK) return rc;
+    }
+    if (a0 == 0) prefetch(m, il, x, n_tokens);
+    for (int32_t a = a0; a < a1; a++) {
+        const int32_t e = m->active[a];
+        for (int w = 0; w < 3; w++) {
+            const int rc = pv->get(pv->self, il, e, w, &m->view[e * 3 + w]);
+            if (rc != ES_OK) {
+                // Hand back what this expert and the ones before it got.
+                for (int v = 0; v < w; v++) pv->put(pv->self, il, e, v, &m->view[e * 3 + v]);
+                put_views(m, il, a0, a);
+                return rc;
+            }
+        }
+    }
+    return ES_OK;
 }
 
 int es_moe_ffn(es_moe * m, es_pool * pool, int32_t il, const float * x, int32_t n_tokens,
@@ -512,31 +611,24 @@ int es_moe_ffn(es_moe * m, es_pool * pool, int32_t il, const float * x, int32_t 
     es_pool_run(pool, step_route, &job);
     group_pairs(m, n_tokens);
 
-    // The active experts' matrices, from the provider.
+    // The active experts, in groups of as many as the provider holds at once
+    // (every pair's output is computed alike whatever the grouping).
     const es_expert_provider * pv = &m->ex->provider;
-    for (int32_t a = 0; a < m->n_active; a++) {
-        const int32_t e = m->active[a];
-        for (int w = 0; w < 3; w++) {
-            const int rc = pv->get(pv->self, il, e, w, &m->view[e * 3 + w]);
-            if (rc != ES_OK) {
-                // Hand back what this expert and the ones before it got.
-                for (int v = 0; v < w; v++) pv->put(pv->self, il, e, v, &m->view[e * 3 + v]);
-                put_views(m, il, a);
-                return rc;
-            }
+    const int32_t group = pv->max_held > 0 ? pv->max_held : m->n_active;
+    for (m->a0 = 0; m->a0 < m->n_active; m->a0 = m->a1) {
+        m->a1 = m->a0 + group < m->n_active ? m->a0 + group : m->n_active;
+        int rc = get_views(m, il, x, n_tokens, m->a0, m->a1);
+        if (rc == ES_OK) {
+            rc = plan_buffers(m, n_tokens);
+            if (rc != ES_OK) put_views(m, il, m->a0, m->a1);
         }
+        if (rc != ES_OK) return rc;
+        es_pool_run(pool, step_inputs, &job);
+        es_pool_run(pool, step_gate_up, &job);
+        es_pool_run(pool, step_swiglu, &job);
+        es_pool_run(pool, step_down, &job);
+        put_views(m, il, m->a0, m->a1);
     }
-    const int rc = plan_buffers(m, n_tokens);
-    if (rc != ES_OK) {
-        put_views(m, il, m->n_active);
-        return rc;
-    }
-
-    es_pool_run(pool, step_inputs, &job);
-    es_pool_run(pool, step_gate_up, &job);
-    es_pool_run(pool, step_swiglu, &job);
-    es_pool_run(pool, step_down, &job);
-    put_views(m, il, m->n_active);
     es_pool_run(pool, step_combine, &job);
     return ES_OK;
 }

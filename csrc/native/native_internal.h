@@ -9,6 +9,8 @@
  *   threadpool.c      a small pool of spinning workers for one parallel loop at a time
  *   moe.c             experts: binding, the per-expert access path, routing and
  *                     the MoE feed-forward block
+ *   expert_cache.c    experts read from disk into a budgeted cache (I/O thread,
+ *                     low-precision substitutes, prefetch, eviction policy)
  *   model.c           es_model / es_context: loading, KV cache, shared blocks
  *                     (norms, RoPE, attention, matmul, dense FFN), es_decode
  *   arch/<name>.c     one file per architecture: hyperparameters, tensor binding,
@@ -139,11 +141,29 @@ typedef struct es_expert_view {
 // computes, on the calling thread, and puts them all back before it
 // returns. get returns ES_OK or a status, which es_moe_ffn returns; a view
 // of a type es_matvec does not take makes es_moe_ffn fail with ES_ERR_UNSUPPORTED.
+//
+// A cache of experts adds hooks (NULL in the mapped and F32 providers):
+// begin() comes before the gets of one layer's batch, with the n experts
+// (ascending) it will get and each one's importance (the largest routing
+// weight a token of the batch gives it), so misses are read together and
+// every expert named stays held until end(). At most max_held experts are
+// named between begin and end (0: no limit): es_moe_ffn computes a batch
+// whose experts are more in groups of that many. prefetch() names experts
+// predicted for a later layer (by that layer's router on this layer's
+// input), to be read early; prefetch_depth() says how many layers ahead to
+// predict now.
 typedef struct es_expert_provider {
     void * self;
     int  (*get)(void * self, int32_t layer, int32_t expert, int32_t which, es_expert_view * out);
     void (*put)(void * self, int32_t layer, int32_t expert, int32_t which,
                 const es_expert_view * view);
+    int  (*begin)(void * self, int32_t layer, int32_t n_tokens, int32_t n,
+                  const int32_t * experts, const float * importance);
+    void (*end)(void * self, int32_t layer);
+    void (*prefetch)(void * self, int32_t layer, int32_t n, const int32_t * experts,
+                     const float * importance);
+    int32_t (*prefetch_depth)(void * self);
+    int32_t max_held;
 } es_expert_provider;
 
 typedef struct es_moe_params {
@@ -176,6 +196,9 @@ const es_moe_params * es_experts_params(const es_experts * ex);
 const es_expert_provider * es_experts_provider(const es_experts * ex);
 void es_experts_set_provider(es_experts * ex, const es_expert_provider * provider);
 
+// Layer il's expert stack `which` (enum es_expert_matrix) as bound from the GGUF.
+const es_tensor * es_experts_tensor(const es_experts * ex, int32_t il, int32_t which);
+
 // One context's scratch for es_moe_ffn, for batches of up to n_batch tokens;
 // ex must outlive it.
 typedef struct es_moe es_moe;
@@ -189,6 +212,29 @@ void es_moe_free(es_moe * moe);
 // layer or n_tokens > n_batch; otherwise as the provider's get.
 int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32_t n_tokens,
                 float * out);
+
+/* ---- expert cache (expert_cache.c) --------------------------------------- */
+
+// Byte offset of tensor t's data in g's file.
+int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t);
+
+// A budgeted cache of expert weights read from the model file at `path`
+// (and its low-precision sidecar, p->expert_sidecar) with pread on an I/O
+// thread; its provider replaces ex's (es_experts_set_provider). ex and g
+// must outlive it. ES_ERR_INVALID_ARG: a budget below one layer's active
+// experts (err names the minimum), a precision other than EXACT without a
+// sidecar; ES_ERR_FORMAT: a sidecar that does not match the model (err
+// says why); ES_ERR_IO: a file that cannot be read. The cache serves one
+// es_moe_ffn at a time (one context decoding).
+typedef struct es_expert_cache es_expert_cache;
+int  es_expert_cache_init(const es_gguf * g, const char * path, const es_experts * ex,
+                          const es_model_params * p, es_expert_cache ** out, char * err,
+                          size_t err_cap);
+void es_expert_cache_free(es_expert_cache * c);  // NULL is a no-op; joins the I/O thread
+const es_expert_provider * es_expert_cache_provider(es_expert_cache * c);
+void es_expert_cache_stats(es_expert_cache * c, es_expert_stats * out);
+void es_expert_cache_stats_reset(es_expert_cache * c);
+const char * es_expert_cache_error(es_expert_cache * c);  // "" when none
 
 /* ---- engine (model.c, arch/<name>.c) ----------------------------------------- */
 
@@ -252,6 +298,7 @@ struct es_model {
     es_weight    output;                  // (n_vocab, n_embd); tok_embd when tied
     es_layer   * layers;                  // (n_layer), owned
     es_experts * experts;                 // owned; NULL for a dense model
+    es_expert_cache * expert_cache;       // owned; NULL: experts served as params.experts says
 };
 
 // One architecture, found by general.architecture in es__archs.

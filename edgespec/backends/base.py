@@ -197,6 +197,11 @@ class Backend(Closing, ABC):
         n_embd) hidden states after the final norm, a copy."""
         raise UnsupportedModelError(f"the {self.name} backend does not compute embeddings")
 
+    def expert_stats(self, reset: bool = False) -> dict | None:
+        """A MoE model's expert cache counters since the last reset (``reset``:
+        start counting again); None where the backend has no expert cache."""
+        return None
+
     def _check_kv_memory(self, n_ctx: int) -> None:
         """Refuse a KV cache (F16 keys and values, every layer) larger than the
         memory available, before anything is allocated. Uses the GGUF's own

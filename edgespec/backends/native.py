@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, lib
-from ..errors import ContextOverflowError, InvalidArgumentError, ModelFormatError
+from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
+from .. import moe
 from ..models import registry
 from . import default_threads
 from .base import Backend, context_size
@@ -46,24 +47,35 @@ def select_kernels() -> None:
                                    f"(available: auto, {', '.join(available)})")
 
 
-def model_params():
-    """es_model_params from the environment (EDGESPEC_EXPERTS)."""
+def model_params(experts: moe.ExpertCache | None = None):
+    """es_model_params from the environment (EDGESPEC_EXPERTS) and the
+    expert cache settings (None: experts served from the mapping)."""
     params = lib.es_model_default_params()
     mode = os.environ.get("EDGESPEC_EXPERTS", "")
     if mode not in _EXPERTS_MODES:
         raise InvalidArgumentError(f"EDGESPEC_EXPERTS={mode} is not an expert provider of this "
                                    "build (f32, or unset)")
     params.experts = _EXPERTS_MODES[mode]
+    if experts is not None:
+        params.expert_cache_bytes = experts.budget_bytes
+        params.expert_precision = moe.PRECISIONS.index(experts.precision)
+        params.expert_policy = moe.POLICIES.index(experts.policy)
+        params.prefetch_depth = experts.prefetch
     return params
 
 
 class NativeModel(Owned):
-    """An es_model: the mapped, validated GGUF and its bound weights."""
+    """An es_model: the mapped, validated GGUF and its bound weights, with
+    its expert cache when ``experts`` asks for one."""
 
     _free = lib.es_model_free
 
-    def __init__(self, path: Path):
-        params = ffi.new("es_model_params *", model_params())
+    def __init__(self, path: Path, experts: moe.ExpertCache | None = None):
+        params = ffi.new("es_model_params *", model_params(experts))
+        sidecar = experts.sidecar(path) if experts is not None else None
+        if sidecar is not None:
+            keep = ffi.new("char[]", str(sidecar).encode())
+            params.expert_sidecar = keep
         select_kernels()
         out = ffi.new("es_model **")
         err = ffi.new("char[]", ERR_CAP)
@@ -74,6 +86,19 @@ class NativeModel(Owned):
         self.n_vocab = lib.es_model_n_vocab(self._ptr)
         self.n_embd = lib.es_model_n_embd(self._ptr)
         self.n_ctx_train = lib.es_model_n_ctx_train(self._ptr)
+        self.expert_cache = experts
+
+    def expert_stats(self, reset: bool = False) -> dict | None:
+        """The expert cache's counters since the last reset (None: no cache)."""
+        st = ffi.new("es_expert_stats *")
+        if self.expert_cache is None or lib.es_model_expert_stats(self._ptr, st) != lib.ES_OK:
+            return None
+        if reset:
+            lib.es_model_expert_stats_reset(self._ptr)
+        return moe.stats_dict(st)
+
+    def expert_error(self) -> str:
+        return ffi.string(lib.es_model_expert_error(self._ptr)).decode("utf-8", "replace")
 
 
 class NativeContext(Owned):
@@ -121,6 +146,8 @@ class NativeContext(Owned):
                                n, logits_from)
         if status == lib.ES_ERR_CONTEXT_FULL:
             raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}")
+        if status == lib.ES_ERR_IO:
+            raise BackendError(f"es_decode: expert weights: {self.model.expert_error() or 'I/O error'}")
         check(status, "es_decode")
 
     def truncate(self, n_keep: int) -> None:
@@ -138,12 +165,13 @@ class NativeBackend(VocabMixin, Backend):
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
                  threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
-                 ctx_extend: bool = False, verbose: bool = False):
+                 ctx_extend: bool = False, experts: moe.ExpertCache | None = None,
+                 verbose: bool = False):
         # gpu_layers and n_seq do not apply: the engine runs on the CPU, and
         # draft trees need no sequences (a tree is one batch with parents).
         super().__init__(slots)
         self.path = Path(path)
-        self._model = NativeModel(self.path)
+        self._model = NativeModel(self.path, experts)
         self._contexts = [None] * slots
         try:
             self.vocab = Vocab.load(self.path, verbose=verbose)
@@ -200,6 +228,10 @@ class NativeBackend(VocabMixin, Backend):
             parents += [-1, *range(start, start + len(p) - 1)]
             start += len(p)
         return ctx.hidden(tokens, parents)
+
+    def expert_stats(self, reset: bool = False) -> dict | None:
+        self._check_open()
+        return self._model.expert_stats(reset)
 
     def _close(self) -> None:
         for c in (self._embed_ctx, *self._contexts):

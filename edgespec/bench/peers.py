@@ -42,6 +42,7 @@ class RunResult:
     target_steps: int | None = None
     by_length: dict = field(default_factory=dict)   # draft length -> {steps, accepted}
     stop_reason: str = ""
+    experts: dict | None = None       # edgespec with an expert cache: its counters (edgespec.moe.stats_dict)
 
 
 # ---------------------------------------------------------------------------

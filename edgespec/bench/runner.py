@@ -54,6 +54,10 @@ class BenchOptions:
     ctx_extend: bool = False            # a context longer than the model's training context
     force_threads: bool = False         # more than 4 threads per CPU
     verbose: bool = False               # the backend's own log
+    expert_cache_mb: int | None = None  # MoE on the native backend: the expert cache (edgespec.moe)
+    expert_precision: str = "exact"
+    expert_policy: str = "adaptive"
+    expert_prefetch: int = 3
     suites: list[str] = field(default_factory=lambda: list(suite_data.SUITES))
     langs: list[str] | None = None
     limit: int | None = None            # None: DEFAULT_LIMIT per shipped suite, every prompt of a --prompts file
@@ -105,7 +109,9 @@ class BenchOptions:
         return Engine(self.model, backend=self.backend, ep=self.ep, threads=self.threads, n_ctx=self.n_ctx,
                       gpu_layers=self.gpu_layers, drafter=drafter, draft_model=self.draft_model,
                       draft_backend=self.draft_backend, draft_max=self.draft_max, ngram_cache=ngram_cache,
-                      ctx_extend=self.ctx_extend, force_threads=self.force_threads, verbose=self.verbose)
+                      ctx_extend=self.ctx_extend, force_threads=self.force_threads, verbose=self.verbose,
+                      expert_cache_mb=self.expert_cache_mb, expert_precision=self.expert_precision,
+                      expert_policy=self.expert_policy, expert_prefetch=self.expert_prefetch)
 
 
 class Configuration:
@@ -144,7 +150,7 @@ class Configuration:
                          tokens=r.tokens, stop_reason=s.stop_reason,
                          drafted=spec.drafted if spec else None, accepted=spec.accepted if spec else None,
                          target_steps=spec.target_steps if spec else None,
-                         by_length=dict(spec.by_length) if spec else {})
+                         by_length=dict(spec.by_length) if spec else {}, experts=s.experts)
 
     def render(self, prompt: suite_data.Prompt) -> str:
         """The text a peer is given: the chat-rendered prompt, or the raw one."""
@@ -406,7 +412,8 @@ def collect(tally: Tally, group: list, got: dict[str, RunResult], prompt: suite_
                "speedup": r.decode_tps / base.decode_tps if base and base.decode_tps else None,
                "drafted": r.drafted, "accepted": r.accepted, "target_steps": r.target_steps,
                "by_length": {str(k): v for k, v in sorted(r.by_length.items())},
-               "stop_reason": r.stop_reason, "same_as_plain": None}
+               "stop_reason": r.stop_reason, "same_as_plain": None,
+               **({"experts": r.experts} if r.experts is not None else {})}
         if mode == "greedy" and base is not None and c.name != "edgespec:none":
             _compare_with_plain(tally, rec, c, r, base)
         tally.runs.append(rec)

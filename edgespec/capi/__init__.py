@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ._lib import ffi, lib  # noqa: F401  (re-exported for the wrappers)
-from ..errors import (ModelFormatError, ModelNotFoundError, NativeError, NativeInvalidArgument,
+from ..errors import (InvalidArgumentError, ModelFormatError, ModelNotFoundError, NativeError, NativeInvalidArgument,
                       NativeOutOfMemory, UnsupportedModelError)
 
 _BY_STATUS = {
@@ -40,6 +40,8 @@ def check_file(status: int, err, path: os.PathLike | str, where: str) -> None:
         raise UnsupportedModelError(f"{path}: {reason}")
     if status in (lib.ES_ERR_FORMAT, lib.ES_ERR_IO):
         raise ModelFormatError(f"{path}: {reason}")
+    if status == lib.ES_ERR_INVALID_ARG and err[0] != b"\0":
+        raise InvalidArgumentError(f"{path}: {reason}")
     check(status, where)
 
 

@@ -231,6 +231,10 @@ class ChatSession:
             parts.append("plain decoding")
         cached = s.cached_tokens
         parts.append(f"prompt {s.prompt_tokens}" + (f" ({cached} cached)" if cached else ""))
+        if s.experts is not None:
+            x = s.experts
+            parts.append(f"experts {100 * x['hit_rate']:.0f}% hits, {x['bytes_read'] / 1e6:.1f} MB read, "
+                         f"stall {x['stall_ms_per_token']:.2f} ms/token")
         return " · ".join(parts) if self.interactive else ", ".join(parts)
 
     def _footer(self, result) -> None:

@@ -17,6 +17,8 @@ models_app = typer.Typer(no_args_is_help=True, help="List, fetch and inspect mod
 app.add_typer(models_app, name="models")
 drafter_app = typer.Typer(no_args_is_help=True, help="Build drafter data (n-gram caches).")
 app.add_typer(drafter_app, name="drafter")
+moe_app = typer.Typer(no_args_is_help=True, help="Mixture-of-experts files: upcycle, synth, prepare.")
+app.add_typer(moe_app, name="moe")
 
 
 def _version(show: bool) -> None:
@@ -44,7 +46,7 @@ def fail(message: str) -> "typer.Exit":
 
 
 def main() -> None:
-    from . import bench, chat, drafter, generate, models, onnx, serve  # noqa: F401  (register their commands)
+    from . import bench, chat, drafter, generate, models, moe, onnx, serve  # noqa: F401  (register their commands)
 
     try:
         app()

@@ -32,6 +32,7 @@ def _result_json(engine, result) -> dict:
         "threads": engine.backend.threads,
         "drafter": s.drafter,
         **({"spec": s.spec.to_dict()} if s.spec is not None else {}),
+        **({"experts": s.experts} if s.experts is not None else {}),
     }
 
 
@@ -48,7 +49,16 @@ def _summary(result) -> str:
         mode = s.spec.drafters.get("model", {}).get("mode")
         if mode:
             line += f"; draft model {s.spec.drafters['model']['draft_model']} ({mode})"
+    if s.experts is not None:
+        line += "; " + experts_summary(s.experts)
     return line
+
+
+def experts_summary(x: dict) -> str:
+    """The expert cache's counters of one generation, in one phrase."""
+    return (f"experts: {100 * x['hit_rate']:.0f}% hits, {x['bytes_read'] / 1e6:.1f} MB read, "
+            f"{x['substitutions']} substituted, prefetch {100 * x['prefetch_accuracy']:.0f}% used, "
+            f"stall {x['stall_ms_per_token']:.2f} ms/token")
 
 
 @app.command()

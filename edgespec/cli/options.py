@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import typer
 
 from ..engine import DEFAULT_DRAFT_MAX
+from .. import moe
 from ..errors import InvalidArgumentError
 from ..sampling import SamplingParams
 from ..text import utf8_text
@@ -53,6 +54,10 @@ class EngineOptions:
     ctx_extend: bool
     force_threads: bool
     verbose: bool
+    expert_cache_mb: Optional[int]
+    expert_precision: str
+    expert_policy: str
+    expert_prefetch: int
 
     def __post_init__(self):
         if self.threads is not None and self.threads <= 0:
@@ -61,6 +66,8 @@ class EngineOptions:
             raise InvalidArgumentError(f"--gpu-layers must be >= 0, got {self.gpu_layers}")
         if not 1 <= self.draft_max <= DRAFT_MAX_LIMIT:
             raise InvalidArgumentError(f"--draft-max must be in [1, {DRAFT_MAX_LIMIT}], got {self.draft_max}")
+        moe.ExpertCache.of(self.expert_cache_mb, self.expert_precision, self.expert_policy,
+                           self.expert_prefetch, self.backend)
 
     def open(self):
         """The Engine these options describe (use it in a ``with``)."""
@@ -152,6 +159,17 @@ ENGINE_OPTIONS = {
                                                 "auto drafters (`edgespec drafter ngram` builds one).")),
     "force_threads": (bool, typer.Option(False, "--force-threads", help="Allow more than 4 threads per CPU.")),
     "verbose": (bool, typer.Option(False, "--verbose", help="Show the backend's own log (llama.cpp's).")),
+    "expert_cache_mb": (Optional[int], typer.Option(
+        None, "--expert-cache", metavar="MB", help="MoE models on the native backend: keep at most MB "
+        "megabytes of expert weights in memory, reading the rest from disk on demand (default: all mapped).")),
+    "expert_precision": (str, typer.Option(
+        "exact", "--expert-precision", help="exact (output identical to an unlimited cache), balanced (a "
+        "missing expert of small routing weight is served from its low-precision copy) or fast (every missing "
+        "expert is); balanced and fast need `edgespec moe prepare`.")),
+    "expert_policy": (str, typer.Option("adaptive", "--expert-policy", help="Expert cache eviction: adaptive "
+                                        "(frequency and layer distance) or lru.")),
+    "expert_prefetch": (int, typer.Option(moe.DEFAULT_PREFETCH, "--expert-prefetch", help="Most layers ahead "
+                                          "whose experts are predicted and read early, [0, 64]; 0 = off.")),
 }
 
 SAMPLING_OPTIONS = {

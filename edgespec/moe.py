@@ -1,0 +1,464 @@
+"""Mixture-of-experts models larger than memory: the expert cache's settings
+and counters, and the files that go with it.
+
+- ``ExpertCache``: ``expert_cache_mb`` and friends as the native backend
+  takes them (es_model_params); ``stats_dict``: its es_expert_stats.
+- ``prepare``: the low-precision sidecar beside a MoE GGUF (Q4_0 copies of
+  every expert, requantized from the file's weights; ``SIDECAR_SUFFIX``),
+  which ``balanced`` and ``fast`` precision serve cache misses from.
+- ``upcycle``: a MoE built from a dense llama-family GGUF, every expert a
+  copy of its layer's FFN and a router of random projections, so with exact
+  experts its output is the dense model's whatever the routing.
+- ``synth``: a random Mixtral-style MoE of any shape, for speed.
+
+Every file is written beside its destination and renamed into place.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from .progress import Progress
+
+PRECISIONS = ("exact", "balanced", "fast")   # enum es_expert_precision, in order
+POLICIES = ("adaptive", "lru")                # enum es_expert_policy, in order
+DEFAULT_PREFETCH = 3                          # es_model_default_params().prefetch_depth
+SIDECAR_SUFFIX = ".experts-q4_0"
+SIDECAR_MAGIC = b"ESMOELP1"                   # es_native.h ES_SIDECAR_MAGIC
+_SIDECAR_VERSION = 1
+_SIDECAR_HEADER = 80
+_ALIGN_COPY = 64      # bytes: each expert's copy padded to this
+_ALIGN_DATA = 4096    # the copies start at a page
+
+
+@dataclass(frozen=True)
+class ExpertCache:
+    """How the native engine keeps a MoE model's experts: at most
+    ``budget_mb`` MB (10^6 bytes) in memory, read from disk on demand."""
+
+    budget_mb: int
+    precision: str = "exact"
+    policy: str = "adaptive"
+    prefetch: int = DEFAULT_PREFETCH
+
+    @classmethod
+    def of(cls, budget_mb: int | None, precision: str = "exact", policy: str = "adaptive",
+           prefetch: int = DEFAULT_PREFETCH, backend: str = "native") -> "ExpertCache | None":
+        """The settings of Engine's expert_* arguments, checked before any
+        model loads; None when no cache is asked for."""
+        if precision not in PRECISIONS:
+            raise InvalidArgumentError(f"expert precision must be one of {', '.join(PRECISIONS)}, "
+                                       f"got {precision!r}"[:200])
+        if policy not in POLICIES:
+            raise InvalidArgumentError(f"expert policy must be one of {', '.join(POLICIES)}, got {policy!r}"[:200])
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 64:
+            raise InvalidArgumentError(f"expert prefetch must be a whole number in [0, 64], got {prefetch!r}"[:200])
+        if budget_mb is None:
+            if precision != "exact":
+                raise InvalidArgumentError(f"expert precision {precision} applies to an expert cache "
+                                           "(expert_cache_mb / --expert-cache)")
+            return None
+        if isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb < 1:
+            raise InvalidArgumentError(f"expert cache must be a whole number of MB >= 1, got {budget_mb!r}"[:200])
+        if backend != "native":
+            raise InvalidArgumentError(f"an expert cache (--expert-cache) needs the native backend, "
+                                       f"not {backend}")
+        return cls(budget_mb, precision, policy, prefetch)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_mb * 1_000_000
+
+    def sidecar(self, model: os.PathLike | str) -> Path | None:
+        """The sidecar the cache reads substitutes from: None for exact
+        precision, which never substitutes."""
+        if self.precision == "exact":
+            return None
+        path = sidecar_path(model)
+        if not path.is_file():
+            raise InvalidArgumentError(f"--expert-precision {self.precision} needs the low-precision "
+                                       f"expert copies {path}: run `edgespec moe prepare {model}`")
+        return path
+
+
+def stats_dict(st) -> dict:
+    """An es_expert_stats as a dict, with hit rate, prefetch accuracy and
+    stall per token worked out."""
+    fields = ("budget_bytes", "cache_bytes", "n_slots", "prefetch_depth", "tokens", "lookups",
+              "hits", "loads", "bytes_read", "substitutions", "prefetches", "prefetch_used",
+              "evictions", "stall_ns")
+    d = {f: int(getattr(st, f)) for f in fields}
+    d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else 0.0
+    d["prefetch_accuracy"] = d["prefetch_used"] / d["prefetches"] if d["prefetches"] else 0.0
+    d["stall_ms_per_token"] = d["stall_ns"] / 1e6 / d["tokens"] if d["tokens"] else 0.0
+    return d
+
+
+def sidecar_path(model: os.PathLike | str) -> Path:
+    model = Path(model)
+    return model.with_name(model.name + SIDECAR_SUFFIX)
+
+
+# ---- reading and writing GGUF -----------------------------------------------------------
+
+def _gguf():
+    import gguf  # the writer and reader; imported on use, like the commands that need it
+    return gguf
+
+
+def _reader(path: os.PathLike | str):
+    gguf = _gguf()
+    if not Path(path).is_file():
+        raise ModelNotFoundError(f"{path}: no such file")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct.error, ... on a bad file
+        raise ModelFormatError(f"{path}: not a readable GGUF file ({e})"[:300]) from None
+
+
+def _field_value(field):
+    """A reader field's value as GGUFWriter.add_key_value takes it (strings
+    as bytes, so tokens that are not valid UTF-8 survive the copy)."""
+    gguf = _gguf()
+    main = field.types[0]
+    if main == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]])
+    if main == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
+        return [bytes(field.parts[i]) for i in field.data]
+    return field.contents()
+
+
+def _copy_keys(reader, writer, keep: Callable[[str], bool]) -> None:
+    gguf = _gguf()
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or not keep(key):
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, _field_value(field), field.types[0], sub_type)
+
+
+def _raw(t) -> np.ndarray:
+    """A reader tensor's bytes, (rows..., bytes per row) as uint8."""
+    data = np.asarray(t.data)
+    return data.view(np.uint8).reshape(*data.shape[:-1], -1)
+
+
+class _Output:
+    """A file written beside ``path`` and renamed into place on success."""
+
+    def __init__(self, path: os.PathLike | str):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        if not self.path.parent.is_dir():
+            raise InvalidArgumentError(f"{self.path.parent}: no such folder")
+        return self.tmp
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _write_gguf(path: Path, arch: str, keys: Callable, tensors: list[tuple[str, tuple, int, int]],
+                data: Iterator[np.ndarray], progress: Progress) -> None:
+    """Streams a GGUF: ``keys(writer)`` adds the metadata; ``tensors`` lists
+    (name, numpy shape, ggml type, bytes) and ``data`` yields each one's
+    array in that order."""
+    gguf = _gguf()
+    w = gguf.GGUFWriter(str(path), arch)
+    try:
+        keys(w)
+        for name, shape, qtype, nbytes in tensors:
+            if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
+            else:  # raw bytes: the writer takes the shape in bytes per row
+                dtype, shape = np.uint8, (*shape[:-1], _row_bytes(qtype, shape[-1]))
+            w.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=gguf.GGMLQuantizationType(qtype))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for (name, _, _, nbytes), arr in zip(tensors, data):
+            w.write_tensor_data(np.ascontiguousarray(arr))
+            progress.update(nbytes)
+    finally:
+        w.close()
+    progress.done()
+
+
+def _row_bytes(qtype: int, n: int) -> int:
+    block, size = _gguf().GGML_QUANT_SIZES[_gguf().GGMLQuantizationType(qtype)]
+    if n % block:
+        raise InvalidArgumentError(f"rows of {n} values are not a multiple of the "
+                                   f"{_gguf().GGMLQuantizationType(qtype).name} block of {block}")
+    return n // block * size
+
+
+def _quantize(w: np.ndarray, qtype: int) -> np.ndarray:
+    """Floats (..., n) as ``qtype``: F32/F16 as numpy floats, other types as
+    raw bytes (..., bytes per row)."""
+    gguf = _gguf()
+    q = gguf.GGMLQuantizationType(qtype)
+    if q == q.F32:
+        return w.astype(np.float32)
+    if q == q.F16:
+        return w.astype(np.float16)
+    try:
+        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), q)
+    except NotImplementedError:
+        raise InvalidArgumentError(f"cannot write weights of type {q.name} "
+                                   "(f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0)") from None
+
+
+# ---- the low-precision sidecar --------------------------------------------------------------
+
+def checksum(data: bytes | np.ndarray) -> int:
+    """es_sidecar_checksum: the sum of the little-endian 64-bit words times
+    (2i + 1), modulo 2^64 (len(data) a multiple of 8)."""
+    words = np.frombuffer(data, dtype="<u8")
+    weights = np.arange(1, 2 * len(words), 2, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return int(np.sum(words * weights, dtype=np.uint64))
+
+
+def _expert_stacks(reader) -> tuple[int, list[tuple]]:
+    """(n_layer, per layer its (gate, up, down) stack tensors); a model without
+    experts is an UnsupportedModelError."""
+    by_name = {t.name: t for t in reader.tensors}
+    layers = []
+    while f"blk.{len(layers)}.ffn_gate_exps.weight" in by_name:
+        il = len(layers)
+        layers.append(tuple(by_name.get(f"blk.{il}.ffn_{k}_exps.weight") for k in ("gate", "up", "down")))
+        if None in layers[-1]:
+            raise ModelFormatError(f"layer {il} lacks one of ffn_gate_exps, ffn_up_exps, ffn_down_exps")
+    if not layers:
+        raise UnsupportedModelError("the model has no experts (blk.N.ffn_gate_exps): not a MoE model")
+    return len(layers), layers
+
+
+def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
+            progress: bool = True) -> Path:
+    """Writes the sidecar of Q4_0 copies of every expert of ``model``
+    (default: beside it, ``sidecar_path``); returns its path."""
+    gguf = _gguf()
+    model = Path(model)
+    if not model.is_file():
+        raise ModelNotFoundError(f"{model}: no such file")
+    out = Path(out) if out is not None else sidecar_path(model)
+    reader = _reader(model)
+    n_layer, layers = _expert_stacks(reader)
+    gate = layers[0][0]
+    D, F, E = (int(x) for x in gate.shape[:3])
+    for name, n in (("embedding width", D), ("expert width", F)):
+        if n % 32:
+            raise UnsupportedModelError(f"{model}: the {name} {n} is not a multiple of Q4_0's 32")
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    slabs = [F * _row_bytes(q4, D), F * _row_bytes(q4, D), D * _row_bytes(q4, F)]
+    stride = -(-sum(slabs) // _ALIGN_COPY) * _ALIGN_COPY
+    n_copies = n_layer * E
+    data_off = -(-(_SIDECAR_HEADER + 8 * n_copies) // _ALIGN_DATA) * _ALIGN_DATA
+    with open(model, "rb") as f:
+        meta = f.read(reader.data_offset)
+    # The metadata and tensor infos, and the routers (which differ between
+    # models of one shape), each zero-padded to 8 bytes: the checksums added.
+    by_name = {t.name: t for t in reader.tensors}
+    parts = [meta] + [bytes(_raw(by_name[f"blk.{il}.ffn_gate_inp.weight"])) for il in range(n_layer)]
+    identity = sum(checksum(p + b"\0" * (-len(p) % 8)) for p in parts) % 2**64
+    header = bytearray(_SIDECAR_HEADER)
+    header[0:8] = SIDECAR_MAGIC
+    fields = [(8, "<I", _SIDECAR_VERSION), (12, "<I", int(q4)), (16, "<I", n_layer), (20, "<I", E),
+              (24, "<Q", D), (32, "<Q", F), (40, "<Q", model.stat().st_size), (48, "<Q", identity),
+              (56, "<Q", stride), (64, "<Q", data_off)]
+    for off, fmt, v in fields:
+        struct.pack_into(fmt, header, off, v)
+    struct.pack_into("<Q", header, 72, checksum(bytes(header[:72])))
+    sums = np.zeros(n_copies, dtype="<u8")
+    bar = _Bytes(f"prepare {out.name}", n_copies * stride, enabled=progress)
+    with _Output(out) as tmp, open(tmp, "wb") as f:
+        f.write(bytes(header))
+        f.write(sums.tobytes())
+        f.write(b"\0" * (data_off - f.tell()))
+        for il, stacks in enumerate(layers):
+            for t in stacks:
+                if tuple(int(x) for x in t.shape[2:3]) != (E,):
+                    raise ModelFormatError(f"{t.name}: {t.shape[2]} experts, layer 0 has {E}")
+            for e in range(E):
+                copy = bytearray(stride)
+                pos = 0
+                for t in stacks:
+                    w = gguf.quants.dequantize(_raw(t)[e] if t.tensor_type not in (0, 1) else
+                                               np.asarray(t.data)[e], t.tensor_type)
+                    q = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), q4).tobytes()
+                    copy[pos:pos + len(q)] = q
+                    pos += len(q)
+                sums[il * E + e] = checksum(bytes(copy))
+                f.write(copy)
+                bar.update(stride)
+        f.seek(_SIDECAR_HEADER)
+        f.write(sums.tobytes())
+    bar.done()
+    return out
+
+
+class _Bytes(Progress):
+    def counter(self) -> str:
+        return f"{self.count / 1e6:.1f}/{self.total / 1e6:.1f} MB"
+
+
+# ---- upcycle and synth ------------------------------------------------------------------------
+
+def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, top_k: int = 2,
+            seed: int = 0, router_scale: float = 1.0, progress: bool = True) -> Path:
+    """A Mixtral-style MoE made of the dense llama-family GGUF ``model``:
+    in each layer ``experts`` copies of its FFN and a router of random
+    projections, N(0, router_scale^2 / n_embd), choosing ``top_k`` (a larger
+    scale routes more sharply: unequal weights, as trained routers give)."""
+    gguf = _gguf()
+    _check_counts(experts, top_k)
+    reader = _reader(model)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    if arch != "llama":
+        raise UnsupportedModelError(f"{model}: upcycling takes a llama-architecture model, not {arch}")
+    by_name = {t.name: t for t in reader.tensors}
+    if "blk.0.ffn_gate_exps.weight" in by_name:
+        raise InvalidArgumentError(f"{model}: already a MoE model")
+    D = int(reader.fields["llama.embedding_length"].contents())
+    rng = np.random.default_rng(seed)
+    tensors, sources = [], []
+    for t in reader.tensors:
+        kind = t.name.split(".")
+        if len(kind) == 4 and kind[0] == "blk" and kind[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            raw = _raw(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
+            name = f"blk.{kind[1]}.{kind[2]}_exps.weight"
+            if kind[2] == "ffn_gate":
+                router = rng.standard_normal((experts, D), dtype=np.float32) * np.float32(router_scale / np.sqrt(D))
+                tensors.append((f"blk.{kind[1]}.ffn_gate_inp.weight", (experts, D), 0, router.nbytes))
+                sources.append(lambda r=router: r)
+            shape = (experts, *(int(x) for x in reversed(t.shape[:2])))
+            tensors.append((name, shape, int(t.tensor_type), experts * raw.nbytes))
+            sources.append(lambda raw=raw: np.broadcast_to(raw, (experts, *raw.shape)))
+        else:
+            shape = tuple(int(x) for x in reversed(t.shape))
+            tensors.append((t.name, shape, int(t.tensor_type), int(t.n_bytes)))
+            sources.append(lambda t=t: np.asarray(t.data))
+
+    def keys(w):
+        _copy_keys(reader, w, lambda k: k not in ("llama.expert_count", "llama.expert_used_count"))
+        w.add_uint32("llama.expert_count", experts)
+        w.add_uint32("llama.expert_used_count", top_k)
+
+    total = sum(t[3] for t in tensors)
+    with _Output(out) as tmp:
+        _write_gguf(tmp, arch, keys, tensors, (s() for s in sources),
+                    _Bytes(f"upcycle {Path(out).name}", total, enabled=progress))
+    return Path(out)
+
+
+def _check_counts(experts: int, top_k: int) -> None:
+    if not 1 <= experts <= 256:
+        raise InvalidArgumentError(f"--experts must be in [1, 256], got {experts}")
+    if not 1 <= top_k <= experts:
+        raise InvalidArgumentError(f"--top-k must be in [1, --experts], got {top_k}")
+
+
+SYNTH_TYPES = ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+
+
+def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int, top_k: int,
+          layers: int, embd: int, ff: int, qtype: str = "q4_0", heads: int | None = None,
+          seed: int = 0, progress: bool = True) -> Path:
+    """A random Mixtral-style MoE of the given shape (the tokenizer copied
+    from the GGUF ``tokenizer``), every matrix of ``qtype``; norms and
+    routers F32. Experts draw their rows from a bank of random rows, so a
+    file of gigabytes is written at disk speed."""
+    gguf = _gguf()
+    _check_counts(experts, top_k)
+    if qtype not in SYNTH_TYPES:
+        raise InvalidArgumentError(f"--type must be one of {', '.join(SYNTH_TYPES)}, got {qtype!r}"[:200])
+    q = int(getattr(gguf.GGMLQuantizationType, qtype.upper()))
+    for name, n, lo in (("--layers", layers, 1), ("--embd", embd, 64), ("--ff", ff, 32)):
+        if n < lo:
+            raise InvalidArgumentError(f"{name} must be >= {lo}, got {n}")
+    for name, n in (("--embd", embd), ("--ff", ff)):
+        if n % 32:
+            raise InvalidArgumentError(f"{name} must be a multiple of 32, got {n}")
+    heads = heads or max(1, embd // 64)
+    if embd % heads:
+        raise InvalidArgumentError(f"{heads} heads do not divide --embd {embd}")
+    heads_kv = heads // 4 if heads % 4 == 0 else heads
+    head_dim = embd // heads
+    src = _reader(tokenizer)
+    n_vocab = len(src.fields[gguf.Keys.Tokenizer.LIST].data)
+    rng = np.random.default_rng(seed)
+    bank = {}
+
+    def rows(n_rows: int, n: int, gain: float = 1.0) -> np.ndarray:
+        """n_rows random rows of n values of type q, drawn from a bank of 512."""
+        if (n, gain) not in bank:
+            w = rng.standard_normal((512, n), dtype=np.float32) * np.float32(gain / np.sqrt(n))
+            bank[n, gain] = _quantize(w, q)
+        return bank[n, gain][rng.integers(0, 512, n_rows)]
+
+    def f32(shape, ones=False):
+        return (np.ones(shape, np.float32) if ones else
+                rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1])))
+
+    def nbytes(shape, t):
+        return int(np.prod(shape[:-1])) * _row_bytes(t, shape[-1])
+
+    tensors, sources = [], []
+
+    def add(name, shape, t, make):
+        tensors.append((name, shape, t, nbytes(shape, t)))
+        sources.append(make)
+
+    add("token_embd.weight", (n_vocab, embd), q, lambda: rows(n_vocab, embd, np.sqrt(embd)))
+    for il in range(layers):
+        b = f"blk.{il}."
+        add(b + "attn_norm.weight", (embd,), 0, lambda: f32((embd,), True))
+        add(b + "attn_q.weight", (embd, embd), q, lambda: rows(embd, embd))
+        add(b + "attn_k.weight", (heads_kv * head_dim, embd), q, lambda: rows(heads_kv * head_dim, embd))
+        add(b + "attn_v.weight", (heads_kv * head_dim, embd), q, lambda: rows(heads_kv * head_dim, embd))
+        add(b + "attn_output.weight", (embd, embd), q, lambda: rows(embd, embd))
+        add(b + "ffn_norm.weight", (embd,), 0, lambda: f32((embd,), True))
+        add(b + "ffn_gate_inp.weight", (experts, embd), 0, lambda: f32((experts, embd)) * 4)
+        add(b + "ffn_gate_exps.weight", (experts, ff, embd), q, lambda: rows(experts * ff, embd))
+        add(b + "ffn_up_exps.weight", (experts, ff, embd), q, lambda: rows(experts * ff, embd))
+        add(b + "ffn_down_exps.weight", (experts, embd, ff), q, lambda: rows(experts * embd, ff))
+    add("output_norm.weight", (embd,), 0, lambda: f32((embd,), True))
+    add("output.weight", (n_vocab, embd), q, lambda: rows(n_vocab, embd, 4.0))
+
+    def keys(w):
+        w.add_name("edgespec synthetic MoE")
+        _copy_keys(src, w, lambda k: k.startswith("tokenizer."))
+        w.add_vocab_size(n_vocab)
+        w.add_context_length(4096)
+        w.add_embedding_length(embd)
+        w.add_block_count(layers)
+        w.add_feed_forward_length(ff)
+        w.add_head_count(heads)
+        w.add_head_count_kv(heads_kv)
+        w.add_rope_dimension_count(head_dim)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_rope_freq_base(10000.0)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(top_k)
+
+    def data():
+        for (_, shape, t, _), make in zip(tensors, sources):
+            arr = make()
+            yield arr.reshape(*shape[:-1], -1) if t not in (0, 1) else arr.reshape(shape)
+
+    total = sum(t[3] for t in tensors)
+    with _Output(out) as tmp:
+        _write_gguf(tmp, "llama", keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
+                                                                 enabled=progress))
+    return Path(out)

@@ -1,0 +1,405 @@
+"""MoE models larger than memory: the native engine's expert cache, its
+low-precision sidecar, and the files `edgespec moe` writes.
+
+``exact`` precision must reproduce the unlimited engine bit for bit whatever
+the budget (logits, greedy, seeded sampling, speculative decoding); the
+cache's own counters must stay within the budget, and so must the process's
+peak RSS; ``balanced``/``fast`` read fewer bytes from a sidecar that is
+refused when it does not match; an upcycled model computes its dense source.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from edgespec import Engine, moe
+from edgespec.backends import open_backend
+from edgespec.errors import BackendError, InvalidArgumentError, ModelFormatError, UnsupportedModelError
+from tiny_gguf import Q, write_moe_fixture, write_tiny_llama
+
+N_CTX = 512
+# The synthetic test model: 4 layers of 8 Q8_0 experts of 128 x 256, top 2.
+# One expert is 104,448 bytes: a 1 MB cache holds 9 of its 32.
+SYNTH = dict(experts=8, top_k=2, layers=4, embd=128, ff=256, qtype="q8_0")
+EXPERT_BYTES = 3 * 256 * 128 * 34 // 32
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe-cache")
+
+
+@pytest.fixture(scope="module")
+def synth_path(moe_dir, tiny_vocab_path):
+    return moe.synth(moe_dir / "synth.gguf", tiny_vocab_path, **SYNTH, progress=False)
+
+
+@pytest.fixture(scope="module")
+def sidecar(synth_path):
+    return moe.prepare(synth_path, progress=False)
+
+
+def backend(path, experts=None, n_batch=64):
+    return open_backend("native", path, n_ctx=N_CTX, n_batch=n_batch, threads=2, experts=experts)
+
+
+def logits(b, tokens: list[int], chunk: int) -> np.ndarray:
+    """Logits of every token, decoded `chunk` tokens a batch from an empty cache."""
+    b.truncate(0)
+    rows = []
+    for i in range(0, len(tokens), chunk):
+        part = tokens[i:i + chunk]
+        addr = b.decode(part, logits_from=0)
+        rows.append(np.ctypeslib.as_array((ctypes.c_float * (len(part) * b.n_vocab)).from_address(addr))
+                    .reshape(len(part), b.n_vocab).copy())
+    return np.concatenate(rows)
+
+
+def prompt_then_steps(b, n_prompt=40, n_steps=40, seed=0) -> np.ndarray:
+    """A prompt batch, then token-by-token decoding (as generation does)."""
+    tokens = np.random.default_rng(seed).integers(0, b.n_vocab, n_prompt + n_steps).tolist()
+    head = logits(b, tokens[:n_prompt], chunk=n_prompt)
+    rows = [head]
+    for t in tokens[n_prompt:]:
+        addr = b.decode([t], logits_from=0)
+        rows.append(np.ctypeslib.as_array((ctypes.c_float * b.n_vocab).from_address(addr)).copy()[None])
+    return np.concatenate(rows)
+
+
+# ---- exact precision is the unlimited engine -------------------------------------------------
+
+@pytest.mark.parametrize("name", ["synth", "qwen3moe-q8_0", "mixtral-q4_k"])
+@pytest.mark.parametrize("budget_mb,policy", [(1, "adaptive"), (1, "lru"), (3, "adaptive")])
+def test_exact_cache_is_bit_identical(name, budget_mb, policy, moe_dir, tiny_vocab_path, synth_path):
+    path = synth_path if name == "synth" else write_moe_fixture(name, moe_dir, tiny_vocab_path)
+    with backend(path) as b:
+        want = prompt_then_steps(b)
+        assert b.expert_stats() is None
+    cache = moe.ExpertCache(budget_mb, policy=policy)
+    with backend(path, cache) as b:
+        got = prompt_then_steps(b)
+        st = b.expert_stats()
+    assert np.array_equal(got, want)
+    assert st["budget_bytes"] == budget_mb * 1_000_000
+    assert 0 < st["cache_bytes"] <= st["budget_bytes"]
+    assert st["lookups"] > 0 and st["loads"] > 0 and st["substitutions"] == 0
+    assert st["tokens"] == 80
+    if name == "synth" and budget_mb == 1:      # 9 slots for 32 experts
+        assert st["n_slots"] == 1_000_000 // EXPERT_BYTES
+        assert st["evictions"] > 0
+        assert st["bytes_read"] > 32 * EXPERT_BYTES
+
+
+def generate(path, prompt, **kw):
+    cache = {k: kw.pop(k) for k in ("expert_cache_mb", "expert_policy") if k in kw}
+    drafter = kw.pop("drafter", "none")
+    with Engine(path, backend="native", n_ctx=N_CTX, threads=2, drafter=drafter, **cache) as e:
+        r = e.generate(prompt, max_tokens=48, **kw)
+    return r.tokens, r.stats
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "speculative"])
+def test_engine_exact_cache_same_tokens(synth_path, mode):
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+    kw = {"greedy": {}, "sampled": dict(temperature=0.9, top_p=0.95, seed=7),
+          "speculative": dict(drafter="ngram")}[mode]
+    want, _ = generate(synth_path, prompt, **kw)
+    got, stats = generate(synth_path, prompt, expert_cache_mb=1, **kw)
+    assert got == want
+    x = stats.experts
+    assert x is not None and x["cache_bytes"] <= 1_000_000 and x["loads"] > 0
+    assert 0.0 <= x["hit_rate"] <= 1.0 and x["stall_ms_per_token"] >= 0.0
+    if mode == "speculative":
+        assert stats.spec is not None and stats.spec.target_steps > 0
+
+
+# ---- bad settings ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_path(moe_dir, tiny_vocab_path):
+    """Experts of 835,584 bytes: two (top 2) need 1.68 MB."""
+    return moe.synth(moe_dir / "wide.gguf", tiny_vocab_path, experts=4, top_k=2, layers=2, embd=256,
+                     ff=1024, qtype="q8_0", progress=False)
+
+
+def test_budget_below_one_layers_experts(wide_path):
+    with pytest.raises(InvalidArgumentError, match=r"below the minimum of 1\.68 MB \(one layer's 2 active"):
+        Engine(wide_path, backend="native", expert_cache_mb=1)
+    with Engine(wide_path, backend="native", expert_cache_mb=2) as e:
+        assert e.generate("hello", max_tokens=4).stats.experts["n_slots"] == 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(backend="llama", expert_cache_mb=10), "needs the native backend"),
+    (dict(backend="native", expert_cache_mb=0), "whole number of MB >= 1"),
+    (dict(backend="native", expert_precision="balanced"), "applies to an expert cache"),
+    (dict(backend="native", expert_cache_mb=4, expert_precision="best"), "one of exact, balanced, fast"),
+    (dict(backend="native", expert_cache_mb=4, expert_policy="lfu"), "one of adaptive, lru"),
+    (dict(backend="native", expert_cache_mb=4, expert_prefetch=-1), r"\[0, 64\]"),
+])
+def test_bad_expert_settings(synth_path, kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        Engine(synth_path, **kwargs)
+
+
+def test_balanced_needs_the_sidecar(moe_dir, tiny_vocab_path):
+    path = moe.synth(moe_dir / "bare.gguf", tiny_vocab_path, **SYNTH, seed=3, progress=False)
+    with pytest.raises(InvalidArgumentError, match="edgespec moe prepare"):
+        Engine(path, backend="native", expert_cache_mb=2, expert_precision="balanced")
+
+
+# ---- the low-precision sidecar --------------------------------------------------------------
+
+def test_sidecar_layout(synth_path, sidecar):
+    assert sidecar == moe.sidecar_path(synth_path)
+    data = sidecar.read_bytes()
+    assert data[:8] == moe.SIDECAR_MAGIC
+    n_copies = SYNTH["layers"] * SYNTH["experts"]
+    stride = int.from_bytes(data[56:64], "little")
+    start = int.from_bytes(data[64:72], "little")
+    assert stride == -(-3 * 256 * 128 * 18 // 32 // 64) * 64    # Q4_0: 18 bytes per 32 values
+    assert len(data) == start + n_copies * stride
+    sums = np.frombuffer(data[80:80 + 8 * n_copies], dtype="<u8")
+    assert [moe.checksum(data[start + i * stride:start + (i + 1) * stride]) for i in range(n_copies)] == \
+        sums.tolist()
+    assert not list(synth_path.parent.glob(".*tmp*"))          # written atomically
+
+
+@pytest.mark.parametrize("precision", ["balanced", "fast"])
+def test_low_precision_reads_fewer_bytes(synth_path, sidecar, precision):
+    with backend(synth_path, moe.ExpertCache(1, prefetch=0)) as b:
+        exact = prompt_then_steps(b)
+        exact_st = b.expert_stats()
+    with backend(synth_path, moe.ExpertCache(1, precision, prefetch=0)) as b:
+        got = prompt_then_steps(b)
+        st = b.expert_stats()
+    assert st["substitutions"] > 0
+    assert st["bytes_read"] < exact_st["bytes_read"]
+    assert np.isfinite(got).all()
+    # Q4_0 copies of Q8_0 experts change the logits, not the model: on this
+    # random model (flat logits over ~500 tokens) most top-1 choices stay,
+    # where experts read wrongly would keep next to none.
+    assert (got.argmax(axis=1) == exact.argmax(axis=1)).mean() >= 0.6
+    if precision == "fast":   # every lookup: no full-precision expert is ever read
+        assert st["substitutions"] == st["lookups"]
+
+
+def copy_model(src, dst):
+    shutil.copyfile(src, dst)
+    return dst
+
+
+def test_mismatched_sidecar_is_refused(moe_dir, tiny_vocab_path, synth_path, sidecar):
+    other = moe.synth(moe_dir / "other.gguf", tiny_vocab_path, **{**SYNTH, "experts": 4}, progress=False)
+    shutil.copyfile(sidecar, moe.sidecar_path(other))
+    with pytest.raises(ModelFormatError, match="made for another model: experts 8, this model has 4"):
+        Engine(other, backend="native", expert_cache_mb=2, expert_precision="balanced")
+    # Same shapes and metadata, other weights: the routers' checksums differ.
+    same_shape = moe.synth(moe_dir / "same-shape.gguf", tiny_vocab_path, **SYNTH, seed=5, progress=False)
+    assert os.path.getsize(same_shape) == os.path.getsize(synth_path)
+    shutil.copyfile(sidecar, moe.sidecar_path(same_shape))
+    with pytest.raises(ModelFormatError, match="checksums of its metadata and routers differ"):
+        Engine(same_shape, backend="native", expert_cache_mb=2, expert_precision="balanced")
+
+
+def test_damaged_sidecar(moe_dir, synth_path, sidecar):
+    model = copy_model(synth_path, moe_dir / "damaged.gguf")
+    side = moe.sidecar_path(model)
+    data = bytearray(sidecar.read_bytes())
+    side.write_bytes(bytes(data[:-100]))
+    with pytest.raises(ModelFormatError, match="truncated"):
+        Engine(model, backend="native", expert_cache_mb=2, expert_precision="balanced")
+    bad = bytearray(data)
+    bad[20] ^= 1                              # the header's expert count
+    side.write_bytes(bytes(bad))
+    with pytest.raises(ModelFormatError, match="header fails its checksum"):
+        Engine(model, backend="native", expert_cache_mb=2, expert_precision="balanced")
+    bad = bytearray(data)
+    start = int.from_bytes(data[64:72], "little")
+    stride = int.from_bytes(data[56:64], "little")
+    for i in range(len(bad[start:]) // stride):
+        bad[start + i * stride + 5] ^= 0xFF   # every copy
+    side.write_bytes(bytes(bad))
+    with Engine(model, backend="native", expert_cache_mb=1, expert_precision="fast") as e:
+        with pytest.raises(BackendError, match="fails its checksum"):
+            e.generate("hello there", max_tokens=8)
+
+
+def test_model_changed_on_disk(moe_dir, synth_path):
+    model = copy_model(synth_path, moe_dir / "changing.gguf")
+    with backend(model, moe.ExpertCache(1)) as b:
+        prompt_then_steps(b, n_steps=2)
+        st = os.stat(model)
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        with pytest.raises(BackendError, match="changed on disk"):
+            prompt_then_steps(b, seed=1)
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+PEAK_RSS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from edgespec import moe
+    from edgespec.backends import open_backend
+
+    def hwm_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+    path, mb = sys.argv[1], int(sys.argv[2])
+    experts = moe.ExpertCache(mb) if mb else None
+    with open("/proc/self/clear_refs", "w") as f:   # the peak so far (imports) is forgotten
+        f.write("5")
+    before = hwm_kib()
+    with open_backend("native", path, n_ctx=256, n_batch=64, threads=2, experts=experts) as b:
+        tokens = np.random.default_rng(0).integers(0, b.n_vocab, 96).tolist()
+        b.decode(tokens[:64], logits_from=63)
+        for t in tokens[64:]:
+            b.decode([t], logits_from=0)
+        st = b.expert_stats()
+        peak = hwm_kib()
+    print(json.dumps({"before_kib": before, "peak_kib": peak, "stats": st}))
+""")
+
+
+def peak_rss(path, mb: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run([sys.executable, "-c", PEAK_RSS, str(path), str(mb)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_peak_rss_stays_within_the_budget(moe_dir, tiny_vocab_path):
+    """53 MB of experts, an 8 MB cache: the process grows by the cache and
+    the non-expert weights, not the experts (which the mapped engine reads
+    into memory)."""
+    path = moe.synth(moe_dir / "rss.gguf", tiny_vocab_path, experts=16, top_k=2, layers=4, embd=256,
+                     ff=1024, qtype="q8_0", progress=False)
+    experts_mb = 16 * 4 * 3 * 1024 * 256 * 34 / 32 / 1e6
+    mapped, cached = peak_rss(path, 0), peak_rss(path, 8)
+    assert cached["stats"]["cache_bytes"] <= 8_000_000
+    assert cached["stats"]["loads"] > cached["stats"]["n_slots"]   # it had to evict
+    grown_mapped = (mapped["peak_kib"] - mapped["before_kib"]) / 1000
+    grown_cached = (cached["peak_kib"] - cached["before_kib"]) / 1000
+    print(f"\npeak RSS growth: mapped {grown_mapped:.1f} MB, 8 MB cache {grown_cached:.1f} MB "
+          f"({experts_mb:.1f} MB of experts)")
+    assert grown_mapped > experts_mb * 0.9
+    others = grown_mapped - experts_mb      # non-expert weights, KV cache, vocabulary, scratch
+    assert grown_cached < others + 8 + 6    # those, the 8 MB cache and a little slack
+
+
+# ---- upcycle and synth ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense_f32(moe_dir, tiny_vocab_path):
+    path = moe_dir / "dense-f32.gguf"
+    write_tiny_llama(path, tiny_vocab_path, n_ctx=N_CTX, dtype=Q.F32)
+    return path
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_upcycled_model_computes_the_dense_one(moe_dir, dense_f32, top_k):
+    out = moe.upcycle(dense_f32, moe_dir / f"upcycled-{top_k}.gguf", experts=4, top_k=top_k,
+                      progress=False)
+    with backend(dense_f32) as b:
+        want = prompt_then_steps(b)
+    with backend(out) as b:
+        got = prompt_then_steps(b)
+        assert b.metadata("llama.expert_count") == "4"
+    with backend(out, moe.ExpertCache(1)) as b:
+        cached = prompt_then_steps(b)
+    assert np.array_equal(cached, got)
+    if top_k == 1:     # one expert of weight exactly 1: the dense FFN bit for bit
+        assert np.array_equal(got, want)
+    else:              # weights that sum to 1 within a rounding
+        assert np.abs(got - want).max() < 1e-3
+        assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
+
+
+def test_llama_cpp_loads_upcycled_and_synthetic(moe_dir, dense_f32, synth_path):
+    up = moe.upcycle(dense_f32, moe_dir / "upcycled-llama.gguf", experts=4, top_k=1, progress=False)
+    with open_backend("llama", dense_f32, n_ctx=N_CTX, n_batch=64, threads=1) as b:
+        want = logits(b, list(range(1, 65)), chunk=64)
+    with open_backend("llama", up, n_ctx=N_CTX, n_batch=64, threads=1) as b:
+        got = logits(b, list(range(1, 65)), chunk=64)
+    assert np.abs(got - want).max() < 1e-3
+    with open_backend("llama", synth_path, n_ctx=N_CTX, n_batch=64, threads=1) as b:
+        ref = logits(b, list(range(1, 65)), chunk=64)
+        assert int(b.metadata("llama.expert_count")) == 8
+    with backend(synth_path) as b:
+        ours = logits(b, list(range(1, 65)), chunk=64)
+    assert np.isfinite(ref).all()
+    assert (ours.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.9
+
+
+def test_upcycle_and_prepare_refuse(moe_dir, dense_f32, synth_path):
+    with pytest.raises(UnsupportedModelError, match="not a MoE model"):
+        moe.prepare(dense_f32, moe_dir / "x.sidecar", progress=False)
+    with pytest.raises(InvalidArgumentError, match="already a MoE model"):
+        moe.upcycle(synth_path, moe_dir / "x.gguf", experts=2, progress=False)
+    with pytest.raises(InvalidArgumentError, match=r"--top-k must be in \[1, --experts\]"):
+        moe.upcycle(dense_f32, moe_dir / "x.gguf", experts=2, top_k=3, progress=False)
+    assert not (moe_dir / "x.gguf").exists() and not (moe_dir / "x.sidecar").exists()
+
+
+def test_upcycled_smollm2_matches_dense(smollm2_path, tmp_path):
+    """The upcycled built-in model greedy-decodes as the dense one (top 1:
+    bit for bit), through a cache smaller than its experts too."""
+    up = moe.upcycle(smollm2_path, tmp_path / "smollm2-moe.gguf", experts=2, top_k=1, progress=False)
+    prompt = "Write a haiku about the sea."
+    with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX) as e:
+        want = e.generate(prompt, max_tokens=24).tokens
+    with Engine(up, backend="native", threads=2, n_ctx=N_CTX, expert_cache_mb=60) as e:
+        r = e.generate(prompt, max_tokens=24)
+    assert r.tokens == want
+    assert r.stats.experts["cache_bytes"] <= 60_000_000 and r.stats.experts["evictions"] > 0
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+def cli(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-m", "edgespec", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_cli_moe_commands(tmp_path, tiny_vocab_path):
+    out = tmp_path / "cli.gguf"
+    p = cli("moe", "synth", "--experts", 4, "--top-k", 2, "--layers", 2, "--embd", 64, "--ff", 64,
+            "--type", "q8_0", "--tokenizer", tiny_vocab_path, "--out", out, "-q")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == str(out)
+    p = cli("moe", "prepare", out, "-q")
+    assert p.returncode == 0, p.stderr
+    assert moe.sidecar_path(out).exists()
+    p = cli("generate", "hello", "-n", 8, "--backend", "native", "-m", out, "--drafter", "none",
+            "--expert-cache", 1, "--expert-precision", "balanced", "--json")
+    assert p.returncode == 0, p.stderr
+    x = json.loads(p.stdout.strip().splitlines()[-1])["experts"]
+    assert x["cache_bytes"] <= 1_000_000 and x["lookups"] > 0
+    p = cli("generate", "hello", "-n", 8, "--backend", "native", "-m", out, "--expert-cache", 1)
+    assert p.returncode == 0, p.stderr
+    assert "experts:" in p.stderr and "% hits" in p.stderr
+
+
+@pytest.mark.parametrize("args,match", [
+    (["generate", "hi", "--expert-cache", 8], "needs the native backend"),
+    (["generate", "hi", "--backend", "native", "--expert-cache", 8, "--expert-policy", "mru"],
+     "one of adaptive, lru"),
+    (["moe", "synth", "--layers", 1, "--embd", 100, "--ff", 64, "--out", "x.gguf"], "multiple of 32"),
+])
+def test_cli_bad_input(args, match, tmp_path):
+    p = cli(*args)
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: ") and match in p.stderr
