@@ -2,10 +2,9 @@
 
 Two modes:
 
-  speed   decode and prefill tokens/s of both backends on each model, the
-          runs interleaved round by round so machine drift cancels (the first
-          round only warms up); prints native / llama.cpp ratios. The goal is
-          >= 0.6x llama.cpp's decode speed on smollm2-135m with 2 threads.
+  speed   decode and prefill tokens/s of both backends on each model, each
+          engine in a process of its own per round, the rounds interleaved so
+          machine drift cancels; prints native / llama.cpp ratios.
   parity  logits of both backends for every position of one long real text
           (this repository's README and ARCHITECTURE, >= 512 tokens, fed in
           chunks of n_batch with every row kept): max and mean absolute
@@ -126,38 +125,50 @@ def time_backend(backend, prompt: list[int], n_decode: int) -> tuple[float, floa
     return len(prompt) / (t1 - t0), n_decode / (t2 - t1)
 
 
+def speed_one(ref: str, backend: str, threads: int, n_decode: int, n_prefill: int) -> None:
+    """One round on one backend, in a process of its own: prints
+    {"prefill": tok/s, "decode": tok/s} as JSON."""
+    import json
+
+    path = registry.model_path_checked(ref)
+    with open_backend(backend, path, n_ctx=n_prefill + n_decode + 16, threads=threads) as b:
+        prompt = b.tokenize(parity_text())[:n_prefill]
+        short = b.tokenize(SPEED_PROMPT)
+        time_backend(b, short, 2)   # warm: pages of the file, the threads
+        pf, _ = time_backend(b, prompt, 1)
+        _, dec = time_backend(b, short, n_decode)
+    print(json.dumps({"prefill": pf, "decode": dec}))
+
+
 def speed(models: list[str], threads: int, rounds: int, n_decode: int, n_prefill: int) -> None:
-    text = parity_text()
+    """Each round runs each engine in a fresh process (two engines in one
+    process slow each other: their idle threads spin on the same cores),
+    alternating which goes first."""
+    import json
+    import subprocess
+
     for ref in models:
-        path = registry.model_path_checked(ref)
-        backends = {name: open_backend(name, path, n_ctx=n_prefill + n_decode + 16, threads=threads)
-                    for name in ("llama", "native")}
-        prompt = backends["llama"].tokenize(text)[:n_prefill]
-        short = backends["llama"].tokenize(SPEED_PROMPT)
-        res = {name: {"prefill": [], "decode": []} for name in backends}
-        for r in range(rounds + 1):
-            # Alternating which engine goes first: one that runs right after
-            # the other shares the cores with its threads still winding down.
-            order = list(backends.items())
-            for name, b in order if r % 2 else order[::-1]:
-                pf, _ = time_backend(b, prompt, 1)
-                _, dec = time_backend(b, short, n_decode)
-                if r > 0:  # round 0 warms up
-                    res[name]["prefill"].append(pf)
-                    res[name]["decode"].append(dec)
+        res = {name: {"prefill": [], "decode": []} for name in ("llama", "native")}
+        for r in range(rounds):
+            order = ["llama", "native"] if r % 2 else ["native", "llama"]
+            for name in order:
+                out = subprocess.run([sys.executable, __file__, "speed-one", "--models", ref, "--backend", name,
+                                      "--threads", str(threads), "--decode", str(n_decode),
+                                      "--prefill", str(n_prefill)], capture_output=True, text=True, check=True)
+                for kind, value in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                    res[name][kind].append(value)
         med = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in res.items()}
-        print(f"{ref}, {threads} threads, median of {rounds} rounds:")
+        print(f"{ref}, {threads} threads, median of {rounds} rounds (one process per engine and round):")
         for kind, n_tok in (("decode", n_decode), ("prefill", n_prefill)):
             l, n = med["llama"][kind], med["native"][kind]
             print(f"  {kind:7s} ({n_tok} tokens): llama.cpp {l:8.1f} tok/s   native {n:8.1f} tok/s"
                   f"   ratio {n / l:.2f}x")
-        for b in backends.values():
-            b.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("speed", "parity"))
+    ap.add_argument("mode", choices=("speed", "parity", "speed-one"))
+    ap.add_argument("--backend", default="native", help="speed-one: the backend to time")
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"],
                     help="built-in names or GGUF paths (default: smollm2-135m gemma3-270m)")
     ap.add_argument("--threads", type=int, default=2)
@@ -177,7 +188,9 @@ def main() -> None:
 
             source = registry.model_path_checked("smollm2-135m")  # the tokenizer
             models += [str(write_moe_fixture(name, tmp, source)) for name in MOE_FIXTURES]
-        if args.mode == "parity":
+        if args.mode == "speed-one":
+            speed_one(models[0], args.backend, args.threads, args.decode, args.prefill)
+        elif args.mode == "parity":
             parity(models, args.threads, args.positions, args.greedy)
         else:
             speed(models, args.threads, args.rounds, args.decode, args.prefill)
