@@ -134,8 +134,12 @@ def test_gguf_reader_survives_fuzzing(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     seconds = int(os.environ.get("EDGESPEC_FUZZ_SECONDS", "60"))
+    # One allocation over 512 MB is a finding (with its stack and input); the
+    # process as a whole may grow past libFuzzer's default 2 GB, since
+    # ASan keeps freed memory in quarantine and the corpus grows.
     run = subprocess.run([str(fuzzer), f"-max_total_time={seconds}", "-timeout=10",
                           "-max_len=65536", "-print_final_stats=1",
+                          "-malloc_limit_mb=512", "-rss_limit_mb=4096",
                           f"-artifact_prefix={tmp_path}/", str(corpus), str(tmp_path / "seeds")],
                          capture_output=True, text=True, timeout=seconds + 120)
     log = run.stdout + run.stderr
