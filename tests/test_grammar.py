@@ -206,6 +206,12 @@ def test_parse_tags_and_json_forms():
     assert p.content is None and p.tool_calls[0].name == "get_weather"
     assert chat_tools.parse('{"answer": 42}', "json", tools).tool_calls == []  # JSON, not a call
     assert chat_tools.parse("plain words", "tags", tools).content == "plain words"
+    # A model told to use tags that answers in the JSON form (Qwen2.5-Coder): a call when it
+    # names a known tool, else the text as it is, with no warning.
+    p = chat_tools.parse('```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```', "tags", tools)
+    assert p.content is None and [c.name for c in p.tool_calls] == ["add"]
+    p = chat_tools.parse('{"name": "rm_rf", "arguments": {}}', "tags", tools)
+    assert p.tool_calls == [] and p.warning is None and p.content == '{"name": "rm_rf", "arguments": {}}'
 
 
 @pytest.mark.parametrize("text, style", [

@@ -178,6 +178,58 @@ def test_ollama_chat_refusals(server):
     assert status == 200 and json.loads(data)["eval_count"] <= 1
 
 
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_ollama_tool_messages_and_refusals(server):
+    """A tool round trip's messages are accepted (the assistant's call with
+    object arguments, the tool's answer); misshapen calls and tools on
+    /api/generate are 400s naming the problem."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]  # fits 256
+    messages = [{"role": "user", "content": "f?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+                {"role": "tool", "content": "1"}]
+    status, _, data = post(server, "/api/chat", {"model": MODEL, "messages": messages, "tools": tools,
+                                                 "stream": False, "options": {"num_predict": 4}})
+    assert status == 200, data
+    assert json.loads(data)["message"]["role"] == "assistant"
+    for body, words in (
+            ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+             "messages[0].tool_calls"),
+            ({"messages": [{"role": "assistant", "content": "", "tool_calls": "f()"}]}, "messages[0].tool_calls"),
+            ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools")):
+        status, _, data = post(server, "/api/chat", {"model": MODEL, **body})
+        assert status == 400 and words in json.loads(data)["error"], data
+    status, _, data = post(server, "/api/generate", {"model": MODEL, "prompt": "x", "tools": WEATHER})
+    assert status == 400 and "tools are for /api/chat" in json.loads(data)["error"]
+
+
+def test_ollama_tool_calls_from_a_real_model(qwen_coder_05b_path):
+    """Qwen2.5-Coder answers a tool question with a JSON call: Ollama's reply
+    carries it as message.tool_calls (arguments as an object), streamed as
+    one line with no JSON text shown before it."""
+    with Engine(str(qwen_coder_05b_path), threads=2, n_ctx=512) as e:
+        server, thread = start(e)
+        try:
+            body = {"model": MODEL, "tools": WEATHER, "options": {"temperature": 0, "num_predict": 60},
+                    "messages": [{"role": "user", "content": "What is the weather in Paris right now?"}]}
+            status, _, data = post(server, "/api/chat", {**body, "stream": False})
+            assert status == 200, data
+            message = json.loads(data)["message"]
+            assert message["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+            assert "get_weather" not in message["content"]
+            status, _, data = post(server, "/api/chat", body)
+            lines = ndjson(data)
+            assert status == 200 and lines[-1]["done"] is True
+            calls = [ln["message"]["tool_calls"] for ln in lines if ln["message"].get("tool_calls")]
+            assert calls == [message["tool_calls"]]
+            assert "get_weather" not in "".join(ln["message"]["content"] for ln in lines)
+        finally:
+            stop(server, thread)
+
+
 def test_ollama_pull(server, fake_model):  # noqa: F811
     status, headers, data = post(server, "/api/pull", {"model": "fake-tiny"})
     lines = ndjson(data)

@@ -175,30 +175,41 @@ def call_grammar(tools: list[dict], choice: str, style: str, open_token: int | N
 # -- reply side -------------------------------------------------------------------
 
 def parse(text: str, style: str, tools: list[dict]) -> Parsed:
-    """Split a whole reply into text and tool calls."""
+    """Split a whole reply into text and tool calls. Models whose template
+    asks for <tool_call> tags sometimes answer with the generic JSON form
+    instead (Qwen2.5-Coder does): that counts when it names a known tool."""
     names = {t["function"]["name"] for t in tools}
-    if style == "tags":
-        if OPEN not in text:
-            return Parsed(text)
-        bodies = _TAGGED.findall(text)
-        rest = _TAGGED.sub("", text).strip()
-        if not bodies or OPEN in rest:
-            return Parsed(text, warning="an unterminated <tool_call> was returned as text")
-    else:
-        body = text.strip()
-        fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
-        body = fenced.group(1) if fenced else body
-        if not body.startswith(("{", "[")):
-            return Parsed(text)
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as e:
-            return Parsed(text, warning=f"a tool call that is not valid JSON was returned as text ({e.msg})")
-        if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
-            value = value["tool_calls"]
-        if isinstance(value, dict) and "name" not in value:
-            return Parsed(text)  # a JSON answer, not a call
-        bodies, rest = value if isinstance(value, list) else [value], ""
+    if style != "tags":
+        return _json_form(text, names)
+    if OPEN not in text:
+        parsed = _json_form(text, names)
+        return parsed if parsed.tool_calls else Parsed(text)
+    bodies = _TAGGED.findall(text)
+    rest = _TAGGED.sub("", text).strip()
+    if not bodies or OPEN in rest:
+        return Parsed(text, warning="an unterminated <tool_call> was returned as text")
+    return _calls(text, bodies, rest, names)
+
+
+def _json_form(text: str, names: set[str]) -> Parsed:
+    """A reply that is one JSON call or a list of them (bare or fenced)."""
+    body = text.strip()
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
+    body = fenced.group(1) if fenced else body
+    if not body.startswith(("{", "[")):
+        return Parsed(text)
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as e:
+        return Parsed(text, warning=f"a tool call that is not valid JSON was returned as text ({e.msg})")
+    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+        value = value["tool_calls"]
+    if isinstance(value, dict) and "name" not in value:
+        return Parsed(text)  # a JSON answer, not a call
+    return _calls(text, value if isinstance(value, list) else [value], "", names)
+
+
+def _calls(text: str, bodies: list, rest: str, names: set[str]) -> Parsed:
     calls = []
     for b in bodies:
         call, why = _one_call(b, names)
@@ -245,6 +256,12 @@ class ToolCallStream:
         self._text += piece
         if self._held:
             return ""
+        stripped = self._text.lstrip()
+        if self._shown == 0 and not stripped:
+            return ""
+        if self._shown == 0 and stripped[0] in "{[`":
+            self._held = True   # the JSON form (also from models told to use tags)
+            return ""
         if self.style == "tags":
             at = self._text.find(OPEN, self._shown)
             if at >= 0:
@@ -254,12 +271,6 @@ class ToolCallStream:
             keep = next((k for k in range(min(len(OPEN) - 1, len(self._text) - self._shown), 0, -1)
                          if self._text.endswith(OPEN[:k])), 0)
             return self._take(len(self._text) - keep)
-        stripped = self._text.lstrip()
-        if not stripped:
-            return ""
-        if self._shown == 0 and stripped[0] in "{[`":
-            self._held = True
-            return ""
         return self._take(len(self._text))
 
     def _take(self, end: int) -> str:
@@ -273,6 +284,6 @@ class ToolCallStream:
         parsed = parse(self._text, self.style, self.tools)
         if parsed.tool_calls:
             rest = self._text[self._shown:]
-            tail = _TAGGED.sub("", rest).strip() if self.style == "tags" else ""
+            tail = _TAGGED.sub("", rest).strip() if OPEN in rest else ""
             return tail, parsed
         return self._take(len(self._text)), parsed

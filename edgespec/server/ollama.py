@@ -13,8 +13,12 @@ much as fits); options about loading (num_ctx, num_thread, num_gpu, ...) are
 the server's to decide and ignored, as are unknown ones (as Ollama does);
 sampling options the engine does not have are a 400 naming them unless they
 are at their neutral value. ``format`` ("json" or a JSON schema) constrains
-the output through the grammar engine. ``tools``, ``images``, ``suffix``,
-``template`` and ``context`` are refused with a 400 naming the field.
+the output through the grammar engine. ``tools`` (on /api/chat) go through
+the model's chat template as on the OpenAI path; the calls the model makes
+come back as ``message.tool_calls`` (arguments as objects, as Ollama sends
+them; streamed in one line once the reply ends), and ``tool`` messages and an
+assistant's ``tool_calls`` are accepted. ``images``, ``suffix``, ``template``
+and ``context`` are refused with a 400 naming the field.
 Durations are nanoseconds; the final object also carries ``edgespec``
 (drafter, tokens/s, speedup, speculative stats).
 """
@@ -34,6 +38,7 @@ from starlette.routing import Route
 import anyio
 
 from .. import __version__
+from ..chat import tools as chat_tools
 from ..errors import EdgespecError, GrammarError, InvalidArgumentError
 from ..grammar import Grammar
 from ..models import registry
@@ -51,8 +56,8 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat
 LOADING_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram",
                    "use_mmap", "use_mlock", "vocab_only", "num_keep"}
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "mirostat": 0, "typical_p": 1, "tfs_z": 1}
-UNSERVED = ("tools", "images", "suffix", "template", "context")
-CHAT_ROLES = ("system", "user", "assistant")
+UNSERVED = ("images", "suffix", "template", "context")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
 
 
@@ -240,6 +245,8 @@ async def generate(request: Request):
     stream = _stream_flag(body)
     await runner.ready()
     prompt, system = _text(body.get("prompt"), "prompt"), _text(body.get("system"), "system")
+    if body.get("tools") not in (None, []):
+        raise _bad("tools are for /api/chat")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw must be a boolean")
@@ -271,17 +278,56 @@ async def chat(request: Request):
     msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise _bad(f"messages[{i}] must be an object with role system, user or assistant")
-        if m.get("images") or m.get("tool_calls"):
-            raise _bad(f"messages[{i}]: images and tool_calls are not supported by this server")
-        msgs.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
-    opts = {**_options(body, runner.n_ctx), **_format(body)}
+            raise _bad(f"messages[{i}] must be an object with role system, user, assistant or tool")
+        if m.get("images"):
+            raise _bad(f"messages[{i}]: images are not supported by this server")
+        msg = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")}
+        if m.get("tool_calls") not in (None, []):
+            msg["tool_calls"] = _calls_in(m, i)
+        msgs.append(msg)
+    opts = {**_options(body, runner.n_ctx), **_format(body), **_tools(body)}
     if not msgs:   # Ollama's "load the model": it is loaded
         return JSONResponse({"model": model, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     c = Completion(messages=msgs)
     c.options = opts
     return await _answer(request, runner, c, model, stream, chat=True)
+
+
+def _calls_in(m: dict, i: int) -> list[dict]:
+    """An assistant message's Ollama tool calls ({"function": {"name",
+    "arguments": object}}) in the OpenAI shape the chat templates render."""
+    calls = m["tool_calls"]
+    if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls):
+        raise _bad(f'messages[{i}].tool_calls: tool calls belong to assistant messages, each '
+                   '{"function": {"name": ..., "arguments": {...}}}')
+    out = []
+    for k, c in enumerate(calls):
+        args = c["function"].get("arguments", {})
+        out.append({"id": f"call_{i}_{k}", "type": "function",
+                    "function": {"name": c["function"]["name"],
+                                 "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
+
+
+def _tools(body: dict) -> dict:
+    tools = body.get("tools")
+    if tools in (None, []):
+        return {}
+    try:
+        return {"tools": chat_tools.check_tools(tools)}
+    except InvalidArgumentError as e:
+        raise _bad(f"tools: {e}") from None
+
+
+def _ollama_call(call: chat_tools.ToolCall) -> dict:
+    try:
+        args = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        args = call.arguments
+    return {"function": {"name": call.name, "arguments": args}}
 
 
 async def _answer(request: Request, runner, c: Completion, model: str, stream: bool, chat: bool):
@@ -301,15 +347,26 @@ async def _answer(request: Request, runner, c: Completion, model: str, stream: b
         out["done"] = False
         return out
 
+    tools = c.tools if chat else None
+    style = chat_tools.style_of(runner.engine.chat_template or "")
+    calls = chat_tools.ToolCallStream(style, tools) if tools else None
     if stream:
-        return Stream(_lines(request, job, piece_obj), NDJSON)
+        return Stream(_lines(request, job, piece_obj, calls), NDJSON)
     try:
         text = "".join([piece async for piece in job.pieces()])
     finally:
         job.close()
     if job.client_gone:
         raise ClientGone()
-    return JSONResponse(_final(request, job, piece_obj(text)))
+    obj = piece_obj(text)
+    if tools:
+        parsed = chat_tools.parse(text, style, tools)
+        if parsed.tool_calls:
+            obj["message"] = {"role": "assistant", "content": parsed.content or "",
+                              "tool_calls": [_ollama_call(t) for t in parsed.tool_calls]}
+        elif parsed.warning:
+            obj["warning"] = parsed.warning
+    return JSONResponse(_final(request, job, obj))
 
 
 def _final(request: Request, job: Job, obj: dict) -> dict:
@@ -328,18 +385,33 @@ def _line(obj: dict) -> bytes:
     return (json.dumps(obj, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-async def _lines(request: Request, job: Job, piece_obj):
+async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCallStream | None):
+    """NDJSON lines: the pieces (with tools: never text that may start a tool
+    call), then the calls in one message line, then the final object."""
     try:
         try:
             async for piece in job.pieces():
-                yield _line(piece_obj(piece))
+                text = calls.push(piece) if calls else piece
+                if text:
+                    yield _line(piece_obj(text))
         except ApiError as e:
             yield _line(e.body(OLLAMA))
             return
         if job.client_gone:
             note(request, "client disconnected")
             return
-        yield _line(_final(request, job, piece_obj("")))
+        final = piece_obj("")
+        if calls:
+            tail, parsed = calls.finish()
+            if tail:
+                yield _line(piece_obj(tail))
+            if parsed.tool_calls:
+                line = piece_obj("")
+                line["message"]["tool_calls"] = [_ollama_call(t) for t in parsed.tool_calls]
+                yield _line(line)
+            elif parsed.warning:
+                final["warning"] = parsed.warning
+        yield _line(_final(request, job, final))
     finally:
         job.close()
 
