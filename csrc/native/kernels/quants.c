@@ -1277,6 +1277,13 @@ typedef struct {
     [ES_TYPE_Q4_K] = dot_q4_K_scalar, [ES_TYPE_Q5_K] = dot_q5_K_scalar,        \
     [ES_TYPE_Q6_K] = dot_q6_K_scalar
 
+// A set's batched kernels for every quantized type (dotn_<type>_<set>).
+#define BATCHED_DOTS(SET)                                                                     \
+    [ES_TYPE_Q4_0] = dotn_q4_0_##SET, [ES_TYPE_Q4_1] = dotn_q4_1_##SET,                     \
+    [ES_TYPE_Q5_0] = dotn_q5_0_##SET, [ES_TYPE_Q5_1] = dotn_q5_1_##SET,                     \
+    [ES_TYPE_Q8_0] = dotn_q8_0_##SET, [ES_TYPE_Q4_K] = dotn_q4_K_##SET,                     \
+    [ES_TYPE_Q5_K] = dotn_q5_K_##SET, [ES_TYPE_Q6_K] = dotn_q6_K_##SET
+
 static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}, .axpy_f16 = axpy_f16_scalar};
 
 #if defined(ES_HAVE_AVX2)
@@ -1285,11 +1292,7 @@ static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
     [ES_TYPE_Q4_0] = dot_q4_0_avx2, [ES_TYPE_Q4_1] = dot_q4_1_avx2, [ES_TYPE_Q5_0] = dot_q5_0_avx2,
     [ES_TYPE_Q5_1] = dot_q5_1_avx2, [ES_TYPE_Q8_0] = dot_q8_0_avx2,
     [ES_TYPE_Q4_K] = dot_q4_K_avx2, [ES_TYPE_Q5_K] = dot_q5_K_avx2, [ES_TYPE_Q6_K] = dot_q6_K_avx2,
-}, .dotn = {
-    [ES_TYPE_Q4_0] = dotn_q4_0_avx2, [ES_TYPE_Q4_1] = dotn_q4_1_avx2, [ES_TYPE_Q5_0] = dotn_q5_0_avx2,
-    [ES_TYPE_Q5_1] = dotn_q5_1_avx2, [ES_TYPE_Q8_0] = dotn_q8_0_avx2,
-    [ES_TYPE_Q4_K] = dotn_q4_K_avx2, [ES_TYPE_Q5_K] = dotn_q5_K_avx2, [ES_TYPE_Q6_K] = dotn_q6_K_avx2,
-}, .axpy_f16 = axpy_f16_avx2};
+}, .dotn = {BATCHED_DOTS(avx2)}, .axpy_f16 = axpy_f16_avx2};
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
@@ -1298,11 +1301,7 @@ static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
     [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
     [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
     [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
-}, .dotn = {
-    [ES_TYPE_Q4_0] = dotn_q4_0_neon, [ES_TYPE_Q4_1] = dotn_q4_1_neon, [ES_TYPE_Q5_0] = dotn_q5_0_neon,
-    [ES_TYPE_Q5_1] = dotn_q5_1_neon, [ES_TYPE_Q8_0] = dotn_q8_0_neon,
-    [ES_TYPE_Q4_K] = dotn_q4_K_neon, [ES_TYPE_Q5_K] = dotn_q5_K_neon, [ES_TYPE_Q6_K] = dotn_q6_K_neon,
-}, .axpy_f16 = axpy_f16_scalar};
+}, .dotn = {BATCHED_DOTS(neon)}, .axpy_f16 = axpy_f16_scalar};
 #endif
 
 // The sets this CPU runs, best first (scalar always last); found once.
