@@ -122,7 +122,7 @@ def _reader(path: os.PathLike | str):
         raise ModelFormatError(f"{path}: not a readable GGUF file ({e})"[:300]) from None
 
 
-def _field_value(field):
+def field_value(field):
     """A reader field's value as GGUFWriter.add_key_value takes it (strings
     as bytes, so tokens that are not valid UTF-8 survive the copy)."""
     gguf = _gguf()
@@ -134,13 +134,16 @@ def _field_value(field):
     return field.contents()
 
 
-def _copy_keys(reader, writer, keep: Callable[[str], bool]) -> None:
+def copy_keys(reader, writer, keep: Callable[[str], bool] = lambda key: True) -> None:
+    """The metadata of ``reader`` (a gguf.GGUFReader) that ``keep`` accepts,
+    onto ``writer``: all but the header's counts and the architecture, which
+    the writer sets."""
     gguf = _gguf()
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or not keep(key):
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, _field_value(field), field.types[0], sub_type)
+        writer.add_key_value(key, field_value(field), field.types[0], sub_type)
 
 
 def _raw(t) -> np.ndarray:
@@ -351,7 +354,7 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
             sources.append(lambda t=t: np.asarray(t.data))
 
     def keys(w):
-        _copy_keys(reader, w, lambda k: k not in ("llama.expert_count", "llama.expert_used_count"))
+        copy_keys(reader, w, lambda k: k not in ("llama.expert_count", "llama.expert_used_count"))
         w.add_uint32("llama.expert_count", experts)
         w.add_uint32("llama.expert_used_count", top_k)
 
@@ -438,7 +441,7 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
 
     def keys(w):
         w.add_name("edgespec synthetic MoE")
-        _copy_keys(src, w, lambda k: k.startswith("tokenizer."))
+        copy_keys(src, w, lambda k: k.startswith("tokenizer."))
         w.add_vocab_size(n_vocab)
         w.add_context_length(4096)
         w.add_embedding_length(embd)

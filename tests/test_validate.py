@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from edgespec.errors import ModelFormatError
 from edgespec.models import registry
 from edgespec.models.gguf import check_gguf as validate_gguf
-from tiny_gguf import _field_value
+from edgespec.moe import field_value
 
 Q = gguf.GGMLQuantizationType
 
@@ -94,11 +94,11 @@ def _rewrite(src: Path, dst: Path, *, n_vocab: int | None = None,
     w = gguf.GGUFWriter(str(dst), bytes(r.fields["general.architecture"].parts[-1]).decode())
     keep = None
     if n_vocab is not None:
-        keep = set(_field_value(r.fields["tokenizer.ggml.tokens"])[:n_vocab])
+        keep = set(field_value(r.fields["tokenizer.ggml.tokens"])[:n_vocab])
     for key, field in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
-        value = _field_value(field)
+        value = field_value(field)
         if keep is not None and key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                                         "tokenizer.ggml.scores"):
             value = value[:n_vocab]

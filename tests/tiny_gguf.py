@@ -39,6 +39,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from edgespec.moe import copy_keys, field_value
+
 Q = gguf.GGMLQuantizationType
 T = gguf.MODEL_TENSOR
 
@@ -215,17 +217,6 @@ def write_tiny_vocab(path: str | os.PathLike, n_merges: int = 256) -> None:
 
 # ---- copying GGUF metadata ------------------------------------------------------------
 
-def _field_value(field: gguf.ReaderField):
-    """A reader field's value as GGUFWriter.add_key_value takes it. Strings stay
-    bytes, so that tokens which are not valid UTF-8 survive the copy."""
-    main = field.types[0]
-    if main == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]])
-    if main == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
-        return [bytes(field.parts[i]) for i in field.data]
-    return field.contents()
-
-
 @functools.lru_cache(maxsize=4)
 def _tokenizer_fields(source: str) -> tuple[list[tuple], int]:
     """The tokenizer.* keys of `source` as (key, value, type, sub_type), and the
@@ -236,7 +227,7 @@ def _tokenizer_fields(source: str) -> tuple[list[tuple], int]:
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            fields.append((key, _field_value(field), field.types[0], sub_type))
+            fields.append((key, field_value(field), field.types[0], sub_type))
     return fields, len(reader.fields[gguf.Keys.Tokenizer.LIST].data)
 
 
@@ -256,12 +247,7 @@ def copy_gguf(source: str | os.PathLike, path: str | os.PathLike, *, drop: Seque
     numpy shape): the variants of a model a loader must refuse."""
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(str(path), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    for key, field in reader.fields.items():
-        # GGUF.* are the header's counts, not keys; the writer sets the architecture.
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, _field_value(field), field.types[0], sub_type)
+    copy_keys(reader, writer)
     for t in reader.tensors:
         if t.name not in drop:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)

@@ -331,12 +331,7 @@ def _ollama_call(call: chat_tools.ToolCall) -> dict:
 
 
 async def _answer(request: Request, runner, c: Completion, model: str, stream: bool, chat: bool):
-    job = runner.start(c, request)
-    try:
-        await job.started()
-    except BaseException:
-        job.close()
-        raise
+    job = await runner.start(c, request)
 
     def piece_obj(text: str) -> dict:
         out = {"model": model, "created_at": _now()}
@@ -347,10 +342,9 @@ async def _answer(request: Request, runner, c: Completion, model: str, stream: b
         out["done"] = False
         return out
 
-    tools = c.tools if chat else None
-    style = chat_tools.style_of(runner.engine.chat_template or "")
-    calls = chat_tools.ToolCallStream(style, tools) if tools else None
     if stream:
+        style = chat_tools.style_of(runner.engine.chat_template or "")
+        calls = chat_tools.ToolCallStream(style, c.tools) if c.tools else None
         return Stream(_lines(request, job, piece_obj, calls), NDJSON)
     try:
         text = "".join([piece async for piece in job.pieces()])
@@ -359,8 +353,8 @@ async def _answer(request: Request, runner, c: Completion, model: str, stream: b
     if job.client_gone:
         raise ClientGone()
     obj = piece_obj(text)
-    if tools:
-        parsed = chat_tools.parse(text, style, tools)
+    parsed = job.result.parsed   # the engine's split of the reply into text and calls
+    if parsed is not None:
         if parsed.tool_calls:
             obj["message"] = {"role": "assistant", "content": parsed.content or "",
                               "tool_calls": [_ollama_call(t) for t in parsed.tool_calls]}

@@ -225,12 +225,7 @@ async def _complete(request: Request, chat: bool):
     body = await read_json(request)
     runner = pick_runner(request, model_field(body))
     c, stream, include_usage = completion(body, chat)
-    job = runner.start(c, request)
-    try:
-        await job.started()
-    except BaseException:
-        job.close()
-        raise
+    job = await runner.start(c, request)
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
             "created": int(time.time()), "model": runner.name}

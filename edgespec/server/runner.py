@@ -3,9 +3,9 @@
 An endpoint parses its request into a ``Completion`` (the prompt or the chat,
 and Engine.stream's keyword arguments), then::
 
-    job = runner.start(completion, request)
-    await job.started()     # tokenized outside the engine lock (400 if over the context), then
-                            # queued behind other generations; 4xx if the engine refuses
+    job = await runner.start(completion, request)   # tokenized outside the engine lock (400 if
+                            # over the context), queued behind other generations, running;
+                            # 4xx if the engine refuses
     async for piece in job.pieces(): ...      # text pieces as the engine makes them
     job.close()                               # job.result: the engine's Result
 
@@ -204,9 +204,17 @@ class Runner:
                            param=c.param, code="context_length_exceeded")
         return n
 
-    def start(self, c: Completion, request=None) -> "Job":
-        """Queue ``c`` for the engine; ``request``'s client is watched for going away."""
-        return Job(self, c, request)
+    async def start(self, c: Completion, request=None) -> "Job":
+        """Queue ``c`` for the engine and wait until it runs; ``request``'s
+        client is watched for going away. ApiError if the engine refused it,
+        ClientGone if the client left while queued (the job closed either way)."""
+        job = Job(self, c, request)
+        try:
+            await job.started()
+        except BaseException:
+            job.close()
+            raise
+        return job
 
     def finished(self, job: "Job") -> None:
         """Called in the worker, still holding the engine, once a generation ended."""
