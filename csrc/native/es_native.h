@@ -124,6 +124,12 @@ int  es_gguf_array_elems(const es_gguf_value * arr, es_gguf_value * out, uint64_
 // ES_ERR_UNSUPPORTED: a type the kernels lack; ES_ERR_INVALID_ARG: n <= 0
 // or not a multiple of the type's block.
 int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
+// Quantizes n floats (whole blocks) to Q2_K or Q3_K, GGUF's layouts (the
+// expert sidecar's low-precision copies): per sub-block of 16 the scale
+// (and Q2_K min) of least squared error. ES_ERR_UNSUPPORTED: another type;
+// ES_ERR_INVALID_ARG: n <= 0 or not a multiple of 256, or a value not
+// finite or beyond half precision's range.
+int es_quantize_row(int32_t type, const float * src, void * dst, int64_t n);
 
 // The kernel set the dot products run on, for the whole process: "avx2",
 // "neon" or "scalar" ("auto": the best this CPU runs; the default).

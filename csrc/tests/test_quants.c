@@ -13,6 +13,7 @@
  *    bit-exact across kernel sets (their float sums group differently),
  *    within the same 1e-5 relative bound; the selection's refusals;
  *  - within one kernel set, bit-identical rows for any split of the rows range;
+ *  - weight quantization (Q2_K, Q3_K): error bounds, a grid reproduced, refusals;
  *  - the thread pool: every thread runs once per call, nth as asked, many
  *    calls, repeated init/free.
  */
@@ -59,23 +60,26 @@ static void check_dequant(int32_t type, const void * src, const float * want, in
 static void test_type_table(void) {
     CHECK(es_type_block(ES_TYPE_F32) == 1 && es_type_block(ES_TYPE_Q4_1) == 32);
     CHECK(es_type_block(ES_TYPE_Q6_K) == 256);
-    CHECK(es_type_block(ES_TYPE_Q2_K) == 0 && es_type_block(ES_TYPE_Q3_K) == 0);  // not implemented
+    CHECK(es_type_block(ES_TYPE_Q2_K) == 256 && es_type_block(ES_TYPE_Q3_K) == 256);
+    CHECK(es_type_block(ES_TYPE_Q8_K + 1) == 0);                                    // not implemented
     CHECK(es_type_block(-1) == 0 && es_type_block(1000) == 0);
     CHECK(es_type_row_bytes(ES_TYPE_Q4_1, 576) == 18 * 20);
     CHECK(es_type_row_bytes(ES_TYPE_Q6_K, 2048) == 8 * 210);
     CHECK(es_type_row_bytes(ES_TYPE_F16, 7) == 14);
     CHECK(es_type_row_bytes(ES_TYPE_Q4_0, 33) == 0);      // not whole blocks
     CHECK(es_type_row_bytes(ES_TYPE_Q4_K, 640) == 0);
-    CHECK(es_type_row_bytes(ES_TYPE_Q2_K, 256) == 0);
+    CHECK(es_type_row_bytes(ES_TYPE_Q2_K, 512) == 2 * 84 && es_type_row_bytes(ES_TYPE_Q3_K, 256) == 110);
+    CHECK(es_type_row_bytes(ES_TYPE_Q3_K, 576) == 0);
     CHECK(es_act_type(ES_TYPE_F32) == ES_TYPE_F32 && es_act_type(ES_TYPE_F16) == ES_TYPE_F16);
     CHECK(es_act_type(ES_TYPE_BF16) == ES_TYPE_BF16 && es_act_type(ES_TYPE_Q5_0) == ES_TYPE_Q8_0);
     CHECK(es_act_type(ES_TYPE_Q4_1) == ES_TYPE_Q8_1 && es_act_type(ES_TYPE_Q5_K) == ES_TYPE_Q8_K);
-    CHECK(es_act_type(ES_TYPE_Q8_K) == -1 && es_act_type(ES_TYPE_Q3_K) == -1);
+    CHECK(es_act_type(ES_TYPE_Q8_K) == -1 && es_act_type(ES_TYPE_Q3_K) == ES_TYPE_Q8_K);
+    CHECK(es_act_type(ES_TYPE_Q2_K) == ES_TYPE_Q8_K && es_act_type(ES_TYPE_Q8_K + 1) == -1);
     CHECK(strcmp(es_type_name(ES_TYPE_Q5_0), "Q5_0") == 0);
     CHECK(strcmp(es_type_name(99), "unknown") == 0);
     float f[32];
     const uint8_t zeros[34] = {0};
-    CHECK(es_dequantize_row(ES_TYPE_Q2_K, zeros, f, 256) == ES_ERR_UNSUPPORTED);  // not implemented
+    CHECK(es_dequantize_row(ES_TYPE_Q8_K + 1, zeros, f, 256) == ES_ERR_UNSUPPORTED);  // not implemented
     CHECK(es_dequantize_row(ES_TYPE_Q8_0, zeros, f, 16) == ES_ERR_INVALID_ARG);   // not a whole block
     CHECK(es_dequantize_row(ES_TYPE_Q8_0, zeros, f, 0) == ES_ERR_INVALID_ARG);
     const char * k = es_kernels_name();
@@ -220,6 +224,87 @@ static void test_dequant_k_quants(void) {
         want[e] = 0.25f * (float) ((int8_t) blk[192 + e / 16] * (q - 32));
     }
     check_dequant(ES_TYPE_Q6_K, blk, want, 256);
+
+    // Q2_K: d = 0.5, dmin = 0.25; per sub-block of 16 scale (low nibble) and
+    // min (high) in scales[e / 16]; 2-bit q at bits 2 ((e % 128) / 32) of
+    // qs[32 (e / 128) + e % 32]. Layout: scales[16] qs[64] d dmin.
+    memset(blk, 0, sizeof(blk));
+    for (int j = 0; j < 16; j++) blk[j] = (uint8_t) (((3 * j + 1) % 16) | (((5 * j) % 16) << 4));
+    put_half(blk + 80, 0x3800), put_half(blk + 82, 0x3400);
+    for (int e = 0; e < 256; e++) {
+        const int q = (7 * e + 2) % 4;
+        blk[16 + 32 * (e / 128) + e % 32] |= (uint8_t) (q << (2 * ((e % 128) / 32)));
+        want[e] = 0.5f * (float) (blk[e / 16] & 15) * (float) q - 0.25f * (float) (blk[e / 16] >> 4);
+    }
+    check_dequant(ES_TYPE_Q2_K, blk, want, 256);
+
+    // Q3_K: d = 0.25; 6-bit scales u_j (value u_j - 32): low nibble of
+    // scales[j % 8] (high half for j >= 8), top bits at 2 (j / 4) of
+    // scales[8 + j % 4]; q = 2 bits as Q2_K's plus bit (e % 256) / 32 of
+    // hmask[e % 32] as bit 2, value q - 4. Layout: hmask[32] qs[64] scales[12] d.
+    memset(blk, 0, sizeof(blk));
+    int u[16];
+    for (int j = 0; j < 16; j++) {
+        u[j] = (13 * j + 7) % 64;
+        blk[96 + j % 8] |= (uint8_t) ((u[j] & 15) << (j < 8 ? 0 : 4));
+        blk[96 + 8 + j % 4] |= (uint8_t) ((u[j] >> 4) << (2 * (j / 4)));
+    }
+    put_half(blk + 108, 0x3400);
+    for (int e = 0; e < 256; e++) {
+        const int q = (5 * e + 3) % 8;
+        blk[32 + 32 * (e / 128) + e % 32] |= (uint8_t) ((q & 3) << (2 * ((e % 128) / 32)));
+        blk[e % 32] |= (uint8_t) ((q >> 2) << (e / 32));
+        want[e] = 0.25f * (float) (u[e / 16] - 32) * (float) (q - 4);
+    }
+    check_dequant(ES_TYPE_Q3_K, blk, want, 256);
+}
+
+// es_quantize_row: Q2_K and Q3_K of smooth and heavy-tailed rows come back
+// within a bound on the relative RMS error (2 and 3 bits: about 1/4 and
+// 1/7 of the RMS) and an outlier kept near its value; a
+// row already on a Q3_K grid is reproduced; bad arguments are refused.
+static void test_quantize_weights(void) {
+    enum { N = 1024 };
+    static float x[N], back[N];
+    static uint8_t q[N];  // >= 110 * N / 256
+    const struct { int32_t type; double rms_bound; } cases[] = {{ES_TYPE_Q2_K, 0.40}, {ES_TYPE_Q3_K, 0.20}};
+    for (int c = 0; c < 2; c++) {
+        for (int dist = 0; dist < 2; dist++) {
+            for (int i = 0; i < N; i++) {
+                const float u = next_float();
+                x[i] = dist ? u * u * u * 4.f : u;  // uniform, or heavy-tailed
+            }
+            x[17] = 9.f;  // an outlier
+            CHECK(es_quantize_row(cases[c].type, x, q, N) == ES_OK);
+            CHECK(es_dequantize_row(cases[c].type, q, back, N) == ES_OK);
+            double se = 0, sx = 0;
+            for (int i = 0; i < N; i++) se += (back[i] - x[i]) * (double) (back[i] - x[i]), sx += (double) x[i] * x[i];
+            const double rel = sqrt(se / sx);
+            printf("  quantize %s (%s): relative RMS error %.3f\n", es_type_name(cases[c].type),
+                   dist ? "heavy-tailed" : "uniform", rel);
+            CHECK(rel < cases[c].rms_bound && rel > 0.0);
+            CHECK(fabsf(back[17] - 9.f) < 9.f / 4);  // the outlier survives (least squares may trim it)
+        }
+    }
+    // Values on a Q3_K grid (scale 1/8 everywhere, q in -4..3) come back exactly.
+    for (int i = 0; i < N; i++) x[i] = (float) ((int) (next_u32() % 8) - 4) / 8.f;
+    for (int b = 0; b < N / 16; b++) x[16 * b] = -0.5f;  // every sub-block reaches -4
+    CHECK(es_quantize_row(ES_TYPE_Q3_K, x, q, N) == ES_OK);
+    CHECK(es_dequantize_row(ES_TYPE_Q3_K, q, back, N) == ES_OK);
+    int off = 0;
+    for (int i = 0; i < N; i++) off += back[i] != x[i];
+    CHECK(off == 0);
+    // Zeros stay zeros; refusals.
+    memset(x, 0, sizeof x);
+    CHECK(es_quantize_row(ES_TYPE_Q2_K, x, q, 256) == ES_OK && es_dequantize_row(ES_TYPE_Q2_K, q, back, 256) == ES_OK);
+    int nz = 0;
+    for (int i = 0; i < 256; i++) nz += back[i] != 0.0f;
+    CHECK(nz == 0);
+    CHECK(es_quantize_row(ES_TYPE_Q4_0, x, q, 256) == ES_ERR_UNSUPPORTED);
+    CHECK(es_quantize_row(ES_TYPE_Q3_K, x, q, 250) == ES_ERR_INVALID_ARG);
+    CHECK(es_quantize_row(ES_TYPE_Q3_K, NULL, q, 256) == ES_ERR_INVALID_ARG);
+    x[3] = NAN;
+    CHECK(es_quantize_row(ES_TYPE_Q2_K, x, q, 256) == ES_ERR_INVALID_ARG);
 }
 
 /* ---- activation quantization --------------------------------------------- */
@@ -302,11 +387,21 @@ static void test_quantize_act(void) {
 
 static const int32_t WEIGHT_TYPES[] = {
     ES_TYPE_F32,  ES_TYPE_F16,  ES_TYPE_BF16, ES_TYPE_Q4_0, ES_TYPE_Q4_1, ES_TYPE_Q5_0,
-    ES_TYPE_Q5_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K,
+    ES_TYPE_Q5_1, ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q5_K, ES_TYPE_Q6_K, ES_TYPE_Q2_K,
+    ES_TYPE_Q3_K,
 };
 #define N_WT N_ELEMS(WEIGHT_TYPES)
 #define MV_N    512
 #define MV_ROWS 13  // odd on purpose
+
+// Where a block's scale d (then its min, has_min) lies.
+static size_t half_at(int32_t type) {
+    return type == ES_TYPE_Q6_K ? 208 : type == ES_TYPE_Q2_K ? 80 : type == ES_TYPE_Q3_K ? 108 : 0;
+}
+static bool has_min(int32_t type) {
+    return type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K ||
+           type == ES_TYPE_Q2_K;
+}
 
 // Random rows of a type whose half fields are finite (exponent kept small).
 static void random_rows(int32_t type, uint8_t * w, size_t bytes) {
@@ -320,10 +415,9 @@ static void random_rows(int32_t type, uint8_t * w, size_t bytes) {
         const size_t bb = es_type_row_bytes(type, blk), nb = bytes / bb;
         for (size_t b = 0; b < nb; b++) {
             uint8_t * p = w + b * bb;
-            if (type == ES_TYPE_Q6_K) p[209] = (uint8_t) ((p[209] & 0x83) | 0x20);
-            else p[1] = (uint8_t) ((p[1] & 0x83) | 0x20);
-            if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K)
-                p[3] = (uint8_t) ((p[3] & 0x83) | 0x20);
+            const size_t d = half_at(type);
+            p[d + 1] = (uint8_t) ((p[d + 1] & 0x83) | 0x20);
+            if (has_min(type)) p[d + 3] = (uint8_t) ((p[d + 3] & 0x83) | 0x20);
         }
     }
 }
@@ -413,7 +507,7 @@ static void run_matvecs(mv_results * out, bool check_ref) {
         es_matvec(type, w, xq, MV_N, 3, 3, &sentinel);
         CHECK(sentinel == 42.f);
         es_matvec(ES_TYPE_Q8_K, w, xq, MV_N, 0, 1, &sentinel);
-        es_matvec(ES_TYPE_Q2_K, w, xq, MV_N, 0, 1, &sentinel);
+        es_matvec(ES_TYPE_Q8_K + 1, w, xq, MV_N, 0, 1, &sentinel);
         CHECK(sentinel == 42.f);
         free(xq);
         free(w);
@@ -458,10 +552,8 @@ static void test_extreme_sums(void) {
         memset(w, 0xFF, rb);
         for (size_t b = 0; b < rb / bb; b++) {  // scales 1.0 (and mins 1.0)
             uint8_t * p = w + b * bb;
-            if (type == ES_TYPE_Q6_K) put_half(p + 208, 0x3C00);
-            else put_half(p, 0x3C00);
-            if (type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1 || type == ES_TYPE_Q4_K || type == ES_TYPE_Q5_K)
-                put_half(p + 2, 0x3C00);
+            put_half(p + half_at(type), 0x3C00);
+            if (has_min(type)) put_half(p + half_at(type) + 2, 0x3C00);
         }
         uint8_t * xq = malloc(es_type_row_bytes(es_act_type(type), MV_N));
         for (int sign = 0; sign < 2; sign++) {
@@ -564,6 +656,7 @@ int main(void) {
     test_dequant_float_types();
     test_dequant_q4_q5_q8();
     test_dequant_k_quants();
+    test_quantize_weights();
     test_quantize_act();
     test_pool();
     return check_report("test_quants");

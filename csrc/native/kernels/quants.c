@@ -75,6 +75,20 @@ typedef struct {
     int8_t  scales[QK_K / 16];// one per 16 elements
     es_half d;
 } block_q6_K;                 // x = d scale (q - 32)
+// 2- and 3-bit K-quants (the low-precision expert copies): 16 sub-blocks of
+// 16. Element 128 h + 32 j + l takes bits 2j, 2j+1 of qs[32 h + l]; its
+// sub-block is 8 h + 2 j + (l >= 16).
+typedef struct {
+    uint8_t scales[QK_K / 16];  // per sub-block: scale (low nibble), min (high)
+    uint8_t qs[QK_K / 4];
+    es_half d, dmin;
+} block_q2_K;                   // x = d scale q - dmin min, q in 0..3
+typedef struct {
+    uint8_t hmask[QK_K / 8];    // third bits: bit 4h + j of hmask[l]
+    uint8_t qs[QK_K / 4];
+    uint8_t scales[12];         // 16 6-bit scales, offset by 32 (unpack_scales_q3_K)
+    es_half d;
+} block_q3_K;                   // x = d (scale - 32) (q - 4), q in 0..7
 typedef struct {
     float   d;
     int8_t  qs[QK_K];
@@ -87,6 +101,8 @@ _Static_assert(sizeof(block_q5_0) == 22, "q5_0 layout");
 _Static_assert(sizeof(block_q5_1) == 24, "q5_1 layout");
 _Static_assert(sizeof(block_q8_0) == 34, "q8_0 layout");
 _Static_assert(sizeof(block_q8_1) == 36, "q8_1 layout");
+_Static_assert(sizeof(block_q2_K) == 84, "q2_K layout");
+_Static_assert(sizeof(block_q3_K) == 110, "q3_K layout");
 _Static_assert(sizeof(block_q4_K) == 144, "q4_K layout");
 _Static_assert(sizeof(block_q5_K) == 176, "q5_K layout");
 _Static_assert(sizeof(block_q6_K) == 210, "q6_K layout");
@@ -127,6 +143,7 @@ int32_t es_act_type(int32_t weight_type) {
     case ES_TYPE_Q4_0: case ES_TYPE_Q5_0: case ES_TYPE_Q8_0: return ES_TYPE_Q8_0;
     case ES_TYPE_Q4_1: case ES_TYPE_Q5_1:                    return ES_TYPE_Q8_1;
     case ES_TYPE_Q4_K: case ES_TYPE_Q5_K: case ES_TYPE_Q6_K: return ES_TYPE_Q8_K;
+    case ES_TYPE_Q2_K: case ES_TYPE_Q3_K:                    return ES_TYPE_Q8_K;
     default:                                                 return -1;
     }
 }
@@ -302,6 +319,67 @@ static void dequant_q8_K(const block_q8_K * x, float * y, int64_t nb) {
         for (int j = 0; j < QK_K; j++) *y++ = x[i].d * x[i].qs[j];
 }
 
+// Q2_K / Q3_K element values of chunk k (0..7: elements 32k .. 32k+31,
+// sub-blocks 2k and 2k + 1) as u8: bits 2(k % 4) of qs[32 (k / 4) + l],
+// and for Q3_K bit k of hmask[l] as bit 2.
+static inline void k16_chunk(const uint8_t * qs, const uint8_t * hmask, int k, uint8_t out[32]) {
+    const uint8_t * q = qs + 32 * (k / 4);
+    const int shift = 2 * (k % 4);
+    for (int l = 0; l < 32; l++) {
+        out[l] = (uint8_t) ((q[l] >> shift) & 3);
+        if (hmask) out[l] |= (uint8_t) (((hmask[l] >> k) & 1) << 2);
+    }
+}
+
+// Q3_K's 16 scales, unpacked to -32..31: sub-block j's low nibble is in
+// scales[j % 8] (low half for j < 8, high for j >= 8), its top two bits
+// are bits 2 (j / 4) of scales[8 + j % 4].
+static inline void unpack_scales_q3_K(const uint8_t s[12], int8_t out[16]) {
+    for (int j = 0; j < 16; j++) {
+        const int lo = j < 8 ? s[j] & 0xF : s[j - 8] >> 4;
+        const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        out[j] = (int8_t) ((lo | (hi << 4)) - 32);
+    }
+}
+
+// The 16 scales s and the factors m of the activation's group sums (Q2_K:
+// its mins; Q3_K: 4 s, the offset), as int16.
+static inline void k16_scales_q2_K(const block_q2_K * x, int16_t s[16], int16_t m[16]) {
+    for (int j = 0; j < 16; j++) s[j] = (int16_t) (x->scales[j] & 0xF), m[j] = (int16_t) (x->scales[j] >> 4);
+}
+static inline void k16_scales_q3_K(const block_q3_K * x, int16_t s[16], int16_t m[16]) {
+    int8_t sc[16];
+    unpack_scales_q3_K(x->scales, sc);
+    for (int j = 0; j < 16; j++) s[j] = sc[j], m[j] = (int16_t) (4 * sc[j]);
+}
+
+static void dequant_q2_K(const block_q2_K * x, float * y, int64_t nb) {
+    uint8_t q[32];
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = half_to_f32(x[i].d), dmin = half_to_f32(x[i].dmin);
+        for (int k = 0; k < 8; k++) {
+            k16_chunk(x[i].qs, NULL, k, q);
+            for (int l = 0; l < 32; l++) {
+                const uint8_t sc = x[i].scales[2 * k + l / 16];
+                *y++ = d * (float) (sc & 0xF) * q[l] - dmin * (float) (sc >> 4);
+            }
+        }
+    }
+}
+
+static void dequant_q3_K(const block_q3_K * x, float * y, int64_t nb) {
+    uint8_t q[32];
+    int8_t sc[16];
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = half_to_f32(x[i].d);
+        unpack_scales_q3_K(x[i].scales, sc);
+        for (int k = 0; k < 8; k++) {
+            k16_chunk(x[i].qs, x[i].hmask, k, q);
+            for (int l = 0; l < 32; l++) *y++ = d * (float) sc[2 * k + l / 16] * (q[l] - 4);
+        }
+    }
+}
+
 int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
     const int64_t blk = es_type_block(type);
     if (blk == 0) return ES_ERR_UNSUPPORTED;
@@ -320,6 +398,8 @@ int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n) {
     case ES_TYPE_Q4_K: dequant_q4_K(src, dst, nb); break;
     case ES_TYPE_Q5_K: dequant_q5_K(src, dst, nb); break;
     case ES_TYPE_Q6_K: dequant_q6_K(src, dst, nb); break;
+    case ES_TYPE_Q2_K: dequant_q2_K(src, dst, nb); break;
+    case ES_TYPE_Q3_K: dequant_q3_K(src, dst, nb); break;
     case ES_TYPE_Q8_K: dequant_q8_K(src, dst, nb); break;
     default: break;
     }
@@ -396,6 +476,148 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
     case ES_TYPE_Q8_K: quantize_q8_K(x, dst, n / QK_K); break;
     default: break;
     }
+}
+
+/* ---- weight quantization: Q2_K and Q3_K (the low-precision expert copies) - */
+
+// Each sub-block of 16 gets the float scale (and Q2_K min) that minimizes
+// its squared error, searched over a few starting points each refined by
+// least squares; then the 16 scales are quantized against one super-block
+// scale, and every element requantized with the scale it will be read with.
+
+// Q3_K sub-block: q in -4..3 for x / s; returns the best s (0 for zeros).
+static float fit_q3_sub(const float * x) {
+    float amax = 0.0f, xm = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        if (fabsf(x[l]) > amax) { amax = fabsf(x[l]); xm = x[l]; }
+    }
+    if (amax == 0.0f) return 0.0f;
+    float best_s = xm / -4.0f, best_err = INFINITY;
+    for (int c = 0; c < 18; c++) {  // xm to -4 or to +3, scaled by 0.8 .. 1.2
+        const float s0 = (c < 9 ? xm / -4.0f : xm / 3.0f) * (0.8f + 0.05f * (float) (c % 9));
+        float sxq = 0.0f, sqq = 0.0f;
+        int q[16];
+        for (int l = 0; l < 16; l++) {
+            const int v = nearest_int(x[l] / s0);
+            q[l] = v < -4 ? -4 : v > 3 ? 3 : v;
+            sxq += x[l] * (float) q[l], sqq += (float) (q[l] * q[l]);
+        }
+        const float s = sqq > 0.0f ? sxq / sqq : s0;
+        float err = 0.0f;
+        for (int l = 0; l < 16; l++) err += (x[l] - s * (float) q[l]) * (x[l] - s * (float) q[l]);
+        if (err < best_err) { best_err = err; best_s = s; }
+    }
+    return best_s;
+}
+
+// Q2_K sub-block: x ~ s q - m, q in 0..3, s >= 0, m >= 0.
+static void fit_q2_sub(const float * x, float * s_out, float * m_out) {
+    float lo = 0.0f, hi = 0.0f;
+    for (int l = 0; l < 16; l++) lo = fminf(lo, x[l]), hi = fmaxf(hi, x[l]);
+    *s_out = *m_out = 0.0f;
+    if (hi == lo) return;
+    float best_err = INFINITY;
+    for (int c = 0; c < 9; c++) {  // the range shrunk by 0 .. 20% at either end
+        const float a = lo * (1.0f - 0.05f * (float) (c % 3)), b = hi * (1.0f - 0.05f * (float) (c / 3));
+        float s = (b - a) / 3.0f, m = -a;
+        for (int it = 0; it < 3 && s > 0.0f; it++) {
+            // Least squares of x = s q - m over the current q; m clamped at 0.
+            float sq = 0, sqq = 0, sx = 0, sxq = 0;
+            for (int l = 0; l < 16; l++) {
+                const int v = nearest_int((x[l] + m) / s);
+                const float q = (float) (v < 0 ? 0 : v > 3 ? 3 : v);
+                sq += q, sqq += q * q, sx += x[l], sxq += x[l] * q;
+            }
+            const float det = 16.0f * sqq - sq * sq;
+            if (det <= 0.0f) break;
+            float ns = (16.0f * sxq - sq * sx) / det, nm = (ns * sq - sx) / 16.0f;
+            if (nm < 0.0f) nm = 0.0f, ns = sqq > 0.0f ? sxq / sqq : ns;
+            if (!(ns > 0.0f)) break;
+            s = ns, m = nm;
+        }
+        if (!(s > 0.0f)) continue;
+        float err = 0.0f;
+        for (int l = 0; l < 16; l++) {
+            const int v = nearest_int((x[l] + m) / s);
+            const float e = x[l] - (s * (float) (v < 0 ? 0 : v > 3 ? 3 : v) - m);
+            err += e * e;
+        }
+        if (err < best_err) best_err = err, *s_out = s, *m_out = m;
+    }
+}
+
+// n / 16 values v (>= 0) as 4-bit integers times a half scale; returns it.
+static float quantize_scales4(const float * v, int n, uint8_t * out) {
+    float vmax = 0.0f;
+    for (int j = 0; j < n; j++) vmax = fmaxf(vmax, v[j]);
+    const float d = half_to_f32(f32_to_half(vmax / 15.0f));
+    for (int j = 0; j < n; j++) {
+        const int q = d > 0.0f ? nearest_int(v[j] / d) : 0;
+        out[j] = (uint8_t) (q > 15 ? 15 : q);
+    }
+    return d;
+}
+
+static void quantize_q2_K(const float * x, block_q2_K * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += QK_K) {
+        float s[16], m[16];
+        uint8_t is[16], im[16];
+        for (int j = 0; j < 16; j++) fit_q2_sub(x + 16 * j, &s[j], &m[j]);
+        const float d = quantize_scales4(s, 16, is), dmin = quantize_scales4(m, 16, im);
+        y[i].d = f32_to_half(d), y[i].dmin = f32_to_half(dmin);
+        memset(y[i].qs, 0, sizeof y[i].qs);
+        for (int j = 0; j < 16; j++) {
+            y[i].scales[j] = (uint8_t) (is[j] | (im[j] << 4));
+            const float dl = d * (float) is[j], ml = dmin * (float) im[j];
+            for (int l = 0; l < 16; l++) {  // element 16 j + l = 128 h + 32 jj + ll
+                const int e = 16 * j + l, h = e / 128, jj = (e % 128) / 32, ll = e % 32;
+                const int v = dl > 0.0f ? nearest_int((x[e] + ml) / dl) : 0;
+                y[i].qs[32 * h + ll] |= (uint8_t) ((v < 0 ? 0 : v > 3 ? 3 : v) << (2 * jj));
+            }
+        }
+    }
+}
+
+static void quantize_q3_K(const float * x, block_q3_K * y, int64_t nb) {
+    for (int64_t i = 0; i < nb; i++, x += QK_K) {
+        float s[16], smax = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            s[j] = fit_q3_sub(x + 16 * j);
+            if (fabsf(s[j]) > fabsf(smax)) smax = s[j];
+        }
+        // The largest scale maps to -32 (the 6-bit range is -32..31).
+        const float d = half_to_f32(f32_to_half(smax / -32.0f));
+        memset(y[i].scales, 0, sizeof y[i].scales);
+        memset(y[i].hmask, 0, sizeof y[i].hmask);
+        memset(y[i].qs, 0, sizeof y[i].qs);
+        y[i].d = f32_to_half(d);
+        for (int j = 0; j < 16; j++) {
+            int v = d != 0.0f ? nearest_int(s[j] / d) : 0;
+            v = v < -32 ? -32 : v > 31 ? 31 : v;
+            const int u = v + 32;
+            y[i].scales[j % 8] |= (uint8_t) ((u & 0xF) << (j < 8 ? 0 : 4));
+            y[i].scales[8 + j % 4] |= (uint8_t) ((u >> 4) << (2 * (j / 4)));
+            const float dl = d * (float) v;
+            for (int l = 0; l < 16; l++) {
+                const int e = 16 * j + l, k = e / 32, ll = e % 32;
+                int q = dl != 0.0f ? nearest_int(x[e] / dl) : 0;
+                q = (q < -4 ? -4 : q > 3 ? 3 : q) + 4;
+                y[i].qs[32 * (k / 4) + ll] |= (uint8_t) ((q & 3) << (2 * (k % 4)));
+                y[i].hmask[ll] |= (uint8_t) ((q >> 2) << k);
+            }
+        }
+    }
+}
+
+int es_quantize_row(int32_t type, const float * src, void * dst, int64_t n) {
+    if (type != ES_TYPE_Q2_K && type != ES_TYPE_Q3_K) return ES_ERR_UNSUPPORTED;
+    if (!src || !dst || n <= 0 || n % QK_K) return ES_ERR_INVALID_ARG;
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(src[i]) || fabsf(src[i]) > 65504.0f) return ES_ERR_INVALID_ARG;
+    }
+    if (type == ES_TYPE_Q2_K) quantize_q2_K(src, dst, n / QK_K);
+    else quantize_q3_K(src, dst, n / QK_K);
+    return ES_OK;
 }
 
 /* ---- scalar dot products ------------------------------------------------- */
@@ -590,6 +812,54 @@ static float dot_q6_K_scalar(int64_t n, const void * w, const void * a) {
                 int s = 0;
                 for (int e = 16 * g; e < 16 * g + 16; e++) s += q[e] * q8[e];
                 sumi += x[i].scales[8 * h + g] * s;
+            }
+        }
+        sum += (half_to_f32(x[i].d) * y[i].d) * (float) sumi;
+    }
+    return sum;
+}
+
+// Q2_K / Q3_K: per sub-block j the exact sum S_j of q y; Q2_K's mins come
+// from the activation's group sums (d y_d sum sc S - dmin y_d sum m bsum),
+// Q3_K's offset of 4 too (sum s (S - 4 bsum)).
+static float dot_q2_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q2_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    uint8_t q[32];
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int sumi = 0, summ = 0;
+        for (int k = 0; k < 8; k++) {
+            k16_chunk(x[i].qs, NULL, k, q);
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * k + h;
+                int s = 0;
+                for (int l = 0; l < 16; l++) s += q[16 * h + l] * y[i].qs[16 * j + l];
+                sumi += (x[i].scales[j] & 0xF) * s;
+                summ += (x[i].scales[j] >> 4) * y[i].bsums[j];
+            }
+        }
+        sum += k_block(half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, summ);
+    }
+    return sum;
+}
+
+static float dot_q3_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q3_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    uint8_t q[32];
+    int8_t sc[16];
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        unpack_scales_q3_K(x[i].scales, sc);
+        int sumi = 0;
+        for (int k = 0; k < 8; k++) {
+            k16_chunk(x[i].qs, x[i].hmask, k, q);
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * k + h;
+                int s = 0;
+                for (int l = 0; l < 16; l++) s += q[16 * h + l] * y[i].qs[16 * j + l];
+                sumi += sc[j] * (s - 4 * y[i].bsums[j]);
             }
         }
         sum += (half_to_f32(x[i].d) * y[i].d) * (float) sumi;
@@ -1010,6 +1280,86 @@ EACH_NT(DOT_K4_NT, q4_K) NT_TABLE(q4_K)
 EACH_NT(DOT_K4_NT, q5_K) NT_TABLE(q5_K)
 EACH_NT(DOT_Q6K_NT, q6_K) NT_TABLE(q6_K)
 
+// Q2_K / Q3_K: chunk k (32 elements, sub-blocks 2k and 2k + 1) as u8
+// values, unpacked once for all tokens; a token's maddubs against it holds
+// sub-block 2k in the low 128 bits and 2k + 1 in the high, so one widening
+// multiply by (scale 2k, scale 2k + 1) weights both. The part of the sum
+// that does not depend on q comes from the activation's group sums: Q3_K's
+// offset of 4 (in the exact int32 sum), Q2_K's mins (apart, times dmin).
+static inline ES_AVX2 __m256i k16_bits(const uint8_t * qs, int k) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *) (qs + 32 * (k / 4)));
+    return _mm256_and_si256(_mm256_srli_epi16(b, 2 * (k % 4)), _mm256_set1_epi8(3));
+}
+static inline ES_AVX2 __m256i unpack_k16_q2_K(const block_q2_K * x, int k, __m256i hm) {
+    (void) hm;
+    return k16_bits(x->qs, k);
+}
+static inline ES_AVX2 __m256i unpack_k16_q3_K(const block_q3_K * x, int k, __m256i hm) {
+    // Bit k of each hmask byte to bit 2 (16-bit shifts: the AND keeps each byte's own bit).
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(hm, k), _mm256_set1_epi8(1));
+    return _mm256_or_si256(k16_bits(x->qs, k), _mm256_slli_epi16(h, 2));
+}
+static inline ES_AVX2 __m256i hm_q2_K(const block_q2_K * x) { (void) x; return _mm256_setzero_si256(); }
+static inline ES_AVX2 __m256i hm_q3_K(const block_q3_K * x) { return _mm256_loadu_si256((const __m256i *) x->hmask); }
+
+static inline ES_AVX2 int hsum_i32x8(__m256i v) {
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 0, 3, 2)));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(r);
+}
+
+// Per token: the int32 sum starts at -(group sums . m) for Q3_K, at 0 for
+// Q2_K, whose mins sum apart as an int times dmin y_d.
+#define K16_INIT_q2_K(bs, m16) _mm256_setzero_si256()
+#define K16_INIT_q3_K(bs, m16) _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(bs, m16))
+#define K16_MIN_q2_K(bs, m16)  hsum_i32x8(_mm256_madd_epi16(bs, m16))
+#define K16_MIN_q3_K(bs, m16)  0
+#define K16_DMIN_q2_K(x)       h2f((x).dmin)
+#define K16_DMIN_q3_K(x)       0.0f
+
+#define DOT_K16(NAME, NT, T)                                                                  \
+    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+                             float * out) {                                                 \
+        const block_##T *  x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        float  summ[NT];                                                                    \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+            summ[t] = 0.0f;                                                                 \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            int16_t s[16], m[16];                                                           \
+            k16_scales_##T(x + i, s, m);                                                    \
+            const __m256i m16 = _mm256_loadu_si256((const __m256i *) m);                    \
+            const __m256i hm = hm_##T(x + i);                                               \
+            __m256i q[8], sv[8];  /* chunks as u8, and their two scales per lane */         \
+            for (int k = 0; k < 8; k++) {                                                   \
+                q[k] = unpack_k16_##T(x + i, k, hm);                                        \
+                sv[k] = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k])); \
+            }                                                                               \
+            const float d = h2f(x[i].d), dmin = K16_DMIN_##T(x[i]);                         \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
+                const __m256i bs = _mm256_loadu_si256((const __m256i *) y[t][i].bsums);     \
+                __m256i sumi = K16_INIT_##T(bs, m16);                                       \
+                for (int k = 0; k < 8; k++) {                                               \
+                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k))); \
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, sv[k]));             \
+                }                                                                           \
+                const float yd = y[t][i].d;                                                 \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(sumi), acc[t]); \
+                summ[t] += (dmin * yd) * (float) K16_MIN_##T(bs, m16);                      \
+            }                                                                               \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]) - summ[t];                 \
+    }
+#define DOT_K16_NT(T, NT) DOT_K16(dot_##T##_avx2_##NT, NT, T)
+
+EACH_NT(DOT_K16_NT, q2_K) NT_TABLE(q2_K)
+EACH_NT(DOT_K16_NT, q3_K) NT_TABLE(q3_K)
+
 
 #endif  // ES_HAVE_AVX2
 
@@ -1256,6 +1606,65 @@ EACH_NT(DOT_K4_NEON_NT, q4_K) NT_TABLE_NEON(q4_K)
 EACH_NT(DOT_K4_NEON_NT, q5_K) NT_TABLE_NEON(q5_K)
 EACH_NT(DOT_Q6K_NEON_NT, q6_K) NT_TABLE_NEON(q6_K)
 
+// Q2_K / Q3_K chunk k as u8 values 0..7 (elements 0..15 and 16..31: sub-blocks
+// 2k and 2k + 1), unpacked once for all tokens; per token the exact int sums
+// as in the scalar kernels.
+static inline n8 k16_chunk_neon(const uint8_t * qs, const uint8_t * hmask, int k) {
+    const uint8_t * q = qs + 32 * (k / 4);
+    const int8x16_t shift = vdupq_n_s8((int8_t) (-2 * (k % 4)));
+    const uint8x16_t m3 = vdupq_n_u8(3);
+    uint8x16_t lo = vandq_u8(vshlq_u8(vld1q_u8(q), shift), m3);
+    uint8x16_t hi = vandq_u8(vshlq_u8(vld1q_u8(q + 16), shift), m3);
+    if (hmask) {
+        const uint8x16_t bit = vdupq_n_u8((uint8_t) (1u << k)), four = vdupq_n_u8(4);
+        lo = vorrq_u8(lo, vandq_u8(vtstq_u8(vld1q_u8(hmask), bit), four));
+        hi = vorrq_u8(hi, vandq_u8(vtstq_u8(vld1q_u8(hmask + 16), bit), four));
+    }
+    return (n8) {vreinterpretq_s8_u8(lo), vreinterpretq_s8_u8(hi)};
+}
+
+#define K16_HMASK_q2_K(x) NULL
+#define K16_HMASK_q3_K(x) ((x).hmask)
+
+#define DOT_K16_NEON(NAME, NT, T)                                                             \
+    static void NAME(int64_t n, const void * w, const void * a, size_t a_stride, float * out) { \
+        const block_##T *  x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        float sum[NT];                                                                      \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            sum[t] = 0.0f;                                                                  \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            int16_t s[16], m[16];                                                           \
+            k16_scales_##T(x + i, s, m);                                               \
+            int sumi[NT], summ[NT];                                                         \
+            for (int t = 0; t < NT; t++) {                                                  \
+                sumi[t] = summ[t] = 0;                                                      \
+                for (int j = 0; j < 16; j++) summ[t] += m[j] * y[t][i].bsums[j];            \
+            }                                                                               \
+            for (int k = 0; k < 8; k++) {                                                   \
+                const n8 c = k16_chunk_neon(x[i].qs, K16_HMASK_##T(x[i]), k);               \
+                for (int t = 0; t < NT; t++) {                                              \
+                    const int8_t * q8 = y[t][i].qs + 32 * k;                                \
+                    sumi[t] += s[2 * k] * vaddvq_s32(dot_s8x16(c.lo, vld1q_s8(q8)));        \
+                    sumi[t] += s[2 * k + 1] * vaddvq_s32(dot_s8x16(c.hi, vld1q_s8(q8 + 16))); \
+                }                                                                           \
+            }                                                                               \
+            for (int t = 0; t < NT; t++) sum[t] += K16_FINISH_NEON_##T(x[i], y[t][i].d, sumi[t], summ[t]); \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = sum[t];                                       \
+    }
+
+// A super-block's float part: Q2_K as the other K-quants with mins; Q3_K's
+// offset is in the int sum.
+#define K16_FINISH_NEON_q2_K(xb, yd, sumi, summ) k_block(half_to_f32((xb).d), half_to_f32((xb).dmin), yd, sumi, summ)
+#define K16_FINISH_NEON_q3_K(xb, yd, sumi, summ) ((half_to_f32((xb).d) * (yd)) * (float) ((sumi) - (summ)))
+#define DOT_K16_NEON_NT(T, NT) DOT_K16_NEON(dot_##T##_neon_##NT, NT, T)
+
+EACH_NT(DOT_K16_NEON_NT, q2_K) NT_TABLE_NEON(q2_K)
+EACH_NT(DOT_K16_NEON_NT, q3_K) NT_TABLE_NEON(q3_K)
+
 #endif  // __ARM_NEON && __aarch64__
 
 /* ---- dispatch ------------------------------------------------------------ */
@@ -1275,14 +1684,16 @@ typedef struct {
     [ES_TYPE_Q4_1] = dot_q4_1_scalar, [ES_TYPE_Q5_0] = dot_q5_0_scalar,        \
     [ES_TYPE_Q5_1] = dot_q5_1_scalar, [ES_TYPE_Q8_0] = dot_q8_0_scalar,        \
     [ES_TYPE_Q4_K] = dot_q4_K_scalar, [ES_TYPE_Q5_K] = dot_q5_K_scalar,        \
-    [ES_TYPE_Q6_K] = dot_q6_K_scalar
+    [ES_TYPE_Q6_K] = dot_q6_K_scalar, [ES_TYPE_Q2_K] = dot_q2_K_scalar,        \
+    [ES_TYPE_Q3_K] = dot_q3_K_scalar
 
 // A set's batched kernels for every quantized type (dotn_<type>_<set>).
 #define BATCHED_DOTS(SET)                                                                     \
     [ES_TYPE_Q4_0] = dotn_q4_0_##SET, [ES_TYPE_Q4_1] = dotn_q4_1_##SET,                     \
     [ES_TYPE_Q5_0] = dotn_q5_0_##SET, [ES_TYPE_Q5_1] = dotn_q5_1_##SET,                     \
     [ES_TYPE_Q8_0] = dotn_q8_0_##SET, [ES_TYPE_Q4_K] = dotn_q4_K_##SET,                     \
-    [ES_TYPE_Q5_K] = dotn_q5_K_##SET, [ES_TYPE_Q6_K] = dotn_q6_K_##SET
+    [ES_TYPE_Q5_K] = dotn_q5_K_##SET, [ES_TYPE_Q6_K] = dotn_q6_K_##SET,                     \
+    [ES_TYPE_Q2_K] = dotn_q2_K_##SET, [ES_TYPE_Q3_K] = dotn_q3_K_##SET
 
 static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}, .axpy_f16 = axpy_f16_scalar};
 
@@ -1292,6 +1703,7 @@ static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
     [ES_TYPE_Q4_0] = dot_q4_0_avx2, [ES_TYPE_Q4_1] = dot_q4_1_avx2, [ES_TYPE_Q5_0] = dot_q5_0_avx2,
     [ES_TYPE_Q5_1] = dot_q5_1_avx2, [ES_TYPE_Q8_0] = dot_q8_0_avx2,
     [ES_TYPE_Q4_K] = dot_q4_K_avx2, [ES_TYPE_Q5_K] = dot_q5_K_avx2, [ES_TYPE_Q6_K] = dot_q6_K_avx2,
+    [ES_TYPE_Q2_K] = dot_q2_K_avx2, [ES_TYPE_Q3_K] = dot_q3_K_avx2,
 }, .dotn = {BATCHED_DOTS(avx2)}, .axpy_f16 = axpy_f16_avx2};
 #endif
 
@@ -1301,6 +1713,7 @@ static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
     [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
     [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
     [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
+    [ES_TYPE_Q2_K] = dot_q2_K_neon, [ES_TYPE_Q3_K] = dot_q3_K_neon,
 }, .dotn = {BATCHED_DOTS(neon)}, .axpy_f16 = axpy_f16_scalar};
 #endif
 
