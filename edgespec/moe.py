@@ -3,9 +3,11 @@ and counters, and the files that go with it.
 
 - ``ExpertCache``: ``expert_cache_mb`` and friends as the native backend
   takes them (es_model_params); ``stats_dict``: its es_expert_stats.
-- ``prepare``: the low-precision sidecar beside a MoE GGUF (Q4_0 copies of
-  every expert, requantized from the file's weights; ``SIDECAR_SUFFIX``),
-  which ``balanced`` and ``fast`` precision serve cache misses from.
+- ``prepare``: the low-precision sidecar beside a MoE GGUF (Q2_K or Q3_K
+  copies of every expert, requantized from the file's weights by the C
+  kernels' es_quantize_row; Q4_0 for rows that are not whole 256-value
+  super-blocks; ``SIDECAR_SUFFIX``), which ``balanced`` and ``fast``
+  precision serve cache misses from.
 - ``upcycle``: a MoE built from a dense llama-family GGUF, every expert a
   copy of its layer's FFN and a router of random projections, so with exact
   experts its output is the dense model's whatever the routing.
@@ -29,10 +31,11 @@ from .progress import Progress
 PRECISIONS = ("exact", "balanced", "fast")   # enum es_expert_precision, in order
 POLICIES = ("adaptive", "lru")                # enum es_expert_policy, in order
 DEFAULT_PREFETCH = 3                          # es_model_default_params().prefetch_depth
-SIDECAR_SUFFIX = ".experts-q4_0"
+SIDECAR_SUFFIX = ".experts-low"
 SIDECAR_MAGIC = b"ESMOELP1"                   # es_native.h ES_SIDECAR_MAGIC
-_SIDECAR_VERSION = 1
-_SIDECAR_HEADER = 80
+LOW_TYPES = ("q2_k", "q3_k")                  # what `moe prepare --type` writes
+_SIDECAR_VERSION = 2
+_SIDECAR_HEADER = 88
 _ALIGN_COPY = 64      # bytes: each expert's copy padded to this
 _ALIGN_DATA = 4096    # the copies start at a page
 
@@ -247,10 +250,40 @@ def _expert_stacks(reader) -> tuple[int, list[tuple]]:
     return len(layers), layers
 
 
-def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
+def _low_copy(w: np.ndarray, qtype: int) -> bytes:
+    """Floats (rows, n) as ``qtype``: Q2_K / Q3_K by the C kernels, Q4_0 by gguf-py."""
+    gguf = _gguf()
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype).tobytes()
+    from .capi import ffi, lib
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    out = bytearray(w.shape[0] * _row_bytes(qtype, w.shape[1]))
+    status = lib.es_quantize_row(qtype, ffi.from_buffer("float[]", w), ffi.from_buffer(out), w.size)
+    if status != lib.ES_OK:
+        raise ModelFormatError("an expert's weights are not finite or exceed half precision's range: "
+                               "no low-precision copy can hold them")
+    return bytes(out)
+
+
+def low_types(n_embd: int, n_ff: int, qtype: str = "q2_k") -> tuple[int, int]:
+    """The sidecar's ggml types of (gate and up, down): ``qtype`` for rows
+    of whole 256-value super-blocks, else Q4_0 (rows of 32-value blocks)."""
+    gguf = _gguf()
+    if qtype not in LOW_TYPES:
+        raise InvalidArgumentError(f"--type must be one of {', '.join(LOW_TYPES)}, got {qtype!r}"[:200])
+    k = int(getattr(gguf.GGMLQuantizationType, qtype.upper()))
+    q4 = int(gguf.GGMLQuantizationType.Q4_0)
+    for name, n in (("embedding width", n_embd), ("expert width", n_ff)):
+        if n % 32:
+            raise UnsupportedModelError(f"the {name} {n} is not a multiple of 32: no low-precision type fits")
+    return (k if n_embd % 256 == 0 else q4), (k if n_ff % 256 == 0 else q4)
+
+
+def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, qtype: str = "q2_k",
             progress: bool = True) -> Path:
-    """Writes the sidecar of Q4_0 copies of every expert of ``model``
-    (default: beside it, ``sidecar_path``); returns its path."""
+    """Writes the sidecar of low-precision copies of every expert of
+    ``model`` (``qtype``, see low_types; default: beside it,
+    ``sidecar_path``); returns its path."""
     gguf = _gguf()
     model = Path(model)
     if not model.is_file():
@@ -260,11 +293,12 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
     n_layer, layers = _expert_stacks(reader)
     gate = layers[0][0]
     D, F, E = (int(x) for x in gate.shape[:3])
-    for name, n in (("embedding width", D), ("expert width", F)):
-        if n % 32:
-            raise UnsupportedModelError(f"{model}: the {name} {n} is not a multiple of Q4_0's 32")
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    slabs = [F * _row_bytes(q4, D), F * _row_bytes(q4, D), D * _row_bytes(q4, F)]
+    try:
+        t_in, t_down = low_types(D, F, qtype)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{model}: {e}") from None
+    slabs = [F * _row_bytes(t_in, D), F * _row_bytes(t_in, D), D * _row_bytes(t_down, F)]
+    types = (t_in, t_in, t_down)
     stride = -(-sum(slabs) // _ALIGN_COPY) * _ALIGN_COPY
     n_copies = n_layer * E
     data_off = -(-(_SIDECAR_HEADER + 8 * n_copies) // _ALIGN_DATA) * _ALIGN_DATA
@@ -277,12 +311,12 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
     identity = sum(checksum(p + b"\0" * (-len(p) % 8)) for p in parts) % 2**64
     header = bytearray(_SIDECAR_HEADER)
     header[0:8] = SIDECAR_MAGIC
-    fields = [(8, "<I", _SIDECAR_VERSION), (12, "<I", int(q4)), (16, "<I", n_layer), (20, "<I", E),
+    fields = [(8, "<I", _SIDECAR_VERSION), (12, "<I", t_in), (16, "<I", n_layer), (20, "<I", E),
               (24, "<Q", D), (32, "<Q", F), (40, "<Q", model.stat().st_size), (48, "<Q", identity),
-              (56, "<Q", stride), (64, "<Q", data_off)]
+              (56, "<Q", stride), (64, "<Q", data_off), (72, "<I", t_down)]
     for off, fmt, v in fields:
         struct.pack_into(fmt, header, off, v)
-    struct.pack_into("<Q", header, 72, checksum(bytes(header[:72])))
+    struct.pack_into("<Q", header, 80, checksum(bytes(header[:80])))
     sums = np.zeros(n_copies, dtype="<u8")
     bar = _Bytes(f"prepare {out.name}", n_copies * stride, enabled=progress)
     with _Output(out) as tmp, open(tmp, "wb") as f:
@@ -296,10 +330,10 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *,
             for e in range(E):
                 copy = bytearray(stride)
                 pos = 0
-                for t in stacks:
+                for t, qt in zip(stacks, types):
                     w = gguf.quants.dequantize(_raw(t)[e] if t.tensor_type not in (0, 1) else
                                                np.asarray(t.data)[e], t.tensor_type)
-                    q = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), q4).tobytes()
+                    q = _low_copy(w, qt)
                     copy[pos:pos + len(q)] = q
                     pos += len(q)
                 sums[il * E + e] = checksum(bytes(copy))

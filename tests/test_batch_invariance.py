@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from edgespec.backends import open_backend
 from tiny_gguf import write_tiny_qwen2
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]
 TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 BATCHES = [2, 3, 4, 5, 7, 8, 9, 16]
 

@@ -48,7 +48,8 @@ _FILE_TYPE = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTL
               Q.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
               Q.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0, Q.Q5_1: gguf.LlamaFileType.MOSTLY_Q5_1,
               Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, Q.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
-              Q.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
+              Q.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, Q.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K,
+              Q.Q2_K: gguf.LlamaFileType.MOSTLY_Q2_K, Q.Q3_K: gguf.LlamaFileType.MOSTLY_Q3_K_M}
 # Types the gguf package quantizes in numpy; the K-quants need llama.cpp.
 _NUMPY_QUANTS = {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
 _GGML_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}

@@ -277,7 +277,8 @@ const char * es_model_expert_error(const es_model * model);
 
 // The low-precision sidecar (edgespec moe prepare): a header that ties it to
 // one model file (its size, and a checksum of its metadata and routers),
-// then per layer and expert one Q4_0 copy of gate, up and down, each with
+// then per layer and expert one low-precision copy of gate, up and down
+// (Q2_K or Q3_K; Q4_0 for rows that are not whole super-blocks), each with
 // its checksum (layout: expert_cache.c).
 #define ES_SIDECAR_MAGIC "ESMOELP1"
 // The checksum the sidecar uses, over n bytes (n a multiple of 8): the sum

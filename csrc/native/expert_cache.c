@@ -4,14 +4,17 @@
  * scheme on this engine).
  *
  *   slots       the budget cut into slots of one expert each (gate, up and
- *               down together, at full precision or as a low-precision copy)
+ *               down together): full-precision slots, and (BALANCED, FAST)
+ *               smaller ones for low-precision copies, each pool its own
+ *               share of the budget
  *   I/O thread  reads queued slots with pread (not through the mapping, and
  *               drops the pages read from the page cache with
  *               posix_fadvise(DONTNEED), so no second copy stays in memory);
  *               a batch's misses first, then prefetches
  *   precision   a miss of an expert whose routing weight is small is served
- *               from the sidecar's Q4_0 copy (BALANCED, FAST); EXACT never
- *               substitutes, so its output is the unlimited engine's
+ *               from the sidecar's Q2_K / Q3_K copy (BALANCED, FAST); EXACT
+ *               never substitutes (and has no low slots), so its output is
+ *               the unlimited engine's
  *   prefetch    es_moe_ffn names the experts later layers' routers pick for
  *               this layer's input; the depth adapts to how many of them
  *               are used
@@ -42,14 +45,20 @@ enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
 
 // Routing weight below which BALANCED serves a miss from the low-precision copy.
 #define BALANCED_THRESHOLD 0.25f
+// BALANCED's share of the budget for low-precision slots (the rest: full
+// ones, at least one layer's worth).
+#define BALANCED_LOW_SHARE 0.25
 // Sidecar layout (little-endian): the header of SIDECAR_HEADER bytes
-//   0 magic[8]  8 u32 version  12 u32 type (Q4_0)  16 u32 n_layer  20 u32 n_expert
-//   24 u64 n_embd  32 u64 n_ff  40 u64 model file size  48 u64 model identity
-//   (checksum of its metadata plus those of its routers)  56 u64 expert stride
-//   64 u64 data offset  72 u64 checksum of bytes 0..71,
+//   0 magic[8]  8 u32 version  12 u32 type of gate and up  16 u32 n_layer
+//   20 u32 n_expert  24 u64 n_embd  32 u64 n_ff  40 u64 model file size
+//   48 u64 model identity (checksum of its metadata plus those of its
+//   routers)  56 u64 expert stride  64 u64 data offset  72 u32 type of down
+//   76 u32 0  80 u64 checksum of bytes 0..79,
 // then one u64 checksum per (layer, expert), then at the data offset the
-// copies (gate | up | down, zero-padded), expert stride bytes each.
-enum { SIDECAR_VERSION = 1, SIDECAR_HEADER = 80, SLOT_ALIGN = 64 };
+// copies (gate | up | down, zero-padded), expert stride bytes each. The
+// types are any the kernels read (moe prepare writes Q2_K or Q3_K, Q4_0
+// for rows that are not whole 256-element super-blocks).
+enum { SIDECAR_VERSION = 2, SIDECAR_HEADER = 88, SLOT_ALIGN = 64 };
 
 typedef struct slot {
     int32_t   layer, expert;  // what it holds; layer < 0: nothing
@@ -61,7 +70,7 @@ typedef struct slot {
     uint64_t  last_use;       // tick of the last begin naming it
     double    freq;           // uses, decayed, as of freq_tick
     uint64_t  freq_tick;
-    uint8_t * data;           // (slot_bytes) inside the arena
+    uint8_t * data;           // (slot_bytes, or low_slot_bytes) inside the arena
 } slot;
 
 struct es_expert_cache {
@@ -69,15 +78,16 @@ struct es_expert_cache {
     int32_t type[3];          // the file's type of each matrix
     size_t  slab[3], off[3];  // bytes of one expert's matrix, and its offset in a slot
     int64_t * file_off;       // (n_layer, 3) file offset of each expert stack
+    int32_t low_type[3];      // the sidecar's type of each matrix
     size_t  low_slab[3], low_off[3], low_stride;
     int64_t low_data_off;
     uint64_t * low_sum;       // (n_layer, n_expert) checksums of the copies; NULL: no sidecar
     int fd, low_fd;
     struct stat st0;          // the model file when loaded
     int32_t precision, policy, max_depth;
-    size_t  slot_bytes;
-    int32_t n_slots;
-    uint8_t * arena;          // (n_slots, slot_bytes)
+    size_t  slot_bytes, low_slot_bytes;
+    int32_t n_slots, n_full;  // slots 0 .. n_full - 1 full size, the rest low-precision
+    uint8_t * arena;          // n_full slots of slot_bytes, then low ones of low_slot_bytes
     slot    * slots;          // (n_slots)
     int32_t * map[2];         // (n_layer, n_expert) slot of each full / low copy; -1: none
     int32_t   cur_layer;
@@ -259,15 +269,24 @@ static void forget(es_expert_cache * c, slot * s) {
     s->prefetched = 0;
 }
 
-// A slot to reuse for a read of `layer`, or -1. Demand reads take any slot
-// not held and not being read, cancelling queued prefetches if need be, and
-// wait for reads to end when none is free. A prefetch takes an empty slot,
-// or evicts only what the policy values below an expert needed sooner.
-static int32_t victim(es_expert_cache * c, int32_t layer, bool demand) {
+// The slots of full copies or of low-precision ones: [*lo, *hi).
+static void pool(const es_expert_cache * c, bool low, int32_t * lo, int32_t * hi) {
+    *lo = low ? c->n_full : 0;
+    *hi = low ? c->n_slots : c->n_full;
+}
+
+// A slot of the pool `low` to reuse for a read of `layer`, or -1. Demand
+// reads take any slot not held and not being read, cancelling queued
+// prefetches if need be, and wait for reads to end when none is free. A
+// prefetch takes an empty slot, or evicts only what the policy values below
+// an expert needed sooner.
+static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low) {
+    int32_t lo, hi;
+    pool(c, low, &lo, &hi);
     for (;;) {
         int32_t best = -1;
         double best_v = 0.0;
-        for (int32_t i = 0; i < c->n_slots; i++) {
+        for (int32_t i = lo; i < hi; i++) {
             const slot * s = &c->slots[i];
             if (s->layer < 0) return i;
             if (s->held || (s->state != SLOT_READY && s->state != SLOT_FAILED)) continue;
@@ -285,7 +304,7 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand) {
         // Demand: cancel the last queued prefetch, else wait for a read to end.
         for (int32_t i = c->q_len - 1; i >= 0; i--) {
             slot * s = &c->slots[c->queue[i]];
-            if (!s->held && s->prefetched) {
+            if (!s->held && s->prefetched && c->queue[i] >= lo && c->queue[i] < hi) {
                 const int32_t si = c->queue[i];
                 queue_remove(c, si);
                 forget(c, s);
@@ -293,7 +312,7 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand) {
             }
         }
         bool loading = false;
-        for (int32_t i = 0; i < c->n_slots; i++) {
+        for (int32_t i = lo; i < hi; i++) {
             loading |= !c->slots[i].held && (c->slots[i].state == SLOT_LOADING ||
                                              c->slots[i].state == SLOT_QUEUED);
         }
@@ -304,7 +323,7 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand) {
 
 // Claims a slot for (layer, expert, low) and queues its read; -1: none free.
 static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bool demand) {
-    const int32_t si = victim(c, layer, demand);
+    const int32_t si = victim(c, layer, demand, low);
     if (si < 0) return -1;
     slot * s = &c->slots[si];
     forget(c, s);
@@ -389,7 +408,6 @@ static int cache_begin(void * self, int32_t layer, int32_t n_tokens, int32_t n,
         if (si < 0 && substitute(c, importance[i])) {
             low = true;
             si = lookup(c, layer, e, true);
-            c->st.substitutions++;
         }
         if (si >= 0) {
             c->st.hits++;
@@ -405,10 +423,13 @@ static int cache_begin(void * self, int32_t layer, int32_t n_tokens, int32_t n,
             }
         } else {
             si = claim(c, layer, e, low, true);
+            // No low slot free (all held by this batch): the full copy.
+            if (si < 0 && low && c->n_full > 0) si = claim(c, layer, e, false, true);
             if (si < 0) rc = ES_ERR_NO_MEMORY;  // more held than slots: not with max_held
         }
         if (rc == ES_OK) {
             slot * s = &c->slots[si];
+            c->st.substitutions += s->low;
             s->held++;
             s->last_use = c->tick;
             s->freq = decayed_freq(c, s) + 1.0;
@@ -442,7 +463,7 @@ static int cache_get(void * self, int32_t layer, int32_t e, int32_t which, es_ex
     pthread_mutex_unlock(&c->mu);
     if (rc != ES_OK) return rc;
     out->data = s->data + (low ? c->low_off[which] : c->off[which]);
-    out->type = low ? ES_TYPE_Q4_0 : c->type[which];
+    out->type = low ? c->low_type[which] : c->type[which];
     return ES_OK;
 }
 
@@ -505,12 +526,12 @@ static int open_sidecar(es_expert_cache * c, const es_gguf * g, const char * pat
         snprintf(err, err_cap, "%s is not an edgespec expert sidecar", path);
         return ES_ERR_FORMAT;
     }
-    if (rd32(h + 8) != SIDECAR_VERSION || rd32(h + 12) != ES_TYPE_Q4_0) {
-        snprintf(err, err_cap, "sidecar %s: version %u of type %u is not supported (1, Q4_0)",
-                 path, rd32(h + 8), rd32(h + 12));
+    if (rd32(h + 8) != SIDECAR_VERSION) {
+        snprintf(err, err_cap, "sidecar %s: version %u is not supported (%d): run edgespec moe "
+                 "prepare again", path, rd32(h + 8), SIDECAR_VERSION);
         return ES_ERR_FORMAT;
     }
-    if (es_sidecar_checksum(h, 72) != rd64(h + 72)) {
+    if (es_sidecar_checksum(h, 80) != rd64(h + 80)) {
         snprintf(err, err_cap, "sidecar %s: its header fails its checksum", path);
         return ES_ERR_FORMAT;
     }
@@ -553,10 +574,14 @@ static int open_sidecar(es_expert_cache * c, const es_gguf * g, const char * pat
                  "metadata and routers differ", path);
         return ES_ERR_FORMAT;
     }
-    const size_t b = es_type_row_bytes(ES_TYPE_Q4_0, D), bf = es_type_row_bytes(ES_TYPE_Q4_0, F);
+    c->low_type[ES_EXPERT_GATE] = c->low_type[ES_EXPERT_UP] = (int32_t) rd32(h + 12);
+    c->low_type[ES_EXPERT_DOWN] = (int32_t) rd32(h + 72);
+    const size_t b = es_act_type(c->low_type[0]) >= 0 ? es_type_row_bytes(c->low_type[0], D) : 0;
+    const size_t bf = es_act_type(c->low_type[2]) >= 0 ? es_type_row_bytes(c->low_type[2], F) : 0;
     if (b == 0 || bf == 0) {
-        snprintf(err, err_cap, "sidecar %s: widths %lld, %lld are not Q4_0 block multiples",
-                 path, (long long) D, (long long) F);
+        snprintf(err, err_cap, "sidecar %s: types %s (gate, up) and %s (down) do not fit rows of "
+                 "%lld and %lld values", path, es_type_name(c->low_type[0]),
+                 es_type_name(c->low_type[2]), (long long) D, (long long) F);
         return ES_ERR_FORMAT;
     }
     c->low_slab[ES_EXPERT_GATE] = c->low_slab[ES_EXPERT_UP] = (size_t) F * b;
@@ -646,23 +671,43 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     if (rc == ES_OK && p->expert_sidecar) {
         rc = open_sidecar(c, g, p->expert_sidecar, mp->n_embd, mp->n_ff, err, err_cap);
     }
+    // The pools: EXACT full slots only; FAST low-precision ones only (it
+    // never reads a full copy); BALANCED BALANCED_LOW_SHARE of the budget
+    // in low slots, the rest (at least one layer's active experts) full.
+    const bool fast = c->low_sum && c->precision == ES_PRECISION_FAST;
+    const bool balanced = c->low_sum && c->precision == ES_PRECISION_BALANCED;
+    int64_t n_full = 0, n_low = 0;
     if (rc == ES_OK) {
         c->slot_bytes = round_up(c->off[2] + c->slab[2], SLOT_ALIGN);
-        if (c->low_stride > c->slot_bytes) c->slot_bytes = c->low_stride;
-        const int64_t min = (int64_t) c->slot_bytes * c->k;
-        if (p->expert_cache_bytes < min) {
+        c->low_slot_bytes = c->low_sum ? c->low_stride : 0;
+        const int64_t B = p->expert_cache_bytes, full = (int64_t) c->slot_bytes;
+        const int64_t low = (int64_t) c->low_slot_bytes, all = (int64_t) c->n_layer * c->n_expert;
+        const int64_t min = (fast ? low : full) * c->k;
+        if (B < min) {
             snprintf(err, err_cap, "an expert cache of %.2f MB is below the minimum of %.2f MB "
-                     "(one layer's %d active experts)", (double) p->expert_cache_bytes / 1e6,
-                     ceil((double) min / 1e4) / 100.0, (int) c->k);
+                     "(one layer's %d active experts%s)", (double) B / 1e6,
+                     ceil((double) min / 1e4) / 100.0, (int) c->k,
+                     fast ? " as low-precision copies" : "");
             rc = ES_ERR_INVALID_ARG;
+        } else if (fast) {
+            n_low = B / low;
+        } else if (balanced) {
+            n_low = (int64_t) ((double) B * BALANCED_LOW_SHARE) / low;
+            n_low = n_low < all ? n_low : all;
+            n_full = (B - n_low * low) / full;
+            if (n_full < c->k) n_full = c->k, n_low = (B - c->k * full) / low;
+        } else {
+            n_full = B / full;
         }
+        n_full = n_full < all ? n_full : all;
+        n_low = n_low < all ? n_low : all;
     }
     if (rc == ES_OK) {
-        const int64_t n_max = (int64_t) c->n_layer * c->n_expert * (c->low_sum ? 2 : 1);
-        const int64_t n = p->expert_cache_bytes / (int64_t) c->slot_bytes;
-        c->n_slots = (int32_t) (n < n_max ? n : n_max);
+        c->n_full = (int32_t) n_full;
+        c->n_slots = (int32_t) (n_full + n_low);
         const size_t E = (size_t) c->n_layer * (size_t) c->n_expert;
-        if (posix_memalign((void **) &c->arena, SLOT_ALIGN, (size_t) c->n_slots * c->slot_bytes)) {
+        const size_t arena = (size_t) n_full * c->slot_bytes + (size_t) n_low * c->low_slot_bytes;
+        if (posix_memalign((void **) &c->arena, SLOT_ALIGN, arena)) {
             c->arena = NULL;
         }
         c->slots = calloc((size_t) c->n_slots, sizeof *c->slots);
@@ -682,15 +727,22 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
         }
         for (int32_t i = 0; i < c->n_slots; i++) {
             c->slots[i].layer = -1;
-            c->slots[i].data = c->arena + (size_t) i * c->slot_bytes;
+            c->slots[i].data = c->arena + (i < c->n_full ? (size_t) i * c->slot_bytes
+                                          : (size_t) c->n_full * c->slot_bytes +
+                                            (size_t) (i - c->n_full) * c->low_slot_bytes);
         }
         c->st.budget_bytes = p->expert_cache_bytes;
-        c->st.cache_bytes = (int64_t) c->n_slots * (int64_t) c->slot_bytes;
+        c->st.cache_bytes = (int64_t) c->n_full * (int64_t) c->slot_bytes +
+                            (int64_t) (c->n_slots - c->n_full) * (int64_t) c->low_slot_bytes;
         c->st.n_slots = c->n_slots;
         c->provider = (es_expert_provider) {
             .self = c, .get = cache_get, .put = cache_put, .begin = cache_begin,
             .end = cache_end, .prefetch = c->max_depth > 0 ? cache_prefetch : NULL,
-            .prefetch_depth = cache_prefetch_depth, .max_held = c->n_slots,
+            .prefetch_depth = cache_prefetch_depth,
+            // A batch's group fits the pool every expert of it may need:
+            // FAST's low slots, else the full ones (a low copy finding no
+            // low slot free takes a full one).
+            .max_held = fast ? c->n_slots : c->n_full,
         };
         if (pthread_create(&c->io, NULL, io_main, c) != 0) rc = ES_ERR_NO_MEMORY;
         else c->io_started = true;

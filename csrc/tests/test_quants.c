@@ -492,6 +492,7 @@ static void run_matvecs(mv_results * out, bool check_ref) {
             for (int nt = 1; nt <= NT; nt++) {
                 memset(got, 0, sizeof(got));
                 es_matmat(type, w, xs, ab, nt, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
+                if (memcmp(got, want, (size_t) nt * sizeof(want[0])) != 0) fprintf(stderr, "%s nt=%d: batched differs\n", es_type_name(type), nt);
                 CHECK(memcmp(got, want, (size_t) nt * sizeof(want[0])) == 0);
                 memset(got, 0, sizeof(got));
                 es_matmat(type, w, xs, ab, nt, MV_N, 5, 11, &got[0][0], MV_ROWS);

@@ -68,15 +68,18 @@ def synth(
 @moe_app.command()
 def prepare(
     model: str = typer.Argument(..., help="A MoE GGUF file (or built-in name)."),
+    weight_type: str = typer.Option("q2_k", "--type", help="Type of the copies: q2_k (2.6 bits per "
+                                    "weight) or q3_k (3.4); rows that are not whole 256-value super-blocks "
+                                    "take q4_0."),
     out: Path = typer.Option(None, "--out", help="Where to write the sidecar (default: beside the model, "
-                             "MODEL.experts-q4_0, where the engine looks for it)."),
+                             "MODEL.experts-low, where the engine looks for it)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
-    """Write the low-precision (Q4_0) copies of every expert that --expert-precision balanced and
-    fast serve cache misses from."""
+    """Write the low-precision (Q2_K / Q3_K) copies of every expert that --expert-precision balanced
+    and fast serve cache misses from."""
     from .. import moe
     from ..models import registry
 
     path = registry.model_path_checked(model)
     t0 = time.perf_counter()
-    _done("expert sidecar", moe.prepare(path, out, progress=not quiet), t0)
+    _done("expert sidecar", moe.prepare(path, out, qtype=weight_type, progress=not quiet), t0)

@@ -1630,10 +1630,10 @@ static inline n8 k16_chunk_neon(const uint8_t * qs, const uint8_t * hmask, int k
     static void NAME(int64_t n, const void * w, const void * a, size_t a_stride, float * out) { \
         const block_##T *  x = w;                                                           \
         const block_q8_K * y[NT];                                                           \
-        float sum[NT];                                                                      \
+        float sum[NT], mins[NT];                                                            \
         for (int t = 0; t < NT; t++) {                                                      \
             y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
-            sum[t] = 0.0f;                                                                  \
+            sum[t] = mins[t] = 0.0f;                                                        \
         }                                                                                   \
         for (int64_t i = 0; i < n / QK_K; i++) {                                            \
             int16_t s[16], m[16];                                                           \
@@ -1651,15 +1651,23 @@ static inline n8 k16_chunk_neon(const uint8_t * qs, const uint8_t * hmask, int k
                     sumi[t] += s[2 * k + 1] * vaddvq_s32(dot_s8x16(c.hi, vld1q_s8(q8 + 16))); \
                 }                                                                           \
             }                                                                               \
-            for (int t = 0; t < NT; t++) sum[t] += K16_FINISH_NEON_##T(x[i], y[t][i].d, sumi[t], summ[t]); \
+            const float d = half_to_f32(x[i].d), dmin = K16_DMIN_NEON_##T(x[i]);            \
+            for (int t = 0; t < NT; t++) {                                                  \
+                sum[t] += (d * y[t][i].d) * (float) (sumi[t] - K16_OFFSET_NEON_##T(summ[t])); \
+                mins[t] += (dmin * y[t][i].d) * (float) (summ[t] - K16_OFFSET_NEON_##T(summ[t])); \
+            }                                                                               \
         }                                                                                   \
-        for (int t = 0; t < NT; t++) out[t] = sum[t];                                       \
+        for (int t = 0; t < NT; t++) out[t] = sum[t] - mins[t];                             \
     }
 
-// A super-block's float part: Q2_K as the other K-quants with mins; Q3_K's
-// offset is in the int sum.
-#define K16_FINISH_NEON_q2_K(xb, yd, sumi, summ) k_block(half_to_f32((xb).d), half_to_f32((xb).dmin), yd, sumi, summ)
-#define K16_FINISH_NEON_q3_K(xb, yd, sumi, summ) ((half_to_f32((xb).d) * (yd)) * (float) ((sumi) - (summ)))
+// A super-block's float part: per token two sums of products (each
+// contracted to the same FMA whatever NT; a difference of products would
+// not be): Q2_K's scaled q sums and, apart, its mins times dmin; Q3_K's
+// offset goes into the int sum, its mins term is 0.
+#define K16_DMIN_NEON_q2_K(xb)  half_to_f32((xb).dmin)
+#define K16_DMIN_NEON_q3_K(xb)  0.0f
+#define K16_OFFSET_NEON_q2_K(summ) 0
+#define K16_OFFSET_NEON_q3_K(summ) (summ)
 #define DOT_K16_NEON_NT(T, NT) DOT_K16_NEON(dot_##T##_neon_##NT, NT, T)
 
 EACH_NT(DOT_K16_NEON_NT, q2_K) NT_TABLE_NEON(q2_K)
