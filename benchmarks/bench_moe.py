@@ -14,11 +14,15 @@ Two parts (both by default):
            prefetch on and off; the cache gets half the experts) and, for
            reference, the native engine without a cache. Decode tokens/s side
            by side, ratios to llama.cpp, and the cache's counters (hit rate,
-           MB read, prefetch accuracy, stall per token). --drafter adds a
+           MB read, prefetch accuracy, stall per token); with the model's
+           sidecar (--low-type, written once) also `balanced` and `fast`
+           precision, which read 2-3-bit copies on misses. --drafter adds a
            speculative run (drafter ngram) on the cached engine: a
            verification batch needs the union of its tokens' experts.
   quality  a built-in dense model upcycled to a MoE (edgespec.moe.upcycle,
-           exact experts compute the dense model) and its Q4_0 sidecar:
+           exact experts compute the dense model) and its --low-type
+           sidecar (Q2_K or Q3_K; Q4_0 where rows are no whole 256-value
+           super-block, as smollm2's 576-wide gate and up):
            `balanced` and `fast` precision against the dense model over real
            text (this repository's README and docs, --positions tokens):
            top-1 agreement, mean KL(dense || moe), and expert bytes read
@@ -122,6 +126,20 @@ def run_limited(name: str, limit_bytes: int, argv: list[str], timeout: int) -> d
 
 # ---- speed --------------------------------------------------------------------------------
 
+def sidecar_for(model: Path, low_type: str) -> Path:
+    """The model's sidecar of low_type copies, (re)written when absent or of
+    another type."""
+    from edgespec import moe
+    import gguf
+
+    path = moe.sidecar_path(model)
+    want = int(getattr(gguf.GGMLQuantizationType, low_type.upper()))
+    head = path.read_bytes()[:88] if path.exists() else b""
+    types = {int.from_bytes(head[12:16], "little"), int.from_bytes(head[72:76], "little")} if head else set()
+    if want not in types:
+        moe.prepare(model, qtype=low_type)
+    return path
+
 def sizes(path: Path) -> tuple[int, int]:
     """(bytes of expert weights, bytes of everything else) of a GGUF."""
     import gguf
@@ -180,6 +198,10 @@ def speed(args) -> dict:
         "native cache no prefetch": base + ["--backend", "native", "--cache-mb", str(cache_mb),
                                             "--prefetch", "0"],
     }
+    if args.low_type:
+        sidecar_for(model, args.low_type)
+        for precision in ("balanced", "fast"):
+            runs[f"native cache {precision}"] = runs["native cache adaptive"] + ["--precision", precision]
     if args.drafter:
         runs["native cache + ngram drafts"] = runs["native cache adaptive"] + ["--drafter", "ngram"]
     results = {}
@@ -257,15 +279,15 @@ def quality(args) -> dict:
     up = work / f"{dense.stem}-moe{args.experts}-top{args.top_k}-r{args.router_scale:g}.gguf"
     if not up.exists():
         moe.upcycle(dense, up, experts=args.experts, top_k=args.top_k, router_scale=args.router_scale)
-    if not moe.sidecar_path(up).exists():
-        moe.prepare(up)
+    sidecar_for(up, args.low_type or "q2_k")
     expert_bytes, _ = sizes(up)
     cache_mb = max(1, int(expert_bytes * args.cache_fraction) // 1_000_000)
     opts = dict(n_ctx=args.positions + 8, n_batch=256, threads=args.threads)
     with open_backend("native", dense, **opts) as b:
         tokens = text_tokens(b, args.positions)
         ref = log_softmax(all_logits(b, tokens))
-    out = {"model": str(up), "positions": len(tokens), "cache_mb": cache_mb, "runs": {}}
+    out = {"model": str(up), "positions": len(tokens), "cache_mb": cache_mb, "low_type": args.low_type,
+           "runs": {}}
     lines = ["| precision | top-1 agreement | mean KL | expert MB read | vs exact | substitutions |",
              "|" + " --- |" * 6]
     exact_read = None
@@ -310,6 +332,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer of the synthetic model")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per speed run")
     ap.add_argument("--drafter", action="store_true", help="also a speculative (ngram) run on the cache")
+    ap.add_argument("--low-type", default="q2_k", choices=("q2_k", "q3_k", ""),
+                    help="type of the sidecar's copies (balanced/fast runs; '': none in the speed part)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per speed run")
     ap.add_argument("--upcycle", default="smollm2-135m", help="the dense model of the quality part")
     ap.add_argument("--experts", type=int, default=8)
@@ -329,7 +353,8 @@ def main() -> None:
     if args.part in ("quality", "both"):
         doc["quality"] = quality(args)
         print(f"## Mixed precision on {Path(doc['quality']['model']).name}, "
-              f"{doc['quality']['positions']} positions, {doc['quality']['cache_mb']} MB cache\n\n"
+              f"{doc['quality']['positions']} positions, {doc['quality']['cache_mb']} MB cache, "
+              f"{args.low_type or 'q2_k'} copies\n\n"
               + doc["quality"]["table"] + "\n")
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
