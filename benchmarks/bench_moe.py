@@ -279,7 +279,7 @@ def quality(args) -> dict:
     up = work / f"{dense.stem}-moe{args.experts}-top{args.top_k}-r{args.router_scale:g}.gguf"
     if not up.exists():
         moe.upcycle(dense, up, experts=args.experts, top_k=args.top_k, router_scale=args.router_scale)
-    sidecar_for(up, args.low_type or "q2_k")
+    sidecar_for(up, args.low_type or "q3_k")
     expert_bytes, _ = sizes(up)
     cache_mb = max(1, int(expert_bytes * args.cache_fraction) // 1_000_000)
     opts = dict(n_ctx=args.positions + 8, n_batch=256, threads=args.threads)
@@ -332,7 +332,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer of the synthetic model")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per speed run")
     ap.add_argument("--drafter", action="store_true", help="also a speculative (ngram) run on the cache")
-    ap.add_argument("--low-type", default="q2_k", choices=("q2_k", "q3_k", ""),
+    ap.add_argument("--low-type", default="q3_k", choices=("q2_k", "q3_k", ""),
                     help="type of the sidecar's copies (balanced/fast runs; '': none in the speed part)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per speed run")
     ap.add_argument("--upcycle", default="smollm2-135m", help="the dense model of the quality part")
@@ -354,7 +354,7 @@ def main() -> None:
         doc["quality"] = quality(args)
         print(f"## Mixed precision on {Path(doc['quality']['model']).name}, "
               f"{doc['quality']['positions']} positions, {doc['quality']['cache_mb']} MB cache, "
-              f"{args.low_type or 'q2_k'} copies\n\n"
+              f"{args.low_type or 'q3_k'} copies\n\n"
               + doc["quality"]["table"] + "\n")
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -265,7 +265,7 @@ def _low_copy(w: np.ndarray, qtype: int) -> bytes:
     return bytes(out)
 
 
-def low_types(n_embd: int, n_ff: int, qtype: str = "q2_k") -> tuple[int, int]:
+def low_types(n_embd: int, n_ff: int, qtype: str = "q3_k") -> tuple[int, int]:
     """The sidecar's ggml types of (gate and up, down): ``qtype`` for rows
     of whole 256-value super-blocks, else Q4_0 (rows of 32-value blocks)."""
     gguf = _gguf()
@@ -279,7 +279,7 @@ def low_types(n_embd: int, n_ff: int, qtype: str = "q2_k") -> tuple[int, int]:
     return (k if n_embd % 256 == 0 else q4), (k if n_ff % 256 == 0 else q4)
 
 
-def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, qtype: str = "q2_k",
+def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, qtype: str = "q3_k",
             progress: bool = True) -> Path:
     """Writes the sidecar of low-precision copies of every expert of
     ``model`` (``qtype``, see low_types; default: beside it,

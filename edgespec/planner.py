@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,12 @@ EXPLORE_EVERY = 96        # plain steps between one-token probes of drafts the p
 def _cost_key(backend) -> str:
     st = Path(backend.path).stat()
     device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
-    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}"
+    # An expert cache's batches read the union of their tokens' experts from
+    # disk: a curve of its own for each setting.
+    cache = getattr(backend, "expert_cache", None)
+    experts = (f":experts-{cache.budget_mb}MB-{cache.precision}-{cache.policy}-{cache.prefetch}"
+               if cache is not None else "")
+    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}"
 
 
 MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
@@ -49,18 +55,24 @@ MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes time
 def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int, float]:
     """Seconds of one target batch of each of ``sizes`` tokens (every row's
     logits kept, as verification does) after a ``prefix``-token context, the
-    fastest of ``reps``. Leaves the KV cache cleared."""
+    fastest of ``reps``. Leaves the KV cache cleared. With an expert cache
+    every batch is of other tokens (random ones), so each reads the union of
+    its own tokens' experts as verification does, not the experts the
+    previous repetition left cached."""
     tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 16)
     while len(tokens) < prefix + max(sizes):
         tokens += tokens
+    fresh = getattr(backend, "expert_cache", None) is not None
+    rng = random.Random(0)
     backend.clear()
     backend.decode(tokens[:prefix])
     times = {}
     for k in sizes:
         best = float("inf")
         for _ in range(reps):
+            batch = [rng.randrange(backend.n_vocab) for _ in range(k)] if fresh else tokens[prefix:prefix + k]
             t0 = time.perf_counter()
-            backend.decode(tokens[prefix:prefix + k], logits_from=0)
+            backend.decode(batch, logits_from=0)
             best = min(best, time.perf_counter() - t0)
             backend.truncate(prefix)
         times[k] = best

@@ -121,6 +121,24 @@ def test_engine_exact_cache_same_tokens(synth_path, mode):
         assert stats.spec is not None and stats.spec.target_steps > 0
 
 
+def test_planner_costs_a_cache_of_its_own(synth_path):
+    """The planner's batch-cost curve is measured per expert-cache setting
+    (a batch reads the union of its tokens' experts from disk), on batches
+    of fresh tokens that miss the cache as verification batches do."""
+    from edgespec import planner
+    with backend(synth_path) as b:
+        plain = planner._cost_key(b)
+    keys = set()
+    for cache in (moe.ExpertCache(1), moe.ExpertCache(2), moe.ExpertCache(1, policy="lru")):
+        with backend(synth_path, cache) as b:
+            keys.add(planner._cost_key(b))
+            times = planner.time_batches(b, [1, 4], reps=2, prefix=8)
+            st = b.expert_stats()
+    assert plain not in keys and len(keys) == 3
+    assert set(times) == {1, 4} and all(t > 0 for t in times.values())
+    assert st["loads"] > st["n_slots"]      # the repetitions kept missing: 9 slots, 32 experts
+
+
 # ---- bad settings ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -165,10 +183,10 @@ def test_sidecar_layout(synth_path, sidecar):
     n_copies = SYNTH["layers"] * SYNTH["experts"]
     stride = int.from_bytes(data[56:64], "little")
     start = int.from_bytes(data[64:72], "little")
-    # Rows of 128 (gate, up) are no whole Q2_K super-block: Q4_0 (18 bytes
-    # per 32 values); rows of 256 (down) Q2_K (84 bytes per 256).
-    assert int.from_bytes(data[12:16], "little") == Q.Q4_0 and int.from_bytes(data[72:76], "little") == Q.Q2_K
-    assert stride == -(-(2 * 256 * 128 * 18 // 32 + 128 * 84) // 64) * 64
+    # Rows of 128 (gate, up) are no whole Q3_K super-block: Q4_0 (18 bytes
+    # per 32 values); rows of 256 (down) Q3_K (110 bytes per 256).
+    assert int.from_bytes(data[12:16], "little") == Q.Q4_0 and int.from_bytes(data[72:76], "little") == Q.Q3_K
+    assert stride == -(-(2 * 256 * 128 * 18 // 32 + 128 * 110) // 64) * 64
     assert len(data) == start + n_copies * stride
     sums = np.frombuffer(data[88:88 + 8 * n_copies], dtype="<u8")
     assert [moe.checksum(data[start + i * stride:start + (i + 1) * stride]) for i in range(n_copies)] == \
@@ -187,15 +205,16 @@ def test_low_precision_reads_fewer_bytes(synth_path, sidecar, precision):
     assert st["substitutions"] > 0
     assert st["bytes_read"] < exact_st["bytes_read"]
     assert np.isfinite(got).all()
-    # Q4_0 / Q2_K copies of Q8_0 experts change the logits, not the model:
+    # Q4_0 / Q3_K copies of Q8_0 experts change the logits, not the model:
     # on this random model (flat logits over ~500 tokens) many top-1 choices
     # stay (fast: every expert of every token a copy), where experts read
     # wrongly would keep next to none.
     assert (got.argmax(axis=1) == exact.argmax(axis=1)).mean() >= {"balanced": 0.6, "fast": 0.4}[precision]
     if precision == "fast":   # every lookup: no full-precision expert is ever read
         assert st["substitutions"] == st["lookups"]
-    # Low-precision copies take smaller slots: more experts in the same budget.
-    assert exact_st["cache_bytes"] <= st["cache_bytes"] <= 1_000_000
+    # Low-precision copies take smaller slots: more experts in the same
+    # budget, which the slots fill to within one full expert.
+    assert 1_000_000 - EXPERT_BYTES < st["cache_bytes"] <= 1_000_000
     assert st["n_slots"] > exact_st["n_slots"]
 
 

@@ -45,9 +45,11 @@ enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
 
 // Routing weight below which BALANCED serves a miss from the low-precision copy.
 #define BALANCED_THRESHOLD 0.25f
-// BALANCED's share of the budget for low-precision slots (the rest: full
-// ones, at least one layer's worth).
-#define BALANCED_LOW_SHARE 0.25
+// BALANCED's low-precision slots: this share of the budget, and at least
+// two layers' active experts (the rest full ones, at least one layer's).
+// Small, since a copy serves misses of experts that matter little to the
+// token now, and the full slots are what keeps the hit rate up.
+#define BALANCED_LOW_SHARE 0.05
 // Sidecar layout (little-endian): the header of SIDECAR_HEADER bytes
 //   0 magic[8]  8 u32 version  12 u32 type of gate and up  16 u32 n_layer
 //   20 u32 n_expert  24 u64 n_embd  32 u64 n_ff  40 u64 model file size
@@ -672,8 +674,8 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
         rc = open_sidecar(c, g, p->expert_sidecar, mp->n_embd, mp->n_ff, err, err_cap);
     }
     // The pools: EXACT full slots only; FAST low-precision ones only (it
-    // never reads a full copy); BALANCED BALANCED_LOW_SHARE of the budget
-    // in low slots, the rest (at least one layer's active experts) full.
+    // never reads a full copy); BALANCED a few low slots (BALANCED_LOW_SHARE),
+    // the rest (at least one layer's active experts) full.
     const bool fast = c->low_sum && c->precision == ES_PRECISION_FAST;
     const bool balanced = c->low_sum && c->precision == ES_PRECISION_BALANCED;
     int64_t n_full = 0, n_low = 0;
@@ -693,6 +695,7 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
             n_low = B / low;
         } else if (balanced) {
             n_low = (int64_t) ((double) B * BALANCED_LOW_SHARE) / low;
+            n_low = n_low > 2 * c->k ? n_low : 2 * c->k;
             n_low = n_low < all ? n_low : all;
             n_full = (B - n_low * low) / full;
             if (n_full < c->k) n_full = c->k, n_low = (B - c->k * full) / low;

@@ -233,6 +233,11 @@ class NativeBackend(VocabMixin, Backend):
         self._check_open()
         return self._model.expert_stats(reset)
 
+    @property
+    def expert_cache(self) -> moe.ExpertCache | None:
+        """The expert cache's settings (None: experts from the mapping)."""
+        return self._model.expert_cache if self._model is not None else None
+
     def _close(self) -> None:
         for c in (self._embed_ctx, *self._contexts):
             if c is not None:

@@ -68,9 +68,9 @@ def synth(
 @moe_app.command()
 def prepare(
     model: str = typer.Argument(..., help="A MoE GGUF file (or built-in name)."),
-    weight_type: str = typer.Option("q2_k", "--type", help="Type of the copies: q2_k (2.6 bits per "
-                                    "weight) or q3_k (3.4); rows that are not whole 256-value super-blocks "
-                                    "take q4_0."),
+    weight_type: str = typer.Option("q3_k", "--type", help="Type of the copies: q3_k (3.4 bits per "
+                                    "weight) or q2_k (2.6, coarser); rows that are not whole 256-value "
+                                    "super-blocks take q4_0."),
     out: Path = typer.Option(None, "--out", help="Where to write the sidecar (default: beside the model, "
                              "MODEL.experts-low, where the engine looks for it)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
