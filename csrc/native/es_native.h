@@ -164,8 +164,8 @@ enum es_experts_mode {
 // What a cache miss of an expert that matters little to a token is served
 // from (expert cache): the full-precision weights always (EXACT: output
 // bit-identical to the unlimited engine), or the low-precision copy of the
-// sidecar when the expert's routing weight is below 0.25 (BALANCED) or on
-// every miss (FAST).
+// sidecar when the expert's routing weight is below half the mean weight
+// of the top k, 0.5 / k (BALANCED; 0.25 for top 2), or on every miss (FAST).
 enum es_expert_precision {
     ES_PRECISION_EXACT = 0, ES_PRECISION_BALANCED = 1, ES_PRECISION_FAST = 2,
 };

@@ -43,8 +43,10 @@
 
 enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
 
-// Routing weight below which BALANCED serves a miss from the low-precision copy.
-#define BALANCED_THRESHOLD 0.25f
+// BALANCED serves a miss from the low-precision copy when the expert's
+// routing weight is below this fraction of the mean weight of the top k,
+// 1 / k (0.25 for top 2; top 8 spreads its weights: 0.0625).
+#define BALANCED_THRESHOLD 0.5f
 // BALANCED's low-precision slots: this share of the budget, and at least
 // two layers' active experts (the rest full ones, at least one layer's).
 // Small, since a copy serves misses of experts that matter little to the
@@ -352,7 +354,7 @@ static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bo
 // Whether a miss of an expert of this importance is served from its low-precision copy.
 static bool substitute(const es_expert_cache * c, float importance) {
     if (!c->low_sum || c->precision == ES_PRECISION_EXACT) return false;
-    return c->precision == ES_PRECISION_FAST || importance < BALANCED_THRESHOLD;
+    return c->precision == ES_PRECISION_FAST || importance < BALANCED_THRESHOLD / (float) c->k;
 }
 
 // The cached slot of (layer, e, low), -1: none (a failed read is dropped).
