@@ -7,9 +7,7 @@
  *               down together): full-precision slots, and (BALANCED, FAST)
  *               smaller ones for low-precision copies, each pool its own
  *               share of the budget
- *   I/O threads IO_THREADS of them read queued slots with pread, each its
- *               own slot, so several reads are in flight as SSDs need for
- *               their full throughput (not through the mapping, and
+ *   I/O thread  reads queued slots with pread (not through the mapping, and
  *               drops the pages read from the page cache with
  *               posix_fadvise(DONTNEED), so no second copy stays in memory);
  *               a batch's misses first, then prefetches
@@ -26,7 +24,7 @@
  *               recently used
  *
  * Locking: one mutex guards every slot's state, the queue and the counters;
- * a slot's bytes are written by one I/O thread while LOADING only, and read
+ * a slot's bytes are written by the I/O thread while LOADING only, and read
  * by the compute threads after get() saw it READY under the mutex.
  */
 #define _GNU_SOURCE
@@ -65,9 +63,6 @@ enum { SLOT_EMPTY, SLOT_QUEUED, SLOT_LOADING, SLOT_READY, SLOT_FAILED };
 // types are any the kernels read (moe prepare writes Q2_K or Q3_K, Q4_0
 // for rows that are not whole 256-element super-blocks).
 enum { SIDECAR_VERSION = 2, SIDECAR_HEADER = 88, SLOT_ALIGN = 64 };
-// Reads in flight at once: one blocking pread per thread (NVMe and virtio
-// disks deliver several times one read's throughput at a queue depth of 4).
-enum { IO_THREADS = 4 };
 
 typedef struct slot {
     int32_t   layer, expert;  // what it holds; layer < 0: nothing
@@ -107,14 +102,13 @@ struct es_expert_cache {
     int32_t   q_len;
     pthread_mutex_t mu;
     pthread_cond_t  work, done;
-    pthread_t io[IO_THREADS];
-    int32_t   n_io;           // I/O threads started
-    bool      stop;
+    pthread_t io;
+    bool      io_started, stop;
     uint64_t  tick;           // begins so far
     int32_t   depth;          // prefetch depth now
     int64_t   win_pref, win_used;  // prefetches and their uses since the last adaptation
     uint64_t  win_tick;
-    int64_t   win_start_ns, io_busy_ns;  // the window's start; the I/O threads' reading time in it
+    int64_t   win_start_ns, io_busy_ns;  // the window's start; the I/O thread's reading time in it
     es_expert_provider provider;
     es_expert_stats st;
     char err[256];
@@ -153,7 +147,7 @@ static int pread_full(int fd, void * dst, size_t n, int64_t off) {
     return ES_OK;
 }
 
-/* ---- the I/O threads ------------------------------------------------------ */
+/* ---- the I/O thread ------------------------------------------------------- */
 
 // Reads one slot's expert; no lock held. err: the reason on failure.
 static int read_expert(es_expert_cache * c, int32_t il, int32_t e, bool low, uint8_t * dst,
@@ -373,7 +367,7 @@ static int32_t lookup(es_expert_cache * c, int32_t layer, int32_t e, bool low) {
     return si;
 }
 
-// Every 4 * n_layer ticks: when the I/O threads were reading nearly all the
+// Every 4 * n_layer ticks: when the I/O thread was reading nearly all the
 // time, prefetching only competes with the reads decoding waits for (and
 // adds the wrong guesses' bytes): one layer shallower, down to none.
 // Otherwise one deeper when most prefetches were used, one shallower when
@@ -381,9 +375,7 @@ static int32_t lookup(es_expert_cache * c, int32_t layer, int32_t e, bool low) {
 static void adapt_depth(es_expert_cache * c) {
     if (c->tick - c->win_tick < 4 * (uint64_t) c->n_layer) return;
     const int64_t now = now_ns();
-    // The I/O threads' mean busy share: near 1 when every one was reading.
-    const double busy = now > c->win_start_ns ? (double) c->io_busy_ns /
-                                                    ((double) (now - c->win_start_ns) * IO_THREADS)
+    const double busy = now > c->win_start_ns ? (double) c->io_busy_ns / (double) (now - c->win_start_ns)
                                               : 0.0;
     const int32_t cap = c->n_slots / (2 * c->k) > 1 ? c->n_slots / (2 * c->k) : 1;
     const double used = c->win_pref ? (double) c->win_used / (double) c->win_pref : 1.0;
@@ -757,10 +749,8 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
             // low slot free takes a full one).
             .max_held = fast ? c->n_slots : c->n_full,
         };
-        for (int32_t i = 0; i < IO_THREADS && rc == ES_OK; i++) {
-            if (pthread_create(&c->io[i], NULL, io_main, c) != 0) rc = ES_ERR_NO_MEMORY;
-            else c->n_io++;
-        }
+        if (pthread_create(&c->io, NULL, io_main, c) != 0) rc = ES_ERR_NO_MEMORY;
+        else c->io_started = true;
     }
     if (rc != ES_OK) {
         es_expert_cache_free(c);
@@ -772,12 +762,12 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
 
 void es_expert_cache_free(es_expert_cache * c) {
     if (!c) return;
-    if (c->n_io > 0) {
+    if (c->io_started) {
         pthread_mutex_lock(&c->mu);
         c->stop = true;
         pthread_cond_broadcast(&c->work);
         pthread_mutex_unlock(&c->mu);
-        for (int32_t i = 0; i < c->n_io; i++) pthread_join(c->io[i], NULL);
+        pthread_join(c->io, NULL);
     }
     if (c->fd >= 0) close(c->fd);
     if (c->low_fd >= 0) close(c->low_fd);
@@ -816,7 +806,7 @@ void es_expert_cache_stats_reset(es_expert_cache * c) {
 }
 
 const char * es_expert_cache_error(es_expert_cache * c) {
-    // Written under the mutex by an I/O thread; read once decoding failed.
+    // Written under the mutex by the I/O thread; read once decoding failed.
     pthread_mutex_lock(&c->mu);
     const char * e = c->err;
     pthread_mutex_unlock(&c->mu);
