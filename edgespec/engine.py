@@ -513,11 +513,18 @@ class Engine:
         return chat_templates.render(template, messages, bos_token=bos, eos_token=eos,
                                      tools=tools if style == "tags" else None)
 
-    def prompt_tokens(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                      tools: list[dict] | None = None) -> list[int]:
+    def prompt_tokens(self, prompt: str | Sequence[int] | None = None,
+                      messages: Sequence[dict] | None = None, tools: list[dict] | None = None,
+                      suffix: str | None = None) -> list[int]:
         """The tokens a generation of ``prompt`` (or of a reply to ``messages``,
         with ``tools``) evaluates: the text, or the chat rendered through its
-        template, tokenized. Thread-safe; it does not wait for a running generation."""
+        template, tokenized; a list of token ids as it is; with ``suffix``, the
+        fill-in-the-middle prompt of ``prompt`` and ``suffix``. Thread-safe; it
+        does not wait for a running generation."""
+        if suffix is not None:
+            return self.fill_in_middle_tokens(prompt or "", suffix)
+        if isinstance(prompt, (list, tuple)) and prompt and all(_is_token(t) for t in prompt):
+            return self._known_tokens(prompt, "prompt")
         if messages is not None:
             text = utf8_text(self.render_chat(messages, tools=tools), "the chat")
             with self._reading():
@@ -533,6 +540,36 @@ class Engine:
         utf8_text(prompt, "prompt")
         with self._reading():
             return self.backend.tokenize(prompt)
+
+    def fill_in_middle_tokens(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt that asks the model for the text between ``prefix`` and
+        ``suffix``, from its own fill-in-the-middle tokens in prefix-suffix-middle
+        order: [BOS] <fim_prefix> prefix <fim_suffix> suffix <fim_middle>. The
+        texts are tokenized as plain text (special-token names in them stay text).
+        Raises InvalidArgumentError when the model has no such tokens."""
+        for name, text in (("prompt", prefix), ("suffix", suffix)):
+            if not isinstance(text, str):
+                raise InvalidArgumentError(f"{name} must be a str, not {type(text).__name__}")
+            utf8_text(text, name)
+        with self._reading():
+            b = self.backend
+            fim = b.fim_tokens
+            if fim is None:
+                raise InvalidArgumentError(
+                    f"model {self.model_ref} has no fill-in-the-middle tokens, so it cannot complete "
+                    "between a prompt and a suffix (code models such as qwen2.5-coder-1.5b can)")
+            pre, suf, mid = fim
+            head = [b.bos_token] if b.adds_bos else []
+            return (head + [pre] + b.tokenize(prefix, add_special=False)
+                    + [suf] + b.tokenize(suffix, add_special=False) + [mid])
+
+    def _known_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        """``tokens`` as a list, each checked to be in the vocabulary."""
+        bad = next((t for t in tokens if not 0 <= t < self.backend.n_vocab), None)
+        if bad is not None:
+            raise InvalidArgumentError(f"{what}: token id {bad} is outside the vocabulary "
+                                       f"[0, {self.backend.n_vocab})")
+        return [int(t) for t in tokens]
 
     # -- embeddings ---------------------------------------------------------------
 
@@ -553,11 +590,7 @@ class Engine:
                 with self._reading():
                     tokens = self.backend.tokenize(utf8_text(item, f"input {i}"))
             elif isinstance(item, (list, tuple)) and item and all(_is_token(t) for t in item):
-                tokens = list(item)
-                bad = next((t for t in tokens if not 0 <= t < self.backend.n_vocab), None)
-                if bad is not None:
-                    raise InvalidArgumentError(f"input {i}: token id {bad} is outside the vocabulary "
-                                               f"[0, {self.backend.n_vocab})")
+                tokens = self._known_tokens(item, f"input {i}")
             else:
                 raise InvalidArgumentError(f"input {i} must be a non-empty string or list of token ids")
             if not tokens:
@@ -606,9 +639,11 @@ class Engine:
 
     # -- generation -------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-                 **options) -> Result:
-        """Generate a completion of ``prompt`` (or a reply to chat ``messages``).
+    def generate(self, prompt: str | Sequence[int] | None = None, *,
+                 messages: Sequence[dict] | None = None, **options) -> Result:
+        """Generate a completion of ``prompt`` (text or token ids), or a reply to
+        chat ``messages``; with ``suffix``, the text between ``prompt`` and
+        ``suffix`` (fill-in-the-middle, for code models with FIM tokens).
 
         Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
         min_p, repeat_penalty, presence_penalty, frequency_penalty,
@@ -635,7 +670,8 @@ class Engine:
     def chat(self, messages: Sequence[dict], **options) -> Result:
         return self.generate(messages=messages, **options)
 
-    def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+    def stream(self, prompt: str | Sequence[int] | None = None, *,
+               messages: Sequence[dict] | None = None, suffix: str | None = None,
                max_tokens: int = 256, stop: Sequence[str] | str | None = None,
                chat: bool = False, seed: int | None = None, drafter: str | None = None,
                blocking: bool = True, json_schema=None, grammar: Grammar | str | None = None,
@@ -650,6 +686,8 @@ class Engine:
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
         params = SamplingParams(seed=seed, **sampling)
+        if suffix is not None and (chat or messages is not None):
+            raise InvalidArgumentError("suffix (fill-in-the-middle) is for plain prompts, not chats")
         if chat and messages is None:
             if not prompt:
                 raise InvalidArgumentError("prompt is empty")
@@ -684,7 +722,7 @@ class Engine:
                 if grammar is not None:
                     raise InvalidArgumentError("a required tool call cannot be combined with json_schema or grammar")
                 grammar = Grammar.from_text(chat_tools.call_grammar(tools, choice, style, *self._tool_tags(style)))
-        tokens = self.prompt_tokens(prompt, messages, tools)
+        tokens = self.prompt_tokens(prompt, messages, tools, suffix)
         if not tokens:
             raise InvalidArgumentError("the prompt has no tokens (the tokenizer drops every character of it)")
         n_ctx = self.backend.n_ctx

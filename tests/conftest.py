@@ -72,6 +72,16 @@ def tiny_onnx_dir(tmp_path_factory, tiny_llama_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_fim_qwen2_path(tmp_path_factory):
+    """The tiny random qwen2 over the generated tokenizer plus Qwen2.5-Coder's
+    three fill-in-the-middle tokens."""
+    directory = tmp_path_factory.mktemp("tiny-fim")
+    write_tiny_vocab(directory / "vocab.gguf", fim=True)
+    write_tiny_qwen2(directory / "tiny-fim-qwen2.gguf", directory / "vocab.gguf", dtype=Q.F32)
+    return directory / "tiny-fim-qwen2.gguf"
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_path(tmp_path_factory, tiny_vocab_path):
     """A 2-layer, 64-wide random qwen2 with Q/K/V biases (F32) over the
     generated tokenizer."""

@@ -415,7 +415,9 @@ def test_invalid_values_are_400_not_500(server):
         (chat, {"messages": {"role": "user"}}, "messages"),
         (chat, {"messages": []}, "messages"),
         (comp, {"prompt": ["a", "b"]}, "prompt"),
-        (comp, {"prompt": [1, 2]}, "prompt"),
+        (comp, {"prompt": [1, -2]}, "prompt"),            # token ids are served, this one is not one
+        (comp, {"prompt": [[1, 2], [3]]}, "prompt"),      # two prompts would need n = 2
+        (comp, {"prompt": [True, 2]}, "prompt"),
         (comp, {"prompt": "\x16"}, "prompt"),   # no tokens at all (found by tests/test_server_fuzz.py)
         (comp, {"prompt": "x", "stop": {"a": 1}}, "stop"),
         (comp, {"prompt": "x", "stop": [""]}, "stop"),

@@ -189,22 +189,29 @@ def learn_merges(text: str, n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def write_tiny_vocab(path: str | os.PathLike, n_merges: int = 256) -> None:
+# Qwen2.5-Coder's fill-in-the-middle tokens, which llama.cpp finds by their text.
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def write_tiny_vocab(path: str | os.PathLike, n_merges: int = 256, *, fim: bool = False) -> None:
     """Write a GGUF that holds only a tokenizer, generated here: GPT-2-style
     byte-level BPE (llama.cpp's "gpt2" model, "gpt-2" pre-tokenizer) over the
     three ChatML special tokens, the 256 byte tokens and up to `n_merges`
-    pieces learned from _CORPUS, with a ChatML chat template. Any text
-    tokenizes (every byte has a token); <|im_end|> ends generation. The
-    tokenizer source for tiny models that need no download."""
+    pieces learned from _CORPUS, with a ChatML chat template; with `fim`, the
+    three FIM_TOKENS come last. Any text tokenizes (every byte has a token);
+    <|im_end|> ends generation. The tokenizer source for tiny models that need
+    no download."""
     merges = learn_merges(_CORPUS, n_merges)
     # Two merges may spell the same piece ("a"+"bc", "ab"+"c"): one token.
     tokens = list(dict.fromkeys([*SPECIAL_TOKENS, *byte_chars(), *(a + b for a, b in merges)]))
+    n_normal = len(tokens) - len(SPECIAL_TOKENS)
+    extra = FIM_TOKENS if fim else ()
     w = gguf.GGUFWriter(path, "llama")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS)
-                      + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIAL_TOKENS)))
+    w.add_token_list(tokens + list(extra))
+    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * n_normal
+                      + [gguf.TokenType.CONTROL] * len(extra))
     w.add_token_merges([f"{a} {b}" for a, b in merges])
     w.add_bos_token_id(SPECIAL_TOKENS.index("<|endoftext|>"))
     w.add_eos_token_id(SPECIAL_TOKENS.index("<|im_end|>"))

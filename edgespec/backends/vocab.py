@@ -120,6 +120,21 @@ class Vocab(Closing):
         return lc.llama_vocab_bos(self._vocab)
 
     @property
+    def adds_bos(self) -> bool:
+        """Whether a tokenization with special tokens starts with BOS."""
+        return bool(lc.llama_vocab_get_add_bos(self._vocab))
+
+    @property
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle) that llama.cpp
+        finds in the metadata or by their text (Qwen's <|fim_prefix|>,
+        StarCoder's <fim_prefix>, CodeLlama's <PRE>, ...); None when the model
+        has no complete set."""
+        ids = (lc.llama_vocab_fim_pre(self._vocab), lc.llama_vocab_fim_suf(self._vocab),
+               lc.llama_vocab_fim_mid(self._vocab))
+        return ids if all(0 <= i < self.n_vocab for i in ids) else None
+
+    @property
     def eos_token(self) -> int:
         return lc.llama_vocab_eos(self._vocab)
 
@@ -162,6 +177,14 @@ class VocabMixin:
     @property
     def bos_token(self) -> int:
         return self.vocab.bos_token
+
+    @property
+    def adds_bos(self) -> bool:
+        return self.vocab.adds_bos
+
+    @property
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        return self.vocab.fim_tokens
 
     @property
     def eos_token(self) -> int:

@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from ..errors import InvalidArgumentError
 from ..text import utf8_text
 from . import app
 from .options import EngineOptions, SamplingOptions, engine_options, sampling_options
@@ -70,12 +71,18 @@ def generate(
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate, > 0."),
     sampling: SamplingOptions = ...,
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to PROMPT as one user message."),
+    suffix: str = typer.Option(None, "--suffix", help="Fill in the middle: generate the text between PROMPT and "
+                               "SUFFIX, from the model's FIM tokens (code models such as qwen2.5-coder-1.5b)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (last line of stdout) instead of streaming."),
 ):
-    """Generate text from PROMPT."""
+    """Generate text from PROMPT (or, with --suffix, between PROMPT and SUFFIX)."""
     utf8_text(prompt, "prompt")
+    if suffix is not None:
+        utf8_text(suffix, "--suffix")
+        if chat:
+            raise InvalidArgumentError("--suffix (fill-in-the-middle) and --chat do not go together")
     with engine.open() as e:
-        pieces = e.stream(prompt, max_tokens=max_tokens, chat=chat, **sampling.kwargs())
+        pieces = e.stream(prompt, suffix=suffix, max_tokens=max_tokens, chat=chat, **sampling.kwargs())
         if as_json:
             for _ in pieces:
                 pass

@@ -17,8 +17,12 @@ the output through the grammar engine. ``tools`` (on /api/chat) go through
 the model's chat template as on the OpenAI path; the calls the model makes
 come back as ``message.tool_calls`` (arguments as objects, as Ollama sends
 them; streamed in one line once the reply ends), and ``tool`` messages and an
-assistant's ``tool_calls`` are accepted. ``images``, ``suffix``, ``template``
-and ``context`` are refused with a 400 naming the field.
+assistant's ``tool_calls`` are accepted. ``suffix`` on /api/generate asks for
+the text between ``prompt`` and it (fill-in-the-middle, as editors send for
+code completion) from the model's own FIM tokens; the chat template, ``system``
+and ``raw`` play no part then, and a model without FIM tokens is refused.
+``images`` (these models read text only), ``template`` and ``context`` are
+refused with a 400 naming the field.
 Durations are nanoseconds; the final object also carries ``edgespec``
 (drafter, tokens/s, speedup, speculative stats).
 """
@@ -56,7 +60,7 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat
 LOADING_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram",
                    "use_mmap", "use_mlock", "vocab_only", "num_keep"}
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "mirostat": 0, "typical_p": 1, "tfs_z": 1}
-UNSERVED = ("images", "suffix", "template", "context")
+UNSERVED = ("template", "context")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
 
@@ -215,6 +219,8 @@ def _format(body: dict) -> dict:
 
 
 def _check_served(body: dict) -> None:
+    if body.get("images") not in (None, []):
+        raise _bad("images are not supported: the models this server runs read text only")
     for field in UNSERVED:
         if body.get(field) not in (None, "", [], {}):
             raise _bad(f"{field} is not supported by this server")
@@ -245,16 +251,19 @@ async def generate(request: Request):
     stream = _stream_flag(body)
     await runner.ready()
     prompt, system = _text(body.get("prompt"), "prompt"), _text(body.get("system"), "system")
+    suffix = _text(body.get("suffix"), "suffix")
     if body.get("tools") not in (None, []):
         raise _bad("tools are for /api/chat")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw must be a boolean")
     opts = {**_options(body, runner.n_ctx), **_format(body)}
-    if not prompt:   # Ollama's "load the model": it is loaded
+    if not prompt and not suffix:   # Ollama's "load the model": it is loaded
         return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
-    if raw or not runner.engine.chat_template:
+    if suffix:
+        c = Completion(prompt=prompt, suffix=suffix)
+    elif raw or not runner.engine.chat_template:
         c = Completion(prompt=(system + "\n\n" if system and not raw else "") + prompt)
     else:
         c = Completion(messages=([{"role": "system", "content": system}] if system else [])
@@ -280,7 +289,7 @@ async def chat(request: Request):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise _bad(f"messages[{i}] must be an object with role system, user, assistant or tool")
         if m.get("images"):
-            raise _bad(f"messages[{i}]: images are not supported by this server")
+            raise _bad(f"messages[{i}]: images are not supported: the models this server runs read text only")
         msg = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")}
         if m.get("tool_calls") not in (None, []):
             msg["tool_calls"] = _calls_in(m, i)

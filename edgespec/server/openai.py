@@ -141,13 +141,41 @@ def messages(body: dict) -> list[dict]:
     return out
 
 
-def prompt(body: dict) -> str:
+def prompt(body: dict) -> str | list[int]:
+    """A completion's prompt: a string or a list of token ids (or a one-element
+    list of either; several prompts would need n > 1). With ``suffix`` an empty
+    prompt is allowed: the middle goes at the start."""
     text = body.get("prompt")
-    if isinstance(text, list) and len(text) == 1:
+    if isinstance(text, list) and len(text) == 1 and isinstance(text[0], (str, list)):
         text = text[0]
-    if not isinstance(text, str) or not text:
-        raise bad("prompt", "prompt must be a non-empty string")
+    if isinstance(text, list) and text and all(is_int(t) for t in text):
+        return text
+    if not isinstance(text, str) or not (text or isinstance(body.get("suffix"), str)):
+        raise bad("prompt", "prompt must be a non-empty string or a list of token ids")
     return text
+
+
+def suffix(body: dict) -> str | None:
+    """``suffix``: fill in the middle between the prompt and this text."""
+    value = body.get("suffix")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise bad("suffix", "suffix must be a string")
+    if isinstance(body.get("prompt"), list) and not isinstance(prompt(body), str):
+        raise bad("suffix", "suffix needs a text prompt, not token ids")
+    return value
+
+
+def _refuse_unserved(body: dict) -> None:
+    """Completion fields this server cannot honour: a 400 rather than ignoring them."""
+    if body.get("echo") is True:
+        raise bad("echo", "echo is not supported")
+    best_of = body.get("best_of")
+    if best_of is not None and not (is_int(best_of) and best_of == 1):
+        raise bad("best_of", f"only best_of = 1 is supported, got {show(best_of)}")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "logit_bias is not supported")
 
 
 def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
@@ -160,7 +188,11 @@ def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad("stream_options", "stream_options must be an object")
-    c = Completion(messages=messages(body)) if chat else Completion(prompt=prompt(body))
+    if chat:
+        c = Completion(messages=messages(body))
+    else:
+        _refuse_unserved(body)
+        c = Completion(prompt=prompt(body), suffix=suffix(body))
     c.options = opts
     return c, stream, stream_options.get("include_usage") is True
 

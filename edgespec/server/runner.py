@@ -52,13 +52,16 @@ FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "
 class Completion:
     """What a request asks of the engine."""
 
-    prompt: str | None = None            # a plain prompt, or
+    prompt: str | list[int] | None = None   # a plain prompt (text or token ids), or
     messages: list[dict] | None = None   # a chat, rendered through the model's template
+    suffix: str | None = None            # with a text prompt: fill in the middle
     options: dict = field(default_factory=dict)   # Engine.stream's keyword arguments (max_tokens, temperature, ...)
 
     @property
     def prompt_args(self) -> dict:
-        return {"messages": self.messages} if self.messages is not None else {"prompt": self.prompt}
+        if self.messages is not None:
+            return {"messages": self.messages}
+        return {"prompt": self.prompt, "suffix": self.suffix}
 
     @property
     def tools(self) -> list[dict] | None:
@@ -68,7 +71,7 @@ class Completion:
     @property
     def param(self) -> str:
         """The request field that prompt errors name."""
-        return "messages" if self.messages is not None else "prompt"
+        return "messages" if self.messages is not None else "suffix" if self.suffix is not None else "prompt"
 
 
 def speedup(stats, costs: list[float] | None) -> float:
@@ -194,7 +197,7 @@ class Runner:
         context is refused without waiting for the running generation."""
         with self._tokenizer():
             try:
-                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools))
+                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix))
             except InvalidArgumentError as e:     # a chat template refusing the messages
                 raise ApiError(400, str(e), param=c.param)
         if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in

@@ -1,0 +1,186 @@
+"""Fill-in-the-middle (``suffix``) and token-id prompts: the prompt layout from
+the model's own FIM tokens, the refusals, and the same answer through the
+Python API, OpenAI's /v1/completions, Ollama's /api/generate and the CLI.
+
+The fast tests run a tiny random qwen2 whose vocabulary has Qwen2.5-Coder's
+FIM tokens; the models tests ask qwen2.5-coder-0.5b for a real middle."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edgespec import Engine
+from edgespec.errors import InvalidArgumentError
+
+from test_server_platform import request, start, stop
+from tiny_gguf import FIM_TOKENS
+
+PREFIX = "def add(a, b):\n    return "
+SUFFIX = "\n\nprint(add(2, 3))\n"
+GREEDY = {"temperature": 0, "max_tokens": 12, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def fim_engine(tiny_fim_qwen2_path):
+    with Engine(str(tiny_fim_qwen2_path), backend="native", threads=1, n_ctx=256, drafter="none") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def fim_server(fim_engine):
+    server, thread = start(fim_engine)
+    yield server
+    stop(server, thread)
+
+
+def test_the_prompt_is_prefix_suffix_middle_in_the_model_s_fim_tokens(fim_engine):
+    b = fim_engine.backend
+    pre, suf, mid = (b.tokenize(t, add_special=False, parse_special=True) for t in FIM_TOKENS)
+    assert all(len(t) == 1 for t in (pre, suf, mid))
+    tokens = fim_engine.prompt_tokens(PREFIX, suffix=SUFFIX)
+    assert tokens == (pre + b.tokenize(PREFIX, add_special=False) + suf
+                      + b.tokenize(SUFFIX, add_special=False) + mid)
+
+
+def test_special_token_names_in_the_texts_stay_text(fim_engine):
+    tokens = fim_engine.prompt_tokens("x <|fim_middle|> y", suffix="<|fim_prefix|>")
+    mid = fim_engine.prompt_tokens("", suffix="")[-1]
+    assert tokens.count(mid) == 1 and tokens[-1] == mid
+    assert fim_engine.detokenize(tokens[1:-1]).startswith("x <|fim_middle|> y")
+
+
+def test_an_empty_prefix_or_suffix_is_a_fim_prompt_too(fim_engine):
+    pre, suf, mid = fim_engine.prompt_tokens("", suffix="")
+    assert fim_engine.prompt_tokens("", suffix="abc")[:2] == [pre, suf]
+    assert fim_engine.prompt_tokens("abc", suffix="")[-2:] == [suf, mid]
+
+
+def test_a_model_without_fim_tokens_is_refused(tiny_qwen2_path):
+    with Engine(str(tiny_qwen2_path), backend="native", threads=1, n_ctx=128) as e:
+        with pytest.raises(InvalidArgumentError, match="no fill-in-the-middle tokens"):
+            e.generate(PREFIX, suffix=SUFFIX, **GREEDY)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"chat": True}, "not chats"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "not chats"),
+])
+def test_suffix_is_refused_with_chats(fim_engine, kwargs, match):
+    prompt = None if "messages" in kwargs else PREFIX
+    with pytest.raises(InvalidArgumentError, match=match):
+        fim_engine.generate(prompt, suffix=SUFFIX, **kwargs, **GREEDY)
+
+
+def test_a_suffix_must_be_text(fim_engine):
+    with pytest.raises(InvalidArgumentError, match="suffix must be a str"):
+        fim_engine.generate(PREFIX, suffix=5, **GREEDY)
+
+
+def test_token_id_prompts_generate_as_their_text_does(fim_engine):
+    tokens = fim_engine.prompt_tokens(PREFIX, suffix=SUFFIX)
+    assert fim_engine.generate(tokens, **GREEDY).tokens == fim_engine.generate(PREFIX, suffix=SUFFIX, **GREEDY).tokens
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        fim_engine.generate([1, fim_engine.backend.n_vocab], **GREEDY)
+
+
+def _completion(server, body):
+    status, _, data = request(server, "POST", "/v1/completions", {"model": "tiny", **body})
+    return status, json.loads(data)
+
+
+def test_openai_completions_take_a_suffix_and_token_prompts(fim_server, fim_engine):
+    want = fim_engine.generate(PREFIX, suffix=SUFFIX, **GREEDY).text
+    status, out = _completion(fim_server, {"prompt": PREFIX, "suffix": SUFFIX, **GREEDY})
+    assert status == 200 and out["choices"][0]["text"] == want
+    tokens = fim_engine.prompt_tokens(PREFIX, suffix=SUFFIX)
+    status, out = _completion(fim_server, {"prompt": tokens, **GREEDY})
+    assert status == 200 and out["choices"][0]["text"] == want
+
+
+def test_openai_completions_stream_a_fim_answer(fim_server, fim_engine):
+    want = fim_engine.generate(PREFIX, suffix=SUFFIX, **GREEDY).text
+    status, _, data = request(fim_server, "POST", "/v1/completions",
+                              {"model": "tiny", "prompt": PREFIX, "suffix": SUFFIX, "stream": True, **GREEDY})
+    events = [json.loads(line[6:]) for line in data.decode().splitlines()
+              if line.startswith("data: {")]
+    assert status == 200 and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": PREFIX, "suffix": 3}, "suffix"),
+    ({"prompt": [1, 2], "suffix": "x"}, "suffix"),
+    ({"prompt": PREFIX, "echo": True}, "echo"),
+    ({"prompt": PREFIX, "best_of": 3}, "best_of"),
+    ({"prompt": PREFIX, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": [1, 10 ** 9]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+])
+def test_openai_completions_refuse_what_they_cannot_honour(fim_server, body, param):
+    status, out = _completion(fim_server, body)
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_ollama_generate_fills_in_the_middle(fim_server, fim_engine):
+    want = fim_engine.generate(PREFIX, suffix=SUFFIX, **GREEDY).text
+    options = {"temperature": 0, "num_predict": GREEDY["max_tokens"], "seed": 0,
+               "repeat_penalty": 1.0, "top_k": 0, "top_p": 1.0}
+    # The system prompt and the template play no part in a FIM prompt (as in Ollama).
+    status, _, data = request(fim_server, "POST", "/api/generate",
+                              {"model": "tiny", "prompt": PREFIX, "suffix": SUFFIX, "system": "ignored",
+                               "stream": False, "options": options})
+    assert status == 200 and json.loads(data)["response"] == want
+    status, _, data = request(fim_server, "POST", "/api/generate",
+                              {"model": "tiny", "prompt": PREFIX, "suffix": SUFFIX, "options": options})
+    lines = [json.loads(line) for line in data.decode().splitlines()]
+    assert status == 200 and "".join(x["response"] for x in lines) == want and lines[-1]["done"]
+
+
+def test_ollama_refuses_fim_without_fim_tokens_and_images(tiny_qwen2_path):
+    with Engine(str(tiny_qwen2_path), backend="native", threads=1, n_ctx=128) as e:
+        server, thread = start(e)
+        try:
+            status, _, data = request(server, "POST", "/api/generate",
+                                      {"model": "tiny", "prompt": "x", "suffix": "y", "stream": False})
+            assert status == 400 and "fill-in-the-middle" in json.loads(data)["error"]
+            status, _, data = request(server, "POST", "/api/generate",
+                                      {"model": "tiny", "prompt": "x", "images": ["aGk="], "stream": False})
+            assert status == 400 and "read text only" in json.loads(data)["error"]
+        finally:
+            stop(server, thread)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_suffix_refusals(tiny_qwen2_path, fim_engine):
+    out = _cli("generate", PREFIX, "--suffix", SUFFIX, "--model", str(tiny_qwen2_path), "-n", "4")
+    assert out.returncode == 2 and "no fill-in-the-middle tokens" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("generate", PREFIX, "--suffix", SUFFIX, "--chat", "--model", str(tiny_qwen2_path), "-n", "4")
+    assert out.returncode == 2 and "--chat" in out.stderr
+
+
+# -- a real code model --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def coder(qwen_coder_05b_path):
+    with Engine(str(qwen_coder_05b_path), threads=2, drafter="none") as e:
+        yield e
+
+
+def test_a_code_model_fills_in_the_middle(coder):
+    plain = coder.generate(PREFIX, suffix=SUFFIX, temperature=0, max_tokens=24)
+    assert "a + b" in plain.text.split("\n")[0]
+    spec = coder.generate(PREFIX, suffix=SUFFIX, temperature=0, max_tokens=24, drafter="ngram")
+    assert spec.tokens == plain.tokens
+
+
+def test_the_cli_fills_in_the_middle(coder, qwen_coder_05b_path):
+    out = _cli("generate", PREFIX, "--suffix", SUFFIX, "--model", str(qwen_coder_05b_path),
+               "--temperature", "0", "-n", "24", "--json")
+    assert out.returncode == 0, out.stderr
+    text = json.loads(out.stdout.strip().splitlines()[-1])["text"]
+    assert text == coder.generate(PREFIX, suffix=SUFFIX, temperature=0, max_tokens=24, seed=0).text
