@@ -754,9 +754,16 @@ class Engine:
         best, best_value = Draft(), 0.0
         limit = min(self.draft_max, room)
         for d in drafters:
+            behind = 0
             if d.costly:
                 if best_value and best_value >= planner.worth(d.name, limit, d.prior):
                     continue  # a cheap draft is worth at least what this one could be
+                # Text that steps without this drafter added must be evaluated
+                # first: where the planner may choose (auto), only if that pays.
+                behind = d.backlog(context)
+                if may_skip and not planner.catch_up_pays(d.name, behind, room, max(best_value, 1.0),
+                                                          limit, d.prior):
+                    continue
                 ask = planner.budget(d.name, limit, may_skip, d.prior)
             else:
                 ask = limit
@@ -766,6 +773,8 @@ class Engine:
             draft = d.draft(context, ask)
             if d.costly:
                 planner.record_draft_time(d.name, time.perf_counter() - t0 - d.backlog_seconds, len(draft))
+                if d.backlog_seconds > 0:   # the part beyond the step's own tokens
+                    planner.record_catch_up(d.name, d.backlog_seconds, max(1, behind - ask - 1))
             if not len(draft):
                 continue
             if not self.backend.exact_trees:  # verified as a chain: exact where a tree is not

@@ -206,6 +206,7 @@ class Planner:
         self.costs = costs
         self.acceptance: dict[str, Acceptance] = {}
         self.draft_cost: dict[str, float] = {}   # drafting time per token, in target tokens
+        self.catch_up_cost: dict[str, float] = {}  # a costly drafter's time per unseen context token, likewise
         self.t_token: float | None = None        # seconds of a one-token target step
         self.plain_steps = 0                     # plain steps since the last draft
 
@@ -248,6 +249,27 @@ class Planner:
         e = self._acc(key, prior).expected(limit)
         per_token = self.draft_cost.get(key, 0.0)
         return max((e[k] / (self.cost(k + 1) + per_token * k) for k in range(1, len(e))), default=0.0)
+
+    def catch_up_pays(self, key: str, backlog: int, room: int, alternative: float, limit: int,
+                      prior: float | None = None) -> bool:
+        """Whether a costly drafter that must first evaluate ``backlog`` context
+        tokens it has not seen is worth asking: the time its expected speed
+        saves over ``alternative`` (the best draft in hand, or 1 for plain
+        decoding) for the ``room`` tokens left must exceed the catch-up time.
+        Unmeasured catch-up costs are measured by asking."""
+        per_token = self.catch_up_cost.get(key)
+        if backlog <= 0 or per_token is None:
+            return True
+        value = self.worth(key, limit, prior)
+        if value <= alternative:
+            return False
+        return room / alternative - room / value > backlog * per_token
+
+    def record_catch_up(self, key: str, seconds: float, n_tokens: int) -> None:
+        if self.t_token and n_tokens > 0:
+            per_token = seconds / self.t_token / n_tokens
+            old = self.catch_up_cost.get(key, per_token)
+            self.catch_up_cost[key] = EMA * old + (1 - EMA) * per_token
 
     def widen(self, key: str, n_chain: int, gains: list[float]) -> int:
         """How many leaves to add to a chain of ``n_chain`` tokens, taking

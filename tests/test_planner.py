@@ -76,6 +76,25 @@ def test_budget_for_costly_drafters_counts_drafting_time():
     assert p.budget("m", 8, may_skip=False) == 2
 
 
+def test_a_draft_model_is_asked_to_catch_up_only_where_that_pays():
+    """A draft model that earlier steps went without must first evaluate the
+    text they added: worth it for a long answer to come, not for a short one,
+    and never when the draft in hand is worth as much as the draft model."""
+    p = Planner(FLAT)
+    p.t_token = 1.0
+    for _ in range(30):
+        p.record("m", 4, 4)                  # the draft model's drafts are all accepted
+        p.record_draft_time("m", 0.1, 1)
+    assert p.catch_up_pays("m", 500, room=10, alternative=1.0, limit=4)   # catch-up cost not measured yet
+    p.record_catch_up("m", 5.0, 100)         # 0.05 of a target token per unseen token
+    value = p.worth("m", 4)
+    assert 2.5 < value < 3.5                 # 5 tokens for 1.2 + 4 x 0.1
+    assert p.catch_up_pays("m", 0, room=1, alternative=1.0, limit=4)
+    assert p.catch_up_pays("m", 500, room=200, alternative=1.0, limit=4)   # 25 spent, ~130 saved
+    assert not p.catch_up_pays("m", 500, room=20, alternative=1.0, limit=4)  # ~13 saved
+    assert not p.catch_up_pays("m", 10, room=200, alternative=value, limit=4)
+
+
 def test_an_unwritable_cache_still_gives_a_measured_curve(tiny_llama_path, tmp_path, monkeypatch):
     """EDGESPEC_HOME unwritable (a file where the folder should be): the curve
     is measured and used, nothing raised, nothing left behind."""

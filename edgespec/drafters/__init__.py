@@ -96,6 +96,11 @@ class Drafter(ABC):
     # that steps without this drafter added (not a cost of drafting per step).
     backlog_seconds: float = 0.0
 
+    def backlog(self, context: Sequence[int]) -> int:
+        """Tokens of ``context`` this drafter has not seen, which it would
+        evaluate before drafting (a draft model that earlier steps went without)."""
+        return 0
+
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A new generation starts: ``prompt`` is its whole context, ``sampling``
         how the target chooses tokens (a draft model drafts the same way)."""

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from ..backends import open_backend, resolve_model
+from ..backends.base import common_prefix
 from ..capi import ffi
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..sampling import Sampler, SamplingParams
@@ -261,6 +262,7 @@ class ModelDrafter(Drafter):
         self._probs = np.empty((0, self.n_vocab), dtype=np.float32)  # (max_draft, n_vocab) q rows
         self._base = 0                    # cells the cache held before the last chain was drafted
         self._chain: list[int] = []       # the last chain drafted (same-vocabulary mode)
+        self._seen = 0                    # context length (target tokens) at the last draft
         self.n_drafts = 0
         self.n_evaluated = 0
         self.n_trees = 0
@@ -272,6 +274,13 @@ class ModelDrafter(Drafter):
             self._sampler.close()
         self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
         self._chain = []
+        # What the cache holds of this prompt (a prefix shared with the last
+        # generation's text stays; the bridge keeps no such record).
+        self._seen = 0 if self._bridge is not None else common_prefix(self.backend.cached_tokens, prompt,
+                                                                        len(prompt))
+
+    def backlog(self, context: Sequence[int]) -> int:
+        return max(0, len(context) - self._seen)
 
     def constrain(self, constraint) -> None:
         self._constraint = constraint
@@ -344,6 +353,7 @@ class ModelDrafter(Drafter):
             return Draft(source=self.name)
         self.n_drafts += 1
         self.backlog_seconds = 0.0
+        self._seen = len(context)
         if self._bridge is not None:
             return self._draft_text(context, max_tokens)
         if not self._sampler.params.greedy and self._probs.shape[0] < max_tokens:
