@@ -21,7 +21,7 @@ from edgespec.drafters import model as model_drafter
 from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from edgespec.models import registry
 from edgespec.sampling import Sampler, SamplingParams
-from tiny_gguf import write_tiny_llama, write_tiny_vocab
+from tiny_gguf import SPECIAL_TOKENS, write_tiny_llama, write_tiny_vocab, write_trimmed_drafter
 
 LONG_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
              "The target model verifies the drafted tokens in one batch. ") * 6
@@ -36,6 +36,25 @@ def other_vocab_llama(tmp_path_factory):
     write_tiny_vocab(vocab, n_merges=64)
     path = folder / "tiny-llama-64.gguf"
     write_tiny_llama(path, vocab, seed=1)
+    return path
+
+
+def _trimmed_keep(tiny_vocab_path) -> list[int]:
+    """Target ids a trimmed drafter keeps, in an order of its own: the special
+    tokens, the byte tokens backwards, every other of the first merges."""
+    n_special = len(SPECIAL_TOKENS)
+    with Vocab.load(tiny_vocab_path) as v:
+        n = v.n_vocab
+    merges = range(n_special + 256, min(n, n_special + 256 + 200), 2)
+    return [*range(n_special), *reversed(range(n_special, n_special + 256)), *merges]
+
+
+@pytest.fixture(scope="module")
+def trimmed_llama(tmp_path_factory, tiny_vocab_path):
+    """A specialized drafter for the tiny target: a tiny random llama keeping
+    about 360 of its tokens."""
+    path = tmp_path_factory.mktemp("tiny-trimmed") / "trimmed.gguf"
+    write_trimmed_drafter(path, tiny_vocab_path, _trimmed_keep(tiny_vocab_path))
     return path
 
 
@@ -355,14 +374,16 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def test_cross_tokenizer_sampling_follows_the_target_distribution(tiny_llama_path, other_vocab_llama):
+@pytest.mark.parametrize("draft", ["other_vocab_llama", "trimmed_llama"])
+def test_sampling_with_drafts_follows_the_target_distribution(tiny_llama_path, draft, request):
     """End to end on the tiny models: the first four tokens sampled with
-    cross-tokenizer drafts follow the target's own distribution, computed
-    exactly from its sampler probabilities along every prefix."""
+    cross-tokenizer drafts (a deterministic proposal) or a trimmed
+    vocabulary's drafts (q zero outside its tokens) follow the target's own
+    distribution, computed exactly from its sampler probabilities along every prefix."""
     params = SamplingParams(temperature=0.8, top_k=3)
     kw = dict(temperature=params.temperature, top_k=params.top_k)
     with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model",
-                draft_model=str(other_vocab_llama)) as engine:
+                draft_model=str(request.getfixturevalue(draft))) as engine:
         prompt = "def fibonacci(n):\n    if n < 2:\n"
         context = engine.prompt_tokens(prompt)
         backend = engine.backend
@@ -397,3 +418,65 @@ def test_cross_tokenizer_sampling_follows_the_target_distribution(tiny_llama_pat
     cells = [(o, e) for o, e in zip(observed, expected) if e > 0]
     chi2 = sum((o - e) ** 2 / e for o, e in cells)
     assert chi2 < _chi2_critical(len(cells) - 1), f"chi-square {chi2:.1f} over {len(cells)} cells"
+
+
+# -- specialized drafters: a trimmed vocabulary ----------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["native", "llama"])
+def test_a_trimmed_drafter_proposes_target_ids(tiny_llama_path, trimmed_llama, backend):
+    """Its proposals are the target ids of its tokens, fed the target's text
+    through the map; on the batch-invariant native engine greedy output is
+    the plain output."""
+    with Engine(str(tiny_llama_path), backend=backend, threads=1, n_ctx=512, drafter="model",
+                draft_model=str(trimmed_llama)) as e:
+        spec = e.generate(LONG_TEXT[:200], max_tokens=48, temperature=0)
+        plain = e.generate(LONG_TEXT[:200], max_tokens=48, temperature=0, drafter="none")
+        model = spec.stats.spec.drafters["model"]
+        assert model["mode"] == model_drafter.TRIMMED and spec.stats.spec.drafted > 0
+        if backend == "native":
+            assert spec.tokens == plain.tokens
+
+
+def test_a_trimmed_drafter_maps_ids_both_ways(tiny_llama_path, trimmed_llama, tiny_vocab_path):
+    keep = _trimmed_keep(tiny_vocab_path)
+    with open_backend("native", tiny_llama_path, n_ctx=512, threads=1) as target:
+        d = _drafter(target, trimmed_llama)
+        try:
+            m = d._map
+            assert m.target_ids(range(len(keep))) == keep
+            assert m.drafter_ids(keep) == list(range(len(keep)))
+            dropped = next(t for t in range(target.n_vocab) if t not in set(keep))
+            assert m.drafter_ids([dropped]) == [0]   # unk_id
+            d.begin(target.tokenize(LONG_TEXT[:120]), SamplingParams(temperature=0))
+            draft = d.draft(target.tokenize(LONG_TEXT[:120]), 4)
+            assert len(draft) and set(draft.tokens) <= set(keep)
+        finally:
+            d.close()
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"edgespec.drafter.target_vocab": "0" * 64, "edgespec.drafter.target": "some-model"},
+     "trained for some-model, whose vocabulary differs"),
+    ({"edgespec.drafter.unk_id": 100000}, "unk_id must be one of its token ids"),
+])
+def test_a_trimmed_drafter_for_another_vocabulary_or_with_bad_keys_is_refused(
+        tiny_llama_path, tiny_vocab_path, tmp_path, keys, match):
+    path = tmp_path / "bad.gguf"
+    write_trimmed_drafter(path, tiny_vocab_path, _trimmed_keep(tiny_vocab_path), keys=keys)
+    with open_backend("native", tiny_llama_path, n_ctx=512, threads=1) as target:
+        with pytest.raises(IncompatibleDraftModelError, match=match):
+            _drafter(target, path)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda keep: keep[:-1] + [keep[0]], "names a target token twice"),
+    (lambda keep: keep[:-1] + [10 ** 6], "outside the target's vocabulary"),
+])
+def test_a_bad_token_map_is_refused(tiny_llama_path, tiny_vocab_path, tmp_path, edit, match):
+    keep = _trimmed_keep(tiny_vocab_path)
+    path = tmp_path / "bad-map.gguf"
+    write_trimmed_drafter(path, tiny_vocab_path, keep, keys={"edgespec.drafter.token_map": edit(keep)})
+    with open_backend("native", tiny_llama_path, n_ctx=512, threads=1) as target:
+        with pytest.raises(IncompatibleDraftModelError, match=match):
+            _drafter(target, path)

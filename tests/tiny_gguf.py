@@ -586,3 +586,63 @@ def write_moe_fixture(name: str, directory: str | os.PathLike,
         write(path, tokenizer_source, **{**kwargs, **overrides})
     return path
 
+
+
+# ---- specialized drafters ---------------------------------------------------------------
+
+def write_trimmed_drafter(path: str | os.PathLike, target_vocab: str | os.PathLike, keep: Sequence[int], *,
+                          seed: int = 2, keys: dict | None = None) -> None:
+    """A tiny random llama drafting for the tokenizer of `target_vocab` with
+    only the target ids `keep`, in that order (a specialized drafter, see
+    edgespec.drafters.specialized): its tokenizer is the target's cut down to
+    them (merges whose pieces are all kept), plus the edgespec.drafter.* keys;
+    `keys` (key -> value) replaces or adds some of those."""
+    from edgespec.drafters import specialized
+    reader = gguf.GGUFReader(str(target_vocab))
+    def text(v):
+        return v.decode("utf-8") if isinstance(v, bytes) else v
+    tokens = [text(t) for t in field_value(reader.fields[gguf.Keys.Tokenizer.LIST])]
+    types = field_value(reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE])
+    merges = [text(m) for m in field_value(reader.fields[gguf.Keys.Tokenizer.MERGES])]
+    kept = [tokens[i] for i in keep]
+    index = {t: i for i, t in enumerate(kept)}
+    folder = Path(path).parent
+    vocab, model = folder / f".{Path(path).stem}.vocab.gguf", folder / f".{Path(path).stem}.model.gguf"
+    w = gguf.GGUFWriter(str(vocab), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(kept)
+    w.add_token_types([types[i] for i in keep])
+    w.add_token_merges([m for m in merges if all(p in index for p in (*m.split(" "), m.replace(" ", "")))])
+    for key, add in ((gguf.Keys.Tokenizer.BOS_ID, w.add_bos_token_id), (gguf.Keys.Tokenizer.EOS_ID, w.add_eos_token_id)):
+        add(index[tokens[field_value(reader.fields[key])]])
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    write_tiny_llama(model, vocab, seed=seed)
+    values = {specialized.KEY_TARGET: "tiny", specialized.KEY_TARGET_VOCAB: specialized.vocab_fingerprint(tokens),
+              specialized.KEY_TARGET_N_VOCAB: len(tokens), specialized.KEY_TOKEN_MAP: list(keep),
+              specialized.KEY_UNK: 0, specialized.KEY_LANGS: ["python"],
+              specialized.KEY_PROFILE: specialized.char_profile([_CORPUS]), **(keys or {})}
+    reader = gguf.GGUFReader(str(model))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    copy_keys(reader, writer)
+    for key, value in values.items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+        vocab.unlink()
+        model.unlink()

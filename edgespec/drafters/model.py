@@ -7,6 +7,12 @@ Two modes, chosen by the tokenizer check (``check_tokenizers``):
   verification. Under greedy decoding it adds the second-best token as a
   sibling leaf at uncertain positions when the planner's cost curve says the
   wider tree pays (``Planner.widen``).
+* trimmed-vocabulary: a specialized drafter (``specialized.py``) keeps only
+  the target tokens its language uses; it is fed its own ids for the
+  target's (``unk_id`` for the others) and its proposals, and under sampling
+  its distributions q (zero outside the kept tokens), are mapped back to
+  target ids, so verification stays exact. A drafter trained for another
+  target's vocabulary is refused.
 * cross-tokenizer: the draft model has a tokenizer of its own. The target's
   text is re-tokenized into draft tokens (incrementally, from a safe
   boundary), the draft model continues it as text, and that text is
@@ -37,12 +43,14 @@ from ..backends import open_backend, resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
+from ..models.gguf import GGUFFile
+from . import specialized
 from ..sampling import Sampler, SamplingParams
 from . import Draft, Drafter, DrafterConfig, Verified
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
 
-SAME_VOCAB, CROSS_TOKENIZER = "same-vocabulary", "cross-tokenizer"
+SAME_VOCAB, TRIMMED, CROSS_TOKENIZER = "same-vocabulary", "trimmed-vocabulary", "cross-tokenizer"
 
 # Metadata that must agree between draft and target for token ids to mean the same.
 _SPECIAL = ("bos_token", "eos_token")
@@ -116,6 +124,53 @@ def check_tokenizers(target, draft, draft_ref: str) -> tuple[str, str | None]:
             f"{difference}, and its tokenizer cannot stand in for the target's in cross-tokenizer mode: "
             f"{failure}")
     return CROSS_TOKENIZER, difference
+
+
+class TokenMap:
+    """A specialized drafter's ids against the target's."""
+
+    def __init__(self, to_target: np.ndarray, unk: int, n_target: int):
+        self.to_target = to_target                          # (n_draft,) drafter id -> target id
+        self.to_draft = np.full(n_target, unk, np.int32)    # (n_target,) target id -> drafter id
+        self.to_draft[to_target] = np.arange(len(to_target), dtype=np.int32)
+
+    def drafter_ids(self, tokens: Sequence[int]) -> list[int]:
+        return self.to_draft[np.asarray(tokens, dtype=np.int64)].tolist() if len(tokens) else []
+
+    def target_ids(self, tokens: Sequence[int]) -> list[int]:
+        return self.to_target[np.asarray(tokens, dtype=np.int64)].tolist() if len(tokens) else []
+
+
+def token_map(target_path, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
+    """The id map of a specialized drafter (None for any other draft model),
+    checked: every key present and in range, and the vocabulary it was
+    trained for the target's (else IncompatibleDraftModelError saying which)."""
+    with GGUFFile(draft_path) as f:
+        if specialized.KEY_TOKEN_MAP not in f:
+            return None
+        ids, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
+        trained_for, fingerprint = f.get(specialized.KEY_TARGET), f.get(specialized.KEY_TARGET_VOCAB)
+    with GGUFFile(target_path) as t:
+        target_tokens = t.get("tokenizer.ggml.tokens") or []
+    if not isinstance(fingerprint, str) or fingerprint != specialized.vocab_fingerprint(target_tokens):
+        raise IncompatibleDraftModelError(
+            f"draft model {draft_ref} was trained for {trained_for or 'another model'}, whose vocabulary "
+            f"differs from the target's ({specialized.KEY_TARGET_VOCAB} does not match)")
+    n_target = len(target_tokens)
+    if not isinstance(ids, list) or len(ids) != n_draft or not all(isinstance(i, int) for i in ids):
+        raise IncompatibleDraftModelError(f"draft model {draft_ref}: {specialized.KEY_TOKEN_MAP} must list "
+                                          f"a target id for each of its {n_draft} tokens")
+    to_target = np.asarray(ids, dtype=np.int64)
+    if n_draft and (to_target.min() < 0 or to_target.max() >= n_target):
+        raise IncompatibleDraftModelError(f"draft model {draft_ref}: {specialized.KEY_TOKEN_MAP} names a "
+                                          f"token outside the target's vocabulary [0, {n_target})")
+    if len(np.unique(to_target)) != n_draft:
+        raise IncompatibleDraftModelError(f"draft model {draft_ref}: {specialized.KEY_TOKEN_MAP} names a "
+                                          "target token twice")
+    if not isinstance(unk, int) or not 0 <= unk < n_draft:
+        raise IncompatibleDraftModelError(f"draft model {draft_ref}: {specialized.KEY_UNK} must be one of "
+                                          f"its token ids [0, {n_draft})")
+    return TokenMap(to_target, unk, n_target)
 
 
 def _complete_utf8(data: bytes) -> int:
@@ -242,7 +297,12 @@ class ModelDrafter(Drafter):
         self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.threads, ep=config.ep,
                                     ctx_extend=True)
         try:
-            self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
+            self._map = token_map(config.target.path, path, self.backend.n_vocab, ref)
+            if self._map is not None:
+                self.mode, self.difference = TRIMMED, (f"draft model {ref} keeps {self.backend.n_vocab} of "
+                                                       f"the target's {config.target.n_vocab} tokens")
+            else:
+                self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
         except Exception:
             self.backend.close()
             raise
@@ -254,6 +314,8 @@ class ModelDrafter(Drafter):
         # Small models of one family agree with each other on most tokens;
         # text re-tokenized across vocabularies loses some at the boundary.
         self.prior = 0.7 if self.mode == SAME_VOCAB else 0.6
+        # q rows handed to verification, over the target's vocabulary (trimmed mode).
+        self._q = np.empty((0, config.target.n_vocab), dtype=np.float32)
         self.planner = None               # set by the engine: decides on draft trees
         self.n_vocab = self.backend.n_vocab
         self._bridge = _TextBridge(config.target, self.backend) if self.mode == CROSS_TOKENIZER else None
@@ -276,8 +338,11 @@ class ModelDrafter(Drafter):
         self._chain = []
         # What the cache holds of this prompt (a prefix shared with the last
         # generation's text stays; the bridge keeps no such record).
-        self._seen = 0 if self._bridge is not None else common_prefix(self.backend.cached_tokens, prompt,
-                                                                        len(prompt))
+        self._seen = 0 if self._bridge is not None else common_prefix(
+            self.backend.cached_tokens, self._drafter_ids(prompt), len(prompt))
+
+    def _drafter_ids(self, tokens: Sequence[int]) -> list[int]:
+        return list(tokens) if self._map is None else self._map.drafter_ids(tokens)
 
     def backlog(self, context: Sequence[int]) -> int:
         return max(0, len(context) - self._seen)
@@ -356,17 +421,40 @@ class ModelDrafter(Drafter):
         self._seen = len(context)
         if self._bridge is not None:
             return self._draft_text(context, max_tokens)
-        if not self._sampler.params.greedy and self._probs.shape[0] < max_tokens:
+        greedy = self._sampler.params.greedy
+        if self._map is not None and self._constraint is not None and not greedy:
+            # q would have to be drawn inside the grammar's mask of target ids.
+            return Draft(source=self.name)
+        if not greedy and self._probs.shape[0] < max_tokens:
             self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
-        logits = self._sync(context, max_tokens + 1)
-        self._refill_penalty(context)
+        d_context = self._drafter_ids(context)
+        logits = self._sync(d_context, max_tokens + 1)
+        self._refill_penalty(d_context)
         self._base = self.backend.n_past
-        with self._constraint.lookahead() if self._constraint else nullcontext() as look:
+        # The grammar's lookahead speaks target ids: in trimmed mode greedy
+        # drafts go unconstrained (the engine prunes them to the grammar).
+        inside = self._constraint is not None and self._map is None
+        with self._constraint.lookahead() if inside else nullcontext() as look:
             tokens, runners = self._chain_from(logits, max_tokens, stop_at_control=False, look=look)
+        if self._map is not None:
+            tokens = self._map.target_ids(tokens)
+            runners = [(int(self._map.to_target[second]), p1, p2) for second, p1, p2 in runners]
         self._chain = tokens
-        if self._sampler.params.greedy:
+        if greedy:
             return self._widen(tokens, runners)
-        return Draft(tokens=tokens, probs=self._probs.ctypes.data, source=self.name)
+        return Draft(tokens=tokens, probs=self._target_q(len(tokens)), source=self.name)
+
+    def _target_q(self, n: int) -> int:
+        """Address of the (n, n_vocab_target) q rows: the draft's own, or in
+        trimmed mode scattered into target ids (0 for tokens it does not keep)."""
+        if self._map is None:
+            return self._probs.ctypes.data
+        if self._q.shape[0] < n:
+            self._q = np.empty((n, self._q.shape[1]), dtype=np.float32)
+        q = self._q[:n]
+        q.fill(0.0)
+        q[:, self._map.to_target] = self._probs[:n]
+        return self._q.ctypes.data
 
     def _widen(self, tokens: list[int], runners: list[tuple]) -> Draft:
         """A greedy chain, with runner-up leaves where the planner says they pay."""
