@@ -261,6 +261,11 @@ def copy_gguf(source: str | os.PathLike, path: str | os.PathLike, *, drop: Seque
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     for name, w in (add or {}).items():
         writer.add_tensor(name, np.asarray(w, dtype=np.float32))
+    _write_out(writer)
+
+
+def _write_out(writer: gguf.GGUFWriter) -> None:
+    """Write what `writer` holds and close it, also when writing fails."""
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -639,10 +644,7 @@ def write_trimmed_drafter(path: str | os.PathLike, target_vocab: str | os.PathLi
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        _write_out(writer)
     finally:
-        writer.close()
         vocab.unlink()
         model.unlink()
