@@ -109,6 +109,16 @@ def test_openai_completions_stream_a_fim_answer(fim_server, fim_engine):
     assert status == 200 and "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
 
 
+def test_the_openai_client_sends_a_suffix(fim_server, fim_engine):
+    import openai
+    client = openai.OpenAI(base_url=fim_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    want = fim_engine.generate(PREFIX, suffix=SUFFIX, **GREEDY).text
+    out = client.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, **GREEDY)
+    assert out.choices[0].text == want
+    chunks = client.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": PREFIX, "suffix": 3}, "suffix"),
     ({"prompt": [1, 2], "suffix": "x"}, "suffix"),
