@@ -141,22 +141,23 @@ class TokenMap:
         return self.to_target[np.asarray(tokens, dtype=np.int64)].tolist() if len(tokens) else []
 
 
-def token_map(target_path, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
-    """The id map of a specialized drafter (None for any other draft model),
-    checked: every key present and in range, and the vocabulary it was
-    trained for the target's (else IncompatibleDraftModelError saying which)."""
+def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
+    """The id map of a specialized drafter (None for any other draft model, an
+    ONNX export folder included), checked: every key present and in range, and
+    the vocabulary it was trained for the ``target`` backend's (else
+    IncompatibleDraftModelError saying which)."""
+    if not Path(draft_path).is_file():
+        return None
     with GGUFFile(draft_path) as f:
         if specialized.KEY_TOKEN_MAP not in f:
             return None
         ids, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
         trained_for, fingerprint = f.get(specialized.KEY_TARGET), f.get(specialized.KEY_TARGET_VOCAB)
-    with GGUFFile(target_path) as t:
-        target_tokens = t.get("tokenizer.ggml.tokens") or []
-    if not isinstance(fingerprint, str) or fingerprint != specialized.vocab_fingerprint(target_tokens):
+    n_target = target.n_vocab
+    if fingerprint != specialized.vocab_fingerprint(target.token_text(t) for t in range(n_target)):
         raise IncompatibleDraftModelError(
             f"draft model {draft_ref} was trained for {trained_for or 'another model'}, whose vocabulary "
             f"differs from the target's ({specialized.KEY_TARGET_VOCAB} does not match)")
-    n_target = len(target_tokens)
     if not isinstance(ids, list) or len(ids) != n_draft or not all(isinstance(i, int) for i in ids):
         raise IncompatibleDraftModelError(f"draft model {draft_ref}: {specialized.KEY_TOKEN_MAP} must list "
                                           f"a target id for each of its {n_draft} tokens")
@@ -297,7 +298,7 @@ class ModelDrafter(Drafter):
         self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.threads, ep=config.ep,
                                     ctx_extend=True)
         try:
-            self._map = token_map(config.target.path, path, self.backend.n_vocab, ref)
+            self._map = token_map(config.target, path, self.backend.n_vocab, ref)
             if self._map is not None:
                 self.mode, self.difference = TRIMMED, (f"draft model {ref} keeps {self.backend.n_vocab} of "
                                                        f"the target's {config.target.n_vocab} tokens")
