@@ -44,9 +44,8 @@ from ..backends.base import common_prefix
 from ..capi import ffi
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models.gguf import GGUFFile
-from . import specialized
 from ..sampling import Sampler, SamplingParams
-from . import Draft, Drafter, DrafterConfig, Verified
+from . import Draft, Drafter, DrafterConfig, Verified, specialized
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
 
