@@ -32,7 +32,8 @@ from . import moe
 from .backends import BACKENDS, Interrupted, default_backend, open_backend, resolve_model
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
-from .drafters import Draft, Drafter, DrafterConfig, Verified
+from .drafters import Draft, Drafter, DrafterConfig, Verified, routed
+from .drafters.router import open_router
 from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
                      InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
@@ -70,6 +71,12 @@ class SpecStats:
         """Draft tokens accepted per target step."""
         return self.accepted / self.target_steps if self.target_steps else 0.0
 
+    @property
+    def specialized(self) -> str | None:
+        """The specialized drafter the router chose for this generation (its
+        file stem; None: none), whether or not the planner used it."""
+        return next((d["specialized"] for d in self.drafters.values() if d.get("specialized")), None)
+
     def count(self, name: str, drafted: int, accepted: int) -> None:
         self.target_steps += 1
         if drafted:
@@ -88,6 +95,7 @@ class SpecStats:
         d = asdict(self)
         d["acceptance_rate"] = self.acceptance_rate
         d["mean_accepted"] = self.mean_accepted
+        d["specialized"] = self.specialized
         return d
 
 
@@ -164,6 +172,7 @@ class _Request:
     tools: list[dict] | None = None   # tool calls are parsed from the reply
     tool_style: str = ""              # chat_tools.style_of the template
     logprobs: int | None = None       # None: off; k: each token's logprob and the top k
+    text: str | None = None           # what the request is about, for routing (None: its tokens say)
 
 
 class Generation(Iterator[str]):
@@ -246,6 +255,18 @@ def _check_threads(threads: int | None, force: bool) -> None:
                                    "(force_threads / --force-threads allows it)")
 
 
+def _routing_text(prompt, messages, suffix) -> str | None:
+    """A request's own text, which a router reads: a chat's messages but the
+    system's (its template's text and a system prompt say little of the
+    reply's language), a prompt with its suffix; None for token ids."""
+    if messages is not None:   # validated: each content is a string, or absent beside tool calls
+        return "\n".join(m["content"] for m in messages
+                         if m.get("role") != "system" and isinstance(m.get("content"), str)) or None
+    if isinstance(prompt, str):
+        return prompt if suffix is None else prompt + "\n" + suffix
+    return None
+
+
 class Engine:
     """A loaded model and its context.
 
@@ -257,7 +278,10 @@ class Engine:
     the native engine does not read falls back to llama). ``gpu_layers``
     offloads layers when llama.cpp was built with Metal/CUDA/Vulkan.
     ``draft_backend`` runs the draft model on another backend than the
-    target; ``ep`` is the ONNX Runtime execution provider of whichever of
+    target. ``auto`` also routes each request to one of the target's
+    specialized drafters (edgespec.drafters.routed: the shipped ones and
+    $EDGESPEC_HOME/drafters/<target>/, or those of the folder ``drafter_dir``),
+    chosen by the router called ``router``; ``ep`` is the ONNX Runtime execution provider of whichever of
     them is onnx (cpu, qnn, openvino, dml, coreml, cuda). ``n_ctx`` defaults
     to 4096 tokens or the model's training context if smaller; a larger one
     than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
@@ -275,7 +299,8 @@ class Engine:
                  slots: int = 1,
                  gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
                  draft_backend: str | None = None, ep: str | None = None,
-                 ngram_cache: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+                 ngram_cache: str | None = None, drafter_dir: str | os.PathLike | None = None,
+                 router: str = "profile", draft_max: int = DEFAULT_DRAFT_MAX,
                  ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False,
                  expert_cache_mb: int | None = None, expert_precision: str = "exact",
                  expert_policy: str = "adaptive", expert_prefetch: int = moe.DEFAULT_PREFETCH):
@@ -298,6 +323,8 @@ class Engine:
         self.drafter = drafting.check_name(drafter)
         self.draft_max = draft_max
         self.model_ref = str(model) if model is not None else registry.default_model()
+        open_router(router)   # fail early on an unknown one
+        specialized = routed.set_files(registry.model_name(self.model_ref), drafter_dir)
         auto = backend is None
         if auto:
             backend = default_backend(self.model_ref, gpu_layers)
@@ -322,6 +349,7 @@ class Engine:
                                              paired_draft=registry.paired_draft(self.model_ref),
                                              draft_backend=draft_backend,
                                              ep=ep, ngram_cache=ngram_cache,
+                                             specialized=tuple(specialized), router=router,
                                              threads=threads, n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, Drafter] = {}
         self._costs: list[float] | None = None
@@ -730,7 +758,7 @@ class Engine:
             raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
                                        "(raise n_ctx or shorten the prompt)")
         return Generation(self, _Request(tokens, params, max_tokens, stop, name, grammar, tools, style,
-                                         logprobs), blocking)
+                                         logprobs, _routing_text(prompt, messages, suffix)), blocking)
 
     def _tool_tags(self, style: str) -> tuple[int | None, int | None]:
         """The vocabulary's own <tool_call> / </tool_call> tokens, if it has them."""
@@ -863,6 +891,7 @@ class Engine:
                 sampler.accept(t)
             constraint = self._constraint(request.grammar) if request.grammar else None
             for d in drafters:
+                d.route(request.text)
                 d.begin(prompt, request.sampling)
                 d.constrain(constraint)
             steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",

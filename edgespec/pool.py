@@ -41,9 +41,7 @@ class PoolFullError(EngineBusyError):
 
 def model_name(ref: str) -> str:
     """The name a model is served under: the built-in name, or a file's stem."""
-    if ref.startswith("hf:"):
-        return Path(ref[3:]).stem
-    return Path(ref).stem if ref.endswith(".gguf") or Path(ref).exists() else ref
+    return registry.ref_stem(ref)
 
 
 def cached_models() -> list[str]:

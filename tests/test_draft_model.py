@@ -423,12 +423,13 @@ def test_sampling_with_drafts_follows_the_target_distribution(tiny_llama_path, d
 # -- specialized drafters: a trimmed vocabulary ----------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["native", "llama"])
-def test_a_trimmed_drafter_proposes_target_ids(tiny_llama_path, trimmed_llama, backend):
+@pytest.mark.parametrize("target, backend", [("tiny_llama_path", "native"), ("tiny_llama_path", "llama"),
+                                             ("tiny_qwen2_path", "native")])
+def test_a_trimmed_drafter_proposes_target_ids(target, trimmed_llama, backend, request):
     """Its proposals are the target ids of its tokens, fed the target's text
     through the map; on the batch-invariant native engine greedy output is
-    the plain output."""
-    with Engine(str(tiny_llama_path), backend=backend, threads=1, n_ctx=512, drafter="model",
+    the plain output (a llama target, and a qwen2 one over the same tokenizer)."""
+    with Engine(str(request.getfixturevalue(target)), backend=backend, threads=1, n_ctx=512, drafter="model",
                 draft_model=str(trimmed_llama)) as e:
         spec = e.generate(LONG_TEXT[:200], max_tokens=48, temperature=0)
         plain = e.generate(LONG_TEXT[:200], max_tokens=48, temperature=0, drafter="none")

@@ -596,12 +596,16 @@ def write_moe_fixture(name: str, directory: str | os.PathLike,
 # ---- specialized drafters ---------------------------------------------------------------
 
 def write_trimmed_drafter(path: str | os.PathLike, target_vocab: str | os.PathLike, keep: Sequence[int], *,
-                          seed: int = 2, keys: dict | None = None) -> None:
+                          seed: int = 2, keys: dict | None = None,
+                          weights_of: str | os.PathLike | None = None) -> None:
     """A tiny random llama drafting for the tokenizer of `target_vocab` with
     only the target ids `keep`, in that order (a specialized drafter, see
     edgespec.drafters.specialized): its tokenizer is the target's cut down to
     them (merges whose pieces are all kept), plus the edgespec.drafter.* keys;
-    `keys` (key -> value) replaces or adds some of those."""
+    `keys` (key -> value) replaces or adds some of those. With `weights_of`
+    (a tiny llama of write_tiny_llama's default shape) its weights are that
+    model's, the vocabulary rows cut to `keep`: it drafts what that model
+    would wherever the model's choice is a kept token."""
     from edgespec.drafters import specialized
     reader = gguf.GGUFReader(str(target_vocab))
     def text(v):
@@ -641,8 +645,11 @@ def write_trimmed_drafter(path: str | os.PathLike, target_vocab: str | os.PathLi
             writer.add_string(key, value)
         else:
             writer.add_uint32(key, value)
+    source = {t.name: t for t in gguf.GGUFReader(str(weights_of)).tensors} if weights_of else {}
     for t in reader.tensors:
-        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        t = source.get(t.name, t)
+        data = t.data[np.asarray(keep)] if source and t.name in ("token_embd.weight", "output.weight") else t.data
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     try:
         _write_out(writer)
     finally:

@@ -43,6 +43,7 @@ class RunResult:
     by_length: dict = field(default_factory=dict)   # draft length -> {steps, accepted}
     stop_reason: str = ""
     experts: dict | None = None       # edgespec with an expert cache: its counters (edgespec.moe.stats_dict)
+    specialized: str | None = None    # edgespec: the specialized drafter routed to (auto with a set)
 
 
 # ---------------------------------------------------------------------------

@@ -65,6 +65,8 @@ class BenchOptions:
     drafters: list[str] = field(default_factory=lambda: ["none", "ngram", "auto"])
     draft_model: str | None = None
     ngram_cache: str | None = None
+    drafter_dir: str | None = None      # auto's specialized drafters (default: the target's set)
+    router: str = "profile"
     modes: list[str] = field(default_factory=lambda: ["greedy"])
     max_tokens: int = 256
     repeats: int = 2
@@ -109,7 +111,7 @@ class BenchOptions:
         return Engine(self.model, backend=self.backend, ep=self.ep, threads=self.threads, n_ctx=self.n_ctx,
                       gpu_layers=self.gpu_layers, drafter=drafter, draft_model=self.draft_model,
                       draft_backend=self.draft_backend, draft_max=self.draft_max, ngram_cache=ngram_cache,
-                      ctx_extend=self.ctx_extend, force_threads=self.force_threads, verbose=self.verbose,
+                      drafter_dir=self.drafter_dir, router=self.router, ctx_extend=self.ctx_extend, force_threads=self.force_threads, verbose=self.verbose,
                       expert_cache_mb=self.expert_cache_mb, expert_precision=self.expert_precision,
                       expert_policy=self.expert_policy, expert_prefetch=self.expert_prefetch)
 
@@ -150,7 +152,8 @@ class Configuration:
                          tokens=r.tokens, stop_reason=s.stop_reason,
                          drafted=spec.drafted if spec else None, accepted=spec.accepted if spec else None,
                          target_steps=spec.target_steps if spec else None,
-                         by_length=dict(spec.by_length) if spec else {}, experts=s.experts)
+                         by_length=dict(spec.by_length) if spec else {}, experts=s.experts,
+                         specialized=spec.specialized if spec else None)
 
     def render(self, prompt: suite_data.Prompt) -> str:
         """The text a peer is given: the chat-rendered prompt, or the raw one."""
@@ -413,7 +416,8 @@ def collect(tally: Tally, group: list, got: dict[str, RunResult], prompt: suite_
                "drafted": r.drafted, "accepted": r.accepted, "target_steps": r.target_steps,
                "by_length": {str(k): v for k, v in sorted(r.by_length.items())},
                "stop_reason": r.stop_reason, "same_as_plain": None,
-               **({"experts": r.experts} if r.experts is not None else {})}
+               **({"experts": r.experts} if r.experts is not None else {}),
+               **({"specialized": r.specialized} if r.specialized else {})}
         if mode == "greedy" and base is not None and c.name != "edgespec:none":
             _compare_with_plain(tally, rec, c, r, base)
         tally.runs.append(rec)

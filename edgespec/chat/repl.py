@@ -218,7 +218,7 @@ class ChatSession:
         s = result.stats
         parts = [f"{s.n_tokens} tokens", f"{s.tokens_per_s:.1f} tokens/s"]
         if s.spec is not None:
-            parts.append(f"drafter {s.drafter}")
+            parts.append(f"drafter {s.drafter}" + (f" ({s.spec.specialized})" if s.spec.specialized else ""))
             if s.spec.drafted:
                 parts.append(f"accepted {100 * s.spec.acceptance_rate:.0f}%")
                 parts.append(f"{s.spec.mean_accepted:.2f} per step")

@@ -15,7 +15,7 @@ app = typer.Typer(no_args_is_help=True,
                   help="edgespec: fast local LLM generation with lossless speculative decoding.")
 models_app = typer.Typer(no_args_is_help=True, help="List, fetch and inspect models.")
 app.add_typer(models_app, name="models")
-drafter_app = typer.Typer(no_args_is_help=True, help="Build drafter data (n-gram caches).")
+drafter_app = typer.Typer(no_args_is_help=True, help="Drafter data (n-gram caches) and specialized drafters.")
 app.add_typer(drafter_app, name="drafter")
 moe_app = typer.Typer(no_args_is_help=True, help="Mixture-of-experts files: upcycle, synth, prepare.")
 app.add_typer(moe_app, name="moe")

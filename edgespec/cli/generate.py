@@ -47,6 +47,8 @@ def _summary(result) -> str:
         if s.spec.per_drafter:
             line += "; accepted by " + ", ".join(f"{name} {d['accepted']}/{d['drafted']}"
                                                  for name, d in s.spec.per_drafter.items())
+        if s.spec.specialized:
+            line += f"; specialized drafter {s.spec.specialized}"
         mode = s.spec.drafters.get("model", {}).get("mode")
         if mode:
             line += f"; draft model {s.spec.drafters['model']['draft_model']} ({mode})"

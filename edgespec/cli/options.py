@@ -51,6 +51,8 @@ class EngineOptions:
     draft_backend: Optional[str]
     draft_max: int
     ngram_cache: Optional[str]
+    drafter_dir: Optional[str]
+    router: str
     ctx_extend: bool
     force_threads: bool
     verbose: bool
@@ -157,6 +159,13 @@ ENGINE_OPTIONS = {
                                                                            f"[1, {DRAFT_MAX_LIMIT}].")),
     "ngram_cache": (Optional[str], typer.Option(None, "--ngram-cache", help="N-gram cache file for the cache and "
                                                 "auto drafters (`edgespec drafter ngram` builds one).")),
+    "drafter_dir": (Optional[str], typer.Option(None, "--drafters", metavar="DIR", help="Specialized drafters "
+                                                "for auto: the GGUF files of DIR and DIR/<model name>/ (default: "
+                                                "the shipped ones and $EDGESPEC_HOME/drafters/<model name>/; "
+                                                "`edgespec drafter list` shows them).")),
+    "router": (str, typer.Option("profile", "--router", help="How auto picks one specialized drafter per request: "
+                                 "profile (the prompt's scripts and character n-grams against each drafter's), "
+                                 "or module:Class of your own (an edgespec.drafters.router.Router).")),
     "force_threads": (bool, typer.Option(False, "--force-threads", help="Allow more than 4 threads per CPU.")),
     "verbose": (bool, typer.Option(False, "--verbose", help="Show the backend's own log (llama.cpp's).")),
     "expert_cache_mb": (Optional[int], typer.Option(

@@ -81,6 +81,8 @@ class DrafterConfig:
     draft_backend: str | None = None  # model drafter's backend (default: the target's)
     ep: str | None = None            # onnx backend: execution provider
     ngram_cache: str | None = None   # cache drafter: a file from `edgespec drafter ngram`
+    specialized: tuple = ()          # routed drafter: the target's set of specialized drafter files
+    router: str = "profile"          # routed drafter: its router's name (edgespec.drafters.router)
     threads: int | None = None
     n_ctx: int = 4096
 
@@ -104,6 +106,11 @@ class Drafter(ABC):
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A new generation starts: ``prompt`` is its whole context, ``sampling``
         how the target chooses tokens (a draft model drafts the same way)."""
+
+    def route(self, text: str | None) -> None:
+        """The request about to begin is about ``text`` (a chat's messages
+        but the system's, or the prompt; None: only its tokens say): for a
+        drafter that chooses by it (the routed one)."""
 
     def constrain(self, constraint) -> None:
         """A grammar (an ``edgespec.grammar.Constraint``, or None) constrains the
@@ -134,14 +141,18 @@ def open_drafter(name: str, config: DrafterConfig) -> Drafter:
 
 def auto_members(config: DrafterConfig) -> list[str]:
     """What "auto" chooses among: the n-gram drafter, plus the n-gram cache
-    when the user gave one and the draft model when the user gave one or the
-    registry pairs one with the target. Cheap drafters come first (the engine
-    asks a costly one only when the cheap drafts are worth less). Token
-    recycling is left out: its trees cost more than they add on every
-    measured suite (README, Performance)."""
+    when the user gave one, the specialized drafter a router chooses per
+    request when the target has a set of them (``routed``), and the draft
+    model when the user gave one or the registry pairs one with the target.
+    Cheap drafters come first (the engine asks a costly one only when the
+    drafts before it are worth less; a specialized drafter costs a few
+    percent of a paired model). Token recycling is left out: its trees cost
+    more than they add on every measured suite (README, Performance)."""
     names = ["ngram"]
     if config.ngram_cache:
         names.append("cache")
+    if config.specialized:
+        names.append("routed")
     if config.draft_model or config.paired_draft:
         names.append("model")
     return names

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+import weakref
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -140,6 +141,19 @@ class TokenMap:
         return self.to_target[np.asarray(tokens, dtype=np.int64)].tolist() if len(tokens) else []
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def target_fingerprint(target) -> str:
+    """``specialized.vocab_fingerprint`` of a target's vocabulary (a backend or
+    a Vocab), computed once per object (a set of drafters checks it often)."""
+    fingerprint = _FINGERPRINTS.get(target)
+    if fingerprint is None:
+        fingerprint = _FINGERPRINTS[target] = specialized.vocab_fingerprint(
+            target.token_text(t) for t in range(target.n_vocab))
+    return fingerprint
+
+
 def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
     """The id map of a specialized drafter (None for any other draft model, an
     ONNX export folder included), checked: every key present and in range, and
@@ -153,7 +167,7 @@ def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | No
         ids, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
         trained_for, fingerprint = f.get(specialized.KEY_TARGET), f.get(specialized.KEY_TARGET_VOCAB)
     n_target = target.n_vocab
-    if fingerprint != specialized.vocab_fingerprint(target.token_text(t) for t in range(n_target)):
+    if fingerprint != target_fingerprint(target):
         raise IncompatibleDraftModelError(
             f"draft model {draft_ref} was trained for {trained_for or 'another model'}, whose vocabulary "
             f"differs from the target's ({specialized.KEY_TARGET_VOCAB} does not match)")

@@ -134,9 +134,9 @@ def builtin_model(name: str) -> ModelEntry:
     return models[name]
 
 
-def paired_draft(ref: str | os.PathLike) -> str | None:
-    """The built-in draft model the manifest pairs with model ``ref`` (a
-    built-in name, or the path of a cached built-in model), or None."""
+def builtin_entry_of(ref: str | os.PathLike) -> ModelEntry | None:
+    """The manifest entry of model ``ref`` (a built-in name, or the path of a
+    cached built-in model), or None."""
     models = builtin_models()
     entry = models.get(str(ref))
     if entry is None:
@@ -145,7 +145,28 @@ def paired_draft(ref: str | os.PathLike) -> str | None:
         except (OSError, RuntimeError):
             return None
         entry = next((e for e in models.values() if cached_path(e).resolve() == path), None)
+    return entry
+
+
+def paired_draft(ref: str | os.PathLike) -> str | None:
+    """The built-in draft model the manifest pairs with model ``ref``, or None."""
+    entry = builtin_entry_of(ref)
     return entry.draft if entry is not None else None
+
+
+def model_name(ref: str | os.PathLike) -> str:
+    """A model's name: the built-in name (also for a cached built-in's path),
+    else the file's stem (hf:owner/repo/file.gguf: the file's)."""
+    entry = builtin_entry_of(ref)
+    return entry.name if entry is not None else ref_stem(str(ref))
+
+
+def ref_stem(ref: str) -> str:
+    """A file reference's stem (hf:owner/repo/file.gguf: the file's); any
+    other reference (a built-in name) as it is."""
+    if ref.startswith("hf:"):
+        return Path(ref[3:]).stem
+    return Path(ref).stem if ref.endswith(".gguf") or Path(ref).exists() else ref
 
 
 def list_models() -> list[dict]:
