@@ -202,12 +202,11 @@ def test_a_router_of_the_users_own_and_the_users_folder(tiny_llama_path, drafter
 def test_a_set_without_a_drafter_for_the_target_warns_and_drafts_nothing_special(tiny_llama_path, drafter_set,
                                                                                   tmp_path):
     (tmp_path / "other.gguf").write_bytes((drafter_set / "other.gguf").read_bytes())
-    with pytest.warns(UserWarning, match="other.gguf: .*trained for gemma3-270m, whose vocabulary differs"):
-        e = Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
-                   drafter_dir=str(tmp_path))
-    with e:
-        r = _generate(e, GERMAN)
-        assert r.stats.spec.specialized is None
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="none",
+                drafter_dir=str(tmp_path)) as e:
+        with pytest.warns(UserWarning, match="other.gguf: .*trained for gemma3-270m, whose vocabulary differs"):
+            r = _generate(e, GERMAN, drafter="auto")
+        assert r.stats.spec.specialized is None and set(r.stats.spec.drafters) == {"ngram", "specialized"}
 
 
 # -- edgespec drafter list / generate ------------------------------------------------------

@@ -32,7 +32,7 @@ def bench(
                                  help="Comma-separated: none, ngram, recycle, cache, auto, model "
                                       "(none, the baseline, is always run; model without --draft-model "
                                       "uses the model's paired draft model)."),
-    drafter_dir: Path = typer.Option(None, "--drafter-dir", metavar="DIR", help="auto's specialized drafters: "
+    set_dir: Path = typer.Option(None, "--drafter-dir", metavar="DIR", help="auto's specialized drafters: "
                                      "the GGUF files of DIR and DIR/<model name>/ (default: the shipped ones and "
                                      "$EDGESPEC_HOME/drafters/<model name>/)."),
     modes: str = typer.Option("greedy", "--modes", help="greedy, sampled or greedy,sampled."),
@@ -71,7 +71,7 @@ def bench(
     if prompts is not None and not prompts.exists():
         raise InvalidArgumentError(f"prompts file {prompts}: no such file")
     shared = {k: v for k, v in dataclasses.asdict(engine).items() if k != "drafter"}  # drafters: per run
-    shared["drafter_dir"] = str(drafter_dir) if drafter_dir is not None else None
+    shared["drafter_dir"] = str(set_dir) if set_dir is not None else None
     options = BenchOptions(
         **shared, suites=_list(suite) or [], langs=_list(langs), limit=limit, prompts_file=prompts,
         drafters=_list(drafters) or ["none"], modes=_list(modes) or [], max_tokens=max_tokens, repeats=repeats,

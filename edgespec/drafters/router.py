@@ -76,11 +76,11 @@ class ProfileRouter(Router):
 
     def __init__(self, min_score: float = MIN_SCORE):
         self.min_score = min_score
-        self._models: dict[int, tuple[dict[str, float], dict[str, float]]] = {}
+        self._models: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
 
     def _model(self, d) -> tuple[dict[str, float], dict[str, float]]:
         """log-probability of each n-gram of a drafter's profile, and its script shares."""
-        key = id(d.profile)
+        key = tuple(d.profile)
         if key not in self._models:
             weights = [1.0 / (r + ZIPF_OFFSET) for r in range(len(d.profile))]
             total = sum(weights) or 1.0
