@@ -210,3 +210,7 @@ def test_footer_speedup_against_plain_answers():
     footer = session.footer_text(result)
     assert "40.0 tokens/s" in footer and "accepted 60%" in footer and "1.20 per step" in footer
     assert "2.00x vs plain (20.0 tokens/s)" in footer
+    assert "drafter ngram ·" in footer
+    # auto with a specialized drafter routed to: the footer names it
+    spec.drafters = {"ngram": {}, "specialized:deu": {"specialized": "deu"}}
+    assert "drafter ngram (deu) ·" in session.footer_text(result)
