@@ -85,7 +85,7 @@ FORMAT = "edgespec-onnx"
 FORMAT_VERSION = 3             # 3: GroupQueryAttention over a cache the caller owns (IO binding)
 CONFIG_FILE = "edgespec-onnx.json"
 MODEL_FILE = "model.onnx"
-WEIGHTS = ("int4", "int8", "fp16", "fp32")
+WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see onnx_qdq (static shapes)
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 BLOCK = 32                    # MatMulNBits block size = the GGUF block of Q4_0/Q4_1/Q8_0
 STATIC_SEQ = 16               # --static-shapes: tokens per call (a verify width)
@@ -383,9 +383,9 @@ class _Builder:
         if bias:
             b = g.const(f"{key}.bias", np.concatenate(
                 [self.tensor(n.rsplit(".", 1)[0] + ".bias").dequantize().reshape(-1) for n in names]))
-        if self.weights in ("fp16", "fp32"):
+        if self.weights in ("fp16", "fp32", "qdq"):
             w = np.concatenate([dequantize(self.tensor(n)) for n in names], axis=0)
-            dt = np.float16 if self.weights == "fp16" else np.float32
+            dt = np.float16 if self.weights == "fp16" else np.float32  # qdq: quantized later
             wt = g.const(key, np.ascontiguousarray(w.T.astype(dt)))
             if self.weights == "fp16":
                 wt = g.op("Cast", [wt], to=FLOAT)
@@ -420,7 +420,7 @@ class _Builder:
         with tied weights the 8-bit blocks are stored once and serve both."""
         cfg, g = self.cfg, self.g
         emb_t = self.tensor("token_embd.weight")
-        if self.weights in ("fp16", "fp32"):
+        if self.weights in ("fp16", "fp32", "qdq"):
             table = dequantize(emb_t).astype(np.float16 if self.weights == "fp16" else np.float32)
             name = g.const("token_embd.weight", table)
             if self.weights == "fp16":
@@ -475,6 +475,17 @@ class _Builder:
         eps = self.shared("rms.eps", np.array(self.cfg.rms_eps, np.float32))
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, eps])])])
         return g.op("Mul", [g.op("Mul", [x, inv]), weight])
+
+    def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
+        """(rms_norm(x + residual), x + residual): one SkipSimplifiedLayerNormalization,
+        or in the QDQ form plain operators (NPU providers and onnx's shape
+        inference, which the quantizer needs, know no contrib ops)."""
+        if self.weights == "qdq":
+            h = self.g.op("Add", [x, residual])
+            return self.rms_norm(h, weight), h
+        x, _, _, h = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, weight], n_out=4,
+                               domain=MS_DOMAIN, epsilon=self.cfg.rms_eps)
+        return x, h
 
     def rope(self, x: str, n_heads: int, cos_sin: tuple[str, str], pos: str) -> str:
         """RoPE in plain operators on x (1, S, n_heads * D) at positions pos (1, S):
@@ -647,9 +658,7 @@ class _Builder:
             if cfg.gemma:
                 attn = self.rms_norm(attn, self.vector(f"blk.{i}.post_attention_norm.weight"))
             # residual + attention, normed for the FFN; the sum is the new residual
-            x, _, _, h = g.op("SkipSimplifiedLayerNormalization",
-                              [attn, h, self.vector(f"blk.{i}.ffn_norm.weight")], n_out=4,
-                              domain=MS_DOMAIN, epsilon=cfg.rms_eps)
+            x, h = self.skip_norm(attn, h, self.vector(f"blk.{i}.ffn_norm.weight"))
             f = self.ffn(i, x)
             if cfg.gemma:
                 f = self.rms_norm(f, self.vector(f"blk.{i}.post_ffw_norm.weight"))
@@ -658,8 +667,7 @@ class _Builder:
                 h = g.op("Gather", [g.op("Add", [f, h]), rows], axis=1)
                 x = self.rms_norm(h, self.vector(nxt))
             else:
-                x, _, _, h = g.op("SkipSimplifiedLayerNormalization", [f, h, self.vector(nxt)], n_out=4,
-                                  domain=MS_DOMAIN, epsilon=cfg.rms_eps)
+                x, h = self.skip_norm(f, h, self.vector(nxt))
         logits = head(x)
         if not self.static:
             logits = self.drop_last_row(logits)
@@ -739,6 +747,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     except BaseException:
         reader.close()
         raise
+    static_shapes = static_shapes or weights == "qdq"  # NPU graphs: fixed shapes
     if static_shapes:
         check_cache_len(cache_len)
     static = (STATIC_SEQ, cache_len) if static_shapes else None
@@ -765,6 +774,12 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
                        "size": gguf_path.stat().st_size, "sha256": _file_digest(gguf_path)},
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        if weights == "qdq":  # the float graph written above, calibrated through the backend
+            from . import onnx_qdq
+
+            bar.note("calibrating and quantizing (QDQ)")
+            onnx_qdq.quantize_export(tmp, MODEL_FILE)
+            onnx.checker.check_model(str(tmp / MODEL_FILE))
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above

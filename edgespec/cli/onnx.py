@@ -47,14 +47,18 @@ def onnx_placement(
     ep: str = typer.Option("cpu", "--ep", help="Execution provider (as --ep of generate)."),
 ):
     """Where an exported graph's nodes run on an execution provider: the fraction
-    placed on it, and each node it leaves to the CPU (name and operator)."""
+    placed on it, and each node it leaves to the CPU (name and operator). A QDQ
+    graph's input quantization and output dequantization run on the CPU by
+    design (counted as placed, and said)."""
     from pathlib import Path
 
     from ..backends import onnx, onnx_export
 
     meta = onnx_export.load_export(Path(folder))
     report = onnx.placement(Path(folder) / meta["model"], ep)
-    typer.echo(f"{report['on_provider']} of {report['nodes']} nodes "
-               f"({100 * report['on_provider'] / report['nodes']:.1f}%) on {report['provider']}")
+    n, placed, boundary = report["nodes"], report["on_provider"], len(report["boundary"])
+    typer.echo(f"{placed} of {n} nodes ({100 * placed / n:.1f}%) on {report['provider']}"
+               + (f"; {boundary} more quantize the graph's inputs and dequantize its outputs on the CPU "
+                  "(the provider's boundary)" if boundary else ""))
     for node, op in report["fallback"]:
         typer.echo(f"  on the CPU: {node} ({op})")
