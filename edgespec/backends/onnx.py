@@ -101,19 +101,20 @@ def _register_plugin(name: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr(enabled: bool = True):
-    """Send what native code writes to stdout (file descriptor 1) to stderr meanwhile."""
+def _no_stdout(enabled: bool = True):
+    """Drop what native code writes to stdout (file descriptor 1) meanwhile."""
     if not enabled:
         yield
         return
     sys.stdout.flush()
-    saved = os.dup(1)
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(2, 1)
+        os.dup2(null, 1)
         yield
     finally:
         os.dup2(saved, 1)
         os.close(saved)
+        os.close(null)
 
 
 def _first_line(e: Exception) -> str:
@@ -144,7 +145,7 @@ def session(path: Path, ep: str, threads: int, *, verbose: bool = False, optimiz
         opts.add_provider_for_devices(plugin, options)
         providers = None
     try:
-        with _stdout_to_stderr(enabled=bool(plugin)):  # QNN's libraries print a line as they load
+        with _no_stdout(enabled=bool(plugin)):  # QNN's libraries print a line as they load
             sess = ort.InferenceSession(str(path), opts, providers=providers)
     except Exception as e:
         raise BackendError(f"onnxruntime could not load {path} on {ep}: {_first_line(e)}") from e

@@ -427,6 +427,11 @@ class _Builder:
                 name = g.op("Cast", [name], to=FLOAT)
             lookup = lambda ids: g.op("Gather", [name, ids])  # noqa: E731
             head_table = name if cfg.tied_output else None
+            if cfg.tied_output and self.weights == "qdq":
+                # a copy of its own for the head: quantized per output channel (per
+                # token), while the embedding table's rows share one scale, which
+                # the rows Gather takes keep
+                head_table = g.const("output.weight", np.ascontiguousarray(table.T))
         else:
             w = matrix_nbits(emb_t, "int8")  # Q8_0 exactly, else requantized: the rows must be 8-bit
             if w.bits != 8:
@@ -453,6 +458,8 @@ class _Builder:
                 y = self.linear(x, ["output.weight"])
             elif isinstance(head_table, tuple):
                 y = self.nbits_matmul(x, head_w, list(head_table), "output")
+            elif self.weights == "qdq":
+                y = g.op("MatMul", [x, head_table])
             else:
                 flat = g.op("Reshape", [x, g.shape("head.in_shape", [-1, cfg.n_embd])])
                 y = g.op("Reshape", [g.op("Gemm", [flat, head_table], transB=1),

@@ -64,17 +64,16 @@ def calibration_feeds(folder: Path, threads: int | None = None) -> list[dict]:
 def per_channel_weights(model) -> dict[str, list[dict]]:
     """The quantizer's overrides giving each weight matrix one scale per output
     channel (its per_channel option leaves MatMul per tensor, far too coarse
-    for a fused QKV or FFN matrix): axis 1 of a MatMul's (K, N) weight, axis 0
-    of the tied head's (V, E) table (Gemm transB=1), which the embedding Gather
-    shares (its rows are then scaled one by one as well)."""
+    for a fused QKV or FFN matrix): axis 1 of a MatMul's (K, N) weight. (The
+    embedding table stays per tensor: the rows Gather takes keep the table's
+    quantization, which must be one scale for them all.)"""
     from onnxruntime.quantization import QuantType
 
     names = {i.name for i in model.graph.initializer}
     overrides = {}
     for node in model.graph.node:
-        if node.op_type in ("MatMul", "Gemm") and node.input[1] in names:
-            axis = 0 if node.op_type == "Gemm" else 1
-            overrides[node.input[1]] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": axis}]
+        if node.op_type == "MatMul" and node.input[1] in names:
+            overrides[node.input[1]] = [{"quant_type": QuantType.QInt8, "symmetric": True, "axis": 1}]
     return overrides
 
 
