@@ -23,6 +23,8 @@ providers that need it, the int4 form (MatMulNBits) stays the CPU's.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -77,6 +79,20 @@ def per_channel_weights(model) -> dict[str, list[dict]]:
     return overrides
 
 
+@contextlib.contextmanager
+def _quiet():
+    """The quantizer's advice (logging warnings) and its sessions' warnings unsaid."""
+    import onnxruntime as ort
+
+    logging.disable(logging.WARNING)
+    ort.set_default_logger_severity(3)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+        ort.set_default_logger_severity(2)
+
+
 def quantize_export(folder: Path, model_file: str, threads: int | None = None) -> None:
     """Replace the float static graph ``folder/model_file`` (an export of
     weights "qdq", not yet quantized) by its QDQ form, calibrated here."""
@@ -101,7 +117,8 @@ def quantize_export(folder: Path, model_file: str, threads: int | None = None) -
                                 init_overrides=per_channel_weights(onnx.load(str(path), load_external_data=False)))
     out = folder / f"{model_file}.qdq"
     try:
-        quantize(str(path), str(out), config)
+        with _quiet():
+            quantize(str(path), str(out), config)
     except Exception as e:
         out.unlink(missing_ok=True)
         raise ModelFormatError(f"onnxruntime's quantizer could not make the QDQ form: "

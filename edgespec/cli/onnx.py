@@ -15,7 +15,9 @@ def export_onnx(
     model: str = typer.Argument(..., help=MODEL_HELP),
     out_dir: str = typer.Argument(..., help="New or empty folder to write model.onnx and edgespec-onnx.json into."),
     weights: str = typer.Option("int4", help="int4 (GGUF 4-bit blocks kept as they are, other types "
-                                             "8-bit), int8, fp16 or fp32."),
+                                             "8-bit), int8, fp16, fp32, or qdq (for NPU providers such as "
+                                             "QNN: int8 weights, uint16 activations, calibrated here; "
+                                             "implies --static-shapes)."),
     static_shapes: bool = typer.Option(False, "--static-shapes",
                                        help="Fixed shapes for NPU compilers: 16 tokens per call, "
                                             "a --cache-len-slot KV cache written through cache_slots."),
@@ -29,6 +31,7 @@ def export_onnx(
     from ..models import registry
 
     onnx_export.check_weights(weights)  # before fetching or reading anything
+    static_shapes = static_shapes or weights == "qdq"
     if static_shapes:
         onnx_export.check_cache_len(cache_len)
     onnx_export.check_out_dir(out_dir)
