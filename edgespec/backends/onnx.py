@@ -69,6 +69,8 @@ def provider(ep: str) -> tuple[str, dict]:
     if PROVIDERS[name] not in installed and name in PLUGINS:
         installed = _register_plugin(name)
     if PROVIDERS[name] not in installed:
+        for plugin in PLUGINS:  # list the plugin providers that are installed too
+            installed = _register_plugin(plugin)
         have = [n for n, p in PROVIDERS.items() if p in installed]
         raise InvalidArgumentError(
             f"execution provider '{name}' ({PROVIDERS[name]}) is not in this onnxruntime build; "

@@ -538,11 +538,15 @@ class _Builder:
 
     def qkv(self, i: int, x: str) -> tuple[str, str, str]:
         """The projections of normed x (1, S, E): q (1, S, H*D), k and v (1, S, KV*D),
-        with qwen2's biases and gemma3's per-head norms (before RoPE)."""
+        with qwen2's biases and gemma3's per-head norms (before RoPE). Where
+        GroupQueryAttention takes them packed (the dynamic graph, no head
+        norms): (1, S, (H + 2 KV) * D) and two empty names."""
         cfg, g = self.cfg, self.g
         p = f"blk.{i}."
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         qkv = self.linear(x, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], bias=cfg.qkv_bias)
+        if not self.static and not cfg.gemma:
+            return qkv, "", ""
         q, k, v = g.op("Split", [qkv, self.shared("qkv_split", np.array([H * D, KV * D, KV * D], np.int64))],
                        n_out=3, axis=2)
         if cfg.gemma:
@@ -552,7 +556,9 @@ class _Builder:
 
     def attention_gqa(self, i: int, q: str, k: str, v: str, pos: str, bias: str, seqlens: tuple[str, str],
                       rope: tuple[str, str]) -> str:
-        """The dynamic graph's attention: one GroupQueryAttention (RoPE, the write of
+        """The dynamic graph's attention: one GroupQueryAttention on the packed QKV
+        projection where there are no head norms (k and v empty: no Split node, 4%
+        of a smollm2 decode step), on q, k and v otherwise (RoPE, the write of
         the new keys and values into the cache at slots P..., scores under the
         additive mask, softmax, weighted sum). The past and present caches are one
         buffer (IO binding), so a call writes only its rows; the last row (build()'s
