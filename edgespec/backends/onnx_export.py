@@ -30,6 +30,11 @@ extra input ``cache_slots`` int64 (S,), attention runs over all C slots under
 the mask, and everything is plain ONNX operators plus MatMulNBits (all inside
 OpenVINO's supported set: ``edgespec onnx-placement``).
 
+``--weights qdq`` (NPU providers that compile integer graphs, e.g. QNN): the
+static graph with float weights and no contrib ops (RMSNormalization and Add
+for the fused norms, an untied head), then calibrated and quantized into QDQ
+form by onnx_qdq.
+
 Row invariance: a token's logits must not depend on how many tokens share its
 call, or speculative greedy output would part from plain decoding (a plain step
 evaluates one token, a verification step several). ONNX Runtime's CPU kernels
