@@ -6,6 +6,11 @@ machine drift cancels, and the logits agreement of the two.
 
     python benchmarks/bench_onnx.py --model smollm2-135m --threads 2 --tokens 128 --rounds 3 [--ep cpu]
     python benchmarks/bench_onnx.py --export-only smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+    python benchmarks/bench_onnx.py --model smollm2-135m --parity qdq [--ep qnn]
+
+--parity FORM compares the logits of the FORM export (e.g. qdq, the NPU form)
+with the int4 graph's and llama.cpp's, teacher-forced on llama's greedy text
+(FORM on --ep, the int4 graph on the CPU provider).
 
 The OpenVINO provider's figures come from the interpreter that has
 onnxruntime-openvino (a virtualenv of its own, see .ci/run):
@@ -62,6 +67,44 @@ def logits_agreement(llama: Engine, onnx: Engine, n_tokens: int) -> dict:
     return {"max_abs": max_abs, "rms": float(np.sqrt(np.mean(diffs))), "top1": agree / total, "rows": total}
 
 
+def _teacher_forced(backends: dict, seq: list[int], first: int) -> dict:
+    rows = {}
+    for name, backend in backends.items():
+        backend.clear()
+        rows[name] = _rows(backend.decode(seq, logits_from=first), len(seq) - first, backend.n_vocab)
+    return rows
+
+
+def parity_figures(model: str, form: str, ep: str, threads: int, n_tokens: int, tmp: Path) -> None:
+    """The logits of the ``form`` export against the int4 graph's and llama.cpp's."""
+    from edgespec.backends import open_backend
+
+    gguf = registry.model_path_checked(model)
+    folders = {"int4": export_figures(model, "int4", tmp / "int4"), form: export_figures(model, form, tmp / form)}
+    placement_figures(folders[form], ep)
+    with Engine(str(gguf), backend="llama", threads=threads, n_ctx=512) as llama:
+        backends = {"llama.cpp": llama.backend,
+                    "int4": open_backend("onnx", folders["int4"], n_ctx=512, threads=threads),
+                    form: open_backend("onnx", folders[form], threads=threads, ep=ep)}
+        pairs = [(form, "int4"), (form, "llama.cpp"), ("int4", "llama.cpp")]
+        diffs = {p: [] for p in pairs}
+        try:
+            for prompt in PROMPTS:
+                result = llama.generate(prompt, max_tokens=n_tokens, drafter="none")
+                prompt_tokens = llama.tokenize(prompt)
+                rows = _teacher_forced(backends, prompt_tokens + result.tokens, len(prompt_tokens) - 1)
+                for a, b in pairs:
+                    diffs[(a, b)].append((rows[a], rows[b]))
+        finally:
+            for name in ("int4", form):
+                backends[name].close()
+    print(f"logits over {sum(len(a) for a, _ in diffs[pairs[0]])} teacher-forced rows ({form} on {ep}):")
+    for (a, b), rows in diffs.items():
+        x, y = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+        print(f"  {a:>5} vs {b:<9}  max |diff| {np.abs(x - y).max():6.3f}  rms {np.sqrt(((x - y) ** 2).mean()):6.3f}"
+              f"  top-1 agreement {100 * (x.argmax(-1) == y.argmax(-1)).mean():5.1f}%")
+
+
 def export_figures(model: str, weights: str, folder: Path, static: bool = False) -> Path:
     t0 = time.perf_counter()
     folder = onnx_export.export(registry.model_path_checked(model), folder, weights=weights,
@@ -75,8 +118,11 @@ def export_figures(model: str, weights: str, folder: Path, static: bool = False)
 def placement_figures(folder: Path, ep: str) -> None:
     report = onnx_backend.placement(folder / onnx_export.MODEL_FILE, ep)
     ops = sorted({op for _, op in report["fallback"]})
+    boundary = len(report["boundary"])
     print(f"  nodes on {report['provider']}: {report['on_provider']} of {report['nodes']} "
-          f"({100 * report['on_provider'] / report['nodes']:.1f}%)" + (f"; left to the CPU: {', '.join(ops)}" if ops else ""))
+          f"({100 * report['on_provider'] / report['nodes']:.1f}%)"
+          + (f"; {boundary} quantizing inputs / dequantizing outputs on the CPU" if boundary else "")
+          + (f"; left to the CPU: {', '.join(ops)}" if ops else ""))
 
 
 def main() -> None:
@@ -89,9 +135,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--export-only", nargs="+", metavar="MODEL",
                     help="Only export each model (dynamic and static shapes): time, size, node placement.")
+    ap.add_argument("--parity", metavar="FORM", help="Only compare the logits of the FORM export (e.g. qdq) "
+                                                      "with the int4 graph's and llama.cpp's.")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-onnx-") as tmp:
+        if args.parity:
+            parity_figures(args.model, args.parity, args.ep, args.threads, min(args.tokens, 64), Path(tmp))
+            return
         if args.export_only:
             for model in args.export_only:
                 for static in (False, True):

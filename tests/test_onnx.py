@@ -548,7 +548,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, smollm2_path, export_dir
         (["generate", "hi", "--backend", "onnx", "--model", str(tmp_path / "full")], "not an edgespec ONNX export"),
         (["generate", "hi", "--backend", "onnx", "--model", str(export_dir), "--ep", "npu"],
          "unknown execution provider 'npu' (known: cpu, cuda, qnn, openvino, dml, coreml)"),
-        (["generate", "hi", "--backend", "onnx", "--model", str(export_dir), "--ep", "qnn"], "available: cpu"),
+        (["generate", "hi", "--backend", "onnx", "--model", str(export_dir), "--ep", "dml"], "available: cpu"),
         (["generate", "hi", "--model", str(smollm2_path), "--ep", "cpu"], "applies to the onnx backend"),
         (["generate", "hi", "--backend", "tpu"], "unknown backend 'tpu'"),
     ]

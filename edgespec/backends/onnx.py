@@ -17,6 +17,7 @@ backend's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -41,7 +42,14 @@ PROVIDERS = {
     "dml": "DmlExecutionProvider",
     "coreml": "CoreMLExecutionProvider",
 }
+# Providers shipped as plugin libraries (ONNX Runtime's plugin EP interface):
+# --ep name -> (Python package, what it loads)
+PLUGINS = {"qnn": "onnxruntime_qnn"}
 MASKED = np.float32(-np.inf)
+# The QDQ form's mask: finite, since the sum of scores and mask is quantized
+# with a range calibrated on it (-inf has none); exp(-100) is 0 in float32
+# beside any unmasked score.
+MASKED_QDQ = np.float32(-100.0)
 KEPT_LOGITS_ROWS = 32  # output buffers kept for calls of up to this many logits rows
 
 
@@ -58,16 +66,57 @@ def provider(ep: str) -> tuple[str, dict]:
     if device and not re.fullmatch(r"(CPU|GPU|NPU)(\.\d+)?", device.upper()):
         raise InvalidArgumentError(f"unknown OpenVINO device '{device}' (CPU, GPU or NPU, e.g. openvino:NPU)")
     installed = ort.get_available_providers()
+    if PROVIDERS[name] not in installed and name in PLUGINS:
+        installed = _register_plugin(name)
     if PROVIDERS[name] not in installed:
+        for plugin in PLUGINS:  # list the plugin providers that are installed too
+            installed = _register_plugin(plugin)
         have = [n for n, p in PROVIDERS.items() if p in installed]
         raise InvalidArgumentError(
             f"execution provider '{name}' ({PROVIDERS[name]}) is not in this onnxruntime build; "
             f"available: {', '.join(have)} (install the onnxruntime package built for it, "
             "e.g. onnxruntime-qnn, onnxruntime-openvino, onnxruntime-directml, onnxruntime-gpu)")
     options = {"device_type": device.upper()} if device else {}
-    if name == "OpenVINOExecutionProvider" and options.get("device_type", "CPU") == "CPU":
+    if name == "qnn":  # the HTP backend (the NPU; on x86 the SDK's emulation of it)
+        options["backend_path"] = __import__(PLUGINS[name]).get_qnn_htp_path()
+    if name == "openvino" and options.get("device_type", "CPU") == "CPU":
         options["precision"] = "FP32"  # OpenVINO's CPU device may otherwise run in bf16
     return PROVIDERS[name], options
+
+
+def _register_plugin(name: str) -> list[str]:
+    """Register the plugin provider ``name`` with ONNX Runtime when its package
+    is installed (once per process); the providers available after that."""
+    import onnxruntime as ort
+
+    try:
+        package = __import__(PLUGINS[name])
+    except ImportError:
+        return ort.get_available_providers()
+    if package.get_ep_name() not in ort.get_available_providers():
+        try:
+            ort.register_execution_provider_library(package.get_ep_name(), package.get_library_path())
+        except Exception as e:
+            raise BackendError(f"execution provider '{name}' ({PLUGINS[name]}) is installed but "
+                               f"could not be loaded: {_first_line(e)}") from e
+    return ort.get_available_providers()
+
+
+@contextlib.contextmanager
+def _no_stdout(enabled: bool = True):
+    """Drop what native code writes to stdout (file descriptor 1) meanwhile."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
 
 
 def _first_line(e: Exception) -> str:
@@ -93,8 +142,13 @@ def session(path: Path, ep: str, threads: int, *, verbose: bool = False, optimiz
     if not verbose:
         ort.set_default_logger_severity(4)  # a provider failing to start logs before it falls back
     providers = [(name, options)] + ([("CPUExecutionProvider", {})] if name != "CPUExecutionProvider" else [])
+    plugin = [d for d in ort.get_ep_devices() if d.ep_name == name and d.ep_name != "CPUExecutionProvider"]
+    if plugin:  # a plugin library's provider is chosen by device, the CPU provider taking the rest
+        opts.add_provider_for_devices(plugin, options)
+        providers = None
     try:
-        sess = ort.InferenceSession(str(path), opts, providers=providers)
+        with _no_stdout(enabled=bool(plugin)):  # QNN's libraries print a line as they load
+            sess = ort.InferenceSession(str(path), opts, providers=providers)
     except Exception as e:
         raise BackendError(f"onnxruntime could not load {path} on {ep}: {_first_line(e)}") from e
     if name not in sess.get_providers():
@@ -109,10 +163,15 @@ def placement(path: Path, ep: str, threads: int = 1) -> dict:
     """Where the nodes of the graph at ``path`` run on ``ep``, from ONNX
     Runtime's own node placement report (graph optimizations off, so that the
     nodes are the exported ones): {"provider", "nodes" (in the graph),
-    "on_provider", "fallback": [(node name, operator), ...] left to the CPU}."""
+    "on_provider", "fallback": [(node name, operator), ...] left to the CPU,
+    "boundary": those of them that only quantize a graph input or dequantize a
+    graph output (a QDQ graph on an integer provider: ONNX Runtime converts at
+    the boundary, as QNN's provider expects)}."""
     import onnx
 
-    n_nodes = len(onnx.load(str(path), load_external_data=False).graph.node)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    io = {v.name for v in graph.input} | {v.name for v in graph.output}
+    edges = {n.name: (n.op_type, set(n.input) | set(n.output)) for n in graph.node}
     name, _ = provider(ep)
     with tempfile.TemporaryFile(mode="w+") as log:
         saved = os.dup(2)
@@ -135,7 +194,10 @@ def placement(path: Path, ep: str, threads: int = 1) -> dict:
                 fallback.append((node.rstrip(")"), op))
         elif section:
             section = None if "VerifyEachNodeIsAssignedToAnEp" not in line else section
-    return {"provider": name, "nodes": n_nodes, "on_provider": n_nodes - len(fallback), "fallback": fallback}
+    boundary = [(node, op) for node, op in fallback if op in ("QuantizeLinear", "DequantizeLinear")
+                and edges.get(node, ("", set()))[1] & io]
+    return {"provider": name, "nodes": len(graph.node), "on_provider": len(graph.node) - len(fallback),
+            "fallback": [f for f in fallback if f not in boundary], "boundary": boundary}
 
 
 def resolve_model(ref: str, *, weights: str = "int4") -> Path:
@@ -159,6 +221,7 @@ class OnnxBackend(VocabMixin, Backend):
     exact_trees = False
     _session = _io = None
     vocab = None
+    recorded: list[dict] | None = None  # a list: every call's inputs are appended to it
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
                  threads: int | None = None, ep: str | None = None, verbose: bool = False):
@@ -172,6 +235,7 @@ class OnnxBackend(VocabMixin, Backend):
         cfg = meta["config"]
         self.path = self.folder / meta["model"]
         self.weights = meta["weights"]
+        self._masked = MASKED_QDQ if self.weights == "qdq" else MASKED
         source = Path(meta["source"]["gguf"])
         if not source.is_file():
             raise ModelFormatError(f"{self.folder}: its source GGUF {source} (tokenizer and metadata) "
@@ -215,6 +279,7 @@ class OnnxBackend(VocabMixin, Backend):
         # its new rows in place (the caller-owned memory ORT runs on).
         self._io = self._session.io_binding()
         self._cache = []  # (1, n_head_kv, slots, head_dim) arrays the OrtValues wrap
+        self._past = [f"past.{i}.{kind}" for i in range(self.n_layer) for kind in ("key", "value")]
         for i in range(self.n_layer):
             for kind in ("key", "value"):
                 array = np.zeros((1, cfg["n_head_kv"], slots, cfg["head_dim"]), dtype=cache_type)
@@ -274,17 +339,19 @@ class OnnxBackend(VocabMixin, Backend):
         self._io.bind_ortvalue_output("logits", value)
         return array
 
-    def _run(self, tokens, positions, bias: np.ndarray, rows: np.ndarray, first_slot: int) -> np.ndarray:
-        """One graph call for m tokens written to slots first_slot...; returns
-        their logits rows ``rows`` (len(rows), n_vocab)."""
+    def _feeds(self, tokens, positions, bias: np.ndarray, rows: np.ndarray,
+               first_slot: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """The inputs of one graph call for m tokens written to slots
+        first_slot... (the cache aside, which is bound once), and for a static
+        graph the logits rows wanted out of its fixed-width output."""
         m = len(tokens)
         self._slot_pos[first_slot:first_slot + m] = positions
-        feeds = {}
+        feeds, wanted = {}, None
         if self.static:  # pad to the fixed width; a padding row sees only its own slot
             width, size = self._chunk, len(self._slot_pos)
             tokens = list(tokens) + [0] * (width - m)
             positions = list(positions) + [positions[-1]] * (width - m)
-            full = np.full((width, size), MASKED, dtype=np.float32)
+            full = np.full((width, size), self._masked, dtype=np.float32)
             full[:m, :bias.shape[1]] = bias
             slots = np.arange(first_slot, first_slot + width, dtype=np.int64)
             full[np.arange(m, width), slots[m:]] = 0
@@ -293,7 +360,7 @@ class OnnxBackend(VocabMixin, Backend):
             feeds["cache_slots"] = slots
             seen = self._slot_pos[:size]
         else:  # one column more: the slot of the graph's copy of the last row
-            bias = np.concatenate([bias, np.full((m, 1), MASKED, dtype=np.float32)], axis=1)
+            bias = np.concatenate([bias, np.full((m, 1), self._masked, dtype=np.float32)], axis=1)
             seen = self._slot_pos[:bias.shape[1]]
         feeds["input_ids"] = np.asarray(tokens, dtype=np.int64)[None]
         feeds["position_ids"] = np.asarray(positions, dtype=np.int64)[None]
@@ -301,16 +368,23 @@ class OnnxBackend(VocabMixin, Backend):
         feeds["logits_rows"] = rows
         if self._n_swa:  # sliding-window layers: a token sees the positions p - n_swa < q <= p
             far = np.asarray(positions, dtype=np.int64)[:, None] - seen[None, :] >= self._n_swa
-            feeds["attention_bias_local"] = np.where(far, MASKED, bias)[None, None]
-        feeds = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive during the run
+            feeds["attention_bias_local"] = np.where(far, self._masked, bias)[None, None]
+        return {name: np.ascontiguousarray(array) for name, array in feeds.items()}, wanted
+
+    def _run(self, tokens, positions, bias: np.ndarray, rows: np.ndarray, first_slot: int) -> np.ndarray:
+        """One graph call for m tokens written to slots first_slot...; returns
+        their logits rows ``rows`` (len(rows), n_vocab)."""
+        feeds, wanted = self._feeds(tokens, positions, bias, rows, first_slot)  # alive during the run
+        if self.recorded is not None:  # calibration (onnx_qdq): every input, the cache as it was
+            self.recorded.append({**feeds, **{name: array.copy() for name, array in zip(self._past, self._cache)}})
         for name, array in feeds.items():
             self._io.bind_cpu_input(name, array)
-        out = self._logits_buffer(len(rows))
+        out = self._logits_buffer(len(feeds["logits_rows"]))
         try:
             self._session.run_with_iobinding(self._io)
         except Exception as e:
             raise BackendError(f"onnxruntime failed: {str(e).strip().splitlines()[0]}") from e
-        self._n = first_slot + m
+        self._n = first_slot + len(tokens)
         logits = out[0]                                     # (rows, n_vocab), the bound buffer
         return logits[wanted] if self.static else logits
 
@@ -324,9 +398,9 @@ class OnnxBackend(VocabMixin, Backend):
         n, start = len(tokens), self._n
         bias = np.zeros((n, start + n), dtype=np.float32)
         if parents is None:
-            bias[:, start:] = np.triu(np.full((n, n), MASKED), 1)
+            bias[:, start:] = np.triu(np.full((n, n), self._masked), 1)
         else:
-            bias[:, start:] = MASKED
+            bias[:, start:] = self._masked
             for i in range(n):
                 node = i
                 while node >= 0:

@@ -30,6 +30,11 @@ extra input ``cache_slots`` int64 (S,), attention runs over all C slots under
 the mask, and everything is plain ONNX operators plus MatMulNBits (all inside
 OpenVINO's supported set: ``edgespec onnx-placement``).
 
+``--weights qdq`` (NPU providers that compile integer graphs, e.g. QNN): the
+static graph with float weights and no contrib ops (RMSNormalization and Add
+for the fused norms, an untied head), then calibrated and quantized into QDQ
+form by onnx_qdq.
+
 Row invariance: a token's logits must not depend on how many tokens share its
 call, or speculative greedy output would part from plain decoding (a plain step
 evaluates one token, a verification step several). ONNX Runtime's CPU kernels
@@ -85,7 +90,7 @@ FORMAT = "edgespec-onnx"
 FORMAT_VERSION = 3             # 3: GroupQueryAttention over a cache the caller owns (IO binding)
 CONFIG_FILE = "edgespec-onnx.json"
 MODEL_FILE = "model.onnx"
-WEIGHTS = ("int4", "int8", "fp16", "fp32")
+WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see onnx_qdq (static shapes)
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 BLOCK = 32                    # MatMulNBits block size = the GGUF block of Q4_0/Q4_1/Q8_0
 STATIC_SEQ = 16               # --static-shapes: tokens per call (a verify width)
@@ -383,9 +388,9 @@ class _Builder:
         if bias:
             b = g.const(f"{key}.bias", np.concatenate(
                 [self.tensor(n.rsplit(".", 1)[0] + ".bias").dequantize().reshape(-1) for n in names]))
-        if self.weights in ("fp16", "fp32"):
+        if self.weights in ("fp16", "fp32", "qdq"):
             w = np.concatenate([dequantize(self.tensor(n)) for n in names], axis=0)
-            dt = np.float16 if self.weights == "fp16" else np.float32
+            dt = np.float16 if self.weights == "fp16" else np.float32  # qdq: quantized later
             wt = g.const(key, np.ascontiguousarray(w.T.astype(dt)))
             if self.weights == "fp16":
                 wt = g.op("Cast", [wt], to=FLOAT)
@@ -420,13 +425,18 @@ class _Builder:
         with tied weights the 8-bit blocks are stored once and serve both."""
         cfg, g = self.cfg, self.g
         emb_t = self.tensor("token_embd.weight")
-        if self.weights in ("fp16", "fp32"):
+        if self.weights in ("fp16", "fp32", "qdq"):
             table = dequantize(emb_t).astype(np.float16 if self.weights == "fp16" else np.float32)
             name = g.const("token_embd.weight", table)
             if self.weights == "fp16":
                 name = g.op("Cast", [name], to=FLOAT)
             lookup = lambda ids: g.op("Gather", [name, ids])  # noqa: E731
             head_table = name if cfg.tied_output else None
+            if cfg.tied_output and self.weights == "qdq":
+                # a copy of its own for the head: quantized per output channel (per
+                # token), while the embedding table's rows share one scale, which
+                # the rows Gather takes keep
+                head_table = g.const("output.weight", np.ascontiguousarray(table.T))
         else:
             w = matrix_nbits(emb_t, "int8")  # Q8_0 exactly, else requantized: the rows must be 8-bit
             if w.bits != 8:
@@ -453,6 +463,8 @@ class _Builder:
                 y = self.linear(x, ["output.weight"])
             elif isinstance(head_table, tuple):
                 y = self.nbits_matmul(x, head_w, list(head_table), "output")
+            elif self.weights == "qdq":
+                y = g.op("MatMul", [x, head_table])
             else:
                 flat = g.op("Reshape", [x, g.shape("head.in_shape", [-1, cfg.n_embd])])
                 y = g.op("Reshape", [g.op("Gemm", [flat, head_table], transB=1),
@@ -469,12 +481,23 @@ class _Builder:
         graph the plain operators NPU compilers know (OpenVINO's provider
         leaves RMSNormalization to the CPU)."""
         g = self.g
-        if not self.static:
+        if not self.static or self.weights == "qdq":  # QDQ: x*x in 16 bits would lose the small rows
             return g.op("RMSNormalization", [x, weight], axis=-1, epsilon=self.cfg.rms_eps)
         mean = g.op("ReduceMean", [g.op("Mul", [x, x]), self.shared("axis.last", np.array([-1], np.int64))])
         eps = self.shared("rms.eps", np.array(self.cfg.rms_eps, np.float32))
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, eps])])])
         return g.op("Mul", [g.op("Mul", [x, inv]), weight])
+
+    def skip_norm(self, x: str, residual: str, weight: str) -> tuple[str, str]:
+        """(rms_norm(x + residual), x + residual): one SkipSimplifiedLayerNormalization,
+        or in the QDQ form plain operators (NPU providers and onnx's shape
+        inference, which the quantizer needs, know no contrib ops)."""
+        if self.weights == "qdq":
+            h = self.g.op("Add", [x, residual])
+            return self.rms_norm(h, weight), h
+        x, _, _, h = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, weight], n_out=4,
+                               domain=MS_DOMAIN, epsilon=self.cfg.rms_eps)
+        return x, h
 
     def rope(self, x: str, n_heads: int, cos_sin: tuple[str, str], pos: str) -> str:
         """RoPE in plain operators on x (1, S, n_heads * D) at positions pos (1, S):
@@ -520,11 +543,15 @@ class _Builder:
 
     def qkv(self, i: int, x: str) -> tuple[str, str, str]:
         """The projections of normed x (1, S, E): q (1, S, H*D), k and v (1, S, KV*D),
-        with qwen2's biases and gemma3's per-head norms (before RoPE)."""
+        with qwen2's biases and gemma3's per-head norms (before RoPE). Where
+        GroupQueryAttention takes them packed (the dynamic graph, no head
+        norms): (1, S, (H + 2 KV) * D) and two empty names."""
         cfg, g = self.cfg, self.g
         p = f"blk.{i}."
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         qkv = self.linear(x, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], bias=cfg.qkv_bias)
+        if not self.static and not cfg.gemma:
+            return qkv, "", ""
         q, k, v = g.op("Split", [qkv, self.shared("qkv_split", np.array([H * D, KV * D, KV * D], np.int64))],
                        n_out=3, axis=2)
         if cfg.gemma:
@@ -534,7 +561,9 @@ class _Builder:
 
     def attention_gqa(self, i: int, q: str, k: str, v: str, pos: str, bias: str, seqlens: tuple[str, str],
                       rope: tuple[str, str]) -> str:
-        """The dynamic graph's attention: one GroupQueryAttention (RoPE, the write of
+        """The dynamic graph's attention: one GroupQueryAttention on the packed QKV
+        projection where there are no head norms (k and v empty: no Split node, 4%
+        of a smollm2 decode step), on q, k and v otherwise (RoPE, the write of
         the new keys and values into the cache at slots P..., scores under the
         additive mask, softmax, weighted sum). The past and present caches are one
         buffer (IO binding), so a call writes only its rows; the last row (build()'s
@@ -647,9 +676,7 @@ class _Builder:
             if cfg.gemma:
                 attn = self.rms_norm(attn, self.vector(f"blk.{i}.post_attention_norm.weight"))
             # residual + attention, normed for the FFN; the sum is the new residual
-            x, _, _, h = g.op("SkipSimplifiedLayerNormalization",
-                              [attn, h, self.vector(f"blk.{i}.ffn_norm.weight")], n_out=4,
-                              domain=MS_DOMAIN, epsilon=cfg.rms_eps)
+            x, h = self.skip_norm(attn, h, self.vector(f"blk.{i}.ffn_norm.weight"))
             f = self.ffn(i, x)
             if cfg.gemma:
                 f = self.rms_norm(f, self.vector(f"blk.{i}.post_ffw_norm.weight"))
@@ -658,8 +685,7 @@ class _Builder:
                 h = g.op("Gather", [g.op("Add", [f, h]), rows], axis=1)
                 x = self.rms_norm(h, self.vector(nxt))
             else:
-                x, _, _, h = g.op("SkipSimplifiedLayerNormalization", [f, h, self.vector(nxt)], n_out=4,
-                                  domain=MS_DOMAIN, epsilon=cfg.rms_eps)
+                x, h = self.skip_norm(f, h, self.vector(nxt))
         logits = head(x)
         if not self.static:
             logits = self.drop_last_row(logits)
@@ -739,6 +765,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     except BaseException:
         reader.close()
         raise
+    static_shapes = static_shapes or weights == "qdq"  # NPU graphs: fixed shapes
     if static_shapes:
         check_cache_len(cache_len)
     static = (STATIC_SEQ, cache_len) if static_shapes else None
@@ -765,6 +792,12 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
                        "size": gguf_path.stat().st_size, "sha256": _file_digest(gguf_path)},
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        if weights == "qdq":  # the float graph written above, calibrated through the backend
+            from . import onnx_qdq
+
+            bar.note("calibrating and quantizing (QDQ)")
+            onnx_qdq.quantize_export(tmp, MODEL_FILE)
+            onnx.checker.check_model(str(tmp / MODEL_FILE))
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above

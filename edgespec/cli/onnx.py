@@ -15,7 +15,9 @@ def export_onnx(
     model: str = typer.Argument(..., help=MODEL_HELP),
     out_dir: str = typer.Argument(..., help="New or empty folder to write model.onnx and edgespec-onnx.json into."),
     weights: str = typer.Option("int4", help="int4 (GGUF 4-bit blocks kept as they are, other types "
-                                             "8-bit), int8, fp16 or fp32."),
+                                             "8-bit), int8, fp16, fp32, or qdq (for NPU providers such as "
+                                             "QNN: int8 weights, uint16 activations, calibrated here; "
+                                             "implies --static-shapes)."),
     static_shapes: bool = typer.Option(False, "--static-shapes",
                                        help="Fixed shapes for NPU compilers: 16 tokens per call, "
                                             "a --cache-len-slot KV cache written through cache_slots."),
@@ -29,6 +31,7 @@ def export_onnx(
     from ..models import registry
 
     onnx_export.check_weights(weights)  # before fetching or reading anything
+    static_shapes = static_shapes or weights == "qdq"
     if static_shapes:
         onnx_export.check_cache_len(cache_len)
     onnx_export.check_out_dir(out_dir)
@@ -47,14 +50,18 @@ def onnx_placement(
     ep: str = typer.Option("cpu", "--ep", help="Execution provider (as --ep of generate)."),
 ):
     """Where an exported graph's nodes run on an execution provider: the fraction
-    placed on it, and each node it leaves to the CPU (name and operator)."""
+    placed on it, and each node it leaves to the CPU (name and operator). A QDQ
+    graph's input quantization and output dequantization run on the CPU by
+    design (counted as placed, and said)."""
     from pathlib import Path
 
     from ..backends import onnx, onnx_export
 
     meta = onnx_export.load_export(Path(folder))
     report = onnx.placement(Path(folder) / meta["model"], ep)
-    typer.echo(f"{report['on_provider']} of {report['nodes']} nodes "
-               f"({100 * report['on_provider'] / report['nodes']:.1f}%) on {report['provider']}")
+    n, placed, boundary = report["nodes"], report["on_provider"], len(report["boundary"])
+    typer.echo(f"{placed} of {n} nodes ({100 * placed / n:.1f}%) on {report['provider']}"
+               + (f"; {boundary} more quantize the graph's inputs and dequantize its outputs on the CPU "
+                  "(the provider's boundary)" if boundary else ""))
     for node, op in report["fallback"]:
         typer.echo(f"  on the CPU: {node} ({op})")
