@@ -608,28 +608,12 @@ def write_trimmed_drafter(path: str | os.PathLike, target_vocab: str | os.PathLi
     would wherever the model's choice is a kept token."""
     from edgespec.drafters import specialized
     reader = gguf.GGUFReader(str(target_vocab))
-    def text(v):
-        return v.decode("utf-8") if isinstance(v, bytes) else v
-    tokens = [text(t) for t in field_value(reader.fields[gguf.Keys.Tokenizer.LIST])]
-    types = field_value(reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE])
-    merges = [text(m) for m in field_value(reader.fields[gguf.Keys.Tokenizer.MERGES])]
-    kept = [tokens[i] for i in keep]
-    index = {t: i for i, t in enumerate(kept)}
+    tokens = [t.decode("utf-8") for t in field_value(reader.fields[gguf.Keys.Tokenizer.LIST])]
     folder = Path(path).parent
     vocab, model = folder / f".{Path(path).stem}.vocab.gguf", folder / f".{Path(path).stem}.model.gguf"
     w = gguf.GGUFWriter(str(vocab), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(kept)
-    w.add_token_types([types[i] for i in keep])
-    w.add_token_merges([m for m in merges if all(p in index for p in (*m.split(" "), m.replace(" ", "")))])
-    for key, add in ((gguf.Keys.Tokenizer.BOS_ID, w.add_bos_token_id), (gguf.Keys.Tokenizer.EOS_ID, w.add_eos_token_id)):
-        add(index[tokens[field_value(reader.fields[key])]])
-    w.add_add_bos_token(False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    specialized.add_trimmed_tokenizer(w, reader, keep)
+    _write_out(w)
     write_tiny_llama(model, vocab, seed=seed)
     values = {specialized.KEY_TARGET: "tiny", specialized.KEY_TARGET_VOCAB: specialized.vocab_fingerprint(tokens),
               specialized.KEY_TARGET_N_VOCAB: len(tokens), specialized.KEY_TOKEN_MAP: list(keep),

@@ -1,4 +1,5 @@
 """`edgespec drafter ngram`: build a static n-gram cache for the cache drafter;
+`edgespec drafter distill` / `train`: make a specialized drafter for a target;
 `edgespec drafter list`: a target's specialized drafters.
 
 The corpus is tokenized with the target model's own tokenizer, loaded alone:
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import typer
 
+from ..errors import InvalidArgumentError
 from ..models import registry
 from ..backends.vocab import Vocab
 from . import drafter_app
@@ -39,6 +41,101 @@ def ngram_cmd(
     typer.echo(f"wrote {stats['path']}: {stats['contexts']} contexts from {stats['tokens']} tokens "
                f"in {stats['files']} file(s), n_max {stats['n_max']}, {stats['bytes'] / 1e6:.1f} MB, "
                f"{time.perf_counter() - t0:.1f} s")
+
+
+@drafter_app.command("distill")
+def distill_cmd(
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    lang: str = typer.Option(..., "--lang", help="The language or domain tag (python, deu, ...): the "
+                             "dataset-build text read, and the tag the drafter will carry."),
+    out: Path = typer.Option(..., "--out", "-o", help="The folder to write (a run on a folder it already "
+                             "wrote goes on where that one stopped)."),
+    sources: list[str] = typer.Option(None, "--source", help="Text to label, repeatable: dataset-build, "
+                                      "python-stdlib (lang python), or a file or folder of UTF-8 text. "
+                                      "Default: dataset-build, and python-stdlib for python."),
+    top_k: int = typer.Option(16, "--top-k", help="Target probabilities kept per position, [1, 64]."),
+    ctx: int = typer.Option(256, "--ctx", help="Tokens per labelled sequence, [16, 4096]."),
+    tokens: int = typer.Option(None, "--tokens", help="Stop after this many labelled tokens in all (default: all the text)."),
+    minutes: float = typer.Option(None, "--minutes", help="Stop after this many minutes (what is done is kept)."),
+    backend: str = typer.Option(None, "--backend", help="native or llama (default: as generate chooses)."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads (default: the physical cores)."),
+) -> None:
+    """Label text with the target's own next-token probabilities (teacher forcing, top-k soft labels),
+    for `edgespec drafter train`. Text shared with the benchmark suites is left out."""
+    from ..backends import default_backend, open_backend
+    from ..drafters import distill
+    from ..drafters.model import target_fingerprint
+
+    ref = model or registry.default_model()
+    params = distill.DistillParams(lang=lang, sources=sources or _default_sources(lang), top_k=top_k,
+                                   ctx=ctx, max_tokens=tokens, minutes=minutes)
+    distill._check_params(params)
+    path = registry.model_path_checked(ref)
+    name = backend or default_backend(ref)
+    if name not in ("native", "llama"):
+        raise InvalidArgumentError(f"--backend must be native or llama for distillation, got {name}")
+    with open_backend(name, path, n_ctx=ctx, n_batch=ctx, threads=threads) as target:
+        t0 = time.perf_counter()
+        manifest = distill.distill(target, registry.model_name(ref), out, params,
+                                   fingerprint=target_fingerprint(target))
+    typer.echo(f"{out}: {manifest['tokens']} of {manifest['tokens_total']} tokens labelled "
+               f"({manifest['sequences']} sequences, {len(manifest['shards'])} shards, top {top_k}); "
+               f"{manifest['held_out_paragraphs']} paragraphs left out as benchmark text; "
+               f"{time.perf_counter() - t0:.0f} s this run")
+
+
+@drafter_app.command("train")
+def train_cmd(
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    data: Path = typer.Option(..., "--data", help="A folder written by `edgespec drafter distill` for this model."),
+    lang: str = typer.Option(..., "--lang", help="The language or domain tag: the distillation's."),
+    out: Path = typer.Option(..., "--out", "-o", help="The drafter GGUF to write; OUT.ckpt beside it holds "
+                             "the checkpoint a later run goes on from."),
+    minutes: float = typer.Option(30.0, "--minutes", help="Training time of all runs together; the best "
+                                  "state so far is exported when it is spent."),
+    n_embd: int = typer.Option(256, "--n-embd", help="Width of the drafter."),
+    n_layer: int = typer.Option(4, "--n-layer", help="Transformer blocks."),
+    n_head: int = typer.Option(4, "--n-head", help="Attention heads."),
+    n_head_kv: int = typer.Option(4, "--n-head-kv", help="Key/value heads (divides --n-head)."),
+    n_ff: int = typer.Option(768, "--n-ff", help="Feed-forward width."),
+    vocab: int = typer.Option(8192, "--vocab", help="Target tokens the drafter keeps (the most used; the "
+                              "others get probability 0)."),
+    ctx: int = typer.Option(512, "--ctx", help="Tokens per plain-text training window."),
+    lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (AdamW, cosine decay per stage)."),
+    pretrain_share: float = typer.Option(0.4, "--pretrain-share", help="Share of --minutes on plain text "
+                                         "before distillation, [0, 1)."),
+    sources: list[str] = typer.Option(None, "--source", help="Plain text for pretraining, repeatable (as "
+                                      "distill's --source; default: the distillation's sources)."),
+    init: str = typer.Option("target", "--init", help="target: embedding from the target's own rows; random."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for PyTorch (default: its own)."),
+    restart: bool = typer.Option(False, "--restart", help="Start over, ignoring OUT.ckpt."),
+) -> None:
+    """Train a small drafter for a target in two stages (plain text, then the target's soft labels) and
+    export it as a GGUF for `--drafter model --draft-model OUT` or a target's drafter set. Needs the
+    train extra: pip install 'edgespec[train]'."""
+    import shlex
+    import sys
+
+    from ..drafters import train
+
+    params = train.TrainParams(lang=lang, minutes=minutes, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                               n_head_kv=n_head_kv, n_ff=n_ff, vocab=vocab, ctx=ctx, lr=lr,
+                               pretrain_share=pretrain_share, init=init, seed=seed, threads=threads,
+                               sources=list(sources or []))
+    train.check_params(params)
+    train._torch()
+    ref = model or registry.default_model()
+    command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    result = train.train(registry.model_path_checked(ref), registry.model_name(ref), data, out, params,
+                         restart=restart, command=command)
+    typer.echo(f"wrote {result.out}: {result.n_params / 1e6:.1f}M parameters, {result.bytes / 1e6:.1f} MB; "
+               f"{result.steps} steps, {result.tokens_seen / 1e6:.1f}M tokens in {result.seconds / 60:.1f} min; "
+               f"held-out acceptance {result.held_out_acceptance:.1%}")
+
+
+def _default_sources(lang: str) -> list[str]:
+    return ["dataset-build", "python-stdlib"] if lang == "python" else ["dataset-build"]
 
 
 @drafter_app.command("list")

@@ -59,3 +59,43 @@ def _normalise(text: str) -> str:
                 continue
         out.append(ch)
     return "".join(out)
+
+
+def add_trimmed_tokenizer(writer, target_reader, keep) -> None:
+    """The target's tokenizer cut down to the target ids ``keep`` (drafter id
+    i = target id keep[i]) onto ``writer`` (a gguf.GGUFWriter): the kept
+    tokens and their types, the merges whose pieces and result are all kept,
+    special-token ids moved to their drafter ids (dropped when not kept), and
+    every other tokenizer key (model, pre-tokenizer, chat template) as is, so
+    llama.cpp loads the drafter with the target's tokenizer rules."""
+    import gguf
+
+    from ..moe import field_value
+
+    keys = gguf.Keys.Tokenizer
+    fields = target_reader.fields
+    tokens = field_value(fields[keys.LIST])
+    kept = [tokens[i] for i in keep]
+    index = {t: i for i, t in enumerate(kept)}
+    target_to_drafter = {t: i for i, t in enumerate(keep)}
+    writer.add_token_list(kept)
+    if keys.TOKEN_TYPE in fields:
+        types = field_value(fields[keys.TOKEN_TYPE])
+        writer.add_token_types([types[i] for i in keep])
+    if keys.MERGES in fields:
+        merges = field_value(fields[keys.MERGES])
+        writer.add_token_merges([m for m in merges
+                                 if all(p in index for p in (*m.split(b" "), m.replace(b" ", b"")))])
+    for key, field in fields.items():
+        if not key.startswith("tokenizer.") or key in (keys.LIST, keys.TOKEN_TYPE, keys.MERGES, keys.SCORES):
+            continue
+        value = field_value(field)
+        if key.endswith("_token_id"):
+            if value not in target_to_drafter:
+                continue
+            value = target_to_drafter[value]
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type)
+    if keys.SCORES in fields:
+        scores = field_value(fields[keys.SCORES])
+        writer.add_token_scores([scores[i] for i in keep])

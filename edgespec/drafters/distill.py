@@ -1,0 +1,322 @@
+"""`edgespec drafter distill`: the target's own next-token distributions over
+real text (teacher forcing), kept as top-k soft labels for `drafter train`.
+
+The text (see ``corpus``) is tokenized with the target's tokenizer and cut
+into sequences of ``ctx`` tokens; each sequence is evaluated by the target in
+one batch and every position keeps the target's ``top_k`` likeliest next
+tokens with their probabilities. One teacher-forced pass costs about what a
+prefill costs, far less than generating the same number of tokens.
+
+On disk, a folder:
+
+    distill.json          the manifest: target (name, vocabulary fingerprint), lang,
+                          sources, top_k, ctx, the shards written, and how many
+                          sequences are done (where a resumed run goes on)
+    shard-NNNNN.bin       records, each written whole (temporary file, then rename)
+
+A record, little endian:
+
+    b"ESDR" | n uint32 | k uint32 | crc32 uint32 of the payload | payload
+    payload: tokens int32 (n,) | ids int32 (n, k) | probs float16 (n, k)
+    row i of ids / probs: the target's k likeliest tokens after tokens[:i + 1],
+    likeliest first, with their probabilities at temperature 1.
+
+The manifest also keeps each shard's sha256, so a truncated or altered shard
+is reported with its file and the record and byte where it goes wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import struct
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import DrafterError, InvalidArgumentError
+from . import corpus
+
+MANIFEST = "distill.json"
+FORMAT = 1
+RECORD_MAGIC = b"ESDR"
+_HEAD = struct.Struct("<4sIII")
+SEQUENCES_PER_SHARD = 32
+MIN_SEQUENCE = 16   # a document's tail shorter than this is left out
+SHUFFLE_SEED = 0
+
+
+@dataclass
+class Record:
+    tokens: np.ndarray  # (n,) int32
+    ids: np.ndarray     # (n, k) int32
+    probs: np.ndarray   # (n, k) float16
+
+
+# -- the shard format ------------------------------------------------------------
+
+def encode_record(rec: Record) -> bytes:
+    n, k = rec.ids.shape
+    payload = (rec.tokens.astype("<i4").tobytes() + rec.ids.astype("<i4").tobytes()
+               + rec.probs.astype("<f2").tobytes())
+    return _HEAD.pack(RECORD_MAGIC, n, k, zlib.crc32(payload)) + payload
+
+
+def read_shard(path: Path) -> Iterator[Record]:
+    """The records of one shard, each checked; DrafterError names the file,
+    the record and its byte offset where the data is damaged."""
+    data = path.read_bytes()
+    pos, index = 0, 0
+    while pos < len(data):
+        where = f"{path}: record {index} at byte {pos}"
+        if len(data) - pos < _HEAD.size:
+            raise DrafterError(f"{where}: truncated (header cut short)")
+        magic, n, k, crc = _HEAD.unpack_from(data, pos)
+        if magic != RECORD_MAGIC or n == 0 or k == 0:
+            raise DrafterError(f"{where}: not a distillation record")
+        size = n * 4 + n * k * 6
+        payload = data[pos + _HEAD.size:pos + _HEAD.size + size]
+        if len(payload) != size:
+            raise DrafterError(f"{where}: truncated ({len(payload)} of {size} payload bytes)")
+        if zlib.crc32(payload) != crc:
+            raise DrafterError(f"{where}: checksum mismatch")
+        tokens = np.frombuffer(payload, "<i4", n)
+        ids = np.frombuffer(payload, "<i4", n * k, n * 4).reshape(n, k)
+        probs = np.frombuffer(payload, "<f2", n * k, n * 4 + n * k * 4).reshape(n, k)
+        yield Record(tokens, ids, probs)
+        pos += _HEAD.size + size
+        index += 1
+
+
+class DistillSet:
+    """A distillation folder: its manifest, checked, and its records."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise DrafterError(f"{self.folder}: no {MANIFEST} (not a folder written by edgespec drafter distill)")
+        try:
+            self.manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DrafterError(f"{path}: unreadable manifest ({e})") from None
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            raise DrafterError(f"{path}: not a distillation manifest of format {FORMAT}")
+
+    def __getattr__(self, key: str):
+        try:
+            return self.manifest[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def verify(self) -> None:
+        """Check every shard's size and sha256 against the manifest."""
+        for shard in self.manifest["shards"]:
+            path = self.folder / shard["file"]
+            if not path.is_file():
+                raise DrafterError(f"{path}: missing (listed in {MANIFEST})")
+            size = path.stat().st_size
+            if size != shard["bytes"]:
+                raise DrafterError(f"{path}: {size} bytes, the manifest says {shard['bytes']} "
+                                   f"(truncated or altered at byte {min(size, shard['bytes'])})")
+            if corpus.sha256_file(path) != shard["sha256"]:
+                list(read_shard(path))  # names the damaged record when the damage is inside one
+                raise DrafterError(f"{path}: sha256 differs from the manifest's")
+
+    def records(self) -> Iterator[Record]:
+        for shard in self.manifest["shards"]:
+            yield from read_shard(self.folder / shard["file"])
+
+
+# -- distillation ---------------------------------------------------------------------
+
+@dataclass
+class DistillParams:
+    lang: str
+    sources: Sequence[str]
+    top_k: int = 16
+    ctx: int = 256
+    max_tokens: int | None = None    # stop after this many labelled tokens (None: all the text)
+    minutes: float | None = None     # stop after this long (None: no limit)
+    held_out: bool = True            # leave out text shared with the benchmark suites
+
+
+def _check_params(p: DistillParams) -> None:
+    if not p.lang or not p.lang.replace("-", "").replace("_", "").isalnum():
+        raise InvalidArgumentError(f"--lang must be a language or domain tag such as python or deu, got {p.lang!r}")
+    if not 1 <= p.top_k <= 64:
+        raise InvalidArgumentError(f"--top-k must be in [1, 64], got {p.top_k}")
+    if not MIN_SEQUENCE <= p.ctx <= 4096:
+        raise InvalidArgumentError(f"--ctx must be in [{MIN_SEQUENCE}, 4096], got {p.ctx}")
+    if p.max_tokens is not None and p.max_tokens < 1:
+        raise InvalidArgumentError(f"--tokens must be positive, got {p.max_tokens}")
+    if p.minutes is not None and not p.minutes > 0:
+        raise InvalidArgumentError(f"--minutes must be positive, got {p.minutes}")
+    if not p.sources:
+        raise InvalidArgumentError("give at least one --source")
+
+
+def sequences(tokenize: Callable[[str], list[int]], docs: Sequence[corpus.Document], ctx: int,
+              bos: int | None) -> list[list[int]]:
+    """Each document's tokens cut into pieces of at most ``ctx`` (BOS first
+    when the target adds one), tails under MIN_SEQUENCE tokens left out."""
+    out = []
+    step = ctx - (bos is not None)
+    for doc in docs:
+        toks = tokenize(doc.text)
+        for a in range(0, len(toks), step):
+            piece = toks[a:a + step]
+            if len(piece) >= MIN_SEQUENCE:
+                out.append(([bos] if bos is not None else []) + piece)
+    return out
+
+
+def top_k_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, probs) of the k likeliest tokens of each row of ``logits`` (n, V), likeliest first."""
+    ids = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    picked = np.take_along_axis(logits, ids, axis=1)
+    order = np.argsort(-picked, axis=1, kind="stable")
+    ids, picked = np.take_along_axis(ids, order, axis=1), np.take_along_axis(picked, order, axis=1)
+    top = logits.max(axis=1, keepdims=True)
+    log_z = top + np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+    return ids.astype(np.int32), np.exp(picked - log_z).astype(np.float16)
+
+
+def distill(backend, target_name: str, out: str | os.PathLike, params: DistillParams, *,
+            fingerprint: str, progress: bool = True) -> dict:
+    """Label the text of ``params`` with ``backend`` (the target) into the
+    folder ``out``, going on from where an earlier run on the same folder
+    stopped. Returns the manifest."""
+    from ..capi import ffi
+
+    _check_params(params)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    texts = corpus.source_texts(params.lang, params.sources, progress=progress)
+    docs, dropped = corpus.documents(texts, corpus.HeldOut.suites() if params.held_out else None)
+    # Shuffled once, deterministically: any prefix of the run samples every source.
+    random.Random(SHUFFLE_SEED).shuffle(docs)
+    text_digest = hashlib.sha256()
+    for doc in docs:
+        text_digest.update(doc.text.encode("utf-8", "surrogatepass"))
+    config = {"format": FORMAT, "target": target_name, "target_vocab": fingerprint,
+              "target_n_vocab": backend.n_vocab, "lang": params.lang, "sources": list(params.sources),
+              "top_k": params.top_k, "ctx": params.ctx, "held_out": params.held_out,
+              "text_sha256": text_digest.hexdigest()}
+    manifest = _resume(out, config)
+    bos = backend.bos_token if backend.adds_bos else None
+    seqs = sequences(lambda t: backend.tokenize(t, add_special=False), docs, params.ctx, bos)
+    if not seqs:
+        raise InvalidArgumentError(f"the sources of --lang {params.lang} hold no text to distil")
+    manifest.update(documents=len(docs), held_out_paragraphs=dropped, sequences_total=len(seqs),
+                    tokens_total=sum(len(s) for s in seqs))
+    start = goal = manifest["sequences"]
+    budget = len(seqs) * params.ctx if params.max_tokens is None else params.max_tokens - manifest["tokens"]
+    while goal < len(seqs) and budget > 0:
+        budget -= len(seqs[goal])
+        goal += 1
+    deadline = time.monotonic() + params.minutes * 60 if params.minutes else None
+    bar = _TokenProgress("distil", sum(len(s) for s in seqs[start:goal]), enabled=progress)
+    pending: list[bytes] = []
+    pending_tokens = 0
+    t0 = time.monotonic()
+    try:
+        for seq in seqs[start:goal]:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            backend.clear()
+            addr = backend.decode(seq, logits_from=0)
+            logits = np.frombuffer(ffi.buffer(ffi.cast("float *", addr), 4 * len(seq) * backend.n_vocab),
+                                   dtype=np.float32).reshape(len(seq), backend.n_vocab)
+            ids, probs = top_k_rows(logits, params.top_k)
+            pending.append(encode_record(Record(np.asarray(seq, np.int32), ids, probs)))
+            pending_tokens += len(seq)
+            if len(pending) == SEQUENCES_PER_SHARD:
+                _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
+                pending, pending_tokens, t0 = [], 0, time.monotonic()
+            bar.update(len(seq), f"{bar.bar.count / max(bar.elapsed(), 1e-9):.0f} tok/s")
+    finally:
+        # An interruption keeps what was labelled: the records so far become a shard.
+        _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
+        bar.done()
+    return manifest
+
+
+def _resume(out: Path, config: dict) -> dict:
+    path = out / MANIFEST
+    if not path.exists():
+        return {**config, "shards": [], "sequences": 0, "tokens": 0, "seconds": 0.0}
+    done = DistillSet(out)
+    for key, value in config.items():
+        if done.manifest.get(key) != value:
+            raise InvalidArgumentError(f"{out} holds a distillation with {key} {done.manifest.get(key)!r}, "
+                                       f"not {value!r}: use another --out folder")
+    done.verify()
+    return done.manifest
+
+
+def _flush(out: Path, manifest: dict, pending: list[bytes], tokens: int, seconds: float) -> None:
+    if not pending:
+        return
+    name = f"shard-{len(manifest['shards']):05d}.bin"
+    data = b"".join(pending)
+    write_atomic(out / name, data)
+    manifest["shards"].append({"file": name, "sequences": len(pending), "bytes": len(data),
+                               "sha256": hashlib.sha256(data).hexdigest()})
+    manifest["sequences"] += len(pending)
+    manifest["tokens"] += tokens
+    manifest["seconds"] = round(manifest["seconds"] + seconds, 1)
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary file, fsync, rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class _TokenProgress:
+    """Tokens labelled, rate and time left."""
+
+    def __init__(self, name: str, total: int, enabled: bool):
+        from ..progress import Progress
+
+        self.t0 = time.monotonic()
+        self.bar = Progress(name, total, enabled=enabled, lines=True)
+        bar = self.bar
+
+        def counter() -> str:
+            left = (bar.total - bar.count) * self.elapsed() / max(bar.count, 1)
+            return f"{bar.count}/{bar.total} tokens  ETA {int(left) // 60}:{int(left) % 60:02d}"
+        bar.counter = counter
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def update(self, n: int, status: str) -> None:
+        self.bar.update(n, status)
+
+    def done(self) -> None:
+        self.bar.done()
+
