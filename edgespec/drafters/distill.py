@@ -254,7 +254,8 @@ def _resume(out: Path, config: dict) -> dict:
         return {**config, "shards": [], "sequences": 0, "tokens": 0, "seconds": 0.0}
     done = DistillSet(out)
     for key, value in config.items():
-        if done.manifest.get(key) != value:
+        # The target is known by its vocabulary; its name (a path, a built-in name) may differ.
+        if key != "target" and done.manifest.get(key) != value:
             raise InvalidArgumentError(f"{out} holds a distillation with {key} {done.manifest.get(key)!r}, "
                                        f"not {value!r}: use another --out folder")
     done.verify()
