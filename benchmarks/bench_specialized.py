@@ -1,0 +1,122 @@
+"""Specialized drafters against generic ones, per language, side by side in one run.
+
+    python benchmarks/bench_specialized.py --model qwen2.5-coder-1.5b --langs python --limit 6 --tokens 96
+    python benchmarks/bench_specialized.py --model gemma3-270m --langs deu,fra,jpn --drafters DIR
+
+For each language, on the benchmark prompts of that language (python: the
+HumanEval suite; a human language: the multilingual suite's continuation and
+translation prompts), greedy, every configuration on the same prompt one after
+another so machine drift cancels:
+
+    plain               no drafting
+    prompt lookup       --drafter ngram
+    generic: <model>    --drafter model with the target's paired draft model and with
+                        smollm2-135m across tokenizers (those the target can use)
+    specialized         --drafter model with the target's drafter for that language
+    auto                --drafter auto with the target's drafter set (routed)
+    auto, no set        --drafter auto without specialized drafters
+
+Prints per language: acceptance (accepted / drafted), accepted tokens per
+target step, tokens/s and the ratio to plain decoding (total tokens over total
+decode time), and checks that every run's output equals plain decoding. The
+drafters come from --drafters DIR (files DIR/*.gguf and DIR/<target>/*.gguf),
+else the target's shipped set. The prompts are the suites', which `edgespec
+drafter distill` never trains on.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from edgespec import Engine
+from edgespec.backends.vocab import Vocab
+from edgespec.bench import suites
+from edgespec.drafters import routed
+from edgespec.models import registry
+
+GENERIC = ("smollm2-135m",)
+
+
+def prompts_of(lang: str, limit: int) -> list[suites.Prompt]:
+    if lang == "python":
+        return suites.spread(suites.load_suite("code"), limit)
+    picked = [p for p in suites.load_suite("multilingual") if p.lang == lang]
+    if not picked:
+        raise SystemExit(f"no multilingual prompts for language {lang}")
+    return picked[:limit]
+
+
+def configurations(model: str, lang: str, drafter_dir: str | None, empty: str) -> dict[str, dict]:
+    name = registry.model_name(model)
+    with Vocab.load(registry.model_path_checked(model)) as vocab:
+        infos = [i for i in routed.find_set(vocab, routed.set_files(name, drafter_dir)) if i.problem is None]
+    special = [i for i in infos if lang in i.langs]
+    configs = {"plain": dict(drafter="none"), "prompt lookup": dict(drafter="ngram", drafter_dir=empty)}
+    paired = registry.paired_draft(model)
+    for generic in ([paired] if paired else []) + [g for g in GENERIC if g != name]:
+        configs[f"generic: {generic}"] = dict(drafter="model", draft_model=generic, drafter_dir=empty)
+    if special:
+        configs[f"specialized: {special[0].path.name}"] = dict(drafter="model", draft_model=str(special[0].path),
+                                                               drafter_dir=empty)
+    configs["auto (specialized set)"] = dict(drafter="auto", drafter_dir=drafter_dir)
+    configs["auto, no specialized"] = dict(drafter="auto", drafter_dir=empty)
+    return configs
+
+
+def run_lang(args, lang: str, empty: str) -> None:
+    configs = configurations(args.model, lang, args.drafters, empty)
+    engines = {label: Engine(args.model, threads=args.threads, n_ctx=2048, **kw) for label, kw in configs.items()}
+    totals = {label: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0} for label in configs}
+    mismatches = []
+    try:
+        for engine in engines.values():   # warm-up: pages in, drafters opened, costs measured
+            engine.generate(prompts_of(lang, 1)[0].prompt, max_tokens=8, temperature=0)
+        for _ in range(args.rounds):
+            for p in prompts_of(lang, args.limit):
+                plain = None
+                for label, engine in engines.items():
+                    r = engine.generate(p.prompt, chat=p.chat, max_tokens=args.tokens, temperature=0)
+                    plain = plain or r
+                    if r.tokens != plain.tokens:
+                        mismatches.append((label, p.id))
+                    t = totals[label]
+                    t["tokens"] += r.stats.n_tokens
+                    t["seconds"] += r.stats.decode_s
+                    if r.stats.spec is not None:
+                        t["drafted"] += r.stats.spec.drafted
+                        t["accepted"] += r.stats.spec.accepted
+                        t["steps"] += r.stats.spec.target_steps
+    finally:
+        for engine in engines.values():
+            engine.close()
+    base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    print(f"\n{lang}: {args.model}, {args.threads} threads, greedy, {args.tokens} tokens, "
+          f"{len(prompts_of(lang, args.limit))} prompts x {args.rounds} rounds")
+    print(f"| configuration | acceptance | tokens / step | tokens/s | x plain |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, t in totals.items():
+        speed = t["tokens"] / t["seconds"]
+        acc = f"{t['accepted'] / t['drafted']:.0%}" if t["drafted"] else "-"
+        per_step = f"{t['tokens'] / t['steps']:.2f}" if t["steps"] else "1.00"
+        print(f"| {label} | {acc} | {per_step} | {speed:.2f} | {speed / base:.2f}x |")
+    print("greedy output identical to plain decoding:", "yes" if not mismatches else f"NO {mismatches}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--langs", default="python", help="comma-separated language tags")
+    ap.add_argument("--drafters", default=None, metavar="DIR", help="the drafter set (default: the target's)")
+    ap.add_argument("--limit", type=int, default=4, help="prompts per language")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as empty:
+        for lang in [x for x in args.langs.split(",") if x]:
+            run_lang(args, lang, empty)
+
+
+if __name__ == "__main__":
+    main()
