@@ -63,7 +63,10 @@ class DrafterInfo:
             line = " ".join(map(str, command)) if isinstance(command, list) else str(command)
         else:
             line = ", ".join(f"{k} {v}" for k, v in recipe.items() if isinstance(v, (str, int, float)))
-        return line if len(line) <= width else line[:width - 3] + "..."
+        line = line if len(line) <= width else line[:width - 3] + "..."
+        if isinstance(recipe.get("held_out_acceptance"), (int, float)):
+            line += f" (held-out acceptance {recipe['held_out_acceptance']:.0%})"
+        return line
 
     def to_dict(self) -> dict:
         return {"file": str(self.path), "name": self.name, "target": self.target, "langs": list(self.langs),
