@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import edgespec
 from edgespec import Engine, cli
 from edgespec.backends import open_backend
 from edgespec.capi import ffi
@@ -89,7 +90,8 @@ def test_distill_resumes_where_it_stopped(monkeypatch, capsys, tmp_path, tiny_ll
     """A run cut short by --tokens, then one to the end, gives the records one
     run gives; a run on a finished folder adds nothing."""
     out = tmp_path / "d"
-    first = distil(monkeypatch, capsys, tiny_llama_path, out, "--tokens", "200")
+    first = edgespec.distill_model(str(tiny_llama_path), out, edgespec.DistillParams(
+        lang="python", sources=[TEXT], top_k=8, ctx=64, max_tokens=200), threads=1, progress=False)
     assert 200 <= first["tokens"] < first["tokens_total"]
     second = distil(monkeypatch, capsys, tiny_llama_path, out)
     assert second["tokens"] == second["tokens_total"]
@@ -209,9 +211,9 @@ def test_train_export_load_and_speculate(monkeypatch, capsys, tmp_path, distille
 
 
 def test_training_raises_held_out_acceptance(tmp_path, distilled, tiny_llama_path):
-    params = train.TrainParams(lang="python", minutes=0.15, n_embd=32, n_layer=1, n_head=2, n_head_kv=2, n_ff=64,
+    params = edgespec.TrainParams(lang="python", minutes=0.15, n_embd=32, n_layer=1, n_head=2, n_head_kv=2, n_ff=64,
                                vocab=300, ctx=64, threads=1)
-    result = train.train(tiny_llama_path, "tiny", distilled, tmp_path / "a.gguf", params, progress=False)
+    result = edgespec.train_model(str(tiny_llama_path), distilled, tmp_path / "a.gguf", params, progress=False)
     state = train.load_checkpoint(tmp_path / "a.ckpt")
     import torch
 

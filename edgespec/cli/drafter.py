@@ -15,7 +15,6 @@ from pathlib import Path
 
 import typer
 
-from ..errors import InvalidArgumentError
 from ..models import registry
 from ..backends.vocab import Vocab
 from . import drafter_app
@@ -62,22 +61,12 @@ def distill_cmd(
 ) -> None:
     """Label text with the target's own next-token probabilities (teacher forcing, top-k soft labels),
     for `edgespec drafter train`. Text shared with the benchmark suites is left out."""
-    from ..backends import default_backend, open_backend
     from ..drafters import distill
-    from ..drafters.model import target_fingerprint
 
-    ref = model or registry.default_model()
     params = distill.DistillParams(lang=lang, sources=sources or _default_sources(lang), top_k=top_k,
                                    ctx=ctx, max_tokens=tokens, minutes=minutes)
-    distill._check_params(params)
-    path = registry.model_path_checked(ref)
-    name = backend or default_backend(ref)
-    if name not in ("native", "llama"):
-        raise InvalidArgumentError(f"--backend must be native or llama for distillation, got {name}")
-    with open_backend(name, path, n_ctx=ctx, n_batch=ctx, threads=threads) as target:
-        t0 = time.perf_counter()
-        manifest = distill.distill(target, registry.model_name(ref), out, params,
-                                   fingerprint=target_fingerprint(target))
+    t0 = time.perf_counter()
+    manifest = distill.distill_model(model, out, params, backend=backend, threads=threads)
     typer.echo(f"{out}: {manifest['tokens']} of {manifest['tokens_total']} tokens labelled "
                f"({manifest['sequences']} sequences, {len(manifest['shards'])} shards, top {top_k}); "
                f"{manifest['held_out_paragraphs']} paragraphs left out as benchmark text; "
@@ -123,12 +112,8 @@ def train_cmd(
                                n_head_kv=n_head_kv, n_ff=n_ff, vocab=vocab, ctx=ctx, lr=lr,
                                pretrain_share=pretrain_share, init=init, seed=seed, threads=threads,
                                sources=list(sources or []))
-    train.check_params(params)
-    train._torch()
-    ref = model or registry.default_model()
     command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    result = train.train(registry.model_path_checked(ref), registry.model_name(ref), data, out, params,
-                         restart=restart, command=command)
+    result = train.train_model(model, data, out, params, restart=restart, command=command)
     typer.echo(f"wrote {result.out}: {result.n_params / 1e6:.1f}M parameters, {result.bytes / 1e6:.1f} MB; "
                f"{result.steps} steps, {result.tokens_seen / 1e6:.1f}M tokens in {result.seconds / 60:.1f} min; "
                f"held-out acceptance {result.held_out_acceptance:.1%}")

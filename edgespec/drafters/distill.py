@@ -248,6 +248,26 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
     return manifest
 
 
+def distill_model(model: str | None, out: str | os.PathLike, params: DistillParams, *, backend: str | None = None,
+                  threads: int | None = None, progress: bool = True) -> dict:
+    """``distill`` with the target opened from a model reference (a built-in
+    name, a GGUF path, hf:...; default: the built-in default) on the native
+    or llama backend. Returns the manifest."""
+    from ..backends import default_backend, open_backend
+    from ..models import registry
+    from .model import target_fingerprint
+
+    _check_params(params)
+    ref = model or registry.default_model()
+    path = registry.model_path_checked(ref)
+    name = backend or default_backend(ref)
+    if name not in ("native", "llama"):
+        raise InvalidArgumentError(f"distillation runs on the native or llama backend, not {name}")
+    with open_backend(name, path, n_ctx=params.ctx, n_batch=params.ctx, threads=threads) as target:
+        return distill(target, registry.model_name(ref), out, params, fingerprint=target_fingerprint(target),
+                       progress=progress)
+
+
 def _resume(out: Path, config: dict) -> dict:
     path = out / MANIFEST
     if not path.exists():

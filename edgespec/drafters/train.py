@@ -287,8 +287,6 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     """Train (or go on training) a drafter for the target at ``target_path``
     on the distillation ``data_dir``; export the best state to ``out``."""
     torch = _torch()
-    import gguf
-
     from ..backends.vocab import Vocab
     from ..moe import _reader
     from ..progress import Progress
@@ -402,6 +400,19 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
         bar.done()
     return TrainResult(out, state["step"], state["seconds"], state["best_acceptance"], state["tokens"],
                        n_params, out.stat().st_size)
+
+
+def train_model(model: str | None, data: str | os.PathLike, out: str | os.PathLike, params: TrainParams, *,
+                restart: bool = False, progress: bool = True, command: str = "") -> TrainResult:
+    """``train`` for a model reference (a built-in name, a GGUF path, hf:...;
+    default: the built-in default)."""
+    from ..models import registry
+
+    check_params(params)
+    _torch()
+    ref = model or registry.default_model()
+    return train(registry.model_path_checked(ref), registry.model_name(ref), Path(data), Path(out), params,
+                 restart=restart, progress=progress, command=command)
 
 
 def _text_loss(model, d: TrainData, p: TrainParams, rng):
