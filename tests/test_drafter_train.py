@@ -319,3 +319,24 @@ def test_dataset_build_text_leaves_the_suites_prompts_out():
         kept = corpus.HeldOut(d.text for d in docs)
         assert dropped >= 1 and not any(kept.overlaps(p) for p in prompts)
         assert sum(len(d.text) for d in docs) > 0.8 * sum(len(t) for _, t in texts)
+
+
+def test_generate_mode_labels_the_targets_own_continuations(tmp_path, tiny_llama_path):
+    """Self-distillation: each record is a prompt from the text followed by
+    the target's greedy continuation of it, labelled by the target (whose
+    top token at each generated position is the next token)."""
+    params = edgespec.DistillParams(lang="python", sources=[TEXT], top_k=4, ctx=48, max_tokens=150,
+                                    mode="generate", prompt_tokens=16)
+    manifest = edgespec.distill_model(str(tiny_llama_path), tmp_path, params, threads=1, progress=False)
+    assert manifest["mode"] == "generate" and manifest["sequences"] >= 3
+    recs = list(distill.DistillSet(tmp_path).records())
+    with Engine(tiny_llama_path, backend="native", threads=1) as engine:
+        for r in recs:
+            prompt = r.tokens[:16].tolist()
+            assert r.tokens.tolist() == prompt + engine.generate(prompt, max_tokens=32, temperature=0).tokens
+            assert (r.ids[15:-1, 0] == r.tokens[16:]).all()
+    # the text itself is not what was labelled
+    plain = edgespec.distill_model(str(tiny_llama_path), tmp_path / "text", edgespec.DistillParams(
+        lang="python", sources=[TEXT], top_k=4, ctx=48, max_tokens=150), threads=1, progress=False)
+    assert records(tmp_path / "text")[0][0][:16] == recs[0].tokens[:16].tolist()
+    assert records(tmp_path / "text")[0][0] != recs[0].tokens.tolist() and plain["mode"] == "text"

@@ -56,6 +56,11 @@ def distill_cmd(
     ctx: int = typer.Option(256, "--ctx", help="Tokens per labelled sequence, [16, 4096]."),
     tokens: int = typer.Option(None, "--tokens", help="Stop after this many labelled tokens in all (default: all the text)."),
     minutes: float = typer.Option(None, "--minutes", help="Stop after this many minutes (what is done is kept)."),
+    mode: str = typer.Option("text", "--mode", help="text: label the text itself (teacher forcing, about "
+                             "a prefill's cost); generate: the target first continues each sequence's first "
+                             "--prompt-tokens tokens itself (self-distillation, a generation's cost), then labels that."),
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="generate mode: prompt tokens per sequence."),
+    temperature: float = typer.Option(0.0, "--temperature", help="generate mode: 0 greedy, else sampled, [0, 2]."),
     backend: str = typer.Option(None, "--backend", help="native or llama (default: as generate chooses)."),
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads (default: the physical cores)."),
 ) -> None:
@@ -64,7 +69,8 @@ def distill_cmd(
     from ..drafters import distill
 
     params = distill.DistillParams(lang=lang, sources=sources or _default_sources(lang), top_k=top_k,
-                                   ctx=ctx, max_tokens=tokens, minutes=minutes)
+                                   ctx=ctx, max_tokens=tokens, minutes=minutes, mode=mode,
+                                   prompt_tokens=prompt_tokens, temperature=temperature)
     t0 = time.perf_counter()
     manifest = distill.distill_model(model, out, params, backend=backend, threads=threads)
     typer.echo(f"{out}: {manifest['tokens']} of {manifest['tokens_total']} tokens labelled "

@@ -145,6 +145,10 @@ class DistillParams:
     max_tokens: int | None = None    # stop after this many labelled tokens (None: all the text)
     minutes: float | None = None     # stop after this long (None: no limit)
     held_out: bool = True            # leave out text shared with the benchmark suites
+    mode: str = "text"               # "text": label the text itself; "generate": the target's own
+                                     # continuations of each sequence's first prompt_tokens
+    prompt_tokens: int = 64          # generate mode: the prompt taken from each sequence
+    temperature: float = 0.0         # generate mode: 0 = greedy, else sampled (seeded per sequence)
 
 
 def _check_params(p: DistillParams) -> None:
@@ -160,6 +164,12 @@ def _check_params(p: DistillParams) -> None:
         raise InvalidArgumentError(f"--minutes must be positive, got {p.minutes}")
     if not p.sources:
         raise InvalidArgumentError("give at least one --source")
+    if p.mode not in ("text", "generate"):
+        raise InvalidArgumentError(f"--mode must be text or generate, got {p.mode!r}")
+    if p.mode == "generate" and not 1 <= p.prompt_tokens < p.ctx - 1:
+        raise InvalidArgumentError(f"--prompt-tokens must be in [1, {p.ctx - 2}] (below --ctx), got {p.prompt_tokens}")
+    if not 0 <= p.temperature <= 2:
+        raise InvalidArgumentError(f"--temperature must be in [0, 2], got {p.temperature}")
 
 
 def sequences(tokenize: Callable[[str], list[int]], docs: Sequence[corpus.Document], ctx: int,
@@ -189,10 +199,13 @@ def top_k_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def distill(backend, target_name: str, out: str | os.PathLike, params: DistillParams, *,
-            fingerprint: str, progress: bool = True) -> dict:
+            fingerprint: str, progress: bool = True,
+            continue_: Callable[[list[int], int, int], list[int]] | None = None) -> dict:
     """Label the text of ``params`` with ``backend`` (the target) into the
     folder ``out``, going on from where an earlier run on the same folder
-    stopped. Returns the manifest."""
+    stopped. Returns the manifest. In generate mode, ``continue_(prompt,
+    max_tokens, seed)`` returns the target's continuation of a prompt (an
+    engine on the same backend), and the prompt plus it is what is labelled."""
     from ..capi import ffi
 
     _check_params(params)
@@ -208,7 +221,11 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
     config = {"format": FORMAT, "target": target_name, "target_vocab": fingerprint,
               "target_n_vocab": backend.n_vocab, "lang": params.lang, "sources": list(params.sources),
               "top_k": params.top_k, "ctx": params.ctx, "held_out": params.held_out,
-              "text_sha256": text_digest.hexdigest()}
+              "text_sha256": text_digest.hexdigest(), "mode": params.mode}
+    if params.mode == "generate":
+        if continue_ is None:
+            raise InvalidArgumentError("generate mode needs the target's engine (distill_model opens one)")
+        config.update(prompt_tokens=params.prompt_tokens, temperature=params.temperature)
     manifest = _resume(out, config)
     bos = backend.bos_token if backend.adds_bos else None
     seqs = sequences(lambda t: backend.tokenize(t, add_special=False), docs, params.ctx, bos)
@@ -227,9 +244,12 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
     pending_tokens = 0
     t0 = time.monotonic()
     try:
-        for seq in seqs[start:goal]:
+        for i, seq in enumerate(seqs[start:goal], start):
             if deadline is not None and time.monotonic() > deadline:
                 break
+            if params.mode == "generate":
+                prompt = seq[:params.prompt_tokens]
+                seq = prompt + continue_(prompt, params.ctx - len(prompt), i)
             backend.clear()
             addr = backend.decode(seq, logits_from=0)
             logits = np.frombuffer(ffi.buffer(ffi.cast("float *", addr), 4 * len(seq) * backend.n_vocab),
@@ -240,7 +260,7 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
             if len(pending) == SEQUENCES_PER_SHARD:
                 _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
                 pending, pending_tokens, t0 = [], 0, time.monotonic()
-            bar.update(len(seq), f"{bar.bar.count / max(bar.elapsed(), 1e-9):.0f} tok/s")
+            bar.update(len(seqs[i]), f"{bar.bar.count / max(bar.elapsed(), 1e-9):.0f} tok/s")
     finally:
         # An interruption keeps what was labelled: the records so far become a shard.
         _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
@@ -263,9 +283,21 @@ def distill_model(model: str | None, out: str | os.PathLike, params: DistillPara
     name = backend or default_backend(ref)
     if name not in ("native", "llama"):
         raise InvalidArgumentError(f"distillation runs on the native or llama backend, not {name}")
-    with open_backend(name, path, n_ctx=params.ctx, n_batch=params.ctx, threads=threads) as target:
-        return distill(target, registry.model_name(ref), out, params, fingerprint=target_fingerprint(target),
-                       progress=progress)
+    if params.mode == "text":
+        with open_backend(name, path, n_ctx=params.ctx, n_batch=params.ctx, threads=threads) as target:
+            return distill(target, registry.model_name(ref), out, params, fingerprint=target_fingerprint(target),
+                           progress=progress)
+    from ..engine import Engine
+
+    # Self-distillation: the target continues each prompt (speculating with prompt lookup
+    # to go faster; the output is the target's own either way), then labels it.
+    with Engine(ref, backend=name, threads=threads, n_ctx=params.ctx + 64, n_batch=max(params.ctx, 64),
+                drafter="ngram" if params.temperature == 0 else "none") as engine:
+        def continue_(prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+            return engine.generate(prompt, max_tokens=max_tokens, temperature=params.temperature,
+                                   seed=seed).tokens
+        return distill(engine.backend, registry.model_name(ref), out, params,
+                       fingerprint=target_fingerprint(engine.backend), progress=progress, continue_=continue_)
 
 
 def _resume(out: Path, config: dict) -> dict:
