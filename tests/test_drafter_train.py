@@ -340,3 +340,32 @@ def test_generate_mode_labels_the_targets_own_continuations(tmp_path, tiny_llama
         lang="python", sources=[TEXT], top_k=4, ctx=48, max_tokens=150), threads=1, progress=False)
     assert records(tmp_path / "text")[0][0][:16] == recs[0].tokens[:16].tolist()
     assert records(tmp_path / "text")[0][0] != recs[0].tokens.tolist() and plain["mode"] == "text"
+
+
+def test_exported_gguf_computes_what_was_trained(tmp_path, distilled, tiny_llama_path):
+    """The native engine's and llama.cpp's logits of the exported drafter
+    match the PyTorch network's best state (F16 weights: to about 1%), so the
+    rotary convention, head layout and tied output carry over."""
+    import torch
+
+    params = train.TrainParams(lang="python", minutes=0.02, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96,
+                               vocab=300, ctx=64, threads=1)
+    out = tmp_path / "x.gguf"
+    train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
+    with GGUFFile(out) as f:
+        keep, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
+    model = train.build_model(params, len(keep))
+    model.load_state_dict(train.load_checkpoint(out.with_suffix(".ckpt"))["progress"]["best"])
+    model.eval()
+    to_draft = {t: i for i, t in enumerate(keep)}
+    tokens = [to_draft.get(t, unk) for t in list(distill.DistillSet(distilled).records())[0].tokens[:40].tolist()]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens]))[0].numpy()
+    for backend in ("native", "llama"):
+        with open_backend(backend, out, n_ctx=64, n_batch=64, threads=1) as drafter:
+            addr = drafter.decode(tokens, logits_from=0)
+            got = np.frombuffer(ffi.buffer(ffi.cast("float *", addr), 4 * len(tokens) * drafter.n_vocab),
+                                dtype=np.float32).reshape(len(tokens), -1).copy()   # the buffer dies with the backend
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() < 0.02 * np.abs(want).max() + 1e-3, backend
+        assert (got.argmax(1) == want.argmax(1)).mean() > 0.9
