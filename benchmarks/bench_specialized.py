@@ -64,7 +64,7 @@ def configurations(model: str, lang: str, drafter_dir: str | None, empty: str) -
     return configs
 
 
-def run_lang(args, lang: str, empty: str) -> None:
+def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
     configs = configurations(args.model, lang, args.drafters, empty)
     engines = {label: Engine(args.model, threads=args.threads, n_ctx=2048, **kw) for label, kw in configs.items()}
     totals = {label: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0} for label in configs}
@@ -101,6 +101,31 @@ def run_lang(args, lang: str, empty: str) -> None:
         per_step = f"{t['tokens'] / t['steps']:.2f}" if t["steps"] else "1.00"
         print(f"| {label} | {acc} | {per_step} | {speed:.2f} | {speed / base:.2f}x |")
     print("greedy output identical to plain decoding:", "yes" if not mismatches else f"NO {mismatches}")
+    return {label: {"x_plain": (t["tokens"] / t["seconds"]) / base,
+                    "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else None} for label, t in totals.items()}
+
+
+def plot(results: dict[str, dict[str, dict]], path: str, title: str) -> None:
+    """One panel per language: speedup over plain decoding of each configuration, acceptance on the bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
+    for ax, (lang, rows) in zip(axes[0], results.items()):
+        labels = [k for k in rows if k != "plain"]
+        bars = ax.barh(labels, [rows[k]["x_plain"] for k in labels], color="#4c72b0")
+        for bar, k in zip(bars, labels):
+            acc = rows[k]["acceptance"]
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {acc:.0%}" if acc is not None else "", va="center", fontsize=8)
+        ax.axvline(1.0, color="grey", lw=1, ls="--")
+        ax.set_title(lang)
+        ax.set_xlabel("x plain decoding (label: acceptance)")
+        ax.invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -112,10 +137,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the speedups per language")
     args = ap.parse_args()
+    results = {}
     with tempfile.TemporaryDirectory() as empty:
         for lang in [x for x in args.langs.split(",") if x]:
-            run_lang(args, lang, empty)
+            results[lang] = run_lang(args, lang, empty)
+    if args.plot:
+        plot(results, args.plot, f"{args.model}, {args.threads} threads, greedy, {args.tokens} tokens")
 
 
 if __name__ == "__main__":
