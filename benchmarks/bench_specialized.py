@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 
 from edgespec import Engine
 from edgespec.backends.vocab import Vocab
@@ -93,7 +92,7 @@ def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
     base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     print(f"\n{lang}: {args.model}, {args.threads} threads, greedy, {args.tokens} tokens, "
           f"{len(prompts_of(lang, args.limit))} prompts x {args.rounds} rounds")
-    print(f"| configuration | acceptance | tokens / step | tokens/s | x plain |")
+    print("| configuration | acceptance | tokens / step | tokens/s | x plain |")
     print("| --- | --- | --- | --- | --- |")
     for label, t in totals.items():
         speed = t["tokens"] / t["seconds"]
