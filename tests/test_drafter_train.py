@@ -275,9 +275,17 @@ def test_train_bad_input(monkeypatch, capsys, tmp_path, distilled, tiny_llama_pa
                        (["--data", str(distilled), "--lang", "python", "--out", str(tmp_path / "no" / "a.gguf")],
                         "no such folder"),
                        (["--data", str(distilled), "--lang", "python", "--out", str(tmp_path / "a.gguf"),
-                         "--n-head-kv", "3"], "--n-head-kv")):
+                         "--n-head-kv", "3"], "--n-head-kv"),
+                       (["--data", str(distilled), "--lang", "python", "--out", str(tmp_path / "a.gguf"),
+                         "--device", "tpu"], "--device")):
         code, _, err = run_cli(monkeypatch, capsys, *base, *args)
         assert code == 2 and says in err and len(err.splitlines()) == 1, err
+    import torch
+
+    if not torch.cuda.is_available():   # a GPU this machine lacks: said, not a crash
+        code, _, err = run_cli(monkeypatch, capsys, *base, "--data", str(distilled), "--lang", "python",
+                               "--out", str(tmp_path / "a.gguf"), "--device", "cuda")
+        assert code == 2 and "no cuda device" in err
     # labels of another target (another vocabulary): refused with the reason
     code, _, err = run_cli(monkeypatch, capsys, "drafter", "train", "--model", str(other_vocab_target),
                            "--data", str(distilled), "--lang", "python", "--out", str(tmp_path / "a.gguf"),

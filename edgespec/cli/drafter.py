@@ -104,6 +104,8 @@ def train_cmd(
     init: str = typer.Option("target", "--init", help="target: embedding from the target's own rows; random."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for PyTorch (default: its own)."),
+    device: str = typer.Option("auto", "--device", help="auto (a CUDA GPU, else Apple's MPS, else the CPU), "
+                               "cpu, cuda or mps."),
     restart: bool = typer.Option(False, "--restart", help="Start over, ignoring OUT.ckpt."),
 ) -> None:
     """Train a small drafter for a target in two stages (plain text, then the target's soft labels) and
@@ -117,6 +119,7 @@ def train_cmd(
     params = train.TrainParams(lang=lang, minutes=minutes, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                                n_head_kv=n_head_kv, n_ff=n_ff, vocab=vocab, ctx=ctx, lr=lr,
                                pretrain_share=pretrain_share, init=init, seed=seed, threads=threads,
+                               device=device,
                                sources=list(sources or []))
     command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     result = train.train_model(model, data, out, params, restart=restart, command=command)

@@ -29,7 +29,6 @@ PyTorch and gguf-py come with the extra: ``pip install 'edgespec[train]'``.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import json
@@ -82,12 +81,13 @@ class TrainParams:
     init: str = "target"        # "target": embedding from the target's rows; "random"
     seed: int = 0
     threads: int | None = None
+    device: str = "auto"        # auto: cuda, else mps, else cpu
     sources: list[str] = field(default_factory=list)  # pretraining text (default: the distillation's)
 
     def shape(self) -> dict:
         """What a checkpoint must share with a run that goes on from it."""
         d = asdict(self)
-        for k in ("minutes", "threads"):
+        for k in ("minutes", "threads", "device"):
             del d[k]
         return d
 
@@ -109,6 +109,18 @@ def check_params(p: TrainParams) -> None:
     need(0 <= p.pretrain_share < 1, f"--pretrain-share must be in [0, 1), got {p.pretrain_share}")
     need(p.init in ("target", "random"), f"--init must be target or random, got {p.init!r}")
     need(p.lr > 0, f"--lr must be positive, got {p.lr}")
+    need(p.device in ("auto", "cpu", "cuda", "mps"), f"--device must be auto, cpu, cuda or mps, got {p.device!r}")
+
+
+def pick_device(name: str):
+    """The torch device of ``--device`` (auto: a CUDA GPU, else Apple's MPS, else the CPU)."""
+    torch = _torch()
+    has = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    if name == "auto":
+        name = next(n for n in ("cuda", "mps", "cpu") if has[n])
+    if not has[name]:
+        raise InvalidArgumentError(f"--device {name}: this PyTorch build or machine has no {name} device")
+    return torch.device(name)
 
 
 # -- the network ----------------------------------------------------------------------
@@ -266,7 +278,7 @@ def load_checkpoint(path: Path) -> dict:
         raise DrafterError(f"{path}: truncated at byte {len(data)} of {_CKPT_HEAD.size + size}")
     if hashlib.sha256(payload).digest() != digest:
         raise DrafterError(f"{path}: checksum mismatch in bytes {_CKPT_HEAD.size}..{len(data)}")
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    return torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -313,9 +325,11 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     torch.manual_seed(p.seed)
     if p.threads:
         torch.set_num_threads(p.threads)
+    device = pick_device(p.device)
     model = build_model(p, len(prepared.token_map))
     if p.init == "target":
         _init_from_target(model, reader, prepared.token_map)
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.05)
     ckpt_path = out.with_suffix(".ckpt")
     state = {"step": 0, "seconds": 0.0, "tokens": 0, "best_acceptance": -1.0, "best": None}
@@ -349,7 +363,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
         acc = held_out_acceptance(model, prepared.kd_held_out)
         if acc > state["best_acceptance"]:
             state["best_acceptance"] = acc
-            state["best"] = copy.deepcopy(model.state_dict())
+            state["best"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         return acc
 
     acc = state["best_acceptance"]
@@ -419,7 +433,7 @@ def _text_loss(model, d: TrainData, p: TrainParams, rng):
     torch = _torch()
     n = max(1, p.batch_tokens // p.ctx)
     starts = rng.integers(0, len(d.text) - p.ctx, size=n)
-    x = torch.from_numpy(np.stack([d.text[s:s + p.ctx + 1] for s in starts]))
+    x = torch.from_numpy(np.stack([d.text[s:s + p.ctx + 1] for s in starts])).to(_device(model))
     logits = model(x[:, :-1])
     target = x[:, 1:].clone()
     target[target == d.unk] = -100   # out-of-map tokens are not learnt as "unk"
@@ -443,11 +457,16 @@ def _distil_loss(model, d: TrainData, p: TrainParams, rng):
     probs = np.zeros((len(picked), n, k), np.float32)
     for i, (t, a, b) in enumerate(picked):
         tokens[i, :len(t)], ids[i, :len(t)], probs[i, :len(t)] = t, a, b
-    logp = torch.log_softmax(model(torch.from_numpy(tokens)), dim=-1)      # (B, n, n_draft)
-    ids_t = torch.from_numpy(ids)
-    w = torch.from_numpy(probs) * (ids_t >= 0)
+    dev = _device(model)
+    logp = torch.log_softmax(model(torch.from_numpy(tokens).to(dev)), dim=-1)      # (B, n, n_draft)
+    ids_t = torch.from_numpy(ids).to(dev)
+    w = torch.from_numpy(probs).to(dev) * (ids_t >= 0)
     w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-6)
     return -(w * logp.gather(2, ids_t.clamp_min(0))).sum() / size
+
+
+def _device(model):
+    return next(model.parameters()).device
 
 
 def held_out_acceptance(model, records) -> float:
@@ -457,7 +476,7 @@ def held_out_acceptance(model, records) -> float:
     hit = n = 0
     with torch.no_grad():
         for tokens, ids, _ in records:
-            top = model(torch.from_numpy(tokens)[None])[0].argmax(-1).numpy()
+            top = model(torch.from_numpy(tokens)[None].to(_device(model)))[0].argmax(-1).cpu().numpy()
             hit += int((top == ids[:, 0]).sum())
             n += len(tokens)
     return hit / max(n, 1)
@@ -494,7 +513,7 @@ def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *
 
     from ..moe import _Output
 
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     n_target = len(gguf_tokens(target_reader))
     with _Output(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
