@@ -377,3 +377,27 @@ def test_exported_gguf_computes_what_was_trained(tmp_path, distilled, tiny_llama
         assert got.shape == want.shape
         assert np.abs(got - want).max() < 0.02 * np.abs(want).max() + 1e-3, backend
         assert (got.argmax(1) == want.argmax(1)).mean() > 0.9
+
+
+def test_interrupted_training_keeps_a_checkpoint_and_a_drafter(tmp_path, distilled, tiny_llama_path, monkeypatch):
+    """Ctrl-C in the middle: the checkpoint and the best drafter so far are
+    written; the next run goes on from that step."""
+    params = train.TrainParams(lang="python", minutes=0.05, n_embd=32, n_layer=1, n_head=2, n_head_kv=2, n_ff=64,
+                               vocab=300, ctx=64, threads=1)
+    out = tmp_path / "i.gguf"
+    real, calls = train._text_loss, []
+
+    def text_loss(*a):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(train, "_text_loss", text_loss)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
+    assert out.is_file()
+    assert train.load_checkpoint(out.with_suffix(".ckpt"))["progress"]["step"] == 5
+    monkeypatch.setattr(train, "_text_loss", real)
+    result = train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
+    assert result.steps > 5
