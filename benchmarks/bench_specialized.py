@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 from edgespec import Engine
 from edgespec.backends.vocab import Vocab
@@ -104,6 +105,45 @@ def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
                     "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else None} for label, t in totals.items()}
 
 
+def agreement(args, lang: str, empty: str) -> None:
+    """Teacher-forced: how often the specialized drafter's top token is the
+    target's next token over the target's own greedy output, and how many of
+    those tokens it does not keep (the ceiling its vocabulary sets)."""
+    import numpy as np
+
+    from edgespec.backends import open_backend
+    from edgespec.capi import ffi
+    from edgespec.drafters import specialized
+    from edgespec.models.gguf import GGUFFile
+
+    special = [c["draft_model"] for k, c in configurations(args.model, lang, args.drafters, empty).items()
+               if k.startswith("specialized")]
+    if not special:
+        print(f"{lang}: no specialized drafter")
+        return
+    with GGUFFile(special[0]) as f:
+        keep, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
+    to_draft = {t: i for i, t in enumerate(keep)}
+    with Engine(args.model, threads=args.threads, n_ctx=2048) as engine:
+        runs = [(engine.backend.tokenize(p.prompt, add_special=False),
+                 engine.generate(p.prompt, max_tokens=args.tokens, temperature=0).tokens)
+                for p in prompts_of(lang, args.limit) if not p.chat]
+    hit = n = missing = 0
+    with open_backend("native", special[0], n_ctx=2048, n_batch=2048, threads=args.threads) as drafter:
+        for prompt, generated in runs:
+            seq = prompt + generated
+            drafter.clear()
+            addr = drafter.decode([to_draft.get(t, unk) for t in seq], logits_from=0)
+            logits = np.frombuffer(ffi.buffer(ffi.cast("float *", addr), 4 * len(seq) * drafter.n_vocab),
+                                   dtype=np.float32).reshape(len(seq), -1)
+            top = np.asarray(keep)[logits.argmax(1)]
+            hit += int((top[len(prompt) - 1:-1] == np.asarray(generated)).sum())
+            n += len(generated)
+            missing += sum(t not in to_draft for t in generated)
+    print(f"{lang}: {Path(special[0]).name} predicts the target's next token on {hit / n:.0%} of {n} generated "
+          f"tokens (teacher-forced); {missing / n:.0%} of them are outside its vocabulary")
+
+
 def plot(results: dict[str, dict[str, dict]], path: str, title: str) -> None:
     """One panel per language: speedup over plain decoding of each configuration, acceptance on the bars."""
     import matplotlib
@@ -137,11 +177,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the speedups per language")
+    ap.add_argument("--agreement", action="store_true", help="only the specialized drafter's teacher-forced "
+                    "agreement with the target's greedy output (completion prompts)")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as empty:
         for lang in [x for x in args.langs.split(",") if x]:
-            results[lang] = run_lang(args, lang, empty)
+            if args.agreement:
+                agreement(args, lang, empty)
+            else:
+                results[lang] = run_lang(args, lang, empty)
     if args.plot:
         plot(results, args.plot, f"{args.model}, {args.threads} threads, greedy, {args.tokens} tokens")
 
