@@ -33,6 +33,7 @@ from edgespec import Engine
 from edgespec.backends.vocab import Vocab
 from edgespec.bench import suites
 from edgespec.drafters import routed
+from edgespec.errors import InvalidArgumentError
 from edgespec.models import registry
 
 GENERIC = ("smollm2-135m",)
@@ -69,11 +70,17 @@ def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
     engines = {label: Engine(args.model, threads=args.threads, n_ctx=2048, **kw) for label, kw in configs.items()}
     totals = {label: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0} for label in configs}
     mismatches = []
+    prompts = prompts_of(lang, args.limit)
+    try:
+        engines["plain"].render_chat([{"role": "user", "content": "hi"}])
+    except InvalidArgumentError:   # a model without a chat template (gemma3-270m): completion prompts only
+        prompts = [p for p in prompts if not p.chat]
+        print(f"{args.model} has no chat template: its chat prompts are left out")
     try:
         for engine in engines.values():   # warm-up: pages in, drafters opened, costs measured
-            engine.generate(prompts_of(lang, 1)[0].prompt, max_tokens=8, temperature=0)
+            engine.generate(prompts[0].prompt, max_tokens=8, temperature=0)
         for _ in range(args.rounds):
-            for p in prompts_of(lang, args.limit):
+            for p in prompts:
                 plain = None
                 for label, engine in engines.items():
                     r = engine.generate(p.prompt, chat=p.chat, max_tokens=args.tokens, temperature=0)
@@ -92,7 +99,7 @@ def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
             engine.close()
     base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     print(f"\n{lang}: {args.model}, {args.threads} threads, greedy, {args.tokens} tokens, "
-          f"{len(prompts_of(lang, args.limit))} prompts x {args.rounds} rounds")
+          f"{len(prompts)} prompts x {args.rounds} rounds")
     print("| configuration | acceptance | tokens / step | tokens/s | x plain |")
     print("| --- | --- | --- | --- | --- |")
     for label, t in totals.items():
