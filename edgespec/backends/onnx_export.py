@@ -71,7 +71,6 @@ Gather the rows, then scale them (gemma3: also by sqrt(n_embd)).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -84,6 +83,7 @@ import numpy as np
 
 from ..capi import lib
 from ..errors import InvalidArgumentError, ModelFormatError
+from ..files import sha256_file
 from ..models.gguf import GGUFFile, GGUFTensor
 
 FORMAT = "edgespec-onnx"
@@ -721,14 +721,6 @@ def check_cache_len(cache_len: int) -> int:
     return cache_len
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_out_dir(out_dir: str | os.PathLike) -> None:
     """OUT_DIR must be new or an empty folder, in a writable folder."""
     out_dir = Path(out_dir).expanduser().absolute()
@@ -789,7 +781,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
             "positions": static[1] if static else positions_limit(cfg),
             "config": asdict(cfg),
             "source": {"gguf": str(gguf_path), "ref": model_ref or str(gguf_path),
-                       "size": gguf_path.stat().st_size, "sha256": _file_digest(gguf_path)},
+                       "size": gguf_path.stat().st_size, "sha256": sha256_file(gguf_path)},
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         if weights == "qdq":  # the float graph written above, calibrated through the backend

@@ -11,6 +11,8 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from ..files import write_atomic
+
 PLOTS = ("speedup.png", "speedup_by_language.png", "acceptance_vs_length.png", "ceiling_fraction.png",
          "roofline.png")
 ROOFLINE_PLOTS = ("roofline.png",)   # of a `--roofline` run
@@ -19,18 +21,6 @@ ROOFLINE_PLOTS = ("roofline.png",)   # of a `--roofline` run
 def schema() -> dict:
     """The JSON Schema the results document follows (results.schema.json)."""
     return json.loads(resources.files(__package__).joinpath("results.schema.json").read_text())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp made it 0600; results are ordinary readable files
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _fmt(x, spec: str, none: str = "–") -> str:
@@ -268,7 +258,7 @@ def write(doc: dict, out_dir: Path) -> tuple[list[Path], str | None]:
     files = []
     for name, data in (("results.json", json.dumps(doc, indent=1, ensure_ascii=False) + "\n"),
                        ("results.md", markdown(doc))):
-        _atomic_write(out_dir / name, data.encode("utf-8"))
+        write_atomic(out_dir / name, data.encode("utf-8"))
         files.append(out_dir / name)
     try:
         import matplotlib  # noqa: F401

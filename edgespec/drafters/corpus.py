@@ -18,7 +18,6 @@ sees the same documents.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import sysconfig
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import DrafterError, InvalidArgumentError
+from ..files import sha256_file
 
 DATASET_BUILD = "dataset-build==0.1.11"
 DATASET_BUILD_WHEEL = "dataset_build-0.1.11-py3-none-any.whl"
@@ -203,11 +203,3 @@ def _paragraphs(text: str) -> list[str]:
         if piece:
             out.append("\n".join(piece))
     return [p for p in out if p.strip()]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

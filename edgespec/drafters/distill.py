@@ -31,7 +31,6 @@ import json
 import os
 import random
 import struct
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..errors import DrafterError, InvalidArgumentError
+from ..files import sha256_file, write_atomic
 from . import corpus
 
 MANIFEST = "distill.json"
@@ -125,7 +125,7 @@ class DistillSet:
             if size != shard["bytes"]:
                 raise DrafterError(f"{path}: {size} bytes, the manifest says {shard['bytes']} "
                                    f"(truncated or altered at byte {min(size, shard['bytes'])})")
-            if corpus.sha256_file(path) != shard["sha256"]:
+            if sha256_file(path) != shard["sha256"]:
                 list(read_shard(path))  # names the damaged record when the damage is inside one
                 raise DrafterError(f"{path}: sha256 differs from the manifest's")
 
@@ -326,27 +326,6 @@ def _flush(out: Path, manifest: dict, pending: list[bytes], tokens: int, seconds
     manifest["tokens"] += tokens
     manifest["seconds"] = round(manifest["seconds"] + seconds, 1)
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all (a temporary file, fsync, rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class _TokenProgress:

@@ -44,7 +44,8 @@ import numpy as np
 
 from ..errors import DrafterError, InvalidArgumentError
 from . import corpus, specialized
-from .distill import DistillSet, write_atomic
+from ..files import write_atomic
+from .distill import DistillSet
 
 CKPT_MAGIC = b"ESCK"
 CKPT_VERSION = 1
