@@ -41,6 +41,7 @@ import numpy as np
 
 from ..errors import DrafterError, InvalidArgumentError
 from ..files import sha256_file, write_atomic
+from ..progress import Progress
 from . import corpus
 
 MANIFEST = "distill.json"
@@ -234,10 +235,13 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
     manifest.update(documents=len(docs), held_out_paragraphs=dropped, sequences_total=len(seqs),
                     tokens_total=sum(len(s) for s in seqs))
     start = goal = manifest["sequences"]
-    budget = len(seqs) * params.ctx if params.max_tokens is None else params.max_tokens - manifest["tokens"]
-    while goal < len(seqs) and budget > 0:
-        budget -= len(seqs[goal])
-        goal += 1
+    if params.max_tokens is None:
+        goal = len(seqs)
+    else:   # whole sequences until --tokens is reached
+        budget = params.max_tokens - manifest["tokens"]
+        while goal < len(seqs) and budget > 0:
+            budget -= len(seqs[goal])
+            goal += 1
     deadline = time.monotonic() + params.minutes * 60 if params.minutes else None
     bar = _TokenProgress("distil", sum(len(s) for s in seqs[start:goal]), enabled=progress)
     pending: list[bytes] = []
@@ -260,7 +264,7 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
             if len(pending) == SEQUENCES_PER_SHARD:
                 _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
                 pending, pending_tokens, t0 = [], 0, time.monotonic()
-            bar.update(len(seqs[i]), f"{bar.bar.count / max(bar.elapsed(), 1e-9):.0f} tok/s")
+            bar.update(len(seqs[i]), f"{bar.rate():.0f} tok/s")
     finally:
         # An interruption keeps what was labelled: the records so far become a shard.
         _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
@@ -328,27 +332,16 @@ def _flush(out: Path, manifest: dict, pending: list[bytes], tokens: int, seconds
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
 
 
-class _TokenProgress:
-    """Tokens labelled, rate and time left."""
+class _TokenProgress(Progress):
+    """Tokens labelled, and the time left at the rate so far."""
 
     def __init__(self, name: str, total: int, enabled: bool):
-        from ..progress import Progress
-
+        super().__init__(name, total, enabled=enabled, lines=True)
         self.t0 = time.monotonic()
-        self.bar = Progress(name, total, enabled=enabled, lines=True)
-        bar = self.bar
 
-        def counter() -> str:
-            left = (bar.total - bar.count) * self.elapsed() / max(bar.count, 1)
-            return f"{bar.count}/{bar.total} tokens  ETA {int(left) // 60}:{int(left) % 60:02d}"
-        bar.counter = counter
+    def rate(self) -> float:
+        return self.count / max(time.monotonic() - self.t0, 1e-9)
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def update(self, n: int, status: str) -> None:
-        self.bar.update(n, status)
-
-    def done(self) -> None:
-        self.bar.done()
-
+    def counter(self) -> str:
+        left = int((self.total - self.count) / max(self.rate(), 1e-9)) if self.count else 0
+        return f"{self.count}/{self.total} tokens  ETA {left // 60}:{left % 60:02d}"

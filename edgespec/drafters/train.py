@@ -43,8 +43,9 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import DrafterError, InvalidArgumentError
-from . import corpus, specialized
 from ..files import write_atomic
+from ..progress import Progress
+from . import corpus, specialized
 from .distill import DistillSet
 
 CKPT_MAGIC = b"ESCK"
@@ -200,6 +201,8 @@ class TrainData:
     text: np.ndarray           # (N,) drafter ids of the plain text, documents one after another
     kd_train: list             # distillation records (tokens, ids, probs) in drafter ids
     kd_held_out: list
+    n_target: int              # the target's vocabulary size
+    profile: list[str]         # specialized.char_profile() of the plain text, for the router
 
 
 def choose_vocab(counts: np.ndarray, control: Sequence[int], unk_target: int, n: int) -> np.ndarray:
@@ -251,7 +254,8 @@ def prepare_data(target_vocab, target_reader, data: DistillSet, p: TrainParams, 
     order = rng.permutation(len(kd))
     n_held = max(1, int(round(len(kd) * p.held_out_share))) if len(kd) > 1 else 0
     held = [kd[i] for i in order[:n_held]] or kd
-    return TrainData(keep, unk, ids(text), [kd[i] for i in order[n_held:]] or kd, held)
+    return TrainData(keep, unk, ids(text), [kd[i] for i in order[n_held:]] or kd, held, n_target,
+                     specialized.char_profile(t for _, t in texts))
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -302,7 +306,6 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     torch = _torch()
     from ..backends.vocab import Vocab
     from ..moe import _reader
-    from ..progress import Progress
     from .model import target_fingerprint
 
     check_params(p)
@@ -347,8 +350,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     budget = p.minutes * 60
     n_params = sum(t.numel() for t in model.parameters())
     rng = np.random.default_rng(p.seed + state["step"])
-    bar = Progress("train", int(budget), enabled=progress, lines=True)
-    bar.counter = lambda: f"{_mmss(bar.count)}/{_mmss(bar.total)}"
+    bar = _Clock("train", int(budget), enabled=progress, lines=True)
     bar.update(int(state["seconds"]))
     t_run = time.monotonic()
     seconds0 = state["seconds"]
@@ -410,8 +412,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
                 "params": p.shape(), "steps": state["step"], "seconds": round(state["seconds"]),
                 "tokens_seen": state["tokens"], "held_out_acceptance": round(state["best_acceptance"], 4)}
             export_gguf(out, model, p, prepared, reader, target_name=target_name,
-                        target_vocab=data.target_vocab, texts=corpus.source_texts(
-                            p.lang, p.sources or data.sources, progress=False), recipe=recipe)
+                        target_vocab=data.target_vocab, recipe=recipe)
         bar.done()
     return TrainResult(out, state["step"], state["seconds"], state["best_acceptance"], state["tokens"],
                        n_params, out.stat().st_size)
@@ -507,7 +508,7 @@ def _init_from_target(model, reader, keep: np.ndarray) -> None:
 # -- export ----------------------------------------------------------------------------------
 
 def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *, target_name: str,
-                target_vocab: str, texts, recipe: dict) -> None:
+                target_vocab: str, recipe: dict) -> None:
     """The drafter as a llama GGUF: F16 matrices, F32 norms, the trimmed
     tokenizer and the edgespec.drafter.* keys (see ``specialized``)."""
     import gguf
@@ -515,7 +516,6 @@ def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *
     from ..moe import _Output
 
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    n_target = len(gguf_tokens(target_reader))
     with _Output(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
         try:
@@ -534,11 +534,11 @@ def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *
             specialized.add_trimmed_tokenizer(w, target_reader, d.token_map.tolist())
             w.add_string(specialized.KEY_TARGET, target_name)
             w.add_string(specialized.KEY_TARGET_VOCAB, target_vocab)
-            w.add_uint32(specialized.KEY_TARGET_N_VOCAB, n_target)
+            w.add_uint32(specialized.KEY_TARGET_N_VOCAB, d.n_target)
             w.add_array(specialized.KEY_TOKEN_MAP, d.token_map.tolist())
             w.add_uint32(specialized.KEY_UNK, d.unk)
             w.add_array(specialized.KEY_LANGS, [p.lang])
-            w.add_array(specialized.KEY_PROFILE, specialized.char_profile(t for _, t in texts))
+            w.add_array(specialized.KEY_PROFILE, d.profile)
             w.add_string(specialized.KEY_RECIPE, json.dumps(recipe, ensure_ascii=False, sort_keys=True))
             f16 = lambda a: a.astype(np.float16)
             w.add_tensor("token_embd.weight", f16(sd["tok_embd.weight"]))
@@ -562,12 +562,11 @@ def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *
                                        "--n-embd or --n-layer")
 
 
-def gguf_tokens(reader) -> list:
-    import gguf
+class _Clock(Progress):
+    """Training seconds against the budget, as m:ss."""
 
-    from ..moe import field_value
-
-    return field_value(reader.fields[gguf.Keys.Tokenizer.LIST])
+    def counter(self) -> str:
+        return f"{_mmss(self.count)}/{_mmss(self.total)}"
 
 
 def _mmss(seconds: float) -> str:
