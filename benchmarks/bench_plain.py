@@ -20,6 +20,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as lc
 
 from edgespec import Engine
+from edgespec.backends.vocab import model_params
 from edgespec.models import registry
 
 PROMPTS = [
@@ -33,8 +34,7 @@ class BareLoop:
     """The floor: llama_decode one token at a time, argmax on a zero-copy view."""
 
     def __init__(self, path, n_ctx, threads):
-        mp = lc.llama_model_default_params()
-        self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
+        self.model = lc.llama_model_load_from_file(str(path).encode(), model_params())
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         cp = lc.llama_context_default_params()

@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import llama_cpp.llama_cpp as lc
 
+from edgespec.backends.vocab import model_params
+
 
 def greedy_reference(path, prompt: str, n_tokens: int, n_ctx: int = 1024) -> list[int]:
-    model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    model = lc.llama_model_load_from_file(str(path).encode(), model_params())
     vocab = lc.llama_model_get_vocab(model)
     n_vocab = lc.llama_vocab_n_tokens(vocab)
     cp = lc.llama_context_default_params()

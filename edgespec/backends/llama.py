@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BackendError, ModelFormatError
 from . import default_threads
 from .base import EMBED_SEQS, Backend, context_size
-from .vocab import Vocab, VocabMixin, init_llama
+from .vocab import Vocab, VocabMixin, init_llama, model_params
 
 
 class LlamaBackend(VocabMixin, Backend):
@@ -35,9 +35,8 @@ class LlamaBackend(VocabMixin, Backend):
         init_llama(verbose)
         self.path = Path(path)
 
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = gpu_layers
-        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(),
+                                                    model_params(n_gpu_layers=gpu_layers))
         if not self._model:
             raise ModelFormatError(f"{self.path}: llama.cpp could not load this model "
                                    "(unsupported architecture or damaged file)")

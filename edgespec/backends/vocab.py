@@ -8,6 +8,7 @@ tokenizer as the llama backend, token for token.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 
@@ -37,6 +38,30 @@ def init_llama(verbose: bool) -> None:
     if not _initialized:
         lc.llama_backend_init()
         _initialized = True
+
+
+@functools.cache
+def _cpu_advertises_amx() -> bool:
+    """Whether /proc/cpuinfo lists AMX. A VM can advertise AMX it does not run
+    (seen on a Firecracker guest of a Sapphire Rapids host): the first
+    `ldtilecfg` in ggml's AMX matmul then kills the process with SIGILL."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+def model_params(**fields):
+    """llama.cpp's default model parameters with ``fields`` set. Where the CPU
+    advertises AMX, without the extra buffer types (ggml's AMX and repacked
+    weights, as llama.cpp's --no-repack): a lost speed-up on a true AMX
+    machine is better than a crash on a VM that only claims it."""
+    params = lc.llama_model_default_params()
+    params.use_extra_bufts = not _cpu_advertises_amx()
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
 
 
 def tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -72,9 +97,7 @@ class Vocab(Closing):
     @classmethod
     def load(cls, path: Path, *, verbose: bool = False) -> "Vocab":
         init_llama(verbose)
-        params = lc.llama_model_default_params()
-        params.vocab_only = True
-        model = lc.llama_model_load_from_file(str(path).encode(), params)
+        model = lc.llama_model_load_from_file(str(path).encode(), model_params(vocab_only=True))
         if not model:
             raise ModelFormatError(f"{path}: llama.cpp could not read this model's vocabulary")
         vocab = cls(model)
