@@ -9,7 +9,7 @@
  *  - es_matvec on random rows of every weight type against a double-precision
  *    dot of the dequantized weight and activation rows (relative 1e-5 of the
  *    sum of |terms|; Q4_1 / Q5_1 also allow for Q8_1's sum s stored as half);
- *  - the best kernels against the scalar ones (es_kernels_select): not
+ *  - every kernel set this CPU runs against the scalar one (es_kernels_select): not
  *    bit-exact across kernel sets (their float sums group differently),
  *    within the same 1e-5 relative bound; the selection's refusals;
  *  - within one kernel set, bit-identical rows for any split of the rows range;
@@ -83,7 +83,8 @@ static void test_type_table(void) {
     CHECK(es_dequantize_row(ES_TYPE_Q8_0, zeros, f, 16) == ES_ERR_INVALID_ARG);   // not a whole block
     CHECK(es_dequantize_row(ES_TYPE_Q8_0, zeros, f, 0) == ES_ERR_INVALID_ARG);
     const char * k = es_kernels_name();
-    CHECK(strcmp(k, "avx2") == 0 || strcmp(k, "neon") == 0 || strcmp(k, "scalar") == 0);
+    CHECK(strcmp(k, "avx512") == 0 || strcmp(k, "avx2") == 0 || strcmp(k, "neon") == 0 ||
+          strcmp(k, "scalar") == 0);
 }
 
 /* ---- half conversion ------------------------------------------------------ */
@@ -521,20 +522,23 @@ static void test_matvec(void) {
     CHECK(es_kernels_select("scalar") == ES_OK && strcmp(es_kernels_name(), "scalar") == 0);
     run_matvecs(scalar, true);
     CHECK(es_kernels_select("auto") == ES_OK);
-    CHECK(strcmp(es_kernels_name(), es_kernels_available(0)) == 0);
-    run_matvecs(fast, true);
     printf("kernels: %s\n", es_kernels_name());
-    for (int t = 0; t < N_WT; t++) {
-        // Both are within 1e-5 sum|terms| of the reference, so within 2e-5 of each other.
-        double worst = 0;
-        for (int r = 0; r < MV_ROWS; r++) {
-            const double d = fabs((double) fast->y[t][r] - scalar->y[t][r]) / fast->mag[t][r];
-            worst = fmax(worst, d);
-            CHECK(d <= 2e-5);
+    for (int32_t k = 0; es_kernels_available(k); k++) {  // every set, the batched kernels included
+        CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
+        run_matvecs(fast, true);
+        for (int t = 0; t < N_WT; t++) {
+            // Both are within 1e-5 sum|terms| of the reference, so within 2e-5 of each other.
+            double worst = 0;
+            for (int r = 0; r < MV_ROWS; r++) {
+                const double d = fabs((double) fast->y[t][r] - scalar->y[t][r]) / fast->mag[t][r];
+                worst = fmax(worst, d);
+                CHECK(d <= 2e-5);
+            }
+            printf("  %-5s %s vs scalar: max difference %.2g of sum|terms|\n", es_type_name(WEIGHT_TYPES[t]),
+                   es_kernels_name(), worst);
         }
-        printf("  %-5s %s vs scalar: max difference %.2g of sum|terms|\n", es_type_name(WEIGHT_TYPES[t]),
-               es_kernels_name(), worst);
     }
+    CHECK(es_kernels_select("auto") == ES_OK);
     free(fast);
     free(scalar);
 }
@@ -631,13 +635,16 @@ static void test_kernel_selection(void) {
     while (es_kernels_available(n)) n++;
     CHECK(n >= 1 && strcmp(es_kernels_available(n - 1), "scalar") == 0);
     CHECK(es_kernels_available(-1) == NULL);
-    bool has_avx2 = false, has_neon = false;
+    bool has_avx512 = false, has_avx2 = false, has_neon = false;
     for (int32_t i = 0; i < n; i++) {
+        has_avx512 |= strcmp(es_kernels_available(i), "avx512") == 0;
         has_avx2 |= strcmp(es_kernels_available(i), "avx2") == 0;
         has_neon |= strcmp(es_kernels_available(i), "neon") == 0;
     }
     CHECK(!(has_avx2 && has_neon));
+    CHECK(!has_avx512 || (has_avx2 && strcmp(es_kernels_available(0), "avx512") == 0));  // best first
     CHECK(es_kernels_select(has_avx2 ? "neon" : "avx2") == ES_ERR_UNSUPPORTED);
+    if (!has_avx512) CHECK(es_kernels_select("avx512") == ES_ERR_UNSUPPORTED);
     CHECK(es_kernels_select("sse9") == ES_ERR_INVALID_ARG);
     CHECK(es_kernels_select(NULL) == ES_ERR_INVALID_ARG);
     CHECK(strcmp(es_kernels_name(), es_kernels_available(0)) == 0);

@@ -1020,8 +1020,8 @@ static inline ES_AVX2 __m256 prod_unsigned(w8 q, const int8_t * y) {
 
 // Per token, even blocks go to acc0 and odd ones to acc1 (two FMA chains);
 // with a min (Q4_1, Q5_1), m_x s_y sums the same way in m0 / m1.
-#define DOT32(NAME, NT, block_t, act_t, UNPACK, PROD, MIN_TERM)                              \
-    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
+#define DOT32(NAME, NT, ATTR, block_t, act_t, UNPACK, PROD, MIN_TERM)                        \
+    static ATTR void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
                              float * out) {                                                 \
         const block_t * x = w;                                                              \
         const act_t *   y[NT];                                                              \
@@ -1249,15 +1249,16 @@ static inline ES_AVX2 __m256i reduce_q6_K(const __m256i p[4], const __m256i s[2]
 
 // Every type's kernels for NT = 1..MAX_NT, the table es_matmat indexes
 // (dotn_T_avx2[nt - 1]), and es_matvec's one-token function.
-#define NT_TABLE(T)                                                                           \
-    static const vec_dotn_fn dotn_##T##_avx2[MAX_NT] = {EACH_NT(NT_NAME, dot_##T##_avx2_)};   \
-    static ES_AVX2 float dot_##T##_avx2(int64_t n, const void * w, const void * a) {        \
+#define NT_TABLE(T) NT_TABLE_SET(T, avx2, ES_AVX2)
+#define NT_TABLE_SET(T, SET, ATTR)                                                            \
+    static const vec_dotn_fn dotn_##T##_##SET[MAX_NT] = {EACH_NT(NT_NAME, dot_##T##_##SET##_)}; \
+    static ATTR float dot_##T##_##SET(int64_t n, const void * w, const void * a) {          \
         float r;                                                                            \
-        dot_##T##_avx2_1(n, w, a, 0, &r);                                                   \
+        dot_##T##_##SET##_1(n, w, a, 0, &r);                                                \
         return r;                                                                           \
     }
 
-#define DOT32_NT(T, NT) DOT32(dot_##T##_avx2_##NT, NT, block_##T, DOT32_ACT_##T, unpack_##T, DOT32_PROD_##T, DOT32_MIN_##T)
+#define DOT32_NT(T, NT) DOT32(dot_##T##_avx2_##NT, NT, ES_AVX2, block_##T, DOT32_ACT_##T, unpack_##T, DOT32_PROD_##T, DOT32_MIN_##T)
 #define DOT32_PROD_q4_0 prod_signed
 #define DOT32_PROD_q5_0 prod_signed
 #define DOT32_PROD_q8_0 prod_signed
@@ -1359,6 +1360,148 @@ static inline ES_AVX2 int hsum_i32x8(__m256i v) {
 
 EACH_NT(DOT_K16_NT, q2_K) NT_TABLE(q2_K)
 EACH_NT(DOT_K16_NT, q3_K) NT_TABLE(q3_K)
+
+/* ---- AVX-512 VNNI (256-bit vectors) -------------------------------------- */
+
+// The AVX2 kernels with AVX-512 VNNI's fused integer dot products, still on
+// 256-bit vectors (32 registers with VL): vpdpbusd sums four u8 x s8
+// products into an int32 lane in one instruction where AVX2 needs maddubs
+// and madd, and vpdpwssd weights the K-quants' int16 pair sums by their
+// sub-block scales as it accumulates, where AVX2 needs three levels of hadd
+// (the shuffle port) and a madd. Verifying k tokens costs k times this
+// per-token part and one unpack, so it is the part worth cutting.
+// F32/F16/BF16 and Q2_K/Q3_K keep the AVX2 kernels.
+#define ES_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The 32-element quants: the same int32 lanes as dot_u8s8's (four products
+// each, no int16 stage to saturate), so these kernels equal the AVX2 ones
+// bit for bit.
+static inline ES_AVX512 __m256 prod_signed_vnni(w8 q, const int8_t * y) {
+    const __m256i yv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *) y), q.sgn);
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q.mag, yv));
+}
+static inline ES_AVX512 __m256 prod_unsigned_vnni(w8 q, const int8_t * y) {
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q.mag,
+                                                  _mm256_loadu_si256((const __m256i *) y)));
+}
+
+// Q4_K / Q5_K: sub-block k's maddubs (16 int16, pairs of q y, |.| <= 2 * 31
+// * 128 for Q5_K) times its scale, summed into int32 lanes by vpdpwssd in
+// two chains (even and odd sub-blocks); the mins as a vector of
+// min[j] (bsums[2j] + bsums[2j+1]) taken off the same float accumulator.
+#define DOT_K4_VNNI(NAME, NT, T)                                                              \
+    static ES_AVX512 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,   \
+                               float * out) {                                               \
+        const block_##T *  x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            uint8_t sc[8], m[8];                                                            \
+            unpack_scales_k4(x[i].scales, sc, m);                                           \
+            const __m256i sc16 = u8x8_to_i16x2(sc);                                         \
+            __m256i scale[8];  /* sub-block k's scale in every int16 */                     \
+            for (int k = 0; k < 8; k++) scale[k] = _mm256_permutexvar_epi16(_mm256_set1_epi16((short) k), sc16); \
+            /* (m0, m0, m1, m1, .., m7, m7) as int16, one per bsums group of 16 */          \
+            const __m128i mv = _mm_loadl_epi64((const __m128i *) m);                        \
+            const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));           \
+            const __m256i hbits = qh_##T(x + i);                                            \
+            __m256i q[8];  /* sub-blocks 0..7 as u8, unpacked once for all tokens */        \
+            for (int j = 0; j < 4; j++) {                                                   \
+                const k4_chunk c = unpack_##T(x + i, j, hbits);                             \
+                q[2 * j] = c.lo, q[2 * j + 1] = c.hi;                                       \
+            }                                                                               \
+            const float d = h2f(x[i].d), dmin = h2f(x[i].dmin);                             \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();        \
+                for (int k = 0; k < 8; k += 2) {                                            \
+                    const __m256i p0 = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k))); \
+                    const __m256i p1 = _mm256_maddubs_epi16(q[k + 1], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k + 32))); \
+                    even = _mm256_dpwssd_epi32(even, p0, scale[k]);                         \
+                    odd = _mm256_dpwssd_epi32(odd, p1, scale[k + 1]);                       \
+                }                                                                           \
+                const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) y[t][i].bsums), mins); \
+                const float yd = y[t][i].d;                                                 \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd)), acc[t]); \
+                acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * yd), _mm256_cvtepi32_ps(msum), acc[t]); \
+            }                                                                               \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);                           \
+    }
+
+// Q6_K: quarter k of half h holds elements with scale 8h + 2k in its low
+// 128 bits and 8h + 2k + 1 in its high ones (see reduce_q6_K), so each
+// quarter's maddubs goes into the sum by one vpdpwssd with those scales.
+// From all 16 scales as int16: scale s in the low 128 bits, s + 1 in the high.
+static inline ES_AVX512 __m256i q6_scale_pair(__m256i sc16, int s) {
+    return _mm256_permutexvar_epi16(_mm256_inserti128_si256(_mm256_set1_epi16((short) s),
+                                                            _mm_set1_epi16((short) (s + 1)), 1), sc16);
+}
+
+#define DOT_Q6K_VNNI(NAME, NT)                                                                \
+    static ES_AVX512 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,   \
+                               float * out) {                                               \
+        const block_q6_K * x = w;                                                           \
+        const block_q8_K * y[NT];                                                           \
+        __m256 acc[NT];                                                                     \
+        for (int t = 0; t < NT; t++) {                                                      \
+            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
+            acc[t] = _mm256_setzero_ps();                                                   \
+        }                                                                                   \
+        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales)); \
+            __m256i even[NT], odd[NT];  /* two vpdpwssd chains per token */                 \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
+                const __m256i bsums = _mm256_loadu_si256((const __m256i *) y[t][i].bsums);  \
+                even[t] = _mm256_sub_epi32(_mm256_setzero_si256(),                          \
+                                           _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5)); \
+                odd[t] = _mm256_setzero_si256();                                            \
+            }                                                                               \
+            for (int h = 0; h < 2; h++) {                                                   \
+                const q6_half_v q = unpack_q6_K(x + i, h);                                  \
+                __m256i scale[4];                                                           \
+                for (int k = 0; k < 4; k++) scale[k] = q6_scale_pair(sc16, 8 * h + 2 * k); \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
+                    const int8_t * q8 = y[t][i].qs + 128 * h;                               \
+                    for (int k = 0; k < 4; k += 2) {                                        \
+                        even[t] = _mm256_dpwssd_epi32(even[t], _mm256_maddubs_epi16(q.q[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k))), scale[k]); \
+                        odd[t] = _mm256_dpwssd_epi32(odd[t], _mm256_maddubs_epi16(q.q[k + 1], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k + 32))), scale[k + 1]); \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+            const float d = h2f(x[i].d);                                                    \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                            \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][i].d),                     \
+                                         _mm256_cvtepi32_ps(_mm256_add_epi32(even[t], odd[t])), acc[t]); \
+        }                                                                                   \
+        for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);                           \
+    }
+
+#define DOT32_VNNI_NT(T, NT) DOT32(dot_##T##_avx512_##NT, NT, ES_AVX512, block_##T, DOT32_ACT_##T, unpack_##T, \
+                                   DOT32_PROD_##T##_vnni, DOT32_MIN_##T)
+#define DOT32_PROD_q4_0_vnni prod_signed_vnni
+#define DOT32_PROD_q5_0_vnni prod_signed_vnni
+#define DOT32_PROD_q8_0_vnni prod_signed_vnni
+#define DOT32_PROD_q4_1_vnni prod_unsigned_vnni
+#define DOT32_PROD_q5_1_vnni prod_unsigned_vnni
+#define DOT_K4_VNNI_NT(T, NT) DOT_K4_VNNI(dot_##T##_avx512_##NT, NT, T)
+#define DOT_Q6K_VNNI_NT(T, NT) DOT_Q6K_VNNI(dot_##T##_avx512_##NT, NT)
+#define NT_TABLE_VNNI(T) NT_TABLE_SET(T, avx512, ES_AVX512)
+
+EACH_NT(DOT32_VNNI_NT, q4_0) NT_TABLE_VNNI(q4_0)
+EACH_NT(DOT32_VNNI_NT, q5_0) NT_TABLE_VNNI(q5_0)
+EACH_NT(DOT32_VNNI_NT, q8_0) NT_TABLE_VNNI(q8_0)
+EACH_NT(DOT32_VNNI_NT, q4_1) NT_TABLE_VNNI(q4_1)
+EACH_NT(DOT32_VNNI_NT, q5_1) NT_TABLE_VNNI(q5_1)
+EACH_NT(DOT_K4_VNNI_NT, q4_K) NT_TABLE_VNNI(q4_K)
+EACH_NT(DOT_K4_VNNI_NT, q5_K) NT_TABLE_VNNI(q5_K)
+EACH_NT(DOT_Q6K_VNNI_NT, q6_K) NT_TABLE_VNNI(q6_K)
+// Q2_K / Q3_K: the AVX2 kernels under this set's names.
+#define dotn_q2_K_avx512 dotn_q2_K_avx2
+#define dotn_q3_K_avx512 dotn_q3_K_avx2
 
 
 #endif  // ES_HAVE_AVX2
@@ -1715,6 +1858,16 @@ static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
 }, .dotn = {BATCHED_DOTS(avx2)}, .axpy_f16 = axpy_f16_avx2};
 #endif
 
+#if defined(ES_HAVE_AVX2)
+static const kernel_set KERNELS_AVX512 = {.name = "avx512", .dot = {
+    [ES_TYPE_F32] = dot_f32_avx2, [ES_TYPE_F16] = dot_f16_avx2, [ES_TYPE_BF16] = dot_bf16_avx2,
+    [ES_TYPE_Q4_0] = dot_q4_0_avx512, [ES_TYPE_Q4_1] = dot_q4_1_avx512, [ES_TYPE_Q5_0] = dot_q5_0_avx512,
+    [ES_TYPE_Q5_1] = dot_q5_1_avx512, [ES_TYPE_Q8_0] = dot_q8_0_avx512,
+    [ES_TYPE_Q4_K] = dot_q4_K_avx512, [ES_TYPE_Q5_K] = dot_q5_K_avx512, [ES_TYPE_Q6_K] = dot_q6_K_avx512,
+    [ES_TYPE_Q2_K] = dot_q2_K_avx2, [ES_TYPE_Q3_K] = dot_q3_K_avx2,
+}, .dotn = {BATCHED_DOTS(avx512)}, .axpy_f16 = axpy_f16_avx2};
+#endif
+
 #if defined(__ARM_NEON) && defined(__aarch64__)
 static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
     [ES_TYPE_F32] = dot_f32_neon, [ES_TYPE_F16] = dot_f16_neon, [ES_TYPE_BF16] = dot_bf16_neon,
@@ -1726,7 +1879,7 @@ static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
 #endif
 
 // The sets this CPU runs, best first (scalar always last); found once.
-static const kernel_set * g_available[3];
+static const kernel_set * g_available[4];
 static int32_t            g_n_available;
 // The set in use: the best until es_kernels_select changes it.
 static const kernel_set * g_kernels;
@@ -1742,6 +1895,9 @@ static void find_kernels(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) {
         init_half_table();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            g_available[g_n_available++] = &KERNELS_AVX512;
         g_available[g_n_available++] = &KERNELS_AVX2;
     }
 #endif
@@ -1765,7 +1921,7 @@ int es_kernels_select(const char * name) {
         if (strcmp(name, g_available[i]->name) == 0) chosen = g_available[i];
     }
     if (!chosen) {
-        const bool known = strcmp(name, "avx2") == 0 || strcmp(name, "neon") == 0;
+        const bool known = strcmp(name, "avx512") == 0 || strcmp(name, "avx2") == 0 || strcmp(name, "neon") == 0;
         return known ? ES_ERR_UNSUPPORTED : ES_ERR_INVALID_ARG;
     }
     // Written only on a change: selecting the set in use races with nothing.
