@@ -5,8 +5,12 @@ and the llama backend, interleaved round by round in one process so that
 machine drift cancels, and the logits agreement of the two.
 
     python benchmarks/bench_onnx.py --model smollm2-135m --threads 2 --tokens 128 --rounds 3 [--ep cpu]
+        [--static 4 16]
     python benchmarks/bench_onnx.py --export-only smollm2-135m gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b
     python benchmarks/bench_onnx.py --model smollm2-135m --parity qdq [--ep qnn]
+
+--static N... also times static-shape exports (--static-shapes --call-size N,
+the NPU form of the graph) in the same rounds: every decode step runs N rows.
 
 --parity FORM compares the logits of the FORM export (e.g. qdq, the NPU form)
 with the int4 graph's and llama.cpp's, teacher-forced on llama's greedy text
@@ -24,6 +28,7 @@ how often the two argmax tokens agree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import statistics
 import tempfile
@@ -105,12 +110,13 @@ def parity_figures(model: str, form: str, ep: str, threads: int, n_tokens: int, 
               f"  top-1 agreement {100 * (x.argmax(-1) == y.argmax(-1)).mean():5.1f}%")
 
 
-def export_figures(model: str, weights: str, folder: Path, static: bool = False) -> Path:
+def export_figures(model: str, weights: str, folder: Path, static: bool = False,
+                   call_size: int = onnx_export.STATIC_SEQ) -> Path:
     t0 = time.perf_counter()
     folder = onnx_export.export(registry.model_path_checked(model), folder, weights=weights,
-                                static_shapes=static, progress=False)
+                                static_shapes=static, call_size=call_size, progress=False)
     size = (folder / onnx_export.MODEL_FILE).stat().st_size
-    print(f"export {model} ({weights}{', static shapes' if static else ''}): "
+    print(f"export {model} ({weights}{f', static shapes, calls of {call_size}' if static else ''}): "
           f"{time.perf_counter() - t0:.1f} s, model.onnx {size / 1e6:.1f} MB")
     return folder
 
@@ -133,6 +139,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--static", type=int, nargs="*", default=[], metavar="N",
+                    help="Also time static-shape exports with calls of N tokens (NPU graphs on --ep).")
     ap.add_argument("--export-only", nargs="+", metavar="MODEL",
                     help="Only export each model (dynamic and static shapes): time, size, node placement.")
     ap.add_argument("--parity", metavar="FORM", help="Only compare the logits of the FORM export (e.g. qdq) "
@@ -150,31 +158,42 @@ def main() -> None:
                     placement_figures(folder, args.ep)
             return
         gguf = registry.model_path_checked(args.model)
-        folder = export_figures(args.model, args.weights, Path(tmp) / "export")
-        placement_figures(folder, args.ep)
+        folders = {"onnx": export_figures(args.model, args.weights, Path(tmp) / "export")}
+        placement_figures(folders["onnx"], args.ep)
+        for n in args.static:
+            folders[f"static {n}"] = export_figures(args.model, args.weights, Path(tmp) / f"static-{n}", True, n)
+            placement_figures(folders[f"static {n}"], args.ep)
 
-        with Engine(str(gguf), threads=args.threads, n_ctx=1024) as llama, \
-                Engine(str(folder), backend="onnx", ep=args.ep, threads=args.threads, n_ctx=1024) as onnx:
-            for engine in (llama, onnx):  # warm up
+        with contextlib.ExitStack() as stack:
+            engines = {"llama": stack.enter_context(Engine(str(gguf), backend="llama", threads=args.threads,
+                                                           n_ctx=1024))}
+            for name, folder in folders.items():
+                engines[name] = stack.enter_context(Engine(str(folder), backend="onnx", ep=args.ep,
+                                                           threads=args.threads, n_ctx=1024 if name == "onnx" else None))
+            for engine in engines.values():  # warm up
                 engine.generate(PROMPTS[0], max_tokens=8, drafter="none")
-            speed = {"llama": [], "onnx": []}
-            ratios = []
+            speed = {name: [] for name in engines}
+            ratios = {name: [] for name in folders}
+            order = list(engines)
             for r in range(args.rounds):
                 for prompt in PROMPTS:
                     tps = {}
-                    for name, engine in (("llama", llama), ("onnx", onnx)) if r % 2 == 0 else \
-                            (("onnx", onnx), ("llama", llama)):
-                        engine.forget_prefix()
-                        result = engine.generate(prompt, max_tokens=args.tokens, drafter="none")
+                    for name in order[r % len(order):] + order[:r % len(order)]:  # rotated each round
+                        engines[name].forget_prefix()
+                        result = engines[name].generate(prompt, max_tokens=args.tokens, drafter="none")
                         tps[name] = result.stats.tokens_per_s
                         speed[name].append(tps[name])
-                    ratios.append(tps["onnx"] / tps["llama"])
-            agreement = logits_agreement(llama, onnx, min(args.tokens, 64))
+                    for name in folders:
+                        ratios[name].append(tps[name] / tps["llama"])
+            agreement = logits_agreement(engines["llama"], engines["onnx"], min(args.tokens, 64))
 
-    print(f"decode tokens/s (median of {len(ratios)} runs, {args.threads} threads, {args.tokens} tokens):")
-    print(f"  llama.cpp (llama backend)           {statistics.median(speed['llama']):7.1f}")
-    print(f"  onnxruntime {args.ep:<4} (onnx backend)    {statistics.median(speed['onnx']):7.1f}")
-    print(f"  onnx / llama (paired median)        {statistics.median(ratios):7.3f}")
+    runs = len(ratios["onnx"])
+    print(f"decode tokens/s (median of {runs} runs, {args.threads} threads, {args.tokens} tokens; "
+          "ratio: paired median against llama.cpp):")
+    print(f"  llama.cpp (llama backend)              {statistics.median(speed['llama']):7.1f}")
+    for name in folders:
+        label = f"onnxruntime {args.ep} ({'dynamic shapes' if name == 'onnx' else name.replace('static', 'static, calls of')})"
+        print(f"  {label:<38} {statistics.median(speed[name]):7.1f}   {statistics.median(ratios[name]):6.3f}x")
     print(f"logits vs llama.cpp over {agreement['rows']} teacher-forced rows: max abs diff "
           f"{agreement['max_abs']:.3f}, rms {agreement['rms']:.3f}, top-1 agreement {100 * agreement['top1']:.1f}%")
 

@@ -246,6 +246,32 @@ def test_tiny_logits_do_not_depend_on_the_call(tmp_path, tiny_vocab_path, arch):
         backend.close()
 
 
+@pytest.mark.parametrize("arch", list(TINY))
+def test_static_call_size_is_the_shape_of_every_call(tmp_path, tiny_vocab_path, arch):
+    """--call-size 4: a static int4 graph whose inputs take 4 tokens, a context
+    4 slots short of the cache, and exact row invariance through it: plain
+    steps, verifications of 2-8 tokens (two calls past 4) and a one-path tree
+    give every token the same logits bit for bit."""
+    import tiny_gguf
+
+    gguf_path = tmp_path / f"{arch}-q4_1.gguf"
+    write = {"llama": tiny_gguf.write_tiny_llama, "qwen2": tiny_gguf.write_tiny_qwen2,
+             "gemma3": tiny_gguf.write_tiny_gemma3}[arch]
+    write(gguf_path, tiny_vocab_path, dtype=tiny_gguf.Q.Q4_1)
+    folder = onnx_export.export(gguf_path, tmp_path / "static4", weights="int4", static_shapes=True,
+                                call_size=4, cache_len=64, progress=False)
+    inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
+              for i in onnx.load(str(folder / "model.onnx")).graph.input}
+    assert inputs["input_ids"] == [1, 4] and inputs["cache_slots"] == [4]
+    assert inputs["attention_bias"] == [1, 1, 4, 64]
+    backend = open_backend("onnx", folder, threads=1)
+    try:
+        assert backend.n_ctx == 60
+        _check_row_invariance(backend)
+    finally:
+        backend.close()
+
+
 def _check_row_invariance(backend) -> None:
     v = backend.n_vocab
     prompt = backend.tokenize("The capital of France is Paris, and the capital of")
@@ -563,7 +589,13 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, smollm2_path, export_dir
 def test_tiny_bad_input_is_one_line_and_exit_2(tmp_path, tiny_llama_path, tiny_onnx_dir):
     cases = [
         (["export-onnx", str(tiny_llama_path), str(tmp_path / "a"), "--static-shapes", "--cache-len", "8"],
-         "--cache-len must be 32 to 8192, got 8"),
+         "--cache-len must be 32 to 8192 (twice --call-size at least), got 8"),
+        (["export-onnx", str(tiny_llama_path), str(tmp_path / "a"), "--static-shapes", "--call-size", "1"],
+         "--call-size must be 2 to 64, got 1"),
+        (["export-onnx", str(tiny_llama_path), str(tmp_path / "a"), "--static-shapes", "--call-size", "40",
+          "--cache-len", "64"], "--cache-len must be 80 to 8192 (twice --call-size at least), got 64"),
+        (["export-onnx", str(tiny_llama_path), str(tmp_path / "a"), "--call-size", "4"],
+         "--call-size applies to --static-shapes (and --weights qdq) exports"),
         (["generate", "hi", "--backend", "onnx", "--model", str(tiny_onnx_dir), "--ep", "cpu:NPU"],
          "a device is chosen for openvino only"),
         (["onnx-placement", str(tmp_path)], "not an edgespec ONNX export"),
@@ -575,15 +607,20 @@ def test_tiny_bad_input_is_one_line_and_exit_2(tmp_path, tiny_llama_path, tiny_o
 
 
 def test_static_graph_of_another_call_shape_is_refused(tmp_path, tiny_llama_path):
-    """A static export whose model.onnx was made for another cache length than
-    its config says is refused, naming both shapes."""
+    """A static export whose model.onnx was made for another cache length or
+    call size than its config says is refused, naming both shapes."""
     small = onnx_export.export(tiny_llama_path, tmp_path / "small", weights="fp32", static_shapes=True,
                                cache_len=64, progress=False)
     large = onnx_export.export(tiny_llama_path, tmp_path / "large", weights="fp32", static_shapes=True,
                                cache_len=128, progress=False)
+    narrow = onnx_export.export(tiny_llama_path, tmp_path / "narrow", weights="fp32", static_shapes=True,
+                                cache_len=64, call_size=4, progress=False)
     (small / "model.onnx").replace(tmp_path / "small.onnx")
     (large / "model.onnx").replace(small / "model.onnx")
     with pytest.raises(ModelFormatError, match=r"takes .*128.* says calls of 16 tokens over 64 cache slots"):
+        open_backend("onnx", small, threads=1)
+    (narrow / "model.onnx").replace(small / "model.onnx")  # the same cache, calls of 4 tokens
+    with pytest.raises(ModelFormatError, match=r"takes .*\[1, 1, 4, 64\].* says calls of 16 tokens over 64"):
         open_backend("onnx", small, threads=1)
 
 

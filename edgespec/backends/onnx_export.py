@@ -24,7 +24,8 @@ one slot. T = P + S + 1 for a call after P cached tokens. Attention is
 GroupQueryAttention (RoPE, the write of the new rows at slots P..., scores under
 the mask, softmax, weighted sum: one operator per layer).
 
-``--static-shapes`` (NPU compilers): S = 16 and C = ``--cache-len`` fixed, the
+``--static-shapes`` (NPU compilers): S = ``--call-size`` (16 unless given) and
+C = ``--cache-len`` fixed, the
 cache float16, T = C; the new rows are scattered into the slots given by an
 extra input ``cache_slots`` int64 (S,), attention runs over all C slots under
 the mask, and everything is plain ONNX operators plus MatMulNBits (all inside
@@ -47,8 +48,11 @@ dynamic graph never multiplies a lone row: it appends a copy of its last token
 in the slot after the call, which the next call overwrites, and its logits are
 dropped. With S + 1 >= 2 rows, and the copy the only row that can be left over
 when MLAS splits rows into tiles of 128 or pairs, every real row goes through
-the same kernels whatever S is. A static graph's calls all have S rows already.
-(Draft trees are not invariant: see OnnxBackend.exact_trees.)
+the same kernels whatever S is. A static graph's calls all have S rows already,
+so one call size serves plain steps, verification and prefill chunks (a
+verification of more than S - 1 drafted tokens takes two calls). Draft trees
+are not invariant (see OnnxBackend.exact_trees): the engine verifies a tree's
+first path as a chain, so a static graph needs no second call size for trees.
 
 Operators (ONNX Runtime contrib ops, com.microsoft, where they help):
     MatMulNBits                       every linear layer in int4/int8 exports, on activations
@@ -93,7 +97,8 @@ MODEL_FILE = "model.onnx"
 WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see onnx_qdq (static shapes)
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 BLOCK = 32                    # MatMulNBits block size = the GGUF block of Q4_0/Q4_1/Q8_0
-STATIC_SEQ = 16               # --static-shapes: tokens per call (a verify width)
+STATIC_SEQ = 16               # --static-shapes: tokens per call unless --call-size says
+MAX_CALL_SIZE = 64            # --call-size: at most (a wider call wastes an NPU's time per step)
 STATIC_CTX = 1024             # --static-shapes: cache slots (--cache-len)
 MAX_POSITIONS = 8192          # the dynamic graph's RoPE tables
 OPSET = 23                    # RMSNormalization
@@ -715,9 +720,19 @@ def check_weights(weights: str) -> str:
     return weights
 
 
-def check_cache_len(cache_len: int) -> int:
-    if not STATIC_SEQ * 2 <= cache_len <= MAX_POSITIONS:
-        raise InvalidArgumentError(f"--cache-len must be {STATIC_SEQ * 2} to {MAX_POSITIONS}, got {cache_len}")
+def check_call_size(call_size: int) -> int:
+    """Tokens per call of a static graph: at least 2, since on some providers
+    a one-row product rounds differently from a multi-row one (see the module's
+    docstring), and a plain step and a verification must share the shape."""
+    if not 2 <= call_size <= MAX_CALL_SIZE:
+        raise InvalidArgumentError(f"--call-size must be 2 to {MAX_CALL_SIZE}, got {call_size}")
+    return call_size
+
+
+def check_cache_len(cache_len: int, call_size: int = STATIC_SEQ) -> int:
+    if not call_size * 2 <= cache_len <= MAX_POSITIONS:
+        raise InvalidArgumentError(f"--cache-len must be {call_size * 2} to {MAX_POSITIONS} "
+                                   f"(twice --call-size at least), got {cache_len}")
     return cache_len
 
 
@@ -737,8 +752,8 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 
 def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights: str = "int4",
-           static_shapes: bool = False, cache_len: int = STATIC_CTX, model_ref: str | None = None,
-           progress: bool = True) -> Path:
+           static_shapes: bool = False, cache_len: int = STATIC_CTX, call_size: int = STATIC_SEQ,
+           model_ref: str | None = None, progress: bool = True) -> Path:
     """Write ``model.onnx`` and ``edgespec-onnx.json`` for ``gguf_path`` into
     ``out_dir`` (new or empty). Everything is written into a temporary folder
     next to it and renamed into place at the end: an interrupted export leaves
@@ -759,8 +774,8 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         raise
     static_shapes = static_shapes or weights == "qdq"  # NPU graphs: fixed shapes
     if static_shapes:
-        check_cache_len(cache_len)
-    static = (STATIC_SEQ, cache_len) if static_shapes else None
+        check_cache_len(cache_len, check_call_size(call_size))
+    static = (call_size, cache_len) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
     bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
     try:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import typer
 
+from ..errors import InvalidArgumentError
 from . import app
 from .options import MODEL_HELP
 
@@ -19,10 +21,14 @@ def export_onnx(
                                              "QNN: int8 weights, uint16 activations, calibrated here; "
                                              "implies --static-shapes)."),
     static_shapes: bool = typer.Option(False, "--static-shapes",
-                                       help="Fixed shapes for NPU compilers: 16 tokens per call, "
+                                       help="Fixed shapes for NPU compilers: --call-size tokens per call, "
                                             "a --cache-len-slot KV cache written through cache_slots."),
+    call_size: Optional[int] = typer.Option(None, "--call-size", help="Tokens per call of a --static-shapes graph (2-64): "
+                                                          "plain steps, verification of up to N-1 drafted "
+                                                          "tokens and prefill chunks all take this shape; "
+                                                          "smaller is cheaper per decoded token [default: 16]."),
     cache_len: int = typer.Option(1024, "--cache-len", help="KV cache slots of a --static-shapes graph "
-                                                            "(the context is 16 fewer)."),
+                                                            "(the context is --call-size fewer)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
     """Export a GGUF model (llama, qwen2, gemma3) to ONNX with explicit KV-cache
@@ -32,14 +38,18 @@ def export_onnx(
 
     onnx_export.check_weights(weights)  # before fetching or reading anything
     static_shapes = static_shapes or weights == "qdq"
+    if call_size is not None and not static_shapes:
+        raise InvalidArgumentError("--call-size applies to --static-shapes (and --weights qdq) exports")
+    call_size = onnx_export.STATIC_SEQ if call_size is None else call_size
     if static_shapes:
-        onnx_export.check_cache_len(cache_len)
+        onnx_export.check_cache_len(cache_len, onnx_export.check_call_size(call_size))
     onnx_export.check_out_dir(out_dir)
     path = registry.model_path_checked(model)
     t0 = time.perf_counter()
     folder = onnx_export.export(path, out_dir, weights=weights, static_shapes=static_shapes,
-                                cache_len=cache_len, model_ref=model, progress=not quiet)
-    typer.echo(f"exported {model} ({weights}{', static shapes' if static_shapes else ''}) to {folder} "
+                                cache_len=cache_len, call_size=call_size, model_ref=model, progress=not quiet)
+    shapes = f", static shapes: {call_size} tokens per call" if static_shapes else ""
+    typer.echo(f"exported {model} ({weights}{shapes}) to {folder} "
                f"in {time.perf_counter() - t0:.1f} s", err=True)
     typer.echo(str(folder))
 
