@@ -533,8 +533,10 @@ def test_static_shapes_export_runs_like_the_dynamic_one(static_export_dir, expor
     """smollm2 with fixed shapes (float16 cache, plain-operator attention) against
     the dynamic graph (float32 cache, GroupQueryAttention): the same top-1 token
     wherever the dynamic graph's margin is clear, over two padded calls and a
-    draft tree (8-bit activation rounding turns the cache's float16 rounding
-    into differences of a few tenths in the logits)."""
+    draft tree. MatMulNBits rounds activations to 8 bits per block, which turns
+    the cache's float16 rounding into logit differences of rms 0.3-0.7 and up to
+    3.5 (measured on AVX2 and AVX-512 CPUs, whose kernels differ; each graph is
+    as far from llama.cpp's logits), so a clear margin is one above 2.5."""
     static = open_backend("onnx", static_export_dir, n_ctx=512, threads=2)
     dynamic = open_backend("onnx", export_dir, n_ctx=512, threads=2)
     try:
@@ -547,11 +549,16 @@ def test_static_shapes_export_runs_like_the_dynamic_one(static_export_dir, expor
             be.truncate(10)
         tree = ([tokens[10]], [5, 6, 7], [-1, 0, -1], [1, 2, 1])
         pairs.append((_rows(dynamic.decode_tree(*tree), 4, v), _rows(static.decode_tree(*tree), 4, v)))
+        checked = 0
         for a, b in pairs:
             top2 = np.sort(a, axis=-1)[:, -2:]
-            clear = top2[:, 1] - top2[:, 0] > 1.0
+            clear = top2[:, 1] - top2[:, 0] > 2.5
             assert (a.argmax(-1) == b.argmax(-1))[clear].all()
-            assert np.sqrt(((a - b) ** 2).mean()) < 1.0
+            checked += int(clear.sum())
+            # a row's constant shift (up to 1.4 here) changes no probability: compare centred rows
+            d = (a - a.mean(-1, keepdims=True)) - (b - b.mean(-1, keepdims=True))
+            assert np.sqrt((d ** 2).mean()) < 1.0
+        assert checked >= 3  # the top-1 check covers rows (7 of 24 on the CPUs measured)
     finally:
         static.close()
         dynamic.close()
