@@ -1131,12 +1131,39 @@ static inline ES_AVX2 __m256i reduce_k4(const __m256i p[8], const __m256i s[2]) 
                             _mm256_madd_epi16(_mm256_hadd_epi16(h45, h67), s[1]));
 }
 
-// Q4_K / Q5_K: per super-block, each token's exact int32 sums of
-// scale * q * y (the chunk unpacked once for all tokens), then by FMA
-// d y_d sumi, and dmin y_d sum(min bsum) summed apart.
-#define DOT_K4(NAME, NT, T)                                                                   \
-    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
-                             float * out) {                                                 \
+// The K-quant kernels' per-set parts for one super-block: its scales,
+// prepared once for all tokens in the layout the set's token step reads, and
+// that step, into the token's float accumulator (acc) and, on AVX2, the sum of
+// its min terms kept apart (summ).
+typedef struct {
+    __m256i s[8];   // AVX2: s[0..1] in DUP16 order; VNNI: sub-block k's scale in every int16
+    __m256i mins;   // VNNI: (m0, m0, m1, m1, .., m7, m7) as int16, one per bsums group
+    uint8_t m[8];   // AVX2: the mins as bytes (k4_mins)
+} k4_scales;
+
+static inline ES_AVX2 k4_scales k4_scales_avx2(const uint8_t sc[8], const uint8_t m[8]) {
+    k4_scales k = {0};
+    const __m256i sc16 = u8x8_to_i16x2(sc);
+    k.s[0] = shuffle16(sc16, DUP16[0]), k.s[1] = shuffle16(sc16, DUP16[1]);
+    memcpy(k.m, m, sizeof(k.m));
+    return k;
+}
+
+// Q4_K / Q5_K on AVX2: one token's exact int32 sums of scale * q * y, then by
+// FMA d y_d sumi, and dmin y_d sum(min bsum) summed apart.
+static inline ES_AVX2 void k4_token_avx2(__m256 * acc, float * summ, const __m256i q[8], const k4_scales * k,
+                                         const block_q8_K * y, float d, float dmin) {
+    __m256i p[8];
+    for (int j = 0; j < 8; j++) p[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *) (y->qs + 32 * j)));
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y->d), _mm256_cvtepi32_ps(reduce_k4(p, k->s)), *acc);
+    *summ += (dmin * y->d) * (float) k4_mins(k->m, y->bsums);
+}
+
+// Q4_K / Q5_K for NT tokens, SET's scales and token step (the sub-blocks
+// unpacked once for all tokens).
+#define DOT_K4(NAME, NT, T, ATTR, SET)                                                        \
+    static ATTR void NAME(int64_t n, const void * w, const void * a, size_t a_stride,        \
+                          float * out) {                                                    \
         const block_##T *  x = w;                                                           \
         const block_q8_K * y[NT];                                                           \
         __m256 acc[NT];                                                                     \
@@ -1149,8 +1176,7 @@ static inline ES_AVX2 __m256i reduce_k4(const __m256i p[8], const __m256i s[2]) 
         for (int64_t i = 0; i < n / QK_K; i++) {                                            \
             uint8_t sc[8], m[8];                                                            \
             unpack_scales_k4(x[i].scales, sc, m);                                           \
-            const __m256i sc16 = u8x8_to_i16x2(sc);                                         \
-            const __m256i scales[2] = {shuffle16(sc16, DUP16[0]), shuffle16(sc16, DUP16[1])}; \
+            const k4_scales k = k4_scales_##SET(sc, m);                                     \
             const __m256i hbits = qh_##T(x + i);                                            \
             __m256i q[8];  /* sub-blocks 0..7 as u8, unpacked once for all tokens */        \
             for (int j = 0; j < 4; j++) {                                                   \
@@ -1158,15 +1184,8 @@ static inline ES_AVX2 __m256i reduce_k4(const __m256i p[8], const __m256i s[2]) 
                 q[2 * j] = c.lo, q[2 * j + 1] = c.hi;                                       \
             }                                                                               \
             const float d = h2f(x[i].d), dmin = h2f(x[i].dmin);                             \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
-                __m256i p[8];                                                               \
-                for (int k = 0; k < 8; k++)                                                 \
-                    p[k] = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k))); \
-                const float yd = y[t][i].d;                                                 \
-                const __m256i sumi = reduce_k4(p, scales);                                 \
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(sumi), acc[t]); \
-                summ[t] += (dmin * yd) * (float) k4_mins(m, y[t][i].bsums);                 \
-            }                                                                               \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                            \
+                k4_token_##SET(&acc[t], &summ[t], q, &k, y[t] + i, d, dmin);                \
         }                                                                                   \
         for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]) - summ[t];                 \
     }
@@ -1210,9 +1229,27 @@ static inline ES_AVX2 __m256i reduce_q6_K(const __m256i p[4], const __m256i s[2]
                             _mm256_madd_epi16(_mm256_hadd_epi16(p[2], p[3]), s[1]));
 }
 
-#define DOT_Q6K(NAME, NT)                                                                     \
-    static ES_AVX2 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,     \
-                             float * out) {                                                 \
+// One Q6_K half's scales in the layout its set's token step reads (AVX2:
+// s[0..1], PAIRED16 order; VNNI: s[k], quarter k's low and high scales), and
+// that step, into one token's two int32 sums (AVX2 uses the first).
+typedef struct { __m256i s[4]; } q6_scales;
+
+static inline ES_AVX2 q6_scales q6_scales_avx2(const block_q6_K * x, int h, __m256i sc16) {
+    (void) sc16;
+    const __m256i scales = s8x8_to_i16x2(x->scales + 8 * h);
+    return (q6_scales) {{shuffle16(scales, PAIRED16[0]), shuffle16(scales, PAIRED16[1])}};
+}
+
+static inline ES_AVX2 void q6_token_avx2(__m256i sumi[2], const q6_half_v * q, const q6_scales * s,
+                                         const int8_t * q8) {
+    __m256i p[4];
+    for (int k = 0; k < 4; k++) p[k] = _mm256_maddubs_epi16(q->q[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k)));
+    sumi[0] = _mm256_add_epi32(sumi[0], reduce_q6_K(p, s->s));
+}
+
+#define DOT_Q6K(NAME, NT, ATTR, SET)                                                          \
+    static ATTR void NAME(int64_t n, const void * w, const void * a, size_t a_stride,        \
+                          float * out) {                                                    \
         const block_q6_K * x = w;                                                           \
         const block_q8_K * y[NT];                                                           \
         __m256 acc[NT];                                                                     \
@@ -1222,27 +1259,23 @@ static inline ES_AVX2 __m256i reduce_q6_K(const __m256i p[4], const __m256i s[2]
         }                                                                                   \
         for (int64_t i = 0; i < n / QK_K; i++) {                                            \
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales)); \
-            __m256i sumi[NT];                                                               \
+            __m256i sumi[NT][2];                                                            \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
                 const __m256i bsums = _mm256_loadu_si256((const __m256i *) y[t][i].bsums);  \
-                sumi[t] = _mm256_sub_epi32(_mm256_setzero_si256(),                          \
-                                           _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5)); \
+                sumi[t][0] = _mm256_sub_epi32(_mm256_setzero_si256(),                       \
+                                              _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5)); \
+                sumi[t][1] = _mm256_setzero_si256();                                        \
             }                                                                               \
             for (int h = 0; h < 2; h++) {                                                   \
                 const q6_half_v q = unpack_q6_K(x + i, h);                                  \
-                const __m256i scales = s8x8_to_i16x2(x[i].scales + 8 * h);                  \
-                const __m256i s[2] = {shuffle16(scales, PAIRED16[0]), shuffle16(scales, PAIRED16[1])}; \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
-                    const int8_t * q8 = y[t][i].qs + 128 * h;                               \
-                    __m256i p[4];                                                           \
-                    for (int k = 0; k < 4; k++)                                             \
-                        p[k] = _mm256_maddubs_epi16(q.q[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k))); \
-                    sumi[t] = _mm256_add_epi32(sumi[t], reduce_q6_K(p, s));                 \
-                }                                                                           \
+                const q6_scales s = q6_scales_##SET(x + i, h, sc16);                        \
+                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                        \
+                    q6_token_##SET(sumi[t], &q, &s, y[t][i].qs + 128 * h);                  \
             }                                                                               \
             const float d = h2f(x[i].d);                                                    \
             _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                            \
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][i].d), _mm256_cvtepi32_ps(sumi[t]), acc[t]); \
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][i].d),                     \
+                                         _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[t][0], sumi[t][1])), acc[t]); \
         }                                                                                   \
         for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);                           \
     }
@@ -1269,8 +1302,8 @@ static inline ES_AVX2 __m256i reduce_q6_K(const __m256i p[4], const __m256i s[2]
 #define DOT32_MIN_q8_0 NO_MIN
 #define DOT32_MIN_q4_1 WITH_MIN
 #define DOT32_MIN_q5_1 WITH_MIN
-#define DOT_K4_NT(T, NT) DOT_K4(dot_##T##_avx2_##NT, NT, T)
-#define DOT_Q6K_NT(T, NT) DOT_Q6K(dot_##T##_avx2_##NT, NT)
+#define DOT_K4_NT(T, NT) DOT_K4(dot_##T##_avx2_##NT, NT, T, ES_AVX2, avx2)
+#define DOT_Q6K_NT(T, NT) DOT_Q6K(dot_##T##_avx2_##NT, NT, ES_AVX2, avx2)
 
 EACH_NT(DOT32_NT, q4_0) NT_TABLE(q4_0)
 EACH_NT(DOT32_NT, q5_0) NT_TABLE(q5_0)
@@ -1389,96 +1422,54 @@ static inline ES_AVX512 __m256 prod_unsigned_vnni(w8 q, const int8_t * y) {
 // * 128 for Q5_K) times its scale, summed into int32 lanes by vpdpwssd in
 // two chains (even and odd sub-blocks); the mins as a vector of
 // min[j] (bsums[2j] + bsums[2j+1]) taken off the same float accumulator.
-#define DOT_K4_VNNI(NAME, NT, T)                                                              \
-    static ES_AVX512 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,   \
-                               float * out) {                                               \
-        const block_##T *  x = w;                                                           \
-        const block_q8_K * y[NT];                                                           \
-        __m256 acc[NT];                                                                     \
-        for (int t = 0; t < NT; t++) {                                                      \
-            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
-            acc[t] = _mm256_setzero_ps();                                                   \
-        }                                                                                   \
-        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
-            uint8_t sc[8], m[8];                                                            \
-            unpack_scales_k4(x[i].scales, sc, m);                                           \
-            const __m256i sc16 = u8x8_to_i16x2(sc);                                         \
-            __m256i scale[8];  /* sub-block k's scale in every int16 */                     \
-            for (int k = 0; k < 8; k++) scale[k] = _mm256_permutexvar_epi16(_mm256_set1_epi16((short) k), sc16); \
-            /* (m0, m0, m1, m1, .., m7, m7) as int16, one per bsums group of 16 */          \
-            const __m128i mv = _mm_loadl_epi64((const __m128i *) m);                        \
-            const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));           \
-            const __m256i hbits = qh_##T(x + i);                                            \
-            __m256i q[8];  /* sub-blocks 0..7 as u8, unpacked once for all tokens */        \
-            for (int j = 0; j < 4; j++) {                                                   \
-                const k4_chunk c = unpack_##T(x + i, j, hbits);                             \
-                q[2 * j] = c.lo, q[2 * j + 1] = c.hi;                                       \
-            }                                                                               \
-            const float d = h2f(x[i].d), dmin = h2f(x[i].dmin);                             \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
-                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();        \
-                for (int k = 0; k < 8; k += 2) {                                            \
-                    const __m256i p0 = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k))); \
-                    const __m256i p1 = _mm256_maddubs_epi16(q[k + 1], _mm256_loadu_si256((const __m256i *) (y[t][i].qs + 32 * k + 32))); \
-                    even = _mm256_dpwssd_epi32(even, p0, scale[k]);                         \
-                    odd = _mm256_dpwssd_epi32(odd, p1, scale[k + 1]);                       \
-                }                                                                           \
-                const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) y[t][i].bsums), mins); \
-                const float yd = y[t][i].d;                                                 \
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd)), acc[t]); \
-                acc[t] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * yd), _mm256_cvtepi32_ps(msum), acc[t]); \
-            }                                                                               \
-        }                                                                                   \
-        for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);                           \
+static inline ES_AVX512 k4_scales k4_scales_vnni(const uint8_t sc[8], const uint8_t m[8]) {
+    k4_scales k = {0};
+    const __m256i sc16 = u8x8_to_i16x2(sc);
+    for (int j = 0; j < 8; j++) k.s[j] = _mm256_permutexvar_epi16(_mm256_set1_epi16((short) j), sc16);
+    const __m128i mv = _mm_loadl_epi64((const __m128i *) m);
+    k.mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv));
+    return k;
+}
+
+static inline ES_AVX512 void k4_token_vnni(__m256 * acc, float * summ, const __m256i q[8], const k4_scales * k,
+                                           const block_q8_K * y, float d, float dmin) {
+    (void) summ;  // the mins go into acc
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        const __m256i p0 = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *) (y->qs + 32 * j)));
+        const __m256i p1 = _mm256_maddubs_epi16(q[j + 1], _mm256_loadu_si256((const __m256i *) (y->qs + 32 * j + 32)));
+        even = _mm256_dpwssd_epi32(even, p0, k->s[j]);
+        odd = _mm256_dpwssd_epi32(odd, p1, k->s[j + 1]);
     }
+    const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) y->bsums), k->mins);
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y->d), _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd)), *acc);
+    *acc = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * y->d), _mm256_cvtepi32_ps(msum), *acc);
+}
 
 // Q6_K: quarter k of half h holds elements with scale 8h + 2k in its low
 // 128 bits and 8h + 2k + 1 in its high ones (see reduce_q6_K), so each
-// quarter's maddubs goes into the sum by one vpdpwssd with those scales.
+// quarter's maddubs goes into the sum by one vpdpwssd with those scales, in
+// two chains (even and odd quarters).
 // From all 16 scales as int16: scale s in the low 128 bits, s + 1 in the high.
 static inline ES_AVX512 __m256i q6_scale_pair(__m256i sc16, int s) {
     return _mm256_permutexvar_epi16(_mm256_inserti128_si256(_mm256_set1_epi16((short) s),
                                                             _mm_set1_epi16((short) (s + 1)), 1), sc16);
 }
 
-#define DOT_Q6K_VNNI(NAME, NT)                                                                \
-    static ES_AVX512 void NAME(int64_t n, const void * w, const void * a, size_t a_stride,   \
-                               float * out) {                                               \
-        const block_q6_K * x = w;                                                           \
-        const block_q8_K * y[NT];                                                           \
-        __m256 acc[NT];                                                                     \
-        for (int t = 0; t < NT; t++) {                                                      \
-            y[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);      \
-            acc[t] = _mm256_setzero_ps();                                                   \
-        }                                                                                   \
-        for (int64_t i = 0; i < n / QK_K; i++) {                                            \
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales)); \
-            __m256i even[NT], odd[NT];  /* two vpdpwssd chains per token */                 \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
-                const __m256i bsums = _mm256_loadu_si256((const __m256i *) y[t][i].bsums);  \
-                even[t] = _mm256_sub_epi32(_mm256_setzero_si256(),                          \
-                                           _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 5)); \
-                odd[t] = _mm256_setzero_si256();                                            \
-            }                                                                               \
-            for (int h = 0; h < 2; h++) {                                                   \
-                const q6_half_v q = unpack_q6_K(x + i, h);                                  \
-                __m256i scale[4];                                                           \
-                for (int k = 0; k < 4; k++) scale[k] = q6_scale_pair(sc16, 8 * h + 2 * k); \
-                _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                      \
-                    const int8_t * q8 = y[t][i].qs + 128 * h;                               \
-                    for (int k = 0; k < 4; k += 2) {                                        \
-                        even[t] = _mm256_dpwssd_epi32(even[t], _mm256_maddubs_epi16(q.q[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k))), scale[k]); \
-                        odd[t] = _mm256_dpwssd_epi32(odd[t], _mm256_maddubs_epi16(q.q[k + 1], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k + 32))), scale[k + 1]); \
-                    }                                                                       \
-                }                                                                           \
-            }                                                                               \
-            const float d = h2f(x[i].d);                                                    \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++)                            \
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * y[t][i].d),                     \
-                                         _mm256_cvtepi32_ps(_mm256_add_epi32(even[t], odd[t])), acc[t]); \
-        }                                                                                   \
-        for (int t = 0; t < NT; t++) out[t] = hsum_f32x8(acc[t]);                           \
+static inline ES_AVX512 q6_scales q6_scales_vnni(const block_q6_K * x, int h, __m256i sc16) {
+    (void) x;
+    q6_scales s;
+    for (int k = 0; k < 4; k++) s.s[k] = q6_scale_pair(sc16, 8 * h + 2 * k);
+    return s;
+}
+
+static inline ES_AVX512 void q6_token_vnni(__m256i sumi[2], const q6_half_v * q, const q6_scales * s,
+                                           const int8_t * q8) {
+    for (int k = 0; k < 4; k += 2) {
+        sumi[0] = _mm256_dpwssd_epi32(sumi[0], _mm256_maddubs_epi16(q->q[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k))), s->s[k]);
+        sumi[1] = _mm256_dpwssd_epi32(sumi[1], _mm256_maddubs_epi16(q->q[k + 1], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k + 32))), s->s[k + 1]);
     }
+}
 
 #define DOT32_VNNI_NT(T, NT) DOT32(dot_##T##_avx512_##NT, NT, ES_AVX512, block_##T, DOT32_ACT_##T, unpack_##T, \
                                    DOT32_PROD_##T##_vnni, DOT32_MIN_##T)
@@ -1487,8 +1478,8 @@ static inline ES_AVX512 __m256i q6_scale_pair(__m256i sc16, int s) {
 #define DOT32_PROD_q8_0_vnni prod_signed_vnni
 #define DOT32_PROD_q4_1_vnni prod_unsigned_vnni
 #define DOT32_PROD_q5_1_vnni prod_unsigned_vnni
-#define DOT_K4_VNNI_NT(T, NT) DOT_K4_VNNI(dot_##T##_avx512_##NT, NT, T)
-#define DOT_Q6K_VNNI_NT(T, NT) DOT_Q6K_VNNI(dot_##T##_avx512_##NT, NT)
+#define DOT_K4_VNNI_NT(T, NT) DOT_K4(dot_##T##_avx512_##NT, NT, T, ES_AVX512, vnni)
+#define DOT_Q6K_VNNI_NT(T, NT) DOT_Q6K(dot_##T##_avx512_##NT, NT, ES_AVX512, vnni)
 #define NT_TABLE_VNNI(T) NT_TABLE_SET(T, avx512, ES_AVX512)
 
 EACH_NT(DOT32_VNNI_NT, q4_0) NT_TABLE_VNNI(q4_0)
@@ -1500,6 +1491,8 @@ EACH_NT(DOT_K4_VNNI_NT, q4_K) NT_TABLE_VNNI(q4_K)
 EACH_NT(DOT_K4_VNNI_NT, q5_K) NT_TABLE_VNNI(q5_K)
 EACH_NT(DOT_Q6K_VNNI_NT, q6_K) NT_TABLE_VNNI(q6_K)
 // Q2_K / Q3_K: the AVX2 kernels under this set's names.
+#define dot_q2_K_avx512 dot_q2_K_avx2
+#define dot_q3_K_avx512 dot_q3_K_avx2
 #define dotn_q2_K_avx512 dotn_q2_K_avx2
 #define dotn_q3_K_avx512 dotn_q3_K_avx2
 
@@ -1848,34 +1841,25 @@ typedef struct {
 
 static const kernel_set KERNELS_SCALAR = {.name = "scalar", .dot = {SCALAR_DOTS}, .axpy_f16 = axpy_f16_scalar};
 
-#if defined(ES_HAVE_AVX2)
-static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {
-    [ES_TYPE_F32] = dot_f32_avx2, [ES_TYPE_F16] = dot_f16_avx2, [ES_TYPE_BF16] = dot_bf16_avx2,
-    [ES_TYPE_Q4_0] = dot_q4_0_avx2, [ES_TYPE_Q4_1] = dot_q4_1_avx2, [ES_TYPE_Q5_0] = dot_q5_0_avx2,
-    [ES_TYPE_Q5_1] = dot_q5_1_avx2, [ES_TYPE_Q8_0] = dot_q8_0_avx2,
-    [ES_TYPE_Q4_K] = dot_q4_K_avx2, [ES_TYPE_Q5_K] = dot_q5_K_avx2, [ES_TYPE_Q6_K] = dot_q6_K_avx2,
-    [ES_TYPE_Q2_K] = dot_q2_K_avx2, [ES_TYPE_Q3_K] = dot_q3_K_avx2,
-}, .dotn = {BATCHED_DOTS(avx2)}, .axpy_f16 = axpy_f16_avx2};
-#endif
+// A set's one-token kernels: the float types' (FSET) and the quantized types' (QSET).
+#define ONE_TOKEN_DOTS(FSET, QSET)                                                            \
+    [ES_TYPE_F32] = dot_f32_##FSET, [ES_TYPE_F16] = dot_f16_##FSET, [ES_TYPE_BF16] = dot_bf16_##FSET, \
+    [ES_TYPE_Q4_0] = dot_q4_0_##QSET, [ES_TYPE_Q4_1] = dot_q4_1_##QSET,                     \
+    [ES_TYPE_Q5_0] = dot_q5_0_##QSET, [ES_TYPE_Q5_1] = dot_q5_1_##QSET,                     \
+    [ES_TYPE_Q8_0] = dot_q8_0_##QSET, [ES_TYPE_Q4_K] = dot_q4_K_##QSET,                     \
+    [ES_TYPE_Q5_K] = dot_q5_K_##QSET, [ES_TYPE_Q6_K] = dot_q6_K_##QSET,                     \
+    [ES_TYPE_Q2_K] = dot_q2_K_##QSET, [ES_TYPE_Q3_K] = dot_q3_K_##QSET
 
 #if defined(ES_HAVE_AVX2)
-static const kernel_set KERNELS_AVX512 = {.name = "avx512", .dot = {
-    [ES_TYPE_F32] = dot_f32_avx2, [ES_TYPE_F16] = dot_f16_avx2, [ES_TYPE_BF16] = dot_bf16_avx2,
-    [ES_TYPE_Q4_0] = dot_q4_0_avx512, [ES_TYPE_Q4_1] = dot_q4_1_avx512, [ES_TYPE_Q5_0] = dot_q5_0_avx512,
-    [ES_TYPE_Q5_1] = dot_q5_1_avx512, [ES_TYPE_Q8_0] = dot_q8_0_avx512,
-    [ES_TYPE_Q4_K] = dot_q4_K_avx512, [ES_TYPE_Q5_K] = dot_q5_K_avx512, [ES_TYPE_Q6_K] = dot_q6_K_avx512,
-    [ES_TYPE_Q2_K] = dot_q2_K_avx2, [ES_TYPE_Q3_K] = dot_q3_K_avx2,
-}, .dotn = {BATCHED_DOTS(avx512)}, .axpy_f16 = axpy_f16_avx2};
+static const kernel_set KERNELS_AVX2 = {.name = "avx2", .dot = {ONE_TOKEN_DOTS(avx2, avx2)},
+                                        .dotn = {BATCHED_DOTS(avx2)}, .axpy_f16 = axpy_f16_avx2};
+static const kernel_set KERNELS_AVX512 = {.name = "avx512", .dot = {ONE_TOKEN_DOTS(avx2, avx512)},
+                                          .dotn = {BATCHED_DOTS(avx512)}, .axpy_f16 = axpy_f16_avx2};
 #endif
 
 #if defined(__ARM_NEON) && defined(__aarch64__)
-static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {
-    [ES_TYPE_F32] = dot_f32_neon, [ES_TYPE_F16] = dot_f16_neon, [ES_TYPE_BF16] = dot_bf16_neon,
-    [ES_TYPE_Q4_0] = dot_q4_0_neon, [ES_TYPE_Q4_1] = dot_q4_1_neon, [ES_TYPE_Q5_0] = dot_q5_0_neon,
-    [ES_TYPE_Q5_1] = dot_q5_1_neon, [ES_TYPE_Q8_0] = dot_q8_0_neon,
-    [ES_TYPE_Q4_K] = dot_q4_K_neon, [ES_TYPE_Q5_K] = dot_q5_K_neon, [ES_TYPE_Q6_K] = dot_q6_K_neon,
-    [ES_TYPE_Q2_K] = dot_q2_K_neon, [ES_TYPE_Q3_K] = dot_q3_K_neon,
-}, .dotn = {BATCHED_DOTS(neon)}, .axpy_f16 = axpy_f16_scalar};
+static const kernel_set KERNELS_NEON = {.name = "neon", .dot = {ONE_TOKEN_DOTS(neon, neon)},
+                                        .dotn = {BATCHED_DOTS(neon)}, .axpy_f16 = axpy_f16_scalar};
 #endif
 
 // The sets this CPU runs, best first (scalar always last); found once.
