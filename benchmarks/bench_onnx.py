@@ -190,10 +190,10 @@ def main() -> None:
     runs = len(ratios["onnx"])
     print(f"decode tokens/s (median of {runs} runs, {args.threads} threads, {args.tokens} tokens; "
           "ratio: paired median against llama.cpp):")
-    print(f"  llama.cpp (llama backend)              {statistics.median(speed['llama']):7.1f}")
+    print(f"  {'llama.cpp (llama backend)':<44} {statistics.median(speed['llama']):7.1f}")
     for name in folders:
         label = f"onnxruntime {args.ep} ({'dynamic shapes' if name == 'onnx' else name.replace('static', 'static, calls of')})"
-        print(f"  {label:<38} {statistics.median(speed[name]):7.1f}   {statistics.median(ratios[name]):6.3f}x")
+        print(f"  {label:<44} {statistics.median(speed[name]):7.1f}   {statistics.median(ratios[name]):6.3f}x")
     print(f"logits vs llama.cpp over {agreement['rows']} teacher-forced rows: max abs diff "
           f"{agreement['max_abs']:.3f}, rms {agreement['rms']:.3f}, top-1 agreement {100 * agreement['top1']:.1f}%")
 
