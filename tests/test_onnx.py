@@ -224,6 +224,17 @@ def test_static_shapes_pad_calls_and_match_the_dynamic_graph(tiny_exports, tmp_p
         dynamic.close()
 
 
+def _tiny_q4_1(tmp_path, tiny_vocab_path, arch: str):
+    """A tiny random model of ``arch`` in Q4_1 blocks (4-bit MatMulNBits once exported)."""
+    import tiny_gguf
+
+    gguf_path = tmp_path / f"{arch}-q4_1.gguf"
+    write = {"llama": tiny_gguf.write_tiny_llama, "qwen2": tiny_gguf.write_tiny_qwen2,
+             "gemma3": tiny_gguf.write_tiny_gemma3}[arch]
+    write(gguf_path, tiny_vocab_path, dtype=tiny_gguf.Q.Q4_1)
+    return gguf_path
+
+
 @pytest.mark.parametrize("arch", list(TINY))
 def test_tiny_logits_do_not_depend_on_the_call(tmp_path, tiny_vocab_path, arch):
     """The row invariance exact speculation rests on, on 4-bit blocks (MatMulNBits,
@@ -231,13 +242,8 @@ def test_tiny_logits_do_not_depend_on_the_call(tmp_path, tiny_vocab_path, arch):
     and global layers: a token's logits are bit-identical alone, in a k-row
     call and as a one-path tree (a tree with siblings is not: see
     OnnxBackend.exact_trees)."""
-    import tiny_gguf
-
-    gguf_path = tmp_path / f"{arch}-q4_1.gguf"
-    write = {"llama": tiny_gguf.write_tiny_llama, "qwen2": tiny_gguf.write_tiny_qwen2,
-             "gemma3": tiny_gguf.write_tiny_gemma3}[arch]
-    write(gguf_path, tiny_vocab_path, dtype=tiny_gguf.Q.Q4_1)
-    folder = onnx_export.export(gguf_path, tmp_path / "int4", weights="int4", progress=False)
+    folder = onnx_export.export(_tiny_q4_1(tmp_path, tiny_vocab_path, arch), tmp_path / "int4", weights="int4",
+                                progress=False)
     assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(folder / "model.onnx")).graph.node)
     backend = open_backend("onnx", folder, n_ctx=128, threads=1)
     try:
@@ -252,14 +258,8 @@ def test_static_call_size_is_the_shape_of_every_call(tmp_path, tiny_vocab_path, 
     4 slots short of the cache, and exact row invariance through it: plain
     steps, verifications of 2-8 tokens (two calls past 4) and a one-path tree
     give every token the same logits bit for bit."""
-    import tiny_gguf
-
-    gguf_path = tmp_path / f"{arch}-q4_1.gguf"
-    write = {"llama": tiny_gguf.write_tiny_llama, "qwen2": tiny_gguf.write_tiny_qwen2,
-             "gemma3": tiny_gguf.write_tiny_gemma3}[arch]
-    write(gguf_path, tiny_vocab_path, dtype=tiny_gguf.Q.Q4_1)
-    folder = onnx_export.export(gguf_path, tmp_path / "static4", weights="int4", static_shapes=True,
-                                call_size=4, cache_len=64, progress=False)
+    folder = onnx_export.export(_tiny_q4_1(tmp_path, tiny_vocab_path, arch), tmp_path / "static4", weights="int4",
+                                static_shapes=True, call_size=4, cache_len=64, progress=False)
     inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim]
               for i in onnx.load(str(folder / "model.onnx")).graph.input}
     assert inputs["input_ids"] == [1, 4] and inputs["cache_slots"] == [4]
