@@ -38,7 +38,8 @@ from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
                      InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
-from .planner import Planner, batch_costs
+from .costs import batch_costs
+from .planner import Planner
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .text import TextStream, utf8_text
 
@@ -367,6 +368,8 @@ class Engine:
         if self.drafter != "none":
             try:
                 self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
+                # The machine is measured now, if it must be, never inside a generation.
+                self._planner = Planner(self._batch_costs())
             except BaseException:
                 self._free()
                 raise
@@ -775,43 +778,6 @@ class Engine:
             self._llg_tokenizer = tokenizer_for(self.backend)
         return Constraint(grammar, self._llg_tokenizer, self.backend.n_vocab)
 
-    def _choose_draft(self, drafters: list[Drafter], context: list[int], room: int, may_skip: bool) -> Draft:
-        """Ask each drafter for a draft and keep the part of one that pays most
-        on this machine (or nothing: a plain step)."""
-        planner = self._planner
-        best, best_value = Draft(), 0.0
-        limit = min(self.draft_max, room)
-        for d in drafters:
-            behind = 0
-            if d.costly:
-                if best_value and best_value >= planner.worth(d.name, limit, d.prior):
-                    continue  # a cheap draft is worth at least what this one could be
-                # Text that steps without this drafter added must be evaluated
-                # first: where the planner may choose (auto), only if that pays.
-                behind = d.backlog(context)
-                if may_skip and not planner.catch_up_pays(d.name, behind, room, max(best_value, 1.0),
-                                                          limit, d.prior):
-                    continue
-                ask = planner.budget(d.name, limit, may_skip, d.prior)
-            else:
-                ask = limit
-            if ask <= 0:
-                continue
-            t0 = time.perf_counter()
-            draft = d.draft(context, ask)
-            if d.costly:
-                planner.record_draft_time(d.name, time.perf_counter() - t0 - d.backlog_seconds, len(draft))
-                if d.backlog_seconds > 0:   # the part beyond the step's own tokens
-                    planner.record_catch_up(d.name, d.backlog_seconds, max(1, behind - ask - 1))
-            if not len(draft):
-                continue
-            if not self.backend.exact_trees:  # verified as a chain: exact where a tree is not
-                draft = draft.first_path()
-            draft, value = planner.cut(draft, may_skip)
-            if len(draft) and value > best_value:
-                best, best_value = draft, value
-        return best
-
     def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
                may_skip: bool, max_tokens: int, cancel: threading.Event,
                constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Step]:
@@ -840,7 +806,8 @@ class Engine:
             pending = context[backend.n_past:]
             room = min(max_tokens - produced - 1, backend.n_ctx - len(context) - 1,
                        backend.n_batch - len(pending))
-            draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
+            draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
+                                    backend.exact_trees) if drafters and room > 0 else Draft())
             ts = time.perf_counter()
             masks = None
             if constraint:

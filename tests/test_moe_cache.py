@@ -125,14 +125,15 @@ def test_planner_costs_a_cache_of_its_own(synth_path):
     """The planner's batch-cost curve is measured per expert-cache setting
     (a batch reads the union of its tokens' experts from disk), on batches
     of fresh tokens that miss the cache as verification batches do."""
-    from edgespec import planner
+    from edgespec import costs
+
     with backend(synth_path) as b:
-        plain = planner._cost_key(b)
+        plain = costs.cost_key(b)
     keys = set()
     for cache in (moe.ExpertCache(1), moe.ExpertCache(2), moe.ExpertCache(1, policy="lru")):
         with backend(synth_path, cache) as b:
-            keys.add(planner._cost_key(b))
-            times = planner.time_batches(b, [1, 4], reps=2, prefix=8)
+            keys.add(costs.cost_key(b))
+            times = costs.time_batches(b, [1, 4], reps=2, prefix=8)
             st = b.expert_stats()
     assert plain not in keys and len(keys) == 3
     assert set(times) == {1, 4} and all(t > 0 for t in times.values())

@@ -5,6 +5,7 @@ a config file (edgespec.cli.config). ``edgespec --install-completion`` installs
 typer's shell completion."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import typer
@@ -45,9 +46,20 @@ def fail(message: str) -> "typer.Exit":
     return typer.Exit(2)
 
 
+def _show_notices() -> None:
+    """The library's notices (the ``edgespec`` logger at INFO: a measurement of
+    this machine being taken, say) as lines on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("edgespec: %(message)s"))
+    log = logging.getLogger("edgespec")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def main() -> None:
     from . import bench, chat, drafter, generate, models, moe, onnx, serve  # noqa: F401  (register their commands)
 
+    _show_notices()
     try:
         app()
     except EdgespecError as e:

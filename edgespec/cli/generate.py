@@ -79,6 +79,8 @@ def generate(
 ):
     """Generate text from PROMPT (or, with --suffix, between PROMPT and SUFFIX)."""
     utf8_text(prompt, "prompt")
+    if max_tokens <= 0:   # before a model loads (and the machine is measured for it)
+        raise InvalidArgumentError(f"max_tokens (--max-tokens) must be a whole number > 0, got {max_tokens}")
     if suffix is not None:
         utf8_text(suffix, "--suffix")
         if chat:

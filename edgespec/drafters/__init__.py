@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from ..costs import DraftCost
 from ..errors import InvalidArgumentError
 from ..sampling import SamplingParams
 
@@ -93,6 +94,10 @@ class Drafter(ABC):
     name: str
     costly: bool = False  # drafting spends real time per token (a draft model): ask only for what pays
     prior: float | None = None  # costly drafters: guessed acceptance before any evidence (None: the planner's)
+    # Costly drafters: what drafting and catching up cost on this machine,
+    # measured when the drafter opens (None: unknown, the planner assumes a
+    # cautious cost until it has timed some drafts).
+    cost: DraftCost | None = None
     planner = None        # the engine's Planner, set before the first draft (drafters that size trees read it)
     # Costly drafters: seconds of the last draft spent catching up with text
     # that steps without this drafter added (not a cost of drafting per step).
