@@ -29,6 +29,7 @@ time per token is added to the cost.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections import deque
@@ -44,6 +45,7 @@ EXPLORE_EVERY = 96        # plain steps between one-token probes of drafts the p
 WINDOW = 9                # recent timings kept per quantity: decisions read their median
 MIN_SAMPLES = 3           # timings before a measured value moves away from its prior
 PRIOR_WEIGHT = 0.5        # timings' worth of evidence a cached measurement counts as
+REBUILD_EVERY = 8         # plain steps between rebuilds of the corrected cost curve
 EXPLORE_SHARE = 0.03      # most of a generation's plain decoding time trying an unproven costly drafter may cost
 
 
@@ -80,10 +82,19 @@ class CostCurve:
         self.prior = plausible(prior)
         self.steps: dict[int, Timings] = {}   # batch size -> seconds of recent steps
         self._table: list[float] | None = None  # the corrected curve, rebuilt after new timings
+        self._plain_since_rebuild = 0
 
     def record(self, seconds: float, n_tokens: int) -> None:
-        self.steps.setdefault(min(n_tokens, MAX_BATCH), Timings()).add(seconds)
-        self._table = None
+        n = min(n_tokens, MAX_BATCH)
+        timings = self.steps.setdefault(n, Timings())
+        timings.add(seconds)
+        # A plain step moves the unit (the median one-token time) only a
+        # little: the curve is rebuilt after a batch's timing, or every
+        # REBUILD_EVERY plain steps, so that declining to draft stays cheap.
+        self._plain_since_rebuild += n == 1
+        if n > 1 or self._plain_since_rebuild >= REBUILD_EVERY:
+            self._table = None
+            self._plain_since_rebuild = 0
 
     @property
     def t_token(self) -> float | None:
@@ -113,13 +124,19 @@ class CostCurve:
                     factors[n] = t.blend(self.prior[n], measured) / self.prior[n]
         if len(factors) == 1:
             return self.prior
-        sizes = sorted(factors)
+        sizes = sorted(factors)   # 1 first
         table = [0.0, 1.0]
         for n in range(2, MAX_BATCH + 1):
-            lo = max((s for s in sizes if s <= n), default=sizes[0])
-            hi = min((s for s in sizes if s >= n), default=sizes[-1])
-            w = 0.0 if hi == lo else (n - lo) / (hi - lo)
-            table.append(self.prior[n] * factors[lo] ** (1 - w) * factors[hi] ** w)
+            i = bisect.bisect_left(sizes, n)
+            if i == len(sizes):       # past the largest size timed: its factor
+                f = factors[sizes[-1]]
+            elif sizes[i] == n:
+                f = factors[n]
+            else:                     # between two timed sizes: geometric interpolation
+                lo, hi = sizes[i - 1], sizes[i]
+                w = (n - lo) / (hi - lo)
+                f = factors[lo] ** (1 - w) * factors[hi] ** w
+            table.append(self.prior[n] * f)
         return plausible(table)
 
     def __call__(self, n_tokens: int) -> float:
