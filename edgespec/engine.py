@@ -28,23 +28,22 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import drafters as drafting
-from . import moe
-from .backends import BACKENDS, Interrupted, default_backend, open_backend, resolve_model
+from .backends import Interrupted, default_backend, open_backend, resolve_model
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
+from .config import EngineConfig
+from .costs import batch_costs
 from .drafters import Draft, Drafter, DrafterConfig, Verified, routed
 from .drafters.router import open_router
 from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
                      InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
-from .costs import batch_costs
 from .planner import Planner
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
-DEFAULT_DRAFT_MAX = 16  # most draft tokens (tree nodes) per target step
 # GGUF <arch>.pooling_type (llama.cpp's enum) -> how embed() pools token states;
 # absent or 0 (none): the mean.
 POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
@@ -246,16 +245,6 @@ def _is_token(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def _check_threads(threads: int | None, force: bool) -> None:
-    if threads is None:
-        return
-    _whole("threads", threads, 1)
-    cores = os.cpu_count() or 1
-    if threads > 4 * cores and not force:
-        raise InvalidArgumentError(f"threads {threads} is more than 4 x the {cores} CPUs of this machine "
-                                   "(force_threads / --force-threads allows it)")
-
-
 def _routing_text(prompt, messages, suffix) -> str | None:
     """A request's own text, which a router reads: a chat's messages but the
     system's (its template's text and a system prompt say little of the
@@ -271,87 +260,55 @@ def _routing_text(prompt, messages, suffix) -> str | None:
 class Engine:
     """A loaded model and its context.
 
+    Its options are an ``EngineConfig`` (edgespec.config: each option's range
+    and meaning), given whole (``config=``) or as keywords, which are checked
+    before anything loads (InvalidArgumentError naming the option; one a
+    backend does not take, such as ``gpu_layers`` on the native engine, too).
     ``model``: a built-in name (``edgespec models list``), a GGUF path or
     ``hf:owner/repo/file.gguf`` (with ``backend="onnx"`` also a folder from
     ``edgespec export-onnx``; a GGUF is exported on first use). ``backend``
     None chooses one per model (edgespec.backends.default_backend: native
     where it is at least llama.cpp's speed, else llama; a file of a variant
-    the native engine does not read falls back to llama). ``gpu_layers``
-    offloads layers when llama.cpp was built with Metal/CUDA/Vulkan.
-    ``draft_backend`` runs the draft model on another backend than the
-    target. ``auto`` also routes each request to one of the target's
-    specialized drafters (edgespec.drafters.routed: the shipped ones and
-    $EDGESPEC_HOME/drafters/<target>/, or those of the folder ``drafter_dir``),
-    chosen by the router called ``router``; ``ep`` is the ONNX Runtime execution provider of whichever of
-    them is onnx (cpu, qnn, openvino, dml, coreml, cuda). ``n_ctx`` defaults
-    to 4096 tokens or the model's training context if smaller; a larger one
-    than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
-    ``force_threads``. ``slots``: KV caches kept (each of ``n_ctx``, made when
-    first used; llama and native backends).
-    ``force_threads``. ``expert_cache_mb`` (native backend, MoE models) keeps
-    at most that many MB of expert weights in memory, read from disk on
-    demand; ``expert_precision`` (exact, balanced, fast), ``expert_policy``
-    (adaptive, lru) and ``expert_prefetch`` (layers ahead, 0: off) tune it
-    (edgespec.moe).
+    the native engine does not read falls back to llama). With a ``drafter``
+    other than none the machine's costs are measured now, once per machine
+    (edgespec.costs), never inside a generation.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, backend: str | None = None,
-                 threads: int | None = None, n_ctx: int | None = None, n_batch: int = 512,
-                 slots: int = 1,
-                 gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
-                 draft_backend: str | None = None, ep: str | None = None,
-                 ngram_cache: str | None = None, drafter_dir: str | os.PathLike | None = None,
-                 router: str = "profile", draft_max: int = DEFAULT_DRAFT_MAX,
-                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False,
-                 expert_cache_mb: int | None = None, expert_precision: str = "exact",
-                 expert_policy: str = "adaptive", expert_prefetch: int = moe.DEFAULT_PREFETCH):
-        _check_threads(threads, force_threads)
-        if backend is None and expert_cache_mb is not None:
-            backend = "native"   # the expert cache is the native engine's
-        experts = moe.ExpertCache.of(expert_cache_mb, expert_precision, expert_policy,
-                                     expert_prefetch, backend)
-        _whole("n_batch", n_batch, 1)
-        _whole("gpu_layers", gpu_layers, 0)
-        _whole("draft_max", draft_max, 1)
-        _whole("slots", slots, 1)
-        if n_ctx is not None:
-            _whole("n_ctx", n_ctx, 1)
-        if not 1 <= draft_max < min(n_batch, 64):
-            raise InvalidArgumentError(f"draft_max must be in [1, {min(n_batch, 64) - 1}], got {draft_max}")
-        for name in (backend, draft_backend):
-            if name is not None and name not in BACKENDS:
-                raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
-        self.drafter = drafting.check_name(drafter)
-        self.draft_max = draft_max
-        self.model_ref = str(model) if model is not None else registry.default_model()
-        open_router(router)   # fail early on an unknown one
-        specialized = routed.set_files(registry.model_name(self.model_ref), drafter_dir)
+    def __init__(self, model: str | os.PathLike | None = None, *, config: EngineConfig | None = None,
+                 **options):
+        if config is None:
+            config = EngineConfig.of(model=model, **options)
+        elif model is not None or options:
+            config = config.but(**options, **({"model": model} if model is not None else {}))
+        self.config = c = config
+        self.drafter = c.drafter
+        self.draft_max = c.draft_max
+        self.model_ref = c.model if c.model is not None else registry.default_model()
+        open_router(c.router)   # fail early on an unknown one
+        specialized = routed.set_files(registry.model_name(self.model_ref), c.drafter_dir)
+        backend = c.backend or ("native" if c.expert_cache_mb is not None else None)  # the cache is native's
         auto = backend is None
         if auto:
-            backend = default_backend(self.model_ref, gpu_layers)
-        if slots > 1 and backend == "onnx":
-            raise InvalidArgumentError("the onnx backend keeps one KV cache: slots must be 1")
-        if ep is not None and "onnx" not in (backend, draft_backend):
+            backend = default_backend(self.model_ref, c.gpu_layers)
+        if c.ep is not None and "onnx" not in (backend, c.draft_backend):
             raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
                                        "use it with backend onnx or draft_backend onnx")
-        options = dict(n_ctx=n_ctx, n_batch=n_batch, threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
-                       slots=slots, ep=ep, ctx_extend=ctx_extend, experts=experts, verbose=verbose)
+        options = dict(n_ctx=c.n_ctx, n_batch=c.n_batch, threads=c.threads, gpu_layers=c.gpu_layers,
+                       n_seq=TREE_SEQS, slots=c.slots, ctx_extend=c.ctx_extend, experts=c.expert_cache,
+                       verbose=c.verbose)
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
-            self.backend = open_backend(backend, self.model_path, **options)
+            self.backend = open_backend(backend, self.model_path, **options,
+                                        ep=c.ep if backend == "onnx" else None)
         except UnsupportedModelError:
             if not (auto and backend == "native"):
                 raise
             # A variant of a native architecture the engine does not read (an extra tensor).
             self.model_path = resolve_model("llama", self.model_ref)
             self.backend = open_backend("llama", self.model_path, **options)
-        self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
-                                             draft_model=draft_model,
+        self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend, options=c,
                                              paired_draft=registry.paired_draft(self.model_ref),
-                                             draft_backend=draft_backend,
-                                             ep=ep, ngram_cache=ngram_cache,
-                                             specialized=tuple(specialized), router=router,
-                                             threads=threads, n_ctx=self.backend.n_ctx)
+                                             specialized=tuple(specialized), n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, Drafter] = {}
         self._costs: list[float] | None = None
         self._planner: Planner | None = None

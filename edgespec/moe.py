@@ -25,12 +25,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .capi import lib
 from .errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .progress import Progress
 
 PRECISIONS = ("exact", "balanced", "fast")   # enum es_expert_precision, in order
 POLICIES = ("adaptive", "lru")                # enum es_expert_policy, in order
-DEFAULT_PREFETCH = 3                          # es_model_default_params().prefetch_depth
+DEFAULT_PREFETCH = int(lib.es_model_default_params().prefetch_depth)
 SIDECAR_SUFFIX = ".experts-low"
 SIDECAR_MAGIC = b"ESMOELP1"                   # es_native.h ES_SIDECAR_MAGIC
 LOW_TYPES = ("q2_k", "q3_k")                  # what `moe prepare --type` writes
@@ -49,30 +50,6 @@ class ExpertCache:
     precision: str = "exact"
     policy: str = "adaptive"
     prefetch: int = DEFAULT_PREFETCH
-
-    @classmethod
-    def of(cls, budget_mb: int | None, precision: str = "exact", policy: str = "adaptive",
-           prefetch: int = DEFAULT_PREFETCH, backend: str = "native") -> "ExpertCache | None":
-        """The settings of Engine's expert_* arguments, checked before any
-        model loads; None when no cache is asked for."""
-        if precision not in PRECISIONS:
-            raise InvalidArgumentError(f"expert precision must be one of {', '.join(PRECISIONS)}, "
-                                       f"got {precision!r}"[:200])
-        if policy not in POLICIES:
-            raise InvalidArgumentError(f"expert policy must be one of {', '.join(POLICIES)}, got {policy!r}"[:200])
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 64:
-            raise InvalidArgumentError(f"expert prefetch must be a whole number in [0, 64], got {prefetch!r}"[:200])
-        if budget_mb is None:
-            if precision != "exact":
-                raise InvalidArgumentError(f"expert precision {precision} applies to an expert cache "
-                                           "(expert_cache_mb / --expert-cache)")
-            return None
-        if isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb < 1:
-            raise InvalidArgumentError(f"expert cache must be a whole number of MB >= 1, got {budget_mb!r}"[:200])
-        if backend != "native":
-            raise InvalidArgumentError(f"an expert cache (--expert-cache) needs the native backend, "
-                                       f"not {backend}")
-        return cls(budget_mb, precision, policy, prefetch)
 
     @property
     def budget_bytes(self) -> int:
@@ -255,7 +232,7 @@ def _low_copy(w: np.ndarray, qtype: int) -> bytes:
     gguf = _gguf()
     if qtype == gguf.GGMLQuantizationType.Q4_0:
         return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype).tobytes()
-    from .capi import ffi, lib
+    from .capi import ffi
     w = np.ascontiguousarray(w, dtype=np.float32)
     out = bytearray(w.shape[0] * _row_bytes(qtype, w.shape[1]))
     status = lib.es_quantize_row(qtype, ffi.from_buffer("float[]", w), ffi.from_buffer(out), w.size)

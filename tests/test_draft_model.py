@@ -16,6 +16,7 @@ import pytest
 from edgespec import Engine
 from edgespec.backends import open_backend
 from edgespec.backends.vocab import Vocab
+from edgespec.config import EngineConfig
 from edgespec.costs import DraftCost
 from edgespec.drafters import DrafterConfig, Verified, auto_members
 from edgespec.drafters import model as model_drafter
@@ -59,9 +60,9 @@ def trimmed_llama(tmp_path_factory, tiny_vocab_path):
     return path
 
 
-def _drafter(target, draft_path, **config):
-    cfg = DrafterConfig(n_vocab=target.n_vocab, target=target, draft_model=str(draft_path), threads=1,
-                        n_ctx=512, **config)
+def _drafter(target, draft_path):
+    cfg = DrafterConfig(n_vocab=target.n_vocab, target=target,
+                        options=EngineConfig(draft_model=str(draft_path), threads=1), n_ctx=512)
     return model_drafter.ModelDrafter(cfg)
 
 
@@ -78,7 +79,8 @@ def test_the_manifest_pairs_the_coder_models():
 
 def test_auto_weighs_a_paired_draft_model_and_leaves_recycling_out():
     assert auto_members(DrafterConfig(n_vocab=1, paired_draft="d")) == ["ngram", "model"]
-    assert auto_members(DrafterConfig(n_vocab=1, draft_model="d", ngram_cache="c")) == ["ngram", "cache", "model"]
+    assert auto_members(DrafterConfig(n_vocab=1, options=EngineConfig(draft_model="d", ngram_cache="c"))) == \
+        ["ngram", "cache", "model"]
     assert auto_members(DrafterConfig(n_vocab=1)) == ["ngram"]
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends.vocab import Vocab
+from edgespec.config import EngineConfig
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import DrafterConfig, auto_members, routed, specialized
 from edgespec.drafters import model as model_drafter
@@ -125,7 +126,7 @@ def test_routers_are_found_by_name():
 
 def test_auto_weighs_a_set_between_the_cheap_drafters_and_the_draft_model():
     assert auto_members(DrafterConfig(n_vocab=1, specialized=(Path("a.gguf"),), paired_draft="d",
-                                      ngram_cache="c")) == ["ngram", "cache", "routed", "model"]
+                                      options=EngineConfig(ngram_cache="c"))) == ["ngram", "cache", "routed", "model"]
     assert auto_members(DrafterConfig(n_vocab=1, specialized=(Path("a.gguf"),))) == ["ngram", "routed"]
 
 

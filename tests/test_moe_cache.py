@@ -158,15 +158,20 @@ def test_budget_below_one_layers_experts(wide_path):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(backend="llama", expert_cache_mb=10), "needs the native backend"),
-    (dict(backend="native", expert_cache_mb=0), "whole number of MB >= 1"),
+    (dict(backend="native", expert_cache_mb=0), "expert_cache_mb must be >= 1"),
     (dict(backend="native", expert_precision="balanced"), "applies to an expert cache"),
-    (dict(backend="native", expert_cache_mb=4, expert_precision="best"), "one of exact, balanced, fast"),
-    (dict(backend="native", expert_cache_mb=4, expert_policy="lfu"), "one of adaptive, lru"),
+    (dict(backend="native", expert_cache_mb=4, expert_precision="best"), "available: exact, balanced, fast"),
+    (dict(backend="native", expert_cache_mb=4, expert_policy="lfu"), "available: adaptive, lru"),
     (dict(backend="native", expert_cache_mb=4, expert_prefetch=-1), r"\[0, 64\]"),
 ])
 def test_bad_expert_settings(synth_path, kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         Engine(synth_path, **kwargs)
+
+
+def test_an_expert_cache_on_a_dense_model_is_refused_naming_its_architecture(tiny_llama_path):
+    with pytest.raises(InvalidArgumentError, match="dense llama model"):
+        Engine(str(tiny_llama_path), expert_cache_mb=8)
 
 
 def test_balanced_needs_the_sidecar(moe_dir, tiny_vocab_path):
@@ -483,9 +488,9 @@ def test_cli_moe_commands(tmp_path, tiny_vocab_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["generate", "hi", "--expert-cache", 8], "needs the native backend"),
+    (["generate", "hi", "--backend", "llama", "--expert-cache", 8], "needs the native backend"),
     (["generate", "hi", "--backend", "native", "--expert-cache", 8, "--expert-policy", "mru"],
-     "one of adaptive, lru"),
+     "available: adaptive, lru"),
     (["moe", "synth", "--layers", 1, "--embd", 100, "--ff", 64, "--out", "x.gguf"], "multiple of 32"),
 ])
 def test_cli_bad_input(args, match, tmp_path):

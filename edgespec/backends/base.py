@@ -62,14 +62,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..capi import Closing
+from ..config import DEFAULT_CTX, MAX_CTX, MAX_SLOTS, MIN_CTX
 from ..models.gguf import GGUFFile
 from ..errors import (ContextOverflowError, EngineClosedError, InvalidArgumentError,
                       UnsupportedModelError)
 
-DEFAULT_CTX = 4096    # the KV cache size when none is asked for (capped at the training context)
-MIN_CTX = 16          # smaller caches trip llama.cpp's asserts, and hold no useful text
-MAX_CTX = 2**31 - 1   # positions are int32 in every backend
-MAX_SLOTS = 64        # KV-cache slots per backend
 EMBED_SEQS = 16       # sequences in one embeddings batch
 
 

@@ -20,7 +20,9 @@ import numpy as np
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, lib
 from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
 from .. import moe
+from ..config import DEFAULT_BATCH
 from ..models import registry
+from ..models.gguf import GGUFFile
 from . import default_threads
 from .base import Backend, context_size
 from .vocab import Vocab, VocabMixin
@@ -72,6 +74,12 @@ class NativeModel(Owned):
     _free = lib.es_model_free
 
     def __init__(self, path: Path, experts: moe.ExpertCache | None = None):
+        if experts is not None:
+            with GGUFFile(path) as f:
+                arch = f.get("general.architecture")
+                if not f.get(f"{arch}.expert_count", 0):
+                    raise InvalidArgumentError(f"{Path(path).name} is a dense {arch} model (no experts): an "
+                                               "expert cache (--expert-cache) is for mixture-of-experts models")
         params = ffi.new("es_model_params *", model_params(experts))
         sidecar = experts.sidecar(path) if experts is not None else None
         if sidecar is not None:
@@ -163,12 +171,12 @@ class NativeBackend(VocabMixin, Backend):
     _ctx = _model = _embed_ctx = _vocab = None
     _contexts: list = []
 
-    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
-                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
+                 threads: int | None = None, n_seq: int = 1, slots: int = 1,
                  ctx_extend: bool = False, experts: moe.ExpertCache | None = None,
                  verbose: bool = False):
-        # gpu_layers and n_seq do not apply: the engine runs on the CPU, and
-        # draft trees need no sequences (a tree is one batch with parents).
+        # n_seq does not apply: draft trees need no sequences here (a tree is
+        # one batch with parents).
         super().__init__(slots)
         self.path = Path(path)
         self._model = NativeModel(self.path, experts)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..models import registry
 from . import onnx_export
+from ..config import DEFAULT_BATCH
 from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from . import default_threads
 from .base import Backend, context_size
@@ -223,8 +224,9 @@ class OnnxBackend(VocabMixin, Backend):
     vocab = None
     recorded: list[dict] | None = None  # a list: every call's inputs are appended to it
 
-    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
-                 threads: int | None = None, ep: str | None = None, verbose: bool = False):
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
+                 threads: int | None = None, ep: str | None = None, n_seq: int = 1, verbose: bool = False):
+        # n_seq does not apply: trees are verified along their first path (exact_trees False).
         import onnxruntime as ort
 
         super().__init__()

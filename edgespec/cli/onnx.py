@@ -9,7 +9,7 @@ import typer
 
 from ..errors import InvalidArgumentError
 from . import app
-from .options import MODEL_HELP
+from ..config import MODEL_HELP
 
 
 @app.command("export-onnx")

@@ -94,10 +94,10 @@ class CacheDrafter(Drafter):
     name = "cache"
 
     def __init__(self, config: DrafterConfig):
-        if not config.ngram_cache:
+        if not config.options.ngram_cache:
             raise InvalidArgumentError("the cache drafter needs an n-gram cache: --ngram-cache FILE "
                                        "(build one with `edgespec drafter ngram CORPUS... --out FILE`)")
-        self.static = NgramCache.load(config.ngram_cache)
+        self.static = NgramCache.load(config.options.ngram_cache)
         self.dynamic = NgramCache(DYNAMIC_N_MAX)
         self.n_vocab = config.n_vocab
         self._text: list[int] = []   # prompt + output that the dynamic cache has learned

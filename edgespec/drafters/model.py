@@ -321,22 +321,22 @@ class ModelDrafter(Drafter):
     costly = True
 
     def __init__(self, config: DrafterConfig):
-        ref = config.draft_model or config.paired_draft
+        ref = config.options.draft_model or config.paired_draft
         if not ref:
             raise InvalidArgumentError("the model drafter needs a draft model (--draft-model NAME|PATH); "
                                        "this target has no paired draft model in the registry")
         self.ref = ref
         # The draft model may run on another backend and device than the target
         # (e.g. on an NPU through onnxruntime while llama.cpp runs the target).
-        name = config.draft_backend or config.target.name
+        name = config.options.draft_backend or config.target.name
         try:
             path = resolve_model(name, ref)
         except ModelFetchError as e:
             raise ModelFetchError(f"draft model {ref} is not downloaded and could not be fetched ({e}); "
                                   f"get it with: edgespec models pull {ref}") from e
         # Its cache follows the target's text, also past its own training context.
-        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.threads, ep=config.ep,
-                                    ctx_extend=True)
+        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads,
+                                    ep=config.options.ep if name == "onnx" else None, ctx_extend=True)
         try:
             self._map = token_map(config.target, path, self.backend.n_vocab, ref)
             if self._map is not None:

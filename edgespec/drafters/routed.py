@@ -153,7 +153,7 @@ class RoutedDrafter(Drafter):
 
     def __init__(self, config: DrafterConfig):
         self.config = config
-        self.router = open_router(config.router)
+        self.router = open_router(config.options.router)
         found = find_set(config.target, config.specialized)
         self.members = [i for i in found if i.problem is None]
         if not self.members:
@@ -192,7 +192,7 @@ class RoutedDrafter(Drafter):
     def _load(self, info: DrafterInfo) -> Drafter:
         from .model import ModelDrafter
 
-        d = ModelDrafter(replace(self.config, draft_model=str(info.path)))
+        d = ModelDrafter(replace(self.config, options=self.config.options.but(draft_model=str(info.path))))
         d.name = PREFIX + info.name
         if info.held_out_acceptance is not None:
             d.prior = info.held_out_acceptance
