@@ -219,10 +219,10 @@ def test_training_raises_held_out_acceptance(tmp_path, distilled, tiny_llama_pat
 
     torch.manual_seed(0)
     from edgespec.backends.vocab import Vocab
-    from edgespec.moe import _reader
+    from edgespec.models.gguf_write import read_gguf
 
     with Vocab.load(tiny_llama_path) as vocab:
-        data = train.prepare_data(vocab, _reader(tiny_llama_path), distill.DistillSet(distilled), params,
+        data = train.prepare_data(vocab, read_gguf(tiny_llama_path), distill.DistillSet(distilled), params,
                                   progress=False)
     fresh = train.build_model(params, len(data.token_map))
     before = train.held_out_acceptance(fresh, data.kd_held_out)

@@ -67,7 +67,7 @@ def add_trimmed_tokenizer(writer, target_reader, keep) -> None:
     llama.cpp loads the drafter with the target's tokenizer rules."""
     import gguf
 
-    from ..moe import field_value
+    from ..models.gguf_write import field_value
 
     keys = gguf.Keys.Tokenizer
     fields = target_reader.fields
