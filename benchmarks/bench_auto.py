@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from edgespec.bench import suites
+from edgespec.bench import prompts
 from edgespec.models import registry
 
 SUITES = ("code", "chat", "edit", "multilingual")
@@ -39,9 +39,9 @@ TUNED = {"humaneval-0", "humaneval-120", "humaneval-131", "humaneval-143"}
 
 def held_out(suite: str, n: int) -> list:
     """``n`` prompts of ``suite`` spread evenly over it, none of TUNED."""
-    prompts = [p for p in suites.load_suite(suite) if p.id not in TUNED]
-    step = max(1, len(prompts) // n)
-    return prompts[step // 2::step][:n]
+    kept = [p for p in prompts.load_suite(suite) if p.id not in TUNED]
+    step = max(1, len(kept) // n)
+    return kept[step // 2::step][:n]
 
 
 def drop_caches() -> bool:

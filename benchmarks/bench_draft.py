@@ -26,7 +26,7 @@ import statistics
 import time
 
 from edgespec import Engine
-from edgespec.bench import suites
+from edgespec.bench import prompts
 
 SUITES = ("edit", "chat", "code")
 PROSE = ["Write a short paragraph about the history of lighthouses.",
@@ -34,9 +34,9 @@ PROSE = ["Write a short paragraph about the history of lighthouses.",
          "Explain how a bicycle gear works."]
 
 
-def _prompts(names) -> list[suites.Prompt]:
+def _prompts(names) -> list[prompts.Prompt]:
     """The first prompt of each suite."""
-    return [suites.load_suite(name)[0] for name in names]
+    return [prompts.load_suite(name)[0] for name in names]
 
 
 def pairs(args) -> None:

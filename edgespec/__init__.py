@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 _LAZY = {"Engine": "engine", "Result": "engine", "GenerationStats": "engine",
          "SamplingParams": "sampling", "Grammar": "grammar",
          # Making specialized drafters: distill_model(model, out, DistillParams(...)), train_model(model, data, out, TrainParams(...)).
-         "DistillParams": "drafters.distill", "distill_model": "drafters.distill",
-         "TrainParams": "drafters.train", "train_model": "drafters.train"}
+         "DistillParams": "training.distill", "distill_model": "training.distill",
+         "TrainParams": "training.train", "train_model": "training.train"}
 
 
 def __getattr__(name):

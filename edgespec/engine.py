@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import drafters as drafting
-from .backends import Interrupted, default_backend, open_backend, resolve_model
+from .backends import Interrupted, default_backend, open_backend
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
 from .config import EngineConfig
@@ -39,6 +39,7 @@ from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
                      InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
+from .onnx import resolve_model
 from .planner import Planner
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .text import TextStream, utf8_text

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .backends import default_backend, resolve_model
+from .backends import default_backend
+from .onnx import resolve_model
 from .backends.base import available_memory, kv_cache_bytes
 from .config import DEFAULT_CTX, EngineConfig
 from .engine import Engine

@@ -20,7 +20,8 @@ import edgespec
 from edgespec import Engine, cli
 from edgespec.backends import open_backend
 from edgespec.capi import ffi
-from edgespec.drafters import corpus, distill, specialized, train
+from edgespec.drafters import specialized
+from edgespec.training import corpus, distill, train
 from edgespec.drafters.model import target_fingerprint
 from edgespec.errors import DrafterError, InvalidArgumentError
 from edgespec.models.gguf import GGUFFile
@@ -169,9 +170,9 @@ def test_distill_bad_input(monkeypatch, capsys, tmp_path, tiny_llama_path, disti
 
 
 def test_benchmark_text_is_held_out(tmp_path):
-    from edgespec.bench import suites
+    from edgespec.bench import prompts
 
-    prompt = suites.load_suite("code")[3].prompt
+    prompt = prompts.load_suite("code")[3].prompt
     own = "def tidy(rows):\n    return [r.strip() for r in rows if r.strip()]\n"
     docs, dropped = corpus.documents([("f", own + "\n\n" + prompt + "\n\n" + own)], corpus.HeldOut.suites())
     text = "".join(d.text for d in docs)
@@ -315,12 +316,12 @@ def test_dataset_build_text_leaves_the_suites_prompts_out():
     """dataset-build (fetched with pip like the models) is where the
     multilingual suite's prompts come from: each language's suite excerpts are
     found in its text and none survives into the training documents."""
-    from edgespec.bench import suites
+    from edgespec.bench import prompts
 
     for lang in ("deu", "jpn", "python"):
         texts = corpus.source_texts(lang, ["dataset-build"], progress=False)
         assert texts and all(name.startswith(f"dataset-build:{lang}/") for name, _ in texts)
-        prompts = [p.prompt for p in suites.load_suite("multilingual") if p.lang == lang and not p.chat]
+        prompts = [p.prompt for p in prompts.load_suite("multilingual") if p.lang == lang and not p.chat]
         whole = corpus.HeldOut(t for _, t in texts)
         assert prompts and all(whole.overlaps(p) for p in prompts)
         docs, dropped = corpus.documents(texts, corpus.HeldOut.suites())

@@ -99,7 +99,7 @@ def test_bad_arguments_are_typed_errors(tiny_llama_path, call, message):
 
 
 def test_export_into_an_unwritable_folder_is_one_line(tiny_llama_path):
-    from edgespec.backends import onnx_export
+    from edgespec.onnx import export as onnx_export
 
     with pytest.raises(InvalidArgumentError, match=r"^/proc(/edgespec-export: cannot write the export there| is not writable)"):
         onnx_export.export(tiny_llama_path, "/proc/edgespec-export", weights="fp32", progress=False)

@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from edgespec import Engine
-from edgespec.backends import onnx_export
+from edgespec.onnx import export as onnx_export
 from edgespec.backends import open_backend
 from edgespec.errors import InvalidArgumentError, ModelFormatError
 
@@ -413,7 +413,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, smollm2_path, monkeypatch):
 
 
 def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, export_dir, monkeypatch):
-    from edgespec.backends import onnx as onnx_backend
+    from edgespec.onnx import resolve_model
 
     calls = []
 
@@ -424,8 +424,8 @@ def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, expo
         return out_dir
     monkeypatch.setattr(onnx_export, "cache_dir", lambda: tmp_path / "onnx")
     monkeypatch.setattr(onnx_export, "export", fake_export)
-    first = onnx_backend.resolve_model(str(smollm2_path))
-    second = onnx_backend.resolve_model(str(smollm2_path))
+    first = resolve_model("onnx", str(smollm2_path))
+    second = resolve_model("onnx", str(smollm2_path))
     assert first == second == tmp_path / "onnx" / f"{smollm2_path.stem}-int4"
     assert len(calls) == 1
 

@@ -56,9 +56,10 @@ def _module(name: str):
 
 
 def resolve_model(name: str, ref: str) -> Path:
-    """What backend ``name`` opens for model reference ``ref``: a GGUF file
-    (checked), or what the backend's own ``resolve_model`` makes of it (the
-    onnx backend: an exported folder, exporting on first use)."""
+    """The GGUF file backend ``name`` opens for model reference ``ref``:
+    checked, unless the backend's own ``resolve_model`` says otherwise (the
+    native engine validates the whole file as it loads it). An ONNX export is
+    resolved a layer up (edgespec.onnx.resolve_model)."""
     module = _module(name)
     if hasattr(module, "resolve_model"):
         return module.resolve_model(ref)

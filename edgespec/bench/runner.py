@@ -29,7 +29,7 @@ from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..planner import speedup_ceiling
 from ..progress import Progress
-from . import suites as suite_data
+from . import prompts as suite_data
 from .hardware import PeakRSS, fingerprint
 from .peers import PEERS, PeerError, RunResult, open_peer
 from .roofline import measure_roofline

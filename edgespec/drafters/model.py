@@ -40,7 +40,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends import open_backend, resolve_model
+from ..backends import open_backend
+from ..onnx import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
 from ..costs import draft_cost

@@ -45,7 +45,8 @@ import numpy as np
 from ..errors import DrafterError, InvalidArgumentError
 from ..files import write_atomic
 from ..progress import Progress
-from . import corpus, specialized
+from ..drafters import specialized
+from . import corpus
 from .distill import DistillSet
 
 CKPT_MAGIC = b"ESCK"
@@ -306,7 +307,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     torch = _torch()
     from ..backends.vocab import Vocab
     from ..models.gguf_write import read_gguf
-    from .model import target_fingerprint
+    from ..drafters.model import target_fingerprint
 
     check_params(p)
     if out.suffix != ".gguf":
