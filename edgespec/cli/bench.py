@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from . import app
+from .base import app
 from ..config import EngineConfig
 from .options import engine_options
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import typer
 
 from ..text import utf8_text
-from . import app
+from .base import app
 from ..config import EngineConfig
 from ..engine import Engine
 from .options import SamplingOptions, engine_options, sampling_options

@@ -17,7 +17,7 @@ import typer
 
 from ..models import registry
 from ..backends.vocab import Vocab
-from . import drafter_app
+from .base import drafter_app
 from ..config import MODEL_HELP
 from ..drafters import routed
 from ..drafters.cache import N_MAX_LIMIT, build_ngram_cache

@@ -8,7 +8,7 @@ import typer
 
 from ..errors import InvalidArgumentError
 from ..text import utf8_text
-from . import app
+from .base import app
 from ..config import EngineConfig
 from ..engine import Engine
 from .options import SamplingOptions, engine_options, sampling_options

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from . import moe_app
+from .base import moe_app
 from ..config import MODEL_HELP
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import InvalidArgumentError
-from . import app
+from .base import app
 from ..config import MODEL_HELP
 
 

@@ -33,7 +33,7 @@ from ..config import EngineConfig
 from ..errors import InvalidArgumentError
 from ..sampling import SamplingParams
 from ..text import utf8_text
-from . import fail
+from .base import fail
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from ..server import DEFAULT_MAX_REQUEST_BYTES
-from . import app, fail
+from .base import app, fail
 from ..config import MODEL_HELP, EngineConfig
 from .options import engine_options, with_envvar
 

@@ -48,7 +48,7 @@ from ..grammar import Grammar
 from ..models import registry
 from ..progress import Progress
 from ..sampling import SamplingParams
-from .app import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 

@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from ..chat import tools as chat_tools
 from . import fields
-from .app import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import ApiError, bad, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
