@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 # The engine pulls in llama.cpp and the compiled C core; import it on first use
 # so that `edgespec models ...` and the registry stay light.
-_LAZY = {"Engine": "engine", "Result": "engine", "GenerationStats": "engine",
+_LAZY = {"Engine": "engine", "EngineConfig": "config", "Result": "results", "GenerationStats": "results",
          "SamplingParams": "sampling", "Grammar": "grammar",
          # Making specialized drafters: distill_model(model, out, DistillParams(...)), train_model(model, data, out, TrainParams(...)).
          "DistillParams": "training.distill", "distill_model": "training.distill",

@@ -185,7 +185,7 @@ def test_llama_cpp_binary_output_is_parsed_and_failures_named(tmp_path):
 
 
 def test_speedup_ceiling_and_acceptance_by_length():
-    from edgespec.engine import SpecStats
+    from edgespec.results import SpecStats
     from edgespec.planner import speedup_ceiling
 
     # cost[k] of a k-token batch: 3 tokens for the price of 1.5 is the best deal.

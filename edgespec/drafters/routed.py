@@ -91,7 +91,7 @@ def set_folders(target_name: str, explicit: str | Path | None = None) -> list[Pa
         if not folder.is_dir():
             raise InvalidArgumentError(f"drafters folder {folder}: no such folder")
         return [folder, folder / target_name]
-    builtin = Path(str(resources.files("edgespec.models") / "drafters"))
+    builtin = Path(str(resources.files("edgespec.builtin") / "drafters"))
     return [builtin / target_name, registry.home() / "drafters" / target_name]
 
 

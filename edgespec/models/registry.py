@@ -100,7 +100,7 @@ def models_dir() -> Path:
 
 def _load_manifest() -> dict:
     """The parsed built-in manifest (tests replace this function)."""
-    return json.loads((resources.files("edgespec.models") / "manifest.json").read_text("utf-8"))
+    return json.loads((resources.files("edgespec.builtin") / "manifest.json").read_text("utf-8"))
 
 
 def builtin_models() -> dict[str, ModelEntry]:
