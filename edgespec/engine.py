@@ -17,6 +17,7 @@ least recently used one), so N conversations keep their prefixes.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -558,21 +559,33 @@ class Engine:
     def chat(self, messages: Sequence[dict], **options) -> Result:
         return self.generate(messages=messages, **options)
 
-    def stream(self, prompt: str | Sequence[int] | None = None, *,
-               messages: Sequence[dict] | None = None, suffix: str | None = None,
-               max_tokens: int = 256, stop: Sequence[str] | str | None = None,
-               chat: bool = False, seed: int | None = None, drafter: str | None = None,
-               blocking: bool = True, json_schema=None, grammar: Grammar | str | None = None,
-               tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-               **sampling) -> Generation:
-        """Validate the request and return its Generation: iterate it for text
-        pieces; its ``result`` (and ``last_result``) holds the whole Result
-        once it ends. Nothing runs until the first piece is asked for."""
+    def stream(self, prompt: str | Sequence[int] | None = None, *, blocking: bool = True,
+               **request) -> Generation:
+        """Validate the request (``request``'s options: see ``generate``) and
+        return its Generation: iterate it for text pieces; its ``result`` (and
+        ``last_result``) holds the whole Result once it ends. Nothing runs
+        until the first piece is asked for."""
+        return Generation(self, self._request(prompt, **request), blocking)
+
+    def _request(self, prompt: str | Sequence[int] | None = None, *,
+                 messages: Sequence[dict] | None = None, suffix: str | None = None,
+                 max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+                 chat: bool = False, seed: int | None = None, drafter: str | None = None,
+                 json_schema=None, grammar: Grammar | str | None = None,
+                 tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
+                 **sampling) -> _Request:
+        """A request checked whole, before anything runs: every option, the
+        grammar or tool call it implies, the prompt's tokens against the
+        context. InvalidArgumentError (or ContextOverflowError) naming what is wrong."""
         self._check_open()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a whole number > 0, got {max_tokens!r}")
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
+        unknown = sorted(set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)})
+        if unknown:
+            raise InvalidArgumentError(f"unknown generation option{'s' if len(unknown) > 1 else ''} "
+                                       f"{', '.join(map(repr, unknown))}"[:300])
         params = SamplingParams(seed=seed, **sampling)
         if suffix is not None and (chat or messages is not None):
             raise InvalidArgumentError("suffix (fill-in-the-middle) is for plain prompts, not chats")
@@ -617,8 +630,8 @@ class Engine:
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
                                        "(raise n_ctx or shorten the prompt)")
-        return Generation(self, _Request(tokens, params, max_tokens, stop, name, grammar, tools, style,
-                                         logprobs, _routing_text(prompt, messages, suffix)), blocking)
+        return _Request(tokens, params, max_tokens, stop, name, grammar, tools, style, logprobs,
+                        _routing_text(prompt, messages, suffix))
 
     def _tool_tags(self, style: str) -> tuple[int | None, int | None]:
         """The vocabulary's own <tool_call> / </tool_call> tokens, if it has them."""

@@ -129,3 +129,9 @@ def test_the_command_line_refuses_a_backend_foreign_option(tiny_llama_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: gpu_layers does not apply to the native backend "
                                              "(it applies to the llama backend)"]
+
+
+def test_a_misspelt_generation_option_is_refused_naming_it(tiny_llama_path):
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=64) as engine:
+        with pytest.raises(InvalidArgumentError, match="unknown generation option 'temprature'"):
+            engine.generate("hi", max_tokens=2, temprature=0.5)

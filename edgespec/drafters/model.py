@@ -1,6 +1,7 @@
 """Draft model: a small GGUF model proposes a chain (or a small tree).
 
-Two modes, chosen by the tokenizer check (``check_tokenizers``):
+Three modes, chosen by the token map a specialized drafter carries and by the
+tokenizer check (``check_tokenizers``):
 
 * same-vocabulary: the draft model shares the target's token ids; it drafts
   them directly and, under sampling, hands its distributions q to
