@@ -842,6 +842,13 @@ static int plan_batch(es_context * ctx, const int32_t * parents, int32_t n) {
     return ES_OK;
 }
 
+static bool all_finite(const float * x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(x[i])) return false;
+    }
+    return true;
+}
+
 // Room for rows logits rows; the buffer grows on demand (a vocabulary of
 // 262k makes n_batch rows a gigabyte).
 static int reserve_logits(es_context * ctx, int32_t rows) {
@@ -899,6 +906,16 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
     const es_weight * out_w = &m->output;
     rc = es__matmul(ctx, 1, &out_w, ctx->xn, &ctx->logits, rows);
     if (rc != ES_OK) { ctx->n = 0; return rc; }
+    // A row whose hidden state is not finite (weights that overflow) gets NaN
+    // logits, as llama.cpp computes them, so that the sampler refuses it on
+    // either backend: the activation rounding (fmaxf) would otherwise turn
+    // NaN into finite, fluent nonsense.
+    for (int32_t r = 0; r < rows; r++) {
+        if (!all_finite(ctx->xn + (size_t) r * D, D)) {
+            float * row = ctx->logits + (size_t) r * (size_t) m->n_vocab;
+            for (int32_t i = 0; i < m->n_vocab; i++) row[i] = NAN;
+        }
+    }
     if (m->final_softcap > 0.0f) {
         const float c = m->final_softcap, inv = 1.0f / c;
         const size_t nl = (size_t) rows * (size_t) m->n_vocab;

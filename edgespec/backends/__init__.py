@@ -68,6 +68,20 @@ def resolve_model(name: str, ref: str) -> Path:
     return registry.model_path_checked(ref)
 
 
+def check_model(ref: str) -> Path:
+    """The file of ``ref``, checked as every backend checks it before reading
+    weights, so that `edgespec models info` gives the verdict `generate`
+    would: the GGUF validated (registry.model_path_checked), then read by
+    llama.cpp without its tensors (hyperparameters and vocabulary: both
+    backends take the tokenizer from it). ModelFormatError otherwise."""
+    from ..models import registry
+    from .vocab import Vocab
+
+    path = registry.model_path_checked(ref)
+    Vocab.load(path).close()
+    return path
+
+
 def open_backend(name: str, path: Path, **kwargs) -> Backend:
     """Open backend ``name`` on ``path``. Options a backend does not take
     (``gpu_layers`` for onnx, ``ep`` for llama, ...) are left out, so one set
