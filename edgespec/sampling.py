@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from .capi import Owned, check, ffi, lib
-from .errors import InvalidArgumentError
+from .errors import BackendError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,14 @@ class Sampler(Owned):
             tree.parents = self._draft_parents
         tree.probs = ffi.cast("const float *", probs_addr) if probs_addr else ffi.NULL
         tree.masks = _mask(masks_addr)
-        check(lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
-                            self._out_tokens, self._out_path, self._n_out), "es_verify")
+        status = lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
+                               self._out_tokens, self._out_path, self._n_out)
+        if status == lib.ES_ERR_EMPTY and not masks_addr:
+            # Unconstrained, only NaN or -inf rows leave nothing: arithmetic
+            # gone non-finite, which either backend reports the same way.
+            raise BackendError("the model computed no usable logits (every one NaN or -inf): its "
+                               "weights are damaged or overflow")
+        check(status, "es_verify")
         n_out = self._n_out[0]
         self.rows = [0] + [p + 1 for p in ffi.unpack(self._out_path, n_out - 1)]
         return ffi.unpack(self._out_tokens, n_out)

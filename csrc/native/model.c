@@ -594,6 +594,13 @@ static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
     }
 }
 
+static bool all_finite(const float * x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(x[i])) return false;
+    }
+    return true;
+}
+
 int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
                float * const * y, int32_t n) {
     if (n_w < 1 || n_w > 3 || n < 0 || n > ctx->n_batch) return ES_ERR_INVALID_ARG;
@@ -621,6 +628,17 @@ int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const
     job.chunk = (per + 15) / 16 * 16;
     atomic_init(&job.next_row, 0);
     es_pool_run(ctx->pool, matmul_rows, &job);
+    // A token whose input is not finite gets NaN outputs, as real arithmetic
+    // (and llama.cpp) gives them: the activation rounding would turn a NaN or
+    // an infinity into finite numbers (fmaxf skips NaN), and a model whose
+    // weights overflow into fluent nonsense instead of the sampler's refusal.
+    for (int32_t t = 0; t < n; t++) {
+        if (all_finite(x + (size_t) t * job.n_in, job.n_in)) continue;
+        for (int32_t i = 0; i < n_w; i++) {
+            float * row = y[i] + (size_t) t * (size_t) w[i]->n_out;
+            for (int64_t r = 0; r < w[i]->n_out; r++) row[r] = NAN;
+        }
+    }
     return ES_OK;
 }
 
@@ -842,13 +860,6 @@ static int plan_batch(es_context * ctx, const int32_t * parents, int32_t n) {
     return ES_OK;
 }
 
-static bool all_finite(const float * x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        if (!isfinite(x[i])) return false;
-    }
-    return true;
-}
-
 // Room for rows logits rows; the buffer grows on demand (a vocabulary of
 // 262k makes n_batch rows a gigabyte).
 static int reserve_logits(es_context * ctx, int32_t rows) {
@@ -906,16 +917,6 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
     const es_weight * out_w = &m->output;
     rc = es__matmul(ctx, 1, &out_w, ctx->xn, &ctx->logits, rows);
     if (rc != ES_OK) { ctx->n = 0; return rc; }
-    // A row whose hidden state is not finite (weights that overflow) gets NaN
-    // logits, as llama.cpp computes them, so that the sampler refuses it on
-    // either backend: the activation rounding (fmaxf) would otherwise turn
-    // NaN into finite, fluent nonsense.
-    for (int32_t r = 0; r < rows; r++) {
-        if (!all_finite(ctx->xn + (size_t) r * D, D)) {
-            float * row = ctx->logits + (size_t) r * (size_t) m->n_vocab;
-            for (int32_t i = 0; i < m->n_vocab; i++) row[i] = NAN;
-        }
-    }
     if (m->final_softcap > 0.0f) {
         const float c = m->final_softcap, inv = 1.0f / c;
         const size_t nl = (size_t) rows * (size_t) m->n_vocab;

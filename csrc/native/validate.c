@@ -44,7 +44,7 @@
 
 // GGUF metadata value types (the format's numbering).
 enum { GV_U8 = 0, GV_I8 = 1, GV_U16 = 2, GV_I16 = 3, GV_U32 = 4, GV_I32 = 5, GV_F32 = 6,
-       GV_U64 = 10, GV_I64 = 11 };
+       GV_BOOL = 7, GV_U64 = 10, GV_I64 = 11 };
 
 enum ffn_kind {
     FFN_DENSE,            // ffn_gate, ffn_up, ffn_down
@@ -155,6 +155,7 @@ static bool arr_int(int32_t elem, const void * data, uint64_t i, int64_t * out) 
             return true;
         }
         case GV_I64: *out = (int64_t) load_le(p + 8 * i, 8); return true;
+        case GV_BOOL: *out = p[i] != 0; return true;
         default:     return false;
     }
 }
@@ -179,6 +180,11 @@ static int key_int(checker * c, const char * key, bool required, int64_t lo, int
     if (v < lo || v > hi) {
         return fail(c, "metadata key %s = %lld is out of range [%lld, %lld]",
                     quoted(key, strlen(key), buf), (long long) v, (long long) lo, (long long) hi);
+    }
+    es_gguf_value value;
+    es_gguf_value_at(c->g, es_gguf_find_key(c->g, key), &value);
+    if (value.type != ES_GGUF_U32) {   // a bool or another width (check_key_types: the others)
+        return fail(c, "metadata key %s is not a u32, as llama.cpp reads it", quoted(key, strlen(key), buf));
     }
     *out = v;
     return ES_OK;
@@ -334,6 +340,10 @@ static int check_hparams(checker * c) {
                       strcmp(scaling, "yarn") && strcmp(scaling, "longrope")))) {
         rc = fail(c, "%s.rope.scaling.type is not one of none, linear, yarn, longrope", c->arch);
     }
+
+    // Sliding-window layers (gemma3): a period, or a flag per layer.
+    int64_t swa[MAX_LAYERS];
+    TRY(key_per_layer(c, "attention.sliding_window_pattern", false, 0, INT32_MAX, swa));
 
     // Norm epsilon, RoPE frequencies, soft-capping.
     TRY(key_float(c, "attention.layer_norm_rms_epsilon", known, false));

@@ -73,12 +73,15 @@ def check_model(ref: str) -> Path:
     weights, so that `edgespec models info` gives the verdict `generate`
     would: the GGUF validated (registry.model_path_checked), then read by
     llama.cpp without its tensors (hyperparameters and vocabulary: both
-    backends take the tokenizer from it). ModelFormatError otherwise."""
+    backends take the tokenizer from it), its tokenizer tried on a text of
+    letters, digits, punctuation and a non-ASCII letter. ModelFormatError
+    otherwise."""
     from ..models import registry
     from .vocab import Vocab
 
     path = registry.model_path_checked(ref)
-    Vocab.load(path).close()
+    with Vocab.load(path) as vocab:
+        vocab.tokenize("Hello, world: 42 caf\u00e9!")
     return path
 
 
