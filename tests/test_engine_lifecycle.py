@@ -103,3 +103,15 @@ def test_export_into_an_unwritable_folder_is_one_line(tiny_llama_path):
 
     with pytest.raises(InvalidArgumentError, match=r"^/proc(/edgespec-export: cannot write the export there| is not writable)"):
         onnx_export.export(tiny_llama_path, "/proc/edgespec-export", weights="fp32", progress=False)
+
+
+def test_a_small_context_ends_where_it_was_asked_to_on_both_backends(tiny_llama_path):
+    # llama.cpp pads its cache to 256 cells; the context is still the 64 asked for.
+    ends = {}
+    for backend in ("llama", "native"):
+        with Engine(str(tiny_llama_path), backend=backend, threads=1, n_ctx=64) as engine:
+            assert engine.backend.n_ctx == 64
+            r = engine.generate("Once upon a time", max_tokens=500, drafter="none")
+            assert r.stats.stop_reason == "context"
+            ends[backend] = r.stats.prompt_tokens + r.stats.n_tokens
+    assert ends["llama"] == ends["native"] <= 64, ends

@@ -316,7 +316,7 @@ int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_
  * and this engine would otherwise assert on or misread. For the
  * architectures both read (llama, gemma3, qwen2, qwen3moe):
  *   - hyperparameters present and in range (block_count 1..512, widths, head
- *     counts that divide the width and each other, context length, finite
+ *     counts that divide the width and each other, context length (>= 16), finite
  *     positive epsilon and RoPE base, expert counts);
  *   - every tensor the architecture reads present, with the shape the
  *     hyperparameters give and a weight type.

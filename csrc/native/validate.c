@@ -32,6 +32,8 @@
  * ======================================================================== */
 
 #define MAX_LAYERS   512          // llama.cpp's LLAMA_MAX_LAYERS
+#define MIN_CTX      16           // the smallest context edgespec makes (backends/base.py
+                                  // MIN_CTX): smaller caches trip llama.cpp's asserts
 #define MAX_EMBD     (1 << 17)    // widths: 16384 is the largest in use
 #define MAX_HEADS    4096
 #define MAX_HEAD_DIM 4096
@@ -306,7 +308,7 @@ static int check_hparams(checker * c) {
     TRY(key_int(c, arch_key(c, "block_count", key), true, 1, MAX_LAYERS, &c->n_layer));
     TRY(key_int(c, arch_key(c, "embedding_length", key), true, 1, MAX_EMBD, &c->n_embd));
     int64_t n_ctx = 0;
-    TRY(key_int(c, arch_key(c, "context_length", key), known, 1, INT32_MAX, &n_ctx));
+    TRY(key_int(c, arch_key(c, "context_length", key), known, MIN_CTX, INT32_MAX, &n_ctx));
     if (rc != ES_OK) return rc;
 
     // Heads: head_count_kv defaults to head_count, the head width to n_embd / n_head.

@@ -377,6 +377,9 @@ static void test_hparams(void) {
     model m;
     // Types as llama.cpp reads hyperparameters: u32, f32, arrays of i32 or u32.
     standard(&m, "llama", false);
+    set_u32(&m, "llama.context_length", 15);
+    REFUSED(&m, "metadata key llama.context_length = 15 is out of range [16, 2147483647]");
+    standard(&m, "llama", false);
     set_i32(&m, "llama.context_length", 128);
     REFUSED(&m, "metadata key llama.context_length is a i32; llama.cpp reads it as u32");
     standard(&m, "gemma3", false);

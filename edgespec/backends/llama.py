@@ -69,7 +69,9 @@ class LlamaBackend(VocabMixin, Backend):
             self.close()
             raise
         self._mem = lc.llama_get_memory(self._ctx)
-        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        # llama.cpp pads the cache (to a multiple of 256): the context is the
+        # one asked for, as on the native backend, not the padded size.
+        self.n_ctx = min(n_ctx, lc.llama_n_ctx(self._ctx))
         # llama.cpp caps the batch at the context size it was asked for.
         self.n_batch = lc.llama_n_batch(self._ctx)
         self.n_seq = n_seq
