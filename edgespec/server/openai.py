@@ -352,6 +352,9 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
         if job.client_gone:
             note(request, "client disconnected")
             return
+        if job.cut:
+            yield _event({"error": job.cut_error().body()["error"]})
+            return
         usage, extra = extras(request, job)
         finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
         warning = None
