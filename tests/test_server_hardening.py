@@ -179,3 +179,18 @@ def test_a_stream_cut_by_the_shutdown_ends_with_an_error(engine, slow, path, bod
     error = last["error"] if path.startswith("/api") else last["error"]["message"]
     assert error.startswith("the server shut down mid-generation, after"), last
     assert "[DONE]" not in data.decode() and '"done": true' not in data.decode()
+
+
+def test_max_tokens_and_max_completion_tokens_disagreeing_is_a_400(engine):
+    server, thread = start(engine)
+    host, port = server.server_address[:2]
+    try:
+        body = {"prompt": "Once", "temperature": 0}
+        status, data = request(host, port, "POST", "/v1/completions",
+                               {**body, "max_tokens": 3, "max_completion_tokens": 5})
+        assert status == 400 and json.loads(data)["error"]["param"] == "max_completion_tokens"
+        status, data = request(host, port, "POST", "/v1/completions",
+                               {**body, "max_tokens": 3, "max_completion_tokens": 3})
+        assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 3
+    finally:
+        stop(server, thread)
