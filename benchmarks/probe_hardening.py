@@ -84,6 +84,59 @@ def gguf(args) -> int:
     return 1 if any(totals[k] for k in ("aborts", "hangs", "tracebacks", "disagreements")) else 0
 
 
+def server(args) -> int:
+    import socket
+    import tempfile
+    import threading
+
+    from edgespec.models import registry
+    from hostile_server import RUNAWAY_TEMPLATE, chat, huge_header, request, rss, serving, with_template
+
+    def disconnecting_streams(host, port):
+        for _ in range(20):   # a stream left after its first event
+            with socket.create_connection((host, port)) as s:
+                body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True})
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+                s.recv(4096)
+
+    def concurrent_runaway_templates(host, port):
+        threads = [threading.Thread(target=chat, args=(host, port, f"hi {i}")) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def normal(host, port):
+        for _ in range(5):
+            request(host, port, "POST", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16})
+
+    classes = [
+        ("200 MB header x3", lambda h, p: [huge_header(h, p, 200 << 20) for _ in range(3)]),
+        ("runaway chat template x3", lambda h, p: [chat(h, p, "hi") for _ in range(3)]),
+        ("runaway chat template, 4 at once", concurrent_runaway_templates),
+        ("foreign Host x200", lambda h, p: [request(h, p, "GET", "/v1/models", headers={"Host": "evil.example"})
+                                            for _ in range(200)]),
+        ("streams left after one event x20", disconnecting_streams),
+        ("normal completions x5", normal),
+    ]
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp, \
+            with_template(registry.resolve(args.model), RUNAWAY_TEMPLATE, Path(tmp)) as model, \
+            serving(model, "--threads", str(args.threads), "--drafter", "none") as (proc, host, port):
+        normal(host, port)
+        idle = rss(proc.pid)
+        print(f"| request class | RSS after (MB) | / idle |\n| --- | --- | --- |\n| idle | {idle / 1e6:.0f} | 1.00 |")
+        for name, send in classes:
+            t0 = time.perf_counter()
+            send(host, port)
+            time.sleep(1)   # answers sent, connections closed
+            now = rss(proc.pid)
+            worst = max(worst, now / idle)
+            print(f"| {name} ({time.perf_counter() - t0:.1f} s) | {now / 1e6:.0f} | {now / idle:.2f} |", flush=True)
+    return 0 if worst <= 1.1 else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -95,8 +148,11 @@ def main() -> int:
     g.add_argument("--timeout", type=float, default=300, help="seconds one command may take (300)")
     g.add_argument("--workdir", type=Path, default=Path("probe-work"), help="the working copies (probe-work)")
     g.add_argument("--out", type=Path, help="a JSON file for the counts and every finding")
+    v = sub.add_parser("server", help="the server's RSS after each class of hostile request")
+    v.add_argument("--model", default="smollm2-135m", help="served with a runaway chat template (smollm2-135m)")
+    v.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    return gguf(args)
+    return gguf(args) if args.what == "gguf" else server(args)
 
 
 if __name__ == "__main__":
