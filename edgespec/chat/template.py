@@ -3,6 +3,7 @@ rendered the way its authors (and Hugging Face's tokenizers) render it, in a
 worker process with a time, output and memory budget."""
 from __future__ import annotations
 
+import atexit
 import json
 import resource
 import select
@@ -134,7 +135,18 @@ class _Renderers:
         return reply["text"]
 
 
+    def close(self) -> None:
+        """End the idle workers (at exit: their stdin closes, they return)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.stdin.close()
+            worker.stdout.close()
+            worker.wait()
+
+
 _renderers = _Renderers()
+atexit.register(_renderers.close)
 
 
 def _serve() -> None:
