@@ -330,7 +330,7 @@ int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_
  *   - values the engines cannot compute with: a vector that is not finite, a
  *     norm weight beyond +-65504 (F16's range, which the F16 KV cache and
  *     activation scales hold), a quantized block whose float scale (d, dmin)
- *     is infinite or NaN.
+ *     is infinite or NaN (expert stacks left out: they may exceed memory).
  * ======================================================================== */
 
 // A string array: its element count and first element, inside the mapping.

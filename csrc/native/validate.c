@@ -630,7 +630,9 @@ static int check_all_tensors(checker * c) {
 // or a quantized block's infinite or NaN scale makes llama.cpp's logits NaN,
 // while this engine's activation rounding would turn the same NaN into
 // finite, fluent nonsense: both refuse the file here instead. Vectors and
-// norms are small; a block's scales are 2-4 of its 18-292 bytes.
+// norms are small; a block's scales are 2-4 of its 18-292 bytes. Expert
+// stacks (3-D) are left out: an expert cache reads them from disk on demand,
+// for models larger than memory, which scanning them would read whole.
 static bool scale_finite(const uint8_t * p, int32_t bytes) {
     if (bytes == 2) return (load_le(p, 2) & 0x7C00) != 0x7C00;  // F16: exponent all ones
     float v;
@@ -655,7 +657,7 @@ static int check_values(checker * c) {
                                 isfinite(v) ? "a norm weight beyond F16's range" : "not finite");
                 }
             }
-        } else if (ti->scale_bytes) {
+        } else if (ti->scale_bytes && t->ne[2] == 1) {
             const size_t n_blocks = t->nbytes / (size_t) ti->block_bytes;
             for (size_t b = 0; b < n_blocks; b++) {
                 const uint8_t * block = data + b * (size_t) ti->block_bytes;
