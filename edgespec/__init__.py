@@ -8,6 +8,7 @@ from .errors import (  # noqa: F401
     BackendError,
     ContextOverflowError,
     EdgespecError,
+    GenerationAbandonedError,
     GrammarError,
     InvalidArgumentError,
     ModelFetchError,

@@ -21,8 +21,9 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -36,8 +37,8 @@ from .config import EngineConfig
 from .costs import batch_costs
 from .drafters import Draft, Drafter, DrafterConfig, Verified, routed
 from .drafters.router import open_router
-from .errors import (ContextOverflowError, EngineBusyError, EngineClosedError,
-                     InvalidArgumentError, UnsupportedModelError)
+from .errors import (ContextOverflowError, EdgespecError, EngineBusyError, EngineClosedError,
+                     GenerationAbandonedError, InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
 from .onnx import resolve_model
@@ -76,51 +77,102 @@ class _Request:
     text: str | None = None           # what the request is about, for routing (None: its tokens say)
 
 
+@dataclass
+class _Outcome:
+    """What a generation's step generator hands back to its Generation: kept
+    apart so that the generator never holds the Generation, which is then
+    freed (and gives the engine back) the moment its consumer drops it, not
+    at the next cyclic collection."""
+
+    cancel: threading.Event = field(default_factory=threading.Event)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # grows with the text, when asked for
+    result: Result | None = None
+
+
 class Generation(Iterator[str]):
     """A generation in progress: iterating yields its text pieces (never a
     split UTF-8 character); ``result`` holds the whole Result once it ends.
 
     It takes the engine when the first piece is asked for and gives it back
-    when it ends: exhausted, ``close()``d, cancelled, failed or collected.
+    when it ends: exhausted, ``close()``d, cancelled (from any thread, also
+    while it waits between pieces), failed or dropped. One its engine ended
+    for it (its thread started another generation, the engine was closed)
+    raises GenerationAbandonedError or EngineClosedError when resumed.
     """
 
     def __init__(self, engine: "Engine", request: _Request, blocking: bool):
-        self.result: Result | None = None
         self._engine = engine
         self._request = request
         self._blocking = blocking
         self._pieces: Iterator[str] | None = None
-        self.logprobs: list[TokenLogprob] = []   # grows with the text, when asked for
-        self._cancel = threading.Event()
+        self._outcome = _Outcome()
+        # Held while a piece is made and by whoever ends the generation, so
+        # that another thread ends it only between pieces.
+        self._lock = threading.Lock()
         self._done = False
-        self.owner: int | None = None   # the thread that started it
-        self.executing = False          # inside __next__ right now
+        self._ended_by: EdgespecError | None = None   # raised on resuming one the engine ended
+        self.owner: threading.Thread | None = None    # the thread that started it
+
+    @property
+    def result(self) -> Result | None:
+        return self._outcome.result
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self._outcome.logprobs
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self._outcome.cancel.is_set()
 
     def cancel(self) -> None:
-        """Stop within one target step (or one chunk of prompt evaluation)."""
-        self._cancel.set()
+        """Stop within one target step (or one chunk of prompt evaluation);
+        one waiting between pieces ends now, in the calling thread."""
+        self._outcome.cancel.set()
+        self._end_if_idle()
 
     def __next__(self) -> str:
-        if self._done:
-            raise StopIteration
-        if self._pieces is None:
-            self._engine._take(self, self._blocking)
-            self._pieces = self._engine._pieces(self._request, self)
-        self.executing = True
-        try:
-            return next(self._pieces)
-        except BaseException:
-            self._finish()
-            raise
-        finally:
-            self.executing = False
+        with self._lock:
+            if self._ended_by is not None:
+                raise self._ended_by
+            if self._done:
+                raise StopIteration
+            if self._pieces is None:
+                self._engine._take(self, self._blocking)
+                self._pieces = self._engine._pieces(self._request, self._outcome)
+            try:
+                piece = next(self._pieces)
+            except BaseException:
+                self._finish()
+                raise
+        if self.cancelled:   # cancel() may have found it making this piece
+            self._end_if_idle()
+        return piece
 
     def close(self) -> None:
-        """End the generation now; ``result`` then holds what was generated."""
+        """End the generation now (one making a piece in another thread is
+        cancelled and waited for); ``result`` then holds what was generated."""
+        if not self._lock.acquire(blocking=False):
+            self._outcome.cancel.set()
+            self._lock.acquire()
+        try:
+            self._end()
+        finally:
+            self._lock.release()
+
+    def _end_if_idle(self, error: EdgespecError | None = None) -> None:
+        """End a started generation unless a piece is being made (that thread
+        ends it then); ``error``: what resuming it raises."""
+        if self._pieces is not None and self._lock.acquire(blocking=False):
+            try:
+                if error is not None and not self._done:
+                    self._ended_by = error
+                self._end()
+            finally:
+                self._lock.release()
+
+    def _end(self) -> None:
+        """Under ``_lock``."""
         if self._pieces is not None and not self._done:
             try:
                 self._pieces.close()
@@ -131,7 +183,7 @@ class Generation(Iterator[str]):
     def _finish(self) -> None:
         if not self._done:
             self._done = True
-            self._engine._give_back(self)
+            self._engine._give_back()
 
     def __del__(self):
         self.close()
@@ -220,7 +272,7 @@ class Engine:
         # _state guards the fields below it and lets close() wait for readers.
         self._busy = threading.Lock()
         self._state = threading.Condition()
-        self._running: Generation | None = None
+        self._running: weakref.ref[Generation] | None = None
         self._readers = 0       # calls reading the model outside a generation (tokenizing)
         self._closed = False
         if self.drafter != "none":
@@ -266,29 +318,42 @@ class Engine:
 
     def _take(self, gen: Generation | None, blocking: bool = True) -> None:
         """Hold the engine for ``gen`` (None: a short exclusive call). A stream
-        this thread left suspended is closed first: it can never resume
+        this thread left suspended is ended first: it can never resume
         correctly once another generation has used the cache."""
-        me = threading.get_ident()
-        with self._state:
-            self._check_open()
-            stale = self._running
-        if stale is not None and stale.owner == me and not stale.executing:
-            stale.close()
+        me = threading.current_thread()
+        self._end_suspended(me)
         if not self._busy.acquire(blocking):
             raise EngineBusyError("the engine is running another generation (blocking=False)")
         with self._state:
             if self._closed:
                 self._busy.release()
                 raise EngineClosedError("the engine was closed")
-            self._running = gen
+            # Weakly: a stream its consumer dropped is freed and gives the engine back.
+            self._running = weakref.ref(gen) if gen is not None else None
             if gen is not None:
                 gen.owner = me
 
-    def _give_back(self, gen: Generation | None) -> None:
+    def _give_back(self) -> None:
+        """Called by the holder of ``_busy``: the running generation, or a short exclusive call."""
         with self._state:
-            if self._running is gen:
-                self._running = None
+            self._running = None
         self._busy.release()
+
+    def _end_suspended(self, thread: threading.Thread) -> None:
+        """End the running generation if ``thread`` left it suspended. A method
+        of its own so that no reference to it outlives the call: a thread
+        waiting for the engine must not keep a dropped stream alive."""
+        with self._state:
+            self._check_open()
+            stale = self._current()
+        if stale is not None and stale.owner is thread:
+            stale._end_if_idle(GenerationAbandonedError(
+                "this stream was left suspended and ended when its thread started another "
+                "generation (its result holds what it generated)"))
+
+    def _current(self) -> Generation | None:
+        """The running generation, if it is still referenced (under ``_state``)."""
+        return self._running() if self._running is not None else None
 
     @contextmanager
     def _exclusive(self):
@@ -297,17 +362,18 @@ class Engine:
         try:
             yield
         finally:
-            self._give_back(None)
+            self._give_back()
 
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine was closed")
 
     def cancel(self) -> bool:
-        """Stop the running generation within one step (thread-safe); its result
-        says ``stop_reason="cancelled"``. Returns whether one was running."""
+        """Stop the running generation within one step (thread-safe; one
+        waiting between pieces ends now); its result says
+        ``stop_reason="cancelled"``. Returns whether one was running."""
         with self._state:
-            gen = self._running
+            gen = self._current()
         if gen is None:
             return False
         gen.cancel()
@@ -317,17 +383,17 @@ class Engine:
 
     def close(self) -> None:
         """Free the model. A generation running in another thread is cancelled
-        and waited for; later calls raise EngineClosedError. Safe to call twice."""
+        and waited for, a suspended one ended (resuming it raises
+        EngineClosedError); later calls raise EngineClosedError. Safe to call twice."""
         with self._state:
             if self._closed:
                 return
             self._closed = True
-            running = self._running
+            running = self._current()
         if running is not None:
-            if running.owner == threading.get_ident() and not running.executing:
-                running.close()
-            else:
-                running.cancel()
+            running._outcome.cancel.set()
+            running._end_if_idle(EngineClosedError("the engine was closed"))
+            del running   # waiting below must not keep a dropped stream alive
         with self._busy:
             with self._state:
                 self._state.wait_for(lambda: self._readers == 0)
@@ -706,7 +772,7 @@ class Engine:
             produced += len(new)
             yield step
 
-    def _pieces(self, request: _Request, gen: Generation) -> Iterator[str]:
+    def _pieces(self, request: _Request, outcome: _Outcome) -> Iterator[str]:
         """Runs under the engine: turns steps into text pieces, stopping exactly
         where plain decoding would (end of generation, stop string,
         max_tokens, full context, cancel)."""
@@ -732,7 +798,7 @@ class Engine:
                 d.begin(prompt, request.sampling)
                 d.constrain(constraint)
             steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
-                                request.max_tokens, gen._cancel, constraint, request.logprobs)
+                                request.max_tokens, outcome.cancel, constraint, request.logprobs)
             try:
                 for step in steps:
                     if t_decode is None:
@@ -747,7 +813,7 @@ class Engine:
                             break
                         out.append(token)
                         if step.logprobs:
-                            gen.logprobs.append(step.logprobs[i])
+                            outcome.logprobs.append(step.logprobs[i])
                         piece = text.push(backend.piece(token))
                         if piece:
                             yield piece
@@ -760,7 +826,7 @@ class Engine:
                     if stats.stop_reason:
                         break
                 else:
-                    stats.stop_reason = "cancelled" if gen.cancelled else "context"
+                    stats.stop_reason = "cancelled" if outcome.cancel.is_set() else "context"
                 tail = text.finish()
                 if tail:
                     yield tail
@@ -770,12 +836,14 @@ class Engine:
                 steps.close()
                 stats.decode_s = time.perf_counter() - t_decode if t_decode is not None else 0.0
                 stats.n_tokens = len(out)
+                if not stats.stop_reason and outcome.cancel.is_set():   # ended between pieces
+                    stats.stop_reason = "cancelled"
                 stats.experts = backend.expert_stats()
                 if spec is not None:
                     spec.planner = self._planner.summary()
                     spec.drafters = {d.name: d.stats() for d in drafters}
                 parsed = (chat_tools.parse(text.text, request.tool_style, request.tools)
                           if request.tools else None)
-                gen.result = self.last_result = Result(
+                outcome.result = self.last_result = Result(
                     text=text.text, tokens=out, stats=stats,
-                    logprobs=gen.logprobs if request.logprobs is not None else None, parsed=parsed)
+                    logprobs=outcome.logprobs if request.logprobs is not None else None, parsed=parsed)

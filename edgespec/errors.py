@@ -72,3 +72,8 @@ class NativeOutOfMemory(NativeError, MemoryError):
 class GrammarError(InvalidArgumentError):
     """A JSON schema or grammar the grammar engine cannot compile; the message
     names the construct (an unsupported keyword, an unknown rule, a bad regex)."""
+
+
+class GenerationAbandonedError(EdgespecError):
+    """A stream resumed after the engine ended it: its thread left it suspended
+    and started another generation (the cache no longer holds its text)."""

@@ -1,11 +1,12 @@
 """Sampling parameters and the owning wrapper of the C sampler."""
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 
 from .capi import Owned, check, ffi, lib
-from .errors import InvalidArgumentError
+from .errors import BackendError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,22 @@ class SamplingParams:
         if not math.isfinite(self.temperature) or self.temperature < 0 or (
                 self.temperature > 0 and self.temperature < 1e-6):
             raise InvalidArgumentError(f"temperature must be 0 (greedy) or in [1e-6, inf), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise InvalidArgumentError(f"min_p must be in [0, 1), got {self.min_p}")
+        # The C sampler holds these as 32-bit floats: a value that rounds to 0,
+        # to 1 or to infinity there is refused here, naming it.
+        if not 0 < self.top_p <= 1 or _f32(self.top_p) < FLT_MIN:
+            raise InvalidArgumentError(f"top_p must be in (0, 1] and at least {FLT_MIN:.3g} (a 32-bit float), "
+                                       f"got {self.top_p}")
+        if not 0 <= self.min_p < 1 or _f32(self.min_p) == 1:
+            raise InvalidArgumentError(f"min_p must be in [0, 1) and below 1 as a 32-bit float, got {self.min_p}")
         if not 0 <= self.top_k < 2**31:
             raise InvalidArgumentError(f"top_k must be in [0, 2**31), got {self.top_k}")
-        if not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
-            raise InvalidArgumentError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if not FLT_MIN <= _f32(self.repeat_penalty) < math.inf:
+            raise InvalidArgumentError(f"repeat_penalty must be > 0 and a finite 32-bit float (in [{FLT_MIN:.3g}, "
+                                       f"{FLT_MAX:.3g}]), got {self.repeat_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise InvalidArgumentError(f"{name} must be a finite number, got {getattr(self, name)}")
+            if not math.isfinite(_f32(getattr(self, name))):
+                raise InvalidArgumentError(f"{name} must be a finite 32-bit float (|x| <= {FLT_MAX:.3g}), "
+                                           f"got {getattr(self, name)}")
         if not 0 <= self.repeat_last_n < 2**31:
             raise InvalidArgumentError(f"repeat_last_n must be in [0, 2**31), got {self.repeat_last_n}")
         if not 0 <= self.seed < 2**64:
@@ -55,6 +61,14 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any of the penalties is on (they read the recent-token window)."""
         return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+FLT_MIN, FLT_MAX = 1.1754944e-38, 3.4028235e38   # the smallest normal and the largest 32-bit float
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to a 32-bit float, as the C sampler holds it (inf past its range)."""
+    return ctypes.c_float(x).value
 
 
 def _require(name: str, value, kinds: tuple[type, ...]) -> None:
@@ -131,8 +145,14 @@ class Sampler(Owned):
             tree.parents = self._draft_parents
         tree.probs = ffi.cast("const float *", probs_addr) if probs_addr else ffi.NULL
         tree.masks = _mask(masks_addr)
-        check(lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
-                            self._out_tokens, self._out_path, self._n_out), "es_verify")
+        status = lib.es_verify(self._ptr, ffi.cast("const float *", logits_addr), tree,
+                               self._out_tokens, self._out_path, self._n_out)
+        if status == lib.ES_ERR_EMPTY and not masks_addr:
+            # Unconstrained, only NaN or -inf rows leave nothing: arithmetic
+            # gone non-finite, which either backend reports the same way.
+            raise BackendError("the model computed no usable logits (every one NaN or -inf): its "
+                               "weights are damaged or overflow")
+        check(status, "es_verify")
         n_out = self._n_out[0]
         self.rows = [0] + [p + 1 for p in ffi.unpack(self._out_path, n_out - 1)]
         return ffi.unpack(self._out_tokens, n_out)

@@ -16,6 +16,11 @@ from tiny_gguf import Q, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2, 
 MODEL_FIXTURES = {"smollm2_path", "gemma_path", "qwen_coder_05b_path", "qwen_coder_15b_path"}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-long", action="store_true",
+                     help="tests/test_gguf_mutants.py: thousands of mutated models, not a few hundred")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -214,3 +215,37 @@ def test_footer_speedup_against_plain_answers():
     # auto with a specialized drafter routed to: the footer names it
     spec.drafters = {"ngram": {}, "specialized:deu": {"specialized": "deu"}}
     assert "drafter ngram (deu) ·" in session.footer_text(result)
+
+
+# -- bounded rendering: a chat template is code from the model file -------------------
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+SILENT_LOOPS = ("{% set r = range(100000)|list %}{% for i in r %}{% for j in r %}{% endfor %}"
+                "{% endfor %}{{ messages[0].content }}")
+DOUBLING = ('{% set s = namespace(v="ab") %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}'
+            "{% endfor %}{{ s.v|length }}")
+
+
+@pytest.mark.parametrize("template, budget", [(LOOPS, "MiB of text"), (SILENT_LOOPS, "s to render"),
+                                              (DOUBLING, "memory")])
+def test_a_runaway_template_is_stopped_within_its_budget(template, budget):
+    from edgespec.chat.template import RENDER_SECONDS, TemplateBudgetError, render
+
+    hi = [{"role": "user", "content": "hi"}]
+    t0 = time.monotonic()
+    with pytest.raises(TemplateBudgetError, match=budget):
+        render(template, hi)
+    assert time.monotonic() - t0 < RENDER_SECONDS + 3
+    assert render("{{ messages[0].content }}!", hi) == "hi!"   # the next render is served
+
+
+def test_piped_chat_with_a_runaway_template_exits_2(tiny_llama_path, tmp_path):
+    path = tmp_path / "loops.jinja"
+    path.write_text(SILENT_LOOPS)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "edgespec", "chat", "--model", str(tiny_llama_path),
+                        "--template", str(path), "--drafter", "none", "--threads", "1"],
+                       input="hello\n", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "error: chat template took more than" in p.stderr
+    assert time.monotonic() - t0 < 60

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +121,44 @@ def test_interrupted_distill_keeps_what_was_labelled(tmp_path, tiny_llama_path, 
             distill.distill(target, "tiny", tmp_path, params, fingerprint=target_fingerprint(target), progress=False)
         assert distill.DistillSet(tmp_path).manifest["sequences"] == 3
         monkeypatch.setattr(target, "decode", real)
+        distill.distill(target, "tiny", tmp_path, params, fingerprint=target_fingerprint(target), progress=False)
+    assert records(tmp_path) == records(distilled)
+
+
+def _killed_when(script: str, ready, *args) -> None:
+    """Run ``script`` (Python) with ``args`` and kill it (-9) once ``ready()`` holds."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)])
+    try:
+        while not ready():
+            assert proc.poll() is None, "it ended before it was killed"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_distill_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_llama_path, distilled):
+    # A shard every 0.2 s, a sequence every 0.1 s: killed after a few shards.
+    script = """if True:
+        import sys, time
+        from edgespec.backends import open_backend, native
+        from edgespec.training import distill
+        from edgespec.drafters.model import target_fingerprint
+        distill.CHECKPOINT_SECONDS = 0.2
+        real = native.BACKEND.decode
+        native.BACKEND.decode = lambda self, *a, **k: (time.sleep(0.1), real(self, *a, **k))[1]
+        with open_backend("native", sys.argv[1], n_ctx=64, n_batch=64, threads=1) as target:
+            distill.distill(target, "tiny", sys.argv[2], distill.DistillParams(
+                lang="python", sources=[sys.argv[3]], top_k=8, ctx=64),
+                fingerprint=target_fingerprint(target), progress=False)
+    """
+    manifest = tmp_path / distill.MANIFEST
+    _killed_when(script, lambda: manifest.exists() and json.loads(manifest.read_text())["sequences"] >= 3,
+                 tiny_llama_path, tmp_path, TEXT)
+    kept = distill.DistillSet(tmp_path).manifest["sequences"]
+    assert 3 <= kept < distill.DistillSet(distilled).manifest["sequences"]
+    with open_backend("native", tiny_llama_path, n_ctx=64, n_batch=64, threads=1) as target:
+        params = distill.DistillParams(lang="python", sources=[TEXT], top_k=8, ctx=64)
         distill.distill(target, "tiny", tmp_path, params, fingerprint=target_fingerprint(target), progress=False)
     assert records(tmp_path) == records(distilled)
 
@@ -247,6 +288,27 @@ def test_train_resumes_from_its_checkpoint(tmp_path, distilled, tiny_llama_path)
         train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
     train.train(tiny_llama_path, "tiny", distilled, out, params, restart=True, progress=False)
     assert train.load_checkpoint(out.with_suffix(".ckpt"))["shape"]["n_ff"] == 96
+
+
+def test_a_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, distilled, tiny_llama_path):
+    script = """if True:
+        import sys
+        from pathlib import Path
+        from edgespec.training import train
+        train.CHECKPOINT_SECONDS = 0.3
+        params = train.TrainParams(lang="python", minutes=5, n_embd=32, n_layer=1, n_head=2, n_head_kv=2,
+                                   n_ff=64, vocab=300, ctx=64, threads=1)
+        train.train(*map(Path, sys.argv[1:2]), "tiny", *map(Path, sys.argv[2:4]), params, progress=False)
+    """
+    out = tmp_path / "k.gguf"
+    ckpt = out.with_suffix(".ckpt")
+    _killed_when(script, ckpt.exists, tiny_llama_path, distilled, out)
+    saved = train.load_checkpoint(ckpt)["progress"]
+    assert saved["step"] > 0
+    params = train.TrainParams(lang="python", minutes=(saved["seconds"] + 1) / 60, n_embd=32, n_layer=1,
+                               n_head=2, n_head_kv=2, n_ff=64, vocab=300, ctx=64, threads=1)
+    resumed = train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
+    assert resumed.steps > saved["step"] and resumed.seconds >= saved["seconds"] + 0.5
 
 
 def test_damaged_checkpoint_is_reported(tmp_path, distilled, tiny_llama_path, monkeypatch, capsys):

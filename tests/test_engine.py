@@ -205,6 +205,7 @@ def test_chat_turns_reuse_earlier_turns(smollm2):
 
 
 def test_small_context_prefills_long_prompts_in_chunks(tiny_llama_path):
-    with Engine(str(tiny_llama_path), backend="llama", threads=1, n_ctx=100) as engine:  # llama.cpp caps the batch at 100
+    with Engine(str(tiny_llama_path), backend="llama", threads=1, n_ctx=200, n_batch=64) as engine:
+        assert engine.backend.n_ctx == 200 and engine.backend.n_batch == 64   # not llama.cpp's padded 256
         result = engine.generate("word " * 180, max_tokens=4)
     assert result.stats.prompt_tokens > 150 and result.stats.n_tokens > 0

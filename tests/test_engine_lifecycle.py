@@ -135,3 +135,15 @@ def test_a_misspelt_generation_option_is_refused_naming_it(tiny_llama_path):
     with Engine(str(tiny_llama_path), threads=1, n_ctx=64) as engine:
         with pytest.raises(InvalidArgumentError, match="unknown generation option 'temprature'"):
             engine.generate("hi", max_tokens=2, temprature=0.5)
+
+
+def test_a_small_context_ends_where_it_was_asked_to_on_both_backends(tiny_llama_path):
+    # llama.cpp pads its cache to 256 cells; the context is still the 64 asked for.
+    ends = {}
+    for backend in ("llama", "native"):
+        with Engine(str(tiny_llama_path), backend=backend, threads=1, n_ctx=64) as engine:
+            assert engine.backend.n_ctx == 64
+            r = engine.generate("Once upon a time", max_tokens=500, drafter="none")
+            assert r.stats.stop_reason == "context"
+            ends[backend] = r.stats.prompt_tokens + r.stats.n_tokens
+    assert ends["llama"] == ends["native"] <= 64, ends

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from edgespec import Engine
-from edgespec.errors import EngineBusyError, EngineClosedError
+from edgespec.errors import EngineBusyError, EngineClosedError, GenerationAbandonedError
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def add(a, b):\n    return",
            "1, 2, 3, 4, 5,", "Repeat: red green blue red green blue", "Hello there", "In 1492,", "Dear Sir,"]
@@ -162,7 +162,7 @@ def test_an_abandoned_stream_never_continues_another_prompt(engine, serial):
     b = engine.generate(PROMPTS[1], max_tokens=N)   # finalizes the abandoned stream first
     assert b.tokens == serial[PROMPTS[1]]
     assert abandoned.result is not None and abandoned.result.stats.n_tokens < N
-    with pytest.raises(StopIteration):
+    with pytest.raises(GenerationAbandonedError, match="started another generation"):
         next(abandoned)
     del abandoned
     gc.collect()
@@ -192,3 +192,85 @@ def test_a_stream_made_before_close_refuses_to_start(tiny_llama_path):
     engine.close()
     with pytest.raises(EngineClosedError):
         next(gen)
+
+
+def _stays_alive(n_threads: int, body) -> tuple[list[threading.Thread], threading.Event, list]:
+    """Threads that each run ``body(i)`` once, then stay alive until the event."""
+    leave, errors, ran = threading.Event(), [], threading.Barrier(n_threads + 1)
+
+    def worker(i: int) -> None:
+        try:
+            body(i)
+        except BaseException as e:  # noqa: BLE001  (reported by the test)
+            errors.append(e)
+        ran.wait()
+        leave.wait()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    ran.wait(timeout=120)
+    return threads, leave, errors
+
+
+def test_threads_that_break_out_of_streams_and_stay_alive_never_hold_the_engine(engine, serial):
+    # A UI thread leaves a stream with `break` and lives on; the stream must
+    # not keep the engine from any other thread, without waiting for the
+    # cyclic garbage collector (switched off here).
+    def leave_early(i: int) -> None:
+        for _ in engine.stream(PROMPTS[i % len(PROMPTS)], max_tokens=N):
+            break
+
+    gc.disable()
+    try:
+        for _ in range(3):
+            threads, leave, errors = _stays_alive(6, leave_early)
+            t, box = _generate_in_thread(engine, PROMPTS[3], max_tokens=N)
+            t.join(timeout=60)
+            leave.set()
+            assert not t.is_alive(), "a generation waited for an abandoned stream"
+            assert errors == []
+            assert box["result"].tokens == serial[PROMPTS[3]]
+    finally:
+        gc.enable()
+
+
+def test_a_suspended_stream_kept_by_a_live_thread_is_ended_by_cancel_from_another(engine, serial):
+    kept = []
+
+    def keep(i: int) -> None:
+        gen = engine.stream(PROMPTS[0], max_tokens=N)
+        next(gen)
+        kept.append(gen)
+
+    threads, leave, errors = _stays_alive(1, keep)
+    assert errors == []
+    assert engine.cancel()                      # ends it now, from this thread
+    assert kept[0].result.stats.stop_reason == "cancelled"
+    t, box = _generate_in_thread(engine, PROMPTS[2], max_tokens=N)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert box["result"].tokens == serial[PROMPTS[2]]
+    with pytest.raises(StopIteration):          # a cancelled stream ends; nothing more comes
+        next(kept[0])
+    leave.set()
+
+
+def test_close_ends_a_stream_suspended_in_another_live_thread(tiny_llama_path):
+    engine = Engine(str(tiny_llama_path), threads=1, n_ctx=256)
+    kept = []
+
+    def keep(i: int) -> None:
+        gen = engine.stream("Once upon a time", max_tokens=N)
+        next(gen)
+        kept.append(gen)
+
+    threads, leave, errors = _stays_alive(1, keep)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "close() waited for a suspended stream"
+    assert kept[0].result.stats.stop_reason == "cancelled"
+    with pytest.raises(EngineClosedError):
+        next(kept[0])
+    leave.set()

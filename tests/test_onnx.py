@@ -412,6 +412,43 @@ def test_interrupted_export_leaves_nothing(tmp_path, smollm2_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_killed_exports_folder_is_removed_by_the_next_export(tmp_path, tiny_llama_path):
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # An export killed (-9) while it writes: its .part folder stays, locked by nobody.
+    script = ("import sys, time, onnx; onnx.save_model = lambda *a, **k: time.sleep(600); "
+              "from edgespec.onnx import export as onnx_export; "
+              "onnx_export.export(sys.argv[1], sys.argv[2], weights='fp32', progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama_path), str(tmp_path / "out")])
+    try:
+        while not list(tmp_path.glob(".out.*.part/" + onnx_export.EXPORT_LOCK)):
+            assert proc.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed = next(tmp_path.glob(".out.*.part"))
+    # One whose export still runs (its lock held) and one that is no export's stay.
+    running = tmp_path / ".other.x1.part"
+    running.mkdir()
+    fd = os.open(running / onnx_export.EXPORT_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    foreign = tmp_path / ".notes.part"
+    foreign.mkdir()
+    try:
+        onnx_export.export(tiny_llama_path, tmp_path / "out2", weights="fp32", progress=False)
+        assert not killed.exists() and running.exists() and foreign.exists()
+        assert sorted(p.name for p in (tmp_path / "out2").iterdir()) == ["edgespec-onnx.json", "model.onnx"]
+    finally:
+        os.close(fd)
+
+
 def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, export_dir, monkeypatch):
     from edgespec.onnx import resolve_model
 

@@ -59,6 +59,9 @@ BAD_PARAMS = [
     ("repeat_penalty", math.inf),
     ("repeat_last_n", -1),
     ("seed", -1), ("seed", 2**64),
+    # in range as Python floats, but 0, 1 or infinite as the C sampler's 32-bit floats
+    ("top_p", 1e-300), ("min_p", 0.99999999), ("repeat_penalty", 1e-300), ("repeat_penalty", 1e39),
+    ("presence_penalty", 1e39), ("frequency_penalty", -1e39),
 ]
 
 

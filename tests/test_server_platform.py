@@ -379,7 +379,8 @@ def cli(*args, env=None, timeout=120):
 
 def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
     """`edgespec serve` and Ctrl-C while it generates: the answer ends at its
-    next piece (a done line, not a cut stream), the process exits with 0."""
+    next piece with an error line saying it was cut (not a clean done line),
+    the log says so, the process exits with 0."""
     import re
     import signal
 
@@ -397,9 +398,11 @@ def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
         assert json.loads(resp.readline())["done"] is False
         proc.send_signal(signal.SIGINT)
         *_, last = [json.loads(x) for x in resp.read().decode().splitlines()]
-        assert last["done"] is True and 0 < last["eval_count"] < 4000, last
+        assert re.fullmatch(r"the server shut down mid-generation, after \d+ tokens", last["error"]), last
         assert proc.wait(60) == 0
-        assert proc.stderr.read().strip().endswith("stopped")
+        log = proc.stderr.read().strip()
+        assert re.search(rf"shutdown: a generation of {MODEL} was cut after \d+ tokens", log), log
+        assert log.endswith("stopped")
     finally:
         proc.kill()
         proc.wait()
@@ -425,7 +428,9 @@ def invoke(*args, env=None):
     return result.exit_code, result.stdout, result.stderr, error
 
 
-def test_shell_completion_is_enabled():
+def test_shell_completion_is_enabled(monkeypatch):
+    # The shell named, not detected: pytest's parent may be sh, which typer does not complete.
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
     code, stdout, _, _ = invoke("--show-completion", "bash")
     assert code == 0 and "COMPREPLY" in stdout and "_completion" in stdout
 

@@ -37,6 +37,8 @@ typedef struct es_type_traits {
     const char * name;         // "Q4_K", ...; static
     int32_t      block;        // elements per block (1 for plain types)
     int32_t      block_bytes;  // bytes per block
+    int16_t      scale_bytes;  // a block's float scales: 2 (F16), 4 (F32, Q8_K); 0: none known
+    int16_t      scales[2];    // their byte offsets in the block (d, then dmin or sum); -1: none
 } es_type_traits;
 
 // NULL for an id ggml does not define (or has retired); static storage.
@@ -314,7 +316,7 @@ int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_
  * and this engine would otherwise assert on or misread. For the
  * architectures both read (llama, gemma3, qwen2, qwen3moe):
  *   - hyperparameters present and in range (block_count 1..512, widths, head
- *     counts that divide the width and each other, context length, finite
+ *     counts that divide the width and each other, context length (>= 16), finite
  *     positive epsilon and RoPE base, expert counts);
  *   - every tensor the architecture reads present, with the shape the
  *     hyperparameters give and a weight type.
@@ -324,7 +326,11 @@ int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_
  *     merges of the form "a b", every tokenizer.ggml.*_token_id a token;
  *   - block_count, embedding_length and any head counts, epsilon or RoPE keys
  *     present in range; token_embd of (embedding_length, n_vocab);
- *   - vectors and *_norm tensors F32, no blk.N tensor past block_count.
+ *   - vectors and *_norm tensors F32, no blk.N tensor past block_count;
+ *   - values the engines cannot compute with: a vector that is not finite, a
+ *     norm weight beyond +-65504 (F16's range, which the F16 KV cache and
+ *     activation scales hold), a quantized block whose float scale (d, dmin)
+ *     is infinite or NaN (expert stacks left out: they may exceed memory).
  * ======================================================================== */
 
 // A string array: its element count and first element, inside the mapping.

@@ -594,6 +594,13 @@ static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
     }
 }
 
+static bool all_finite(const float * x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(x[i])) return false;
+    }
+    return true;
+}
+
 int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
                float * const * y, int32_t n) {
     if (n_w < 1 || n_w > 3 || n < 0 || n > ctx->n_batch) return ES_ERR_INVALID_ARG;
@@ -621,6 +628,17 @@ int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const
     job.chunk = (per + 15) / 16 * 16;
     atomic_init(&job.next_row, 0);
     es_pool_run(ctx->pool, matmul_rows, &job);
+    // A token whose input is not finite gets NaN outputs, as real arithmetic
+    // (and llama.cpp) gives them: the activation rounding would turn a NaN or
+    // an infinity into finite numbers (fmaxf skips NaN), and a model whose
+    // weights overflow into fluent nonsense instead of the sampler's refusal.
+    for (int32_t t = 0; t < n; t++) {
+        if (all_finite(x + (size_t) t * job.n_in, job.n_in)) continue;
+        for (int32_t i = 0; i < n_w; i++) {
+            float * row = y[i] + (size_t) t * (size_t) w[i]->n_out;
+            for (int64_t r = 0; r < w[i]->n_out; r++) row[r] = NAN;
+        }
+    }
     return ES_OK;
 }
 

@@ -14,7 +14,8 @@
  *   hparams      the architecture's hyperparameters
  *   vocabulary   tokens, token types, scores, merges, special ids
  *   tensors      every 1-D and norm tensor F32, layer indices, the shapes
- *                each architecture's loader expects
+ *                each architecture's loader expects, values neither engine
+ *                can compute with (non-finite vectors and scales)
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -31,6 +32,8 @@
  * ======================================================================== */
 
 #define MAX_LAYERS   512          // llama.cpp's LLAMA_MAX_LAYERS
+#define MIN_CTX      16           // the smallest context edgespec makes (backends/base.py
+                                  // MIN_CTX): smaller caches trip llama.cpp's asserts
 #define MAX_EMBD     (1 << 17)    // widths: 16384 is the largest in use
 #define MAX_HEADS    4096
 #define MAX_HEAD_DIM 4096
@@ -43,7 +46,7 @@
 
 // GGUF metadata value types (the format's numbering).
 enum { GV_U8 = 0, GV_I8 = 1, GV_U16 = 2, GV_I16 = 3, GV_U32 = 4, GV_I32 = 5, GV_F32 = 6,
-       GV_U64 = 10, GV_I64 = 11 };
+       GV_BOOL = 7, GV_U64 = 10, GV_I64 = 11 };
 
 enum ffn_kind {
     FFN_DENSE,            // ffn_gate, ffn_up, ffn_down
@@ -154,6 +157,7 @@ static bool arr_int(int32_t elem, const void * data, uint64_t i, int64_t * out) 
             return true;
         }
         case GV_I64: *out = (int64_t) load_le(p + 8 * i, 8); return true;
+        case GV_BOOL: *out = p[i] != 0; return true;
         default:     return false;
     }
 }
@@ -178,6 +182,11 @@ static int key_int(checker * c, const char * key, bool required, int64_t lo, int
     if (v < lo || v > hi) {
         return fail(c, "metadata key %s = %lld is out of range [%lld, %lld]",
                     quoted(key, strlen(key), buf), (long long) v, (long long) lo, (long long) hi);
+    }
+    es_gguf_value value;
+    es_gguf_value_at(c->g, es_gguf_find_key(c->g, key), &value);
+    if (value.type != ES_GGUF_U32) {   // a bool or another width (check_key_types: the others)
+        return fail(c, "metadata key %s is not a u32, as llama.cpp reads it", quoted(key, strlen(key), buf));
     }
     *out = v;
     return ES_OK;
@@ -262,15 +271,44 @@ static int check_heads(checker * c, bool known, bool have_key_length) {
     return ES_OK;
 }
 
+// Every "<arch>." key as llama.cpp reads its hyperparameters: a scalar
+// integer as a u32, a float as an f32, an integer array of i32 or u32 (per
+// layer); it refuses a file holding another type where it expects these.
+static int check_key_types(checker * c) {
+    static const char * const names[] = {"u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool",
+                                         "string", "array", "u64", "i64", "f64"};
+    char buf[QUOTED_CAP];
+    const size_t n_arch = strlen(c->arch);
+    for (int64_t i = 0; i < es_gguf_n_kv(c->g); i++) {
+        const char * key = es_gguf_key_at(c->g, i);
+        es_gguf_value v;
+        if (strncmp(key, c->arch, n_arch) || key[n_arch] != '.' || !es_gguf_value_at(c->g, i, &v)) continue;
+        const bool array = v.type == ES_GGUF_ARRAY;
+        const int32_t t = array ? v.elem_type : v.type;
+        const bool integer = t <= ES_GGUF_I32 || t == ES_GGUF_U64 || t == ES_GGUF_I64;
+        const bool floating = t == ES_GGUF_F32 || t == ES_GGUF_F64;
+        const char * want = !integer && !floating ? NULL
+                          : floating ? (t == ES_GGUF_F32 ? NULL : "f32")
+                          : array ? (t == ES_GGUF_I32 || t == ES_GGUF_U32 ? NULL : "i32 or u32")
+                          : (t == ES_GGUF_U32 ? NULL : "u32");
+        if (want) {
+            return fail(c, "metadata key %s is %s %s; llama.cpp reads it as %s",
+                        quoted(key, strlen(key), buf), array ? "an array of" : "a", names[t], want);
+        }
+    }
+    return ES_OK;
+}
+
 static int check_hparams(checker * c) {
     const bool known = c->rules != NULL;
     char key[160];
-    int rc = ES_OK;
+    int rc = check_key_types(c);
+    if (rc != ES_OK) return rc;
 #define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
     TRY(key_int(c, arch_key(c, "block_count", key), true, 1, MAX_LAYERS, &c->n_layer));
     TRY(key_int(c, arch_key(c, "embedding_length", key), true, 1, MAX_EMBD, &c->n_embd));
     int64_t n_ctx = 0;
-    TRY(key_int(c, arch_key(c, "context_length", key), known, 1, INT32_MAX, &n_ctx));
+    TRY(key_int(c, arch_key(c, "context_length", key), known, MIN_CTX, INT32_MAX, &n_ctx));
     if (rc != ES_OK) return rc;
 
     // Heads: head_count_kv defaults to head_count, the head width to n_embd / n_head.
@@ -304,6 +342,10 @@ static int check_hparams(checker * c) {
                       strcmp(scaling, "yarn") && strcmp(scaling, "longrope")))) {
         rc = fail(c, "%s.rope.scaling.type is not one of none, linear, yarn, longrope", c->arch);
     }
+
+    // Sliding-window layers (gemma3): a period, or a flag per layer.
+    int64_t swa[MAX_LAYERS];
+    TRY(key_per_layer(c, "attention.sliding_window_pattern", false, 0, INT32_MAX, swa));
 
     // Norm epsilon, RoPE frequencies, soft-capping.
     TRY(key_float(c, "attention.layer_norm_rms_epsilon", known, false));
@@ -370,8 +412,15 @@ static uint64_t hash_bytes(const uint8_t * s, uint64_t n) {
     return h;
 }
 
-// tokenizer.ggml.tokens: every token non-empty and seen once (llama.cpp
-// asserts its token -> id map is as large as the vocabulary). Sets n_vocab.
+// A token as llama.cpp stores it: a C string, cut at its first NUL byte.
+static uint64_t stored_len(const uint8_t * s, uint64_t len) {
+    const uint8_t * nul = memchr(s, 0, (size_t) len);
+    return nul ? (uint64_t) (nul - s) : len;
+}
+
+// tokenizer.ggml.tokens: every token non-empty and seen once as llama.cpp
+// stores it (cut at a NUL, so "a\0b" repeats "a"): llama.cpp asserts its
+// token -> id map is as large as the vocabulary. Sets n_vocab.
 static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
     char buf[QUOTED_CAP];
     if (n == 0 || n > MAX_VOCAB) {
@@ -393,11 +442,15 @@ static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
     const uint8_t * p = data;
     for (uint64_t i = 0; i < n && rc == ES_OK; i++) {
         starts[i] = p;
-        const uint64_t len = load_le(p, 8);
+        const uint64_t full = load_le(p, 8);
         const uint8_t * s = p + 8;
-        p = s + len;
+        const uint64_t len = stored_len(s, full);
+        p = s + full;
         if (len == 0) {
-            rc = fail(c, "tokenizer.ggml.tokens: token %llu is empty", (unsigned long long) i);
+            rc = full ? fail(c, "tokenizer.ggml.tokens: token %llu '%s' is empty up to its NUL byte "
+                             "(where llama.cpp cuts it)", (unsigned long long) i,
+                             quoted(s, (size_t) full, buf))
+                      : fail(c, "tokenizer.ggml.tokens: token %llu is empty", (unsigned long long) i);
             break;
         }
         for (size_t h = (size_t) hash_bytes(s, len) & (cap - 1);; h = (h + 1) & (cap - 1)) {
@@ -406,9 +459,10 @@ static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
                 break;
             }
             const uint8_t * o = starts[slots[h] - 1];
-            if (load_le(o, 8) == len && memcmp(o + 8, s, (size_t) len) == 0) {
-                rc = fail(c, "tokenizer.ggml.tokens: token %llu '%s' repeats token %u",
-                          (unsigned long long) i, quoted(s, (size_t) len, buf), slots[h] - 1);
+            if (stored_len(o + 8, load_le(o, 8)) == len && memcmp(o + 8, s, (size_t) len) == 0) {
+                rc = fail(c, "tokenizer.ggml.tokens: token %llu '%s' repeats token %u%s",
+                          (unsigned long long) i, quoted(s, (size_t) full, buf), slots[h] - 1,
+                          len < full ? " up to its NUL byte (where llama.cpp cuts it)" : "");
                 break;
             }
         }
@@ -495,12 +549,16 @@ static int check_vocab(checker * c) {
     const char * model = es_gguf_get_str(c->g, "tokenizer.ggml.model");
     uint64_t n;
     const void * tokens;
+    // llama.cpp reads a model that says it has no vocabulary, then asserts
+    // (aborts) on the first token it is asked to read or write.
+    if (model && (!strcmp(model, "none") || !strcmp(model, "no_vocab"))) {
+        return fail(c, "tokenizer.ggml.model is '%s': the file has no vocabulary, which prompts "
+                    "and replies are read and written with", model);
+    }
     if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.tokens", &n, &tokens)) {
         if (has_key(c->g, "tokenizer.ggml.tokens")) {
             return fail(c, "tokenizer.ggml.tokens is not an array of strings");
         }
-        // llama.cpp's models without a vocabulary say so.
-        if (model && (!strcmp(model, "none") || !strcmp(model, "no_vocab"))) return ES_OK;
         return fail(c, "tokenizer.ggml.tokens is missing (the file has no vocabulary)");
     }
     int rc = check_tokens(c, tokens, n);
@@ -534,16 +592,20 @@ static int check_vocab(checker * c) {
  * Tensors
  * ======================================================================== */
 
+static bool is_norm(const char * name) {
+    static const char norm_suffix[] = "_norm.weight";
+    const size_t n = strlen(name);
+    return n >= sizeof norm_suffix - 1 && !strcmp(name + n - (sizeof norm_suffix - 1), norm_suffix);
+}
+
 // Every tensor: vectors (1-D) and norm weights F32, as converters store them
 // and llama.cpp's kernels read them; blk.N only for N < block_count.
 static int check_all_tensors(checker * c) {
     char buf[QUOTED_CAP];
-    static const char norm_suffix[] = "_norm.weight";
     for (int64_t i = 0; i < es_gguf_n_tensors(c->g); i++) {
         const es_tensor * t = es_gguf_tensor_at(c->g, i);
         const size_t n = strlen(t->name);
-        const bool norm = n >= sizeof norm_suffix - 1 &&
-                          !strcmp(t->name + n - (sizeof norm_suffix - 1), norm_suffix);
+        const bool norm = is_norm(t->name);
         if ((t->n_dims == 1 || norm) && t->type != ES_TYPE_F32) {
             return fail(c, "tensor %s: expected F32 (a %s), found %s", quoted(t->name, n, buf),
                         norm ? "norm weight" : "vector", es_type_info(t->type)->name);
@@ -554,6 +616,57 @@ static int check_all_tensors(checker * c) {
             if (end == t->name + 4 || *end != '.' || il < 0 || il >= c->n_layer) {
                 return fail(c, "tensor %s is not in a layer 0..%lld (block_count %lld)",
                             quoted(t->name, n, buf), (long long) c->n_layer - 1, (long long) c->n_layer);
+            }
+        }
+    }
+    return ES_OK;
+}
+
+#define F16_MAX 65504.0f   // the largest finite F16
+
+// Values neither engine can compute with (checked after check_all_tensors:
+// vectors and norms are F32). A NaN or infinity in a vector, a norm weight
+// beyond F16's range (it overflows the F16 KV cache and activation scales)
+// or a quantized block's infinite or NaN scale makes llama.cpp's logits NaN,
+// while this engine's activation rounding would turn the same NaN into
+// finite, fluent nonsense: both refuse the file here instead. Vectors and
+// norms are small; a block's scales are 2-4 of its 18-292 bytes. Expert
+// stacks (3-D) are left out: an expert cache reads them from disk on demand,
+// for models larger than memory, which scanning them would read whole.
+static bool scale_finite(const uint8_t * p, int32_t bytes) {
+    if (bytes == 2) return (load_le(p, 2) & 0x7C00) != 0x7C00;  // F16: exponent all ones
+    float v;
+    memcpy(&v, p, 4);
+    return isfinite(v);
+}
+
+static int check_values(checker * c) {
+    char buf[QUOTED_CAP];
+    for (int64_t i = 0; i < es_gguf_n_tensors(c->g); i++) {
+        const es_tensor * t = es_gguf_tensor_at(c->g, i);
+        const es_type_traits * ti = es_type_info(t->type);
+        const uint8_t * data = t->data;
+        if (t->type == ES_TYPE_F32 && (t->n_dims == 1 || is_norm(t->name))) {
+            const float limit = is_norm(t->name) ? F16_MAX : INFINITY;
+            for (size_t k = 0; k < t->nbytes / 4; k++) {
+                float v;
+                memcpy(&v, data + 4 * k, 4);  // the data may sit at any alignment
+                if (!isfinite(v) || fabsf(v) > limit) {
+                    return fail(c, "tensor %s: value %zu is %g (%s): the weights are damaged",
+                                quoted(t->name, strlen(t->name), buf), k, (double) v,
+                                isfinite(v) ? "a norm weight beyond F16's range" : "not finite");
+                }
+            }
+        } else if (ti->scale_bytes && t->ne[2] == 1) {
+            const size_t n_blocks = t->nbytes / (size_t) ti->block_bytes;
+            for (size_t b = 0; b < n_blocks; b++) {
+                const uint8_t * block = data + b * (size_t) ti->block_bytes;
+                for (int k = 0; k < 2 && ti->scales[k] >= 0; k++) {
+                    if (!scale_finite(block + ti->scales[k], ti->scale_bytes)) {
+                        return fail(c, "tensor %s: block %zu has an infinite or NaN scale: the weights "
+                                    "are damaged", quoted(t->name, strlen(t->name), buf), b);
+                    }
+                }
             }
         }
     }
@@ -668,6 +781,7 @@ int es_gguf_validate(const es_gguf * g, char * err, size_t err_cap) {
     if (rc == ES_OK) rc = check_all_tensors(c);
     if (rc == ES_OK) rc = check_embeddings(c);
     for (int32_t il = 0; rc == ES_OK && c->rules && il < c->n_layer; il++) rc = check_layer(c, il);
+    if (rc == ES_OK) rc = check_values(c);
     if (rc == ES_ERR_NO_MEMORY) fail(c, "out of memory validating the GGUF file");
     free(c);
     return rc;

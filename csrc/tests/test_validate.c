@@ -15,6 +15,7 @@
 
 #include "native/native_internal.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,9 +48,10 @@ typedef struct kv {
 } kv;
 
 typedef struct tensor {
-    char    name[64];
-    int32_t type;
-    int64_t ne[3];  // trailing 1s dropped from n_dims
+    char     name[64];
+    int32_t  type;
+    int64_t  ne[3];  // trailing 1s dropped from n_dims
+    uint32_t fill;   // every 4-byte word of the data (0: zeros)
 } tensor;
 
 typedef struct model {
@@ -98,12 +100,22 @@ static void set_str(model * m, const char * key, const char * v) {
     put_str(b, v);
 }
 
-static void set_strs(model * m, const char * key, const char * const * v, int n) {
+// n strings; lens[i] bytes of v[i] (NULL: strlen), so a string may hold a NUL.
+static void set_strs_n(model * m, const char * key, const char * const * v, const size_t * lens,
+                       int n) {
     buf * b = kv_slot(m, key);
     put_le(b, GV_ARRAY, 4);
     put_le(b, GV_STRING, 4);
     put_le(b, (uint64_t) n, 8);
-    for (int i = 0; i < n; i++) put_str(b, v[i]);
+    for (int i = 0; i < n; i++) {
+        const size_t len = lens ? lens[i] : strlen(v[i]);
+        put_le(b, len, 8);
+        put(b, v[i], len);
+    }
+}
+
+static void set_strs(model * m, const char * key, const char * const * v, int n) {
+    set_strs_n(m, key, v, NULL, n);
 }
 
 // An array of n 4-byte values of type elem (i32 or f32) from v.
@@ -164,7 +176,7 @@ static buf serialize(const model * m) {
         put_str(&b, m->kvs[i].key);
         put(&b, m->kvs[i].value.p, m->kvs[i].value.n);
     }
-    uint64_t offset = 0;
+    uint64_t offset = 0, offsets[MAX_TENSORS];
     for (int i = 0; i < m->n_tensors; i++) {
         const tensor * t = &m->tensors[i];
         const es_type_traits * ti = es_type_info(t->type);
@@ -174,11 +186,16 @@ static buf serialize(const model * m) {
         for (uint32_t d = 0; d < n_dims; d++) put_le(&b, (uint64_t) t->ne[d], 8);
         put_le(&b, (uint64_t) t->type, 4);
         put_le(&b, offset, 8);
+        offsets[i] = offset;
         const uint64_t bytes = (uint64_t) (t->ne[0] * t->ne[1] * t->ne[2]) / ti->block * ti->block_bytes;
         offset += (bytes + 31) / 32 * 32;
     }
     while (b.n % 32) put_le(&b, 0, 1);
     const size_t start = b.n;
+    for (int i = 0; i < m->n_tensors; i++) {   // each tensor's words, up to the next one
+        const uint64_t end = i + 1 < m->n_tensors ? offsets[i + 1] : offset;
+        while (b.n + 4 <= start + end) put_le(&b, m->tensors[i].fill, 4);
+    }
     while (b.n < start + offset) put_le(&b, 0, 1);
     return b;
 }
@@ -354,17 +371,24 @@ static void test_valid(void) {
     add_tensor(&p, ES_TYPE_F16, N_EMBD, N_VOCAB, 1, "token_embd.weight", 0);
     add_tensor(&p, ES_TYPE_F16, N_EMBD, 3 * N_EMBD, 1, "blk.%d.attn_qkv.weight", 0);
     VALID(&p);
-    // A model without a vocabulary that says so.
-    memset(&p, 0, sizeof p);
-    set_str(&p, "general.architecture", "phi3");
-    set_u32(&p, "phi3.block_count", 1);
-    set_u32(&p, "phi3.embedding_length", N_EMBD);
-    set_str(&p, "tokenizer.ggml.model", "none");
-    VALID(&p);
 }
 
 static void test_hparams(void) {
     model m;
+    // Types as llama.cpp reads hyperparameters: u32, f32, arrays of i32 or u32.
+    standard(&m, "llama", false);
+    set_u32(&m, "llama.context_length", 15);
+    REFUSED(&m, "metadata key llama.context_length = 15 is out of range [16, 2147483647]");
+    standard(&m, "llama", false);
+    set_i32(&m, "llama.context_length", 128);
+    REFUSED(&m, "metadata key llama.context_length is a i32; llama.cpp reads it as u32");
+    standard(&m, "gemma3", false);
+    set_i32(&m, "gemma3.attention.sliding_window", 8);   // a key the validator reads nothing else of
+    REFUSED(&m, "metadata key gemma3.attention.sliding_window is a i32; llama.cpp reads it as u32");
+    const uint32_t f32_bits[N_LAYER] = {0, 0};
+    standard(&m, "llama", false);
+    set_arr4(&m, "llama.attention.head_count", GV_F32, f32_bits, N_LAYER);
+    REFUSED(&m, "metadata key llama.attention.head_count is not an integer array");
     standard(&m, "llama", false);
     set_u32(&m, "llama.block_count", 0);
     REFUSED(&m, "llama.block_count = 0 is out of range");
@@ -511,6 +535,32 @@ static void test_vocab(void) {
     standard(&m, "llama", false);
     set_strs(&m, "tokenizer.ggml.tokens", dup, N_VOCAB);
     REFUSED(&m, "tokenizer.ggml.tokens: token 11 is empty");
+    // Tokens as llama.cpp stores them, cut at a NUL byte: "ab\0x" repeats "ab",
+    // "\0a" is empty; "ca\0" is "ca", which no other token is.
+    size_t lens[N_VOCAB];
+    for (int i = 0; i < N_VOCAB; i++) lens[i] = strlen(TOKENS[i]);
+    memcpy(dup, TOKENS, sizeof dup);
+    dup[7] = "ab\0x";
+    lens[7] = 4;
+    standard(&m, "llama", false);
+    set_strs_n(&m, "tokenizer.ggml.tokens", dup, lens, N_VOCAB);
+    REFUSED(&m, "token 7 'ab\\x00x' repeats token 6 up to its NUL byte");
+    dup[7] = "\0a";
+    lens[7] = 2;
+    standard(&m, "llama", false);
+    set_strs_n(&m, "tokenizer.ggml.tokens", dup, lens, N_VOCAB);
+    REFUSED(&m, "token 7 '\\x00a' is empty up to its NUL byte");
+    dup[7] = TOKENS[7];
+    lens[7] = strlen(TOKENS[7]);
+    dup[11] = "ca\0";
+    lens[11] = 3;
+    standard(&m, "llama", false);
+    set_strs_n(&m, "tokenizer.ggml.tokens", dup, lens, N_VOCAB);
+    VALID(&m);
+    // A model that says it has no vocabulary: llama.cpp aborts on its first token.
+    standard(&m, "llama", false);
+    set_str(&m, "tokenizer.ggml.model", "none");
+    REFUSED(&m, "tokenizer.ggml.model is 'none': the file has no vocabulary");
     standard(&m, "llama", false);
     drop_kv(&m, "tokenizer.ggml.tokens");
     REFUSED(&m, "tokenizer.ggml.tokens is missing");
@@ -689,6 +739,39 @@ static void test_tensors(void) {
     standard(&m, "llama", false);
     find(&m, "blk.0.attn_q.weight")->type = 26;  // I32
     REFUSED(&m, "tensor blk.0.attn_q.weight: I32 is not a weight type");
+
+    // Values: norms finite and within F16's range, vectors finite, quantized
+    // blocks' scales finite (each filled with one 4-byte word).
+    const float big = 1e30f, nan = NAN, inf = INFINITY, ok = 65504.0f;
+    uint32_t w;
+    memcpy(&w, &big, 4);
+    standard(&m, "llama", false);
+    find(&m, "blk.1.attn_norm.weight")->fill = w;
+    REFUSED(&m, "tensor blk.1.attn_norm.weight: value 0 is 1e+30 (a norm weight beyond F16's range)");
+    memcpy(&w, &ok, 4);
+    standard(&m, "llama", false);
+    find(&m, "blk.1.attn_norm.weight")->fill = w;
+    VALID(&m);
+    memcpy(&w, &nan, 4);
+    standard(&m, "gemma3", false);
+    find(&m, "blk.0.attn_k_norm.weight")->fill = w;
+    REFUSED(&m, "tensor blk.0.attn_k_norm.weight: value 0 is nan (not finite)");
+    memcpy(&w, &inf, 4);
+    standard(&m, "qwen2", false);
+    find(&m, "blk.1.attn_v.bias")->fill = w;
+    REFUSED(&m, "tensor blk.1.attn_v.bias: value 0 is inf (not finite)");
+    // A Q8_0 block: d (F16) then 32 quants; Q4_K: d, dmin first; Q6_K: d last.
+    const int32_t quants[] = {ES_TYPE_Q8_0, ES_TYPE_Q4_K, ES_TYPE_Q6_K};
+    for (int i = 0; i < N_ELEMS(quants); i++) {
+        const int64_t cols = es_type_info(quants[i])->block;
+        standard(&m, "phi3", false);   // the generic rules: any matrix shape
+        add_tensor(&m, quants[i], cols, 2, 1, "blk.%d.extra.weight", 0);
+        VALID(&m);
+        standard(&m, "phi3", false);
+        add_tensor(&m, quants[i], cols, 2, 1, "blk.%d.extra.weight", 0);
+        find(&m, "blk.0.extra.weight")->fill = 0x7E007E00u;  // every F16 a NaN
+        REFUSED(&m, "tensor blk.0.extra.weight: block 0 has an infinite or NaN scale");
+    }
 }
 
 static void test_err_buffer(void) {

@@ -68,6 +68,23 @@ def resolve_model(name: str, ref: str) -> Path:
     return registry.model_path_checked(ref)
 
 
+def check_model(ref: str) -> Path:
+    """The file of ``ref``, checked as every backend checks it before reading
+    weights, so that `edgespec models info` gives the verdict `generate`
+    would: the GGUF validated (registry.model_path_checked), then read by
+    llama.cpp without its tensors (hyperparameters and vocabulary: both
+    backends take the tokenizer from it), its tokenizer tried on a text of
+    letters, digits, punctuation and a non-ASCII letter. ModelFormatError
+    otherwise."""
+    from ..models import registry
+    from .vocab import Vocab
+
+    path = registry.model_path_checked(ref)
+    with Vocab.load(path) as vocab:
+        vocab.tokenize("Hello, world: 42 caf\u00e9!")
+    return path
+
+
 def open_backend(name: str, path: Path, **options) -> Backend:
     """Open backend ``name`` on ``path`` with ``options`` (its keyword
     arguments). An option the backend does not take is an InvalidArgumentError

@@ -16,9 +16,24 @@ import numpy as np
 
 from ..config import DEFAULT_BATCH
 from ..errors import BackendError, ModelFormatError
+from ..models.gguf import GGUFFile
 from . import default_threads
 from .base import EMBED_SEQS, Backend, context_size
 from .vocab import Vocab, VocabMixin, init_llama, model_params
+
+
+# ggml's CPU buffers hold tensors at multiples of this many bytes (TENSOR_ALIGNMENT).
+GGML_ALIGNMENT = 32
+
+
+def _load_mode(path: Path) -> int:
+    """How llama.cpp loads ``path``: mapped, unless the file's tensors may sit
+    at offsets that are not multiples of 32 bytes (general.alignment 1..16,
+    valid GGUF), which ggml asserts (aborts the process) on when it maps them
+    in place; those are read into aligned buffers instead."""
+    with GGUFFile(path) as f:
+        mappable = f.alignment % GGML_ALIGNMENT == 0
+    return lc.LLAMA_LOAD_MODE_AUTO if mappable else lc.LLAMA_LOAD_MODE_NONE
 
 
 class LlamaBackend(VocabMixin, Backend):
@@ -36,8 +51,8 @@ class LlamaBackend(VocabMixin, Backend):
         init_llama(verbose)
         self.path = Path(path)
 
-        self._model = lc.llama_model_load_from_file(str(self.path).encode(),
-                                                    model_params(n_gpu_layers=gpu_layers))
+        self._model = lc.llama_model_load_from_file(
+            str(self.path).encode(), model_params(n_gpu_layers=gpu_layers, load_mode=_load_mode(self.path)))
         if not self._model:
             raise ModelFormatError(f"{self.path}: llama.cpp could not load this model "
                                    "(unsupported architecture or damaged file)")
@@ -55,7 +70,9 @@ class LlamaBackend(VocabMixin, Backend):
             self.close()
             raise
         self._mem = lc.llama_get_memory(self._ctx)
-        self.n_ctx = lc.llama_n_ctx(self._ctx)
+        # llama.cpp pads the cache (to a multiple of 256): the context is the
+        # one asked for, as on the native backend, not the padded size.
+        self.n_ctx = min(n_ctx, lc.llama_n_ctx(self._ctx))
         # llama.cpp caps the batch at the context size it was asked for.
         self.n_batch = lc.llama_n_batch(self._ctx)
         self.n_seq = n_seq

@@ -107,7 +107,12 @@ class Vocab(Closing):
         return vocab
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return tokenize(self._vocab, text, add_special, parse_special)
+        tokens = tokenize(self._vocab, text, add_special, parse_special)
+        bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
+        if bad is not None:   # a tokenizer (tokenizer.ggml.model) that does not fit the tokens
+            raise ModelFormatError(f"the model's tokenizer gave token id {bad}, outside its vocabulary "
+                                   f"[0, {self.n_vocab}): its tokenizer.ggml.model does not fit its tokens")
+        return tokens
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token's text (control tokens render as nothing)."""

@@ -82,9 +82,9 @@ def info_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Show a model's architecture, size, quantization, vocabulary and chat template."""
-    from ..backends import default_backend
+    from ..backends import check_model, default_backend
 
-    path = registry.model_path_checked(ref)
+    path = check_model(ref)
     info, backend = model_info(path), default_backend(path)
     if as_json:
         typer.echo(json.dumps({**info.to_dict(), "default_backend": backend}, indent=2))

@@ -44,6 +44,11 @@ def serve(
                                             help="Browser origin allowed to call the server, e.g. "
                                                  "http://localhost:3000, or '*' for any (repeatable; default: "
                                                  "http://localhost:* and http://127.0.0.1:*)."),
+    allowed_host: Optional[list[str]] = _opt(None, "--allowed-host",
+                                             help="A Host header name to answer besides the bound address, "
+                                                  "localhost, 127.0.0.1 and [::1] (repeatable; a guard against "
+                                                  "DNS rebinding: other names get 403; bound to a non-loopback "
+                                                  "--host, any name unless this is given)."),
     max_request_bytes: int = _opt(DEFAULT_MAX_REQUEST_BYTES, "--max-request-bytes",
                                   help="Largest request body accepted, in bytes, > 0 (4 MiB; "
                                        "a larger one gets 413 without being read)."),
@@ -72,7 +77,8 @@ def serve(
             drafter = e.drafter
         try:
             server = make_server(pool, host, port, api_key=api_key, quiet=quiet,
-                                 max_request_bytes=max_request_bytes, cors_origins=tuple(cors_origin or ()))
+                                 max_request_bytes=max_request_bytes, cors_origins=tuple(cors_origin or ()),
+                                 allowed_hosts=tuple(allowed_host or ()))
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
         budget = f"{pool.budget / 2**30:.1f} GiB" if pool.budget else "none"

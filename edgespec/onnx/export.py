@@ -75,6 +75,7 @@ Gather the rows, then scale them (gemma3: also by sqrt(n_embd)).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -710,6 +711,8 @@ def positions_limit(cfg: DecoderConfig) -> int:
 # Export: a temporary folder renamed into place when complete
 # ---------------------------------------------------------------------------
 
+EXPORT_LOCK = ".edgespec-export.lock"   # flock'ed in a .part folder while its export runs
+
 
 def check_weights(weights: str) -> str:
     if weights not in WEIGHTS:
@@ -754,7 +757,8 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     """Write ``model.onnx`` and ``edgespec-onnx.json`` for ``gguf_path`` into
     ``out_dir`` (new or empty). Everything is written into a temporary folder
     next to it and renamed into place at the end: an interrupted export leaves
-    nothing under ``out_dir``."""
+    nothing under ``out_dir``, and the next export into the same folder's
+    parent removes what a killed one left beside it."""
     import onnx
 
     from ..models.registry import _Progress
@@ -775,8 +779,10 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     static = (call_size, cache_len) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
     bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
+    remove_killed_exports(out_dir.parent)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".part", dir=out_dir.parent))
+        lock = _hold_lock(tmp / EXPORT_LOCK)
     except OSError as e:
         reader.close()
         raise InvalidArgumentError(f"{out_dir}: cannot write the export there ({e.strerror or e})") from None
@@ -805,6 +811,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
+        (tmp / EXPORT_LOCK).unlink()   # still held (by its descriptor) until the rename
         os.replace(tmp, out_dir)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -813,8 +820,35 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        os.close(lock)
         bar.done()
     return out_dir
+
+
+def _hold_lock(path: Path) -> int:
+    """Create ``path`` and flock it: the descriptor holding the lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def remove_killed_exports(folder: Path) -> None:
+    """Remove the temporary folders that killed exports left in ``folder``:
+    a ``.NAME.*.part`` folder holding an EXPORT_LOCK that no export holds (a
+    running one keeps its lock; a folder without one is not an export's)."""
+    for part in folder.glob(".*.part"):
+        try:
+            fd = os.open(part / EXPORT_LOCK, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        else:
+            shutil.rmtree(part, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def cache_dir() -> Path:

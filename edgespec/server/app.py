@@ -1,7 +1,7 @@
-"""The ASGI application (Starlette): the routes, CORS, refusals and the
-request log. The endpoints themselves live in openai.py, ollama.py and
-metrics.py, over request.py's shared helpers; each parses its request into
-a runner.Completion and leaves the engine to runner.py.
+"""The ASGI application (Starlette): the routes, the Host check, CORS,
+refusals and the request log. The endpoints themselves live in openai.py,
+ollama.py and metrics.py, over request.py's shared helpers; each parses its
+request into a runner.Completion and leaves the engine to runner.py.
 
 Every endpoint goes through ``request.endpoint()``: the API key is checked on the
 headers before anything else; an ApiError is answered in the shape of the
@@ -12,6 +12,7 @@ answered with ``Connection: close``; the connection then stops reading it
 """
 from __future__ import annotations
 
+import ipaddress
 import time
 from importlib import resources
 
@@ -33,14 +34,56 @@ PAGE_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascr
               "chat.css": "text/css; charset=utf-8"}
 
 
-# -- request bodies ------------------------------------------------------------------
+# -- the Host header (DNS rebinding) ------------------------------------------------------
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
+def allowed_hosts(host: str, extra: tuple[str, ...] = ()) -> frozenset[str] | None:
+    """The Host header names a server bound to ``host`` answers. A page on a
+    domain that an attacker re-points at 127.0.0.1 (DNS rebinding) reaches a
+    local server with its own domain in Host: bound to a loopback address,
+    only that address and this machine's local names (any port), plus
+    ``extra`` (--allowed-host), are answered. Bound elsewhere, clients name
+    the machine as they please: any Host (None), unless ``extra`` lists them."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:   # a host name
+        loopback = False
+    if not loopback and not extra:
+        return None
+    return frozenset(_host_name(h) for h in (host, *LOCAL_NAMES, *extra))
 
 
+def _host_name(value: str) -> str:
+    """A Host header's name: without its port or an IPv6 address's brackets,
+    lower case, no trailing dot."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        value = value[1:value.find("]")] if "]" in value else value[1:]
+    elif value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value.rstrip(".")
 
 
+class HostCheck:
+    """ASGI middleware: a request whose Host header names none of
+    ``Settings.allowed_hosts`` gets a 403 in its API's error shape. A request
+    without one (HTTP/1.0) is no browser's: it passes."""
 
+    def __init__(self, app, *, state):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        allowed = self.state.settings.allowed_hosts
+        if scope["type"] == "http" and allowed is not None:
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+            if host is not None and _host_name(host) not in allowed:
+                e = ApiError(403, f"Host {host[:100]!r} is not a name this server answers to (a guard against "
+                             "DNS rebinding); serve with --allowed-host NAME to add it", code="host_not_allowed")
+                shape = OLLAMA if scope["path"].startswith("/api/") else OPENAI
+                return await JSONResponse(e.body(shape), e.status)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 # -- endpoints -------------------------------------------------------------------------
@@ -136,10 +179,11 @@ def create_app(runners: Runners, settings: Settings, metrics, log) -> Starlette:
     state.runners, state.settings, state.metrics, state.log = runners, settings, metrics, log
     state.routes = routes
     # add_middleware wraps what is there: CORS answers preflights before the
-    # routes, the log (outermost) sees every answer
+    # routes, the Host check comes before both, the log (outermost) sees every answer
     app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                        allow_origin_regex=None if settings.cors_origins else LOCAL_ORIGINS,
                        allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)
+    app.add_middleware(HostCheck, state=state)
     app.add_middleware(RequestLog, state=state)
     return app
 

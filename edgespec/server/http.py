@@ -3,7 +3,9 @@ edgespec's handling of what a parser refuses and of bodies left unread.
 
 * A request the parser refuses (a bad request line, a malformed, repeated or
   conflicting Content-Length, Transfer-Encoding beside Content-Length) is a
-  400 in OpenAI's error shape; a Content-Length over 2**64 a 413.
+  400 in OpenAI's error shape; a Content-Length over 2**64 a 413; a request
+  line and headers over MAX_HEADER_BYTES a 431, counted before the parser
+  holds any of it (it would buffer a header of any size).
 * A request answered without reading its announced body (refused from its
   headers: 401, 411, 413, ...) ends its connection: our side is closed for
   writing, then what the client still sends is discarded (up to
@@ -18,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
+from http import HTTPStatus
 
 import httptools
 import uvicorn
@@ -28,6 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..errors import InvalidArgumentError
 from ..pool import EnginePool, model_name as served_name
+from .app import allowed_hosts as hosts_answered
 from .app import create_app
 from .request import DEFAULT_MAX_REQUEST_BYTES, Settings
 from .errors import ApiError
@@ -35,6 +40,7 @@ from .metrics import Metrics
 from .runner import SOCKET, Runners, log_to_stderr
 
 LINGER_S = 1.0          # at most this long discarding an unread body after the answer
+MAX_HEADER_BYTES = 64 * 1024   # a request line and headers, at most (a browser's are ~1-8 KiB)
 KEEP_ALIVE_S = 30       # an idle connection is closed after this long
 
 
@@ -63,20 +69,37 @@ class Protocol(HttpToolsProtocol):
         self.max_request_bytes = max_request_bytes
         self._discard: int | None = None    # lingering: bytes still to discard
         self._linger = None
+        self._head: int | None = 0          # bytes of the request line and headers so far; None: in a body
 
     def on_headers_complete(self) -> None:
+        self._head = None
         self.scope.setdefault("extensions", {})[SOCKET] = self.transport.get_extra_info("socket")
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = _Transport(self)
 
+    def on_message_complete(self) -> None:
+        self._head = 0   # a pipelined request's head may follow
+        super().on_message_complete()
+
     def data_received(self, data: bytes) -> None:
         if self._discard is None:
+            if self._head is not None and not self._head_fits(data):
+                self._refuse(ApiError(431, f"request headers of more than {MAX_HEADER_BYTES // 1024} KiB",
+                                      code="request_header_too_large"))
+                return
             super().data_received(data)
             return
         self._discard -= len(data)
         if self._discard <= 0:
             self.transport.close()
+
+    def _head_fits(self, data: bytes) -> bool:
+        """Whether the head stays within MAX_HEADER_BYTES with ``data``,
+        counted before the parser, which would hold a header of any size."""
+        room = MAX_HEADER_BYTES - self._head
+        self._head += len(data)
+        return len(data) <= room or b"\r\n\r\n" in data[:room + 4]
 
     def eof_received(self) -> bool | None:
         cycle = self.cycle
@@ -114,8 +137,13 @@ class Protocol(HttpToolsProtocol):
                          code="request_too_large")
         else:
             e = ApiError(400, f"malformed HTTP request: {reason}")
+        self._refuse(e)
+
+    def _refuse(self, e: ApiError) -> None:
+        """Answer ``e`` before the request was parsed, then close the
+        connection once what the client still sends is discarded (lingering)."""
         body = json.dumps(e.body()).encode()
-        self.transport.write(f"HTTP/1.1 {e.status} {'Bad Request' if e.status == 400 else 'Payload Too Large'}"
+        self.transport.write(f"HTTP/1.1 {e.status} {HTTPStatus(e.status).phrase}"
                              f"\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
                              "connection: close\r\n\r\n".encode() + body)
         self._discard = self.max_request_bytes
@@ -192,7 +220,10 @@ class Server:
             self._served.set()
 
     def shutdown(self) -> None:
-        """Stop serving (from another thread) and wait for serve_forever to return."""
+        """Stop serving (from another thread), as Ctrl-C does: running
+        generations end at their next piece (their answers say they were cut),
+        queued ones get 503; wait for serve_forever to return."""
+        self.runners.set_stopping()
         self._uvicorn.should_exit = True
         self._served.wait()
 
@@ -200,9 +231,17 @@ class Server:
         self.socket.close()
 
     def serve_until_interrupted(self) -> None:
-        """serve_forever() until Ctrl-C, then stop: the running generation ends
+        """serve_forever() until Ctrl-C or SIGTERM, then stop: the running generation ends
         at its next piece, queued ones never start. Returns holding every
         engine lock, so the caller may close the engine (or pool)."""
+        def interrupt(*_):
+            raise KeyboardInterrupt
+
+        # SIGTERM stops it as Ctrl-C does: uvicorn handles both while it
+        # serves, then raises the signal again, which would otherwise kill
+        # the process before the engines are closed.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, interrupt)
         try:
             self.serve_forever()
         except KeyboardInterrupt:   # uvicorn raises the signal again once it has stopped
@@ -223,11 +262,14 @@ def default_model_name(engine) -> str:
 def make_server(engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
                 model_name: str | None = None, quiet: bool = False,
                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                cors_origins: tuple[str, ...] = ()) -> Server:
+                cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> Server:
     """Bind a server for ``engine`` (an Engine or an EnginePool) without
-    serving (port 0 picks a free one)."""
+    serving (port 0 picks a free one). ``allowed_hosts``: Host header names
+    answered besides the bound address and this machine's local names (see
+    app.allowed_hosts)."""
     settings = Settings(api_key=api_key or None, max_request_bytes=max_request_bytes,
-                        cors_origins=tuple(cors_origins), quiet=quiet)
+                        cors_origins=tuple(cors_origins), quiet=quiet,
+                        allowed_hosts=hosts_answered(host, tuple(allowed_hosts)))
     return Server(engine, host, port, model_name=model_name or default_model_name(engine), settings=settings)
 
 

@@ -403,6 +403,9 @@ async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCa
         if job.client_gone:
             note(request, "client disconnected")
             return
+        if job.cut:
+            yield _line(job.cut_error().body(OLLAMA))
+            return
         final = piece_obj("")
         if calls:
             tail, parsed = calls.finish()

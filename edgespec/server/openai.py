@@ -10,7 +10,8 @@ stats.
 
 Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
 omitted (OpenAI's default; send 0 for greedy, reproducible output),
-``max_tokens`` is 256, capped at the room the prompt leaves in the context.
+``max_tokens`` (or its newer name ``max_completion_tokens``; both with different
+values are a 400) is 256, capped at the room the prompt leaves in the context.
 ``n`` must be 1; unknown fields are ignored, as OpenAI's clients send extras.
 Ranges are OpenAI's: temperature in [0, 2] (below 1e-6 is greedy), top_p in
 [0, 1] (0 keeps the most likely token only), at most 16 stop strings.
@@ -64,6 +65,11 @@ def routes() -> list[Route]:
 def options(body: dict) -> dict:
     """Engine.stream's keyword arguments from a completion request's sampling fields."""
     opts: dict = {}
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None \
+            and body["max_tokens"] != body["max_completion_tokens"]:
+        raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens (its newer name), not "
+                  f"both with different values ({show(body['max_tokens'])} and "
+                  f"{show(body['max_completion_tokens'])})")
     param = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
     max_tokens = body.get(param)
     if max_tokens is None:
@@ -351,6 +357,9 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
             return
         if job.client_gone:
             note(request, "client disconnected")
+            return
+        if job.cut:
+            yield _event({"error": job.cut_error().body()["error"]})
             return
         usage, extra = extras(request, job)
         finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")

@@ -30,6 +30,7 @@ class Settings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     cors_origins: tuple[str, ...] = ()  # origins allowed ("*": any); empty: LOCAL_ORIGINS
     quiet: bool = False                 # no request log on stderr
+    allowed_hosts: frozenset[str] | None = None   # Host header names answered (None: any); see app.allowed_hosts
 
 
 def _announces_body(request: Request) -> bool:

@@ -48,7 +48,10 @@ from ..pool import EnginePool, PoolFullError
 from .errors import ApiError, server_error
 
 SOCKET = "edgespec.socket"   # the ASGI scope extension holding the connection's socket (http.py)
-FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+# stop_reason -> finish_reason; "cancelled": cut by the server's shutdown (a
+# client that leaves gets no answer).
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
+                 "cancelled": "cancelled"}
 
 
 @dataclass
@@ -243,6 +246,7 @@ class Job:
         self.logprobs: list = []         # the generation's logprobs so far, when asked for
         self.estimated_speedup = 1.0   # modelled from the cost curve, not measured
         self.client_gone = False
+        self.cut = False                 # the server's shutdown ended the generation early
         self.created = time.time()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -278,6 +282,12 @@ class Job:
             if isinstance(item, ApiError):
                 raise item
             yield item
+
+    def cut_error(self) -> ApiError:
+        """How a stream cut by the shutdown ends: an error event, not a clean stop."""
+        n = self.result.stats.n_tokens if self.result is not None else 0
+        return ApiError(503, f"the server shut down mid-generation, after {n} tokens", type="server_error",
+                        code="server_shutting_down")
 
     def close(self) -> None:
         """Stop the generation (if it still runs) and the watching."""
@@ -345,7 +355,13 @@ class Job:
         try:
             for piece in gen:
                 self._post(piece)
-                if self._cancel.is_set() or r.stopping:
+                if self._cancel.is_set():
+                    break
+                if r.stopping:
+                    gen.cancel()   # ends it here: its result says "cancelled"
+                    self.cut = True
+                    r.log(f"shutdown: a generation of {r.name} was cut after "
+                          f"{gen.result.stats.n_tokens} tokens")
                     break
         except EdgespecError as e:   # the backend failed mid-generation
             self._post(server_error(str(e)))

@@ -12,7 +12,9 @@ On disk, a folder:
     distill.json          the manifest: target (name, vocabulary fingerprint), lang,
                           sources, top_k, ctx, the shards written, and how many
                           sequences are done (where a resumed run goes on)
-    shard-NNNNN.bin       records, each written whole (temporary file, then rename)
+    shard-NNNNN.bin       records, each written whole (temporary file, then rename):
+                          32 sequences, or what a minute labelled, so a run killed
+                          (even with -9) resumes from its last shard
 
 A record, little endian:
 
@@ -49,6 +51,7 @@ FORMAT = 1
 RECORD_MAGIC = b"ESDR"
 _HEAD = struct.Struct("<4sIII")
 SEQUENCES_PER_SHARD = 32
+CHECKPOINT_SECONDS = 60   # a shard at least this often: a killed run (-9) loses at most this much
 MIN_SEQUENCE = 16   # a document's tail shorter than this is left out
 SHUFFLE_SEED = 0
 
@@ -261,7 +264,7 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
             ids, probs = top_k_rows(logits, params.top_k)
             pending.append(encode_record(Record(np.asarray(seq, np.int32), ids, probs)))
             pending_tokens += len(seq)
-            if len(pending) == SEQUENCES_PER_SHARD:
+            if len(pending) == SEQUENCES_PER_SHARD or time.monotonic() - t0 >= CHECKPOINT_SECONDS:
                 _flush(out, manifest, pending, pending_tokens, time.monotonic() - t0)
                 pending, pending_tokens, t0 = [], 0, time.monotonic()
             bar.update(len(seqs[i]), f"{bar.rate():.0f} tok/s")

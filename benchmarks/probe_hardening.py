@@ -1,0 +1,159 @@
+"""Hostile inputs against the built-in models and the server, counted.
+
+    python benchmarks/probe_hardening.py gguf --mutants 2000     # mutated GGUFs, both backends
+    python benchmarks/probe_hardening.py server                  # server RSS after hostile requests
+
+``gguf``: seeded mutants (tests/gguf_mutants.py) of each built-in model,
+split evenly between them, each through ``edgespec models info`` and
+``edgespec generate`` on the native and the llama backend (worker
+processes, replaced when one dies or hangs). Counted per model: aborts and
+crashes (killed by a signal), hangs, tracebacks (any other exit status than
+0 and 2), verdicts that disagree (models info accepting a file a backend
+refuses as damaged; one backend answering where the other refuses: a silent
+wrong output), and refusals of weights that compute NaN (found only by
+computing, on both backends alike). Goal: 0 of the first four.
+
+``server``: ``edgespec serve`` on a tiny generated model; its RSS at idle,
+then after each class of hostile request (a 200 MB header, a chat template
+that renders without end, a foreign Host, many disconnecting streams),
+each class repeated; goal: within 10% of idle after every class.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from gguf_mutants import NO_LOGITS, probe  # noqa: E402
+
+MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
+def classify(run) -> Counter:
+    """What one mutant's run counts as (see the module docstring)."""
+    c = Counter(mutants=1)
+    if not run.outcomes:
+        c["skipped"] += 1          # its header outgrew the working copy's padding
+        return c
+    for o in run.outcomes.values():
+        if o.code is None:
+            c["hangs"] += 1
+        elif o.code < 0:
+            c["aborts"] += 1
+        elif o.code not in (0, 2):
+            c["tracebacks"] += 1
+    if any(not p.startswith(("info:", "native:", "llama:")) for p in run.problems):
+        c["disagreements"] += 1
+    if all(o.code == 0 for o in run.outcomes.values()):
+        c["accepted"] += 1
+    if any(NO_LOGITS in o.error for o in run.outcomes.values()):
+        c["nan_refusals"] += 1
+    return c
+
+
+def gguf(args) -> int:
+    from edgespec.models import registry
+
+    per_model = -(-args.mutants // len(args.models))
+    totals, rows, findings = Counter(), [], []
+    for i, name in enumerate(args.models):
+        path = registry.resolve(name)
+        t0 = time.perf_counter()
+        runs = probe(path, args.workdir / name, seed=args.seed + i, n=per_model, threads=args.threads,
+                     timeout=args.timeout)
+        counts = sum((classify(r) for r in runs), Counter())
+        counts["seconds"] = round(time.perf_counter() - t0)
+        rows.append((name, counts))
+        totals += counts
+        findings += [{"model": name, "mutant": r.mutant, "problems": r.problems} for r in runs if r.problems]
+        print(f"{name}: {dict(counts)}", flush=True)
+    keys = ("mutants", "accepted", "aborts", "hangs", "tracebacks", "disagreements", "nan_refusals", "skipped")
+    print("\n| model | " + " | ".join(keys) + " |\n|" + " --- |" * (len(keys) + 1))
+    for name, c in rows + [("all", totals)]:
+        print(f"| {name} | " + " | ".join(str(c[k]) for k in keys) + " |")
+    for f in findings:
+        print(f"{f['model']}: {f['mutant']}: {f['problems']}")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": {n: dict(c) for n, c in rows}, "findings": findings}, indent=1))
+    return 1 if any(totals[k] for k in ("aborts", "hangs", "tracebacks", "disagreements")) else 0
+
+
+def server(args) -> int:
+    import socket
+    import tempfile
+    import threading
+
+    from edgespec.models import registry
+    from hostile_server import RUNAWAY_TEMPLATE, chat, huge_header, request, rss, serving, with_template
+
+    def disconnecting_streams(host, port):
+        for _ in range(20):   # a stream left after its first event
+            with socket.create_connection((host, port)) as s:
+                body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "stream": True})
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                          f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+                s.recv(4096)
+
+    def concurrent_runaway_templates(host, port):
+        threads = [threading.Thread(target=chat, args=(host, port, f"hi {i}")) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def normal(host, port):
+        for _ in range(5):
+            request(host, port, "POST", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 16})
+
+    classes = [
+        ("200 MB header x3", lambda h, p: [huge_header(h, p, 200 << 20) for _ in range(3)]),
+        ("runaway chat template x3", lambda h, p: [chat(h, p, "hi") for _ in range(3)]),
+        ("runaway chat template, 4 at once", concurrent_runaway_templates),
+        ("foreign Host x200", lambda h, p: [request(h, p, "GET", "/v1/models", headers={"Host": "evil.example"})
+                                            for _ in range(200)]),
+        ("streams left after one event x20", disconnecting_streams),
+        ("normal completions x5", normal),
+    ]
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as tmp, \
+            with_template(registry.resolve(args.model), RUNAWAY_TEMPLATE, Path(tmp)) as model, \
+            serving(model, "--threads", str(args.threads), "--drafter", "none") as (proc, host, port):
+        normal(host, port)
+        idle = rss(proc.pid)
+        print(f"| request class | RSS after (MB) | / idle |\n| --- | --- | --- |\n| idle | {idle / 1e6:.0f} | 1.00 |")
+        for name, send in classes:
+            t0 = time.perf_counter()
+            send(host, port)
+            time.sleep(1)   # answers sent, connections closed
+            now = rss(proc.pid)
+            worst = max(worst, now / idle)
+            print(f"| {name} ({time.perf_counter() - t0:.1f} s) | {now / 1e6:.0f} | {now / idle:.2f} |", flush=True)
+    return 0 if worst <= 1.1 else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("gguf", help="mutated GGUFs through models info and both backends")
+    g.add_argument("--mutants", type=int, default=2000, help="in all, split between the models (2000)")
+    g.add_argument("--models", nargs="+", default=list(MODELS))
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--timeout", type=float, default=300, help="seconds one command may take (300)")
+    g.add_argument("--workdir", type=Path, default=Path("probe-work"), help="the working copies (probe-work)")
+    g.add_argument("--out", type=Path, help="a JSON file for the counts and every finding")
+    v = sub.add_parser("server", help="the server's RSS after each class of hostile request")
+    v.add_argument("--model", default="smollm2-135m", help="served with a runaway chat template (smollm2-135m)")
+    v.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    return gguf(args) if args.what == "gguf" else server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
