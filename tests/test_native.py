@@ -296,14 +296,20 @@ def test_unsupported_architecture(tmp_path):
         open_backend("native", path)
 
 
-def test_qwen2_variants_refused(tmp_path, tiny_qwen2_path):
-    """A qwen2 file without one of its Q/K/V biases, or with a tensor the
-    engine would ignore (here a bias on the attention output), fails with one
-    line naming the tensor."""
-    no_bias = tmp_path / "no-bias.gguf"
+def test_qwen2_variants(tmp_path, tiny_qwen2_path):
+    """A qwen2 file without one of its Q/K/V biases runs as llama.cpp reads it
+    (the bias adds nothing: the same logits as a zero bias); one with a tensor
+    the engine would ignore (here a bias on the attention output) fails with
+    one line naming the tensor."""
+    no_bias, zero_bias = tmp_path / "no-bias.gguf", tmp_path / "zero-bias.gguf"
     copy_gguf(tiny_qwen2_path, no_bias, drop=["blk.1.attn_k.bias"])
-    with pytest.raises(ModelFormatError, match=r"tensor blk\.1\.attn_k\.bias is missing"):
-        open_backend("native", no_bias)
+    copy_gguf(tiny_qwen2_path, zero_bias, drop=["blk.1.attn_k.bias"],
+              add={"blk.1.attn_k.bias": np.zeros(32, dtype=np.float32)})
+    got = []
+    for path in (no_bias, zero_bias):
+        with open_backend("native", path, n_ctx=64, threads=1) as b:
+            got.append(rows(b, b.decode([1, 2, 3, 4], logits_from=0), 4).copy())
+    assert np.array_equal(got[0], got[1])
     extra = tmp_path / "extra.gguf"
     copy_gguf(tiny_qwen2_path, extra, add={"blk.0.attn_output.bias": np.zeros(64)})
     with pytest.raises(UnsupportedModelError, match=r"tensor blk\.0\.attn_output\.bias is not used"):

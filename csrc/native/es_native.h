@@ -288,6 +288,71 @@ const char * es_model_expert_error(const es_model * model);
 uint64_t es_sidecar_checksum(const void * data, size_t n);
 
 /* ========================================================================
+ * Architectures (arch/<name>.c)
+ *
+ * Each architecture the engine reads is one file holding its tensor table:
+ * every tensor it reads, its shape written in hyperparameters, whether it is
+ * required, per layer or global. The loader binds the weights by the table,
+ * es_gguf_validate checks a file against it, and the Python layer reads it
+ * (es_arch_tensor; es_gguf_arch_shapes resolves it for a file) instead of
+ * deriving shapes again.
+ * ======================================================================== */
+
+// The hyperparameter an axis of a tensor's shape is.
+enum es_dim {
+    ES_DIM_ONE = 0,   // an axis of size 1 (a vector's second axis, a matrix's third)
+    ES_DIM_EMBD,      // <arch>.embedding_length
+    ES_DIM_VOCAB,     // the vocabulary's token count
+    ES_DIM_FF,        // <arch>.feed_forward_length
+    ES_DIM_Q,         // head_count * key length: the query projection's outputs
+    ES_DIM_K,         // head_count_kv * key length
+    ES_DIM_V,         // head_count_kv * value length
+    ES_DIM_HEAD,      // key length (a per-head norm)
+    ES_DIM_QKV,       // Q + K + V: the three projections in one matrix
+    ES_DIM_EXPERT,    // <arch>.expert_count
+    ES_DIM_FF_EXP,    // <arch>.expert_feed_forward_length
+    ES_DIM_COUNT
+};
+
+enum es_tensor_flags {
+    ES_TENSOR_LAYER    = 1,   // one per layer, named "blk.<il>." + name; else one, named name
+    ES_TENSOR_REQUIRED = 2,   // a file without it is refused
+    ES_TENSOR_DENSE    = 4,   // only in a model without experts (expert_count 0)
+    ES_TENSOR_EXPERTS  = 8,   // only in a model with experts
+    ES_TENSOR_UNFUSED  = 16,  // required unless the layer has attn_qkv (Q, K, V in one matrix)
+};
+
+typedef struct es_tensor_spec {
+    const char * name;   // "attn_q.weight", "token_embd.weight"
+    int32_t      ne[3];  // enum es_dim of each axis, ggml order: ne[0] is the input width
+    int32_t      flags;  // enum es_tensor_flags
+} es_tensor_spec;
+
+// The architectures the engine reads ("llama", ...), by index from 0; NULL past the last.
+const char * es_arch_name(int32_t i);
+// The i-th row (from 0) of architecture arch's tensor table into *out
+// (strings owned by the library). False past the last row, or for an
+// architecture the engine does not read.
+bool es_arch_tensor(const char * arch, int32_t i, es_tensor_spec * out);
+
+// One table row resolved for a file: its full name and shape.
+typedef struct es_tensor_shape {
+    char    name[80];    // "blk.3.attn_q.weight"
+    int64_t ne[3];       // ggml order; -1: any (the vocabulary of a file without one)
+    int32_t flags;       // the row's es_tensor_flags
+} es_tensor_shape;
+
+// The tensors file g's architecture reads, each layer's and the global
+// ones, with the shapes g's hyperparameters give, in table order; rows that
+// do not apply to g (dense rows in a file with experts, and so on) left out.
+// Sets *n to their count and fills out[0 .. min(*n, cap)). ES_OK;
+// ES_ERR_UNSUPPORTED for an architecture the engine does not read;
+// ES_ERR_FORMAT (err as for es_gguf_validate) when g's hyperparameters are
+// refused; ES_ERR_INVALID_ARG for a NULL g or n.
+int es_gguf_arch_shapes(const es_gguf * g, es_tensor_shape * out, int32_t cap, int32_t * n,
+                        char * err, size_t err_cap);
+
+/* ========================================================================
  * Memory bandwidth (bandwidth.c)
  *
  * The read bandwidth a decode step can draw on: threads of the engine's pool
@@ -318,8 +383,9 @@ int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_
  *   - hyperparameters present and in range (block_count 1..512, widths, head
  *     counts that divide the width and each other, context length (>= 16), finite
  *     positive epsilon and RoPE base, expert counts);
- *   - every tensor the architecture reads present, with the shape the
- *     hyperparameters give and a weight type.
+ *   - every tensor the architecture reads present, with the shape its
+ *     tensor table (arch/<name>.c) gives for the hyperparameters, and a
+ *     weight type.
  * For every architecture:
  *   - the vocabulary: tokenizer.ggml.tokens non-empty and unique strings,
  *     token_type (i32, one per token, 0..6) and scores (f32, one per token),

@@ -42,6 +42,25 @@ const es_arch * const es__archs[] = {
     NULL,
 };
 
+const es_arch * es__arch(const char * name) {
+    for (int32_t i = 0; name && es__archs[i]; i++) {
+        if (strcmp(es__archs[i]->name, name) == 0) return es__archs[i];
+    }
+    return NULL;
+}
+
+const char * es_arch_name(int32_t i) {
+    const int32_t n = (int32_t) (sizeof es__archs / sizeof es__archs[0]) - 1;
+    return i >= 0 && i < n ? es__archs[i]->name : NULL;
+}
+
+bool es_arch_tensor(const char * arch, int32_t i, es_tensor_spec * out) {
+    const es_arch * a = es__arch(arch);
+    if (!a || !out || i < 0 || i >= a->n_tensors) return false;
+    *out = a->tensors[i].spec;
+    return true;
+}
+
 /* ---- small helpers ------------------------------------------------------- */
 
 static void set_err(char * err, size_t err_cap, const char * fmt, ...) {
@@ -61,14 +80,12 @@ static void run(es_context * ctx, es_pool_fn fn, void * arg, int32_t n_rows) {
 
 /* ---- binding tensors and keys -------------------------------------------- */
 
-// es__bind and es__bind_bias: the tensor blk.<il>.<kind>.<suffix> (il < 0:
-// <kind>.<suffix>).
-static int bind_tensor(const es_model * m, int32_t il, const char * kind, const char * suffix,
-                       int64_t n_in, int64_t n_out, bool required, es_weight * out,
-                       char * err, size_t err_cap) {
-    char name[96];
-    if (il < 0) snprintf(name, sizeof name, "%s.%s", kind, suffix);
-    else snprintf(name, sizeof name, "blk.%d.%s.%s", (int) il, kind, suffix);
+// The tensor named name (already "blk.<il>." prefixed for a layer's) as an
+// (n_in, n_out) matrix (n_out = 1: a vector; 0: whatever the file has) of a
+// type the kernels implement. Absent and not required: *out zeroed, ES_OK.
+// Errors name the tensor.
+static int bind_tensor(const es_model * m, const char * name, int64_t n_in, int64_t n_out, bool required,
+                       es_weight * out, char * err, size_t err_cap) {
     memset(out, 0, sizeof *out);
     const es_tensor * t = es_gguf_find_tensor(m->gguf, name);
     if (!t) {
@@ -97,14 +114,64 @@ static int bind_tensor(const es_model * m, int32_t il, const char * kind, const 
     return ES_OK;
 }
 
-int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
-             bool required, es_weight * out, char * err, size_t err_cap) {
-    return bind_tensor(m, il, kind, "weight", n_in, n_out, required, out, err, err_cap);
+// The sizes the es_dim symbols stand for in model m (every layer alike here).
+static void model_dims(const es_model * m, int64_t size[ES_DIM_COUNT]) {
+    const int64_t Q = (int64_t) m->n_head * m->head_dim, KV = (int64_t) m->n_head_kv * m->head_dim;
+    memset(size, 0, ES_DIM_COUNT * sizeof size[0]);
+    size[ES_DIM_ONE] = 1;
+    size[ES_DIM_EMBD] = m->n_embd;
+    size[ES_DIM_VOCAB] = m->n_vocab;
+    size[ES_DIM_FF] = m->n_ff;
+    size[ES_DIM_Q] = Q;
+    size[ES_DIM_K] = size[ES_DIM_V] = KV;
+    size[ES_DIM_HEAD] = m->head_dim;
+    size[ES_DIM_QKV] = Q + 2 * KV;
 }
 
-int es__bind_bias(const es_model * m, int32_t il, const char * kind, int64_t n, bool required,
-                  es_weight * out, char * err, size_t err_cap) {
-    return bind_tensor(m, il, kind, "bias", n, 1, required, out, err, err_cap);
+// Whether table row flags apply to a model with or without experts.
+static bool row_applies(int32_t flags, bool experts) {
+    return !((flags & ES_TENSOR_DENSE) && experts) && !((flags & ES_TENSOR_EXPERTS) && !experts);
+}
+
+int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap) {
+    const es_tensor * embd = es_gguf_find_tensor(m->gguf, "token_embd.weight");
+    if (!embd) {
+        set_err(err, err_cap, "tensor token_embd.weight is missing");
+        return ES_ERR_FORMAT;
+    }
+    m->n_vocab = (int32_t) embd->ne[1];
+    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
+    if (!m->layers) return ES_ERR_NO_MEMORY;
+    int64_t size[ES_DIM_COUNT];
+    model_dims(m, size);
+    int rc = ES_OK;
+    for (int32_t r = 0; rc == ES_OK && r < m->arch->n_tensors; r++) {
+        const es_arch_row * row = &m->arch->tensors[r];
+        const es_tensor_spec * sp = &row->spec;
+        if (row->field == ES_UNBOUND || !row_applies(sp->flags, experts)) continue;
+        const int64_t n_in = size[sp->ne[0]], n_out = size[sp->ne[1]];
+        const int32_t n_layers = sp->flags & ES_TENSOR_LAYER ? m->n_layer : 1;
+        for (int32_t il = 0; rc == ES_OK && il < n_layers; il++) {
+            char name[96];
+            if (sp->flags & ES_TENSOR_LAYER) snprintf(name, sizeof name, "blk.%d.%s", (int) il, sp->name);
+            else snprintf(name, sizeof name, "%s", sp->name);
+            bool required = sp->flags & ES_TENSOR_REQUIRED;
+            if (sp->flags & ES_TENSOR_UNFUSED) {
+                char fused[96];
+                snprintf(fused, sizeof fused, "blk.%d.attn_qkv.weight", (int) il);
+                if (es_gguf_find_tensor(m->gguf, fused) && !es_gguf_find_tensor(m->gguf, name)) {
+                    set_err(err, err_cap, "tensor %s: a fused attention projection is not read by the "
+                            "native engine", fused);
+                    return ES_ERR_UNSUPPORTED;
+                }
+                required = true;
+            }
+            char * base = sp->flags & ES_TENSOR_LAYER ? (char *) &m->layers[il] : (char *) m;
+            rc = bind_tensor(m, name, n_in, n_out, required, (es_weight *) (base + row->field), err, err_cap);
+        }
+    }
+    if (rc == ES_OK && !m->output.data) m->output = m->tok_embd;  // tied embeddings
+    return rc;
 }
 
 static int key_num(const es_model * m, const char * key, bool required, double * out,
@@ -204,31 +271,6 @@ int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_sca
         return ES_ERR_UNSUPPORTED;
     }
     return ES_OK;
-}
-
-int es__bind_embeddings(es_model * m, char * err, size_t err_cap) {
-    const int64_t D = m->n_embd;
-    int rc = es__bind(m, -1, "token_embd", D, 0, true, &m->tok_embd, err, err_cap);
-    if (rc != ES_OK) return rc;
-    m->n_vocab = (int32_t) m->tok_embd.n_out;
-    rc = es__bind(m, -1, "output_norm", D, 1, true, &m->output_norm, err, err_cap);
-    if (rc == ES_OK) rc = es__bind(m, -1, "output", D, m->n_vocab, false, &m->output, err, err_cap);
-    if (rc != ES_OK) return rc;
-    if (!m->output.data) m->output = m->tok_embd;  // tied embeddings
-    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
-    return m->layers ? ES_OK : ES_ERR_NO_MEMORY;
-}
-
-int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap) {
-    es_layer * L = &m->layers[il];
-    const int64_t D = m->n_embd, Q = (int64_t) m->n_head * m->head_dim;
-    const int64_t KV = (int64_t) m->n_head_kv * m->head_dim;
-    int rc = es__bind(m, il, "attn_norm", D, 1, true, &L->attn_norm, err, err_cap);
-    if (rc == ES_OK) rc = es__bind(m, il, "attn_q", D, Q, true, &L->wq, err, err_cap);
-    if (rc == ES_OK) rc = es__bind(m, il, "attn_k", D, KV, true, &L->wk, err, err_cap);
-    if (rc == ES_OK) rc = es__bind(m, il, "attn_v", D, KV, true, &L->wv, err, err_cap);
-    if (rc == ES_OK) rc = es__bind(m, il, "attn_output", Q, D, true, &L->wo, err, err_cap);
-    return rc;
 }
 
 /* ---- model ---------------------------------------------------------------- */

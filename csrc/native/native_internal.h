@@ -21,6 +21,7 @@
 
 #include "native/es_native.h"
 
+#include <stddef.h>
 #include <string.h>
 
 /* ---- weight types and kernels (quants.c) --------------------------------- */
@@ -302,14 +303,71 @@ struct es_model {
 };
 
 // One architecture, found by general.architecture in es__archs.
+// One row of an architecture's tensor table: the public spec, and the
+// es_weight the loader binds it to.
+typedef struct es_arch_row {
+    es_tensor_spec spec;
+    int32_t        field;  // offset of the es_weight in es_layer (per-layer rows) or in
+                           // es_model (global ones); ES_UNBOUND: read elsewhere (the
+                           // expert stacks: moe.c) or not by this engine (a fused attn_qkv)
+} es_arch_row;
+
+#define ES_UNBOUND (-1)
+#define ES_LAYER_W(f) ((int32_t) offsetof(es_layer, f))
+#define ES_MODEL_W(f) ((int32_t) offsetof(es_model, f))
+#define ES_L  ES_TENSOR_LAYER
+#define ES_R  ES_TENSOR_REQUIRED
+
+// The rows every decoder here shares, for the tables to start from.
+#define ES_TENSORS_EMBEDDINGS                                                                   \
+    {{"token_embd.weight",  {ES_DIM_EMBD, ES_DIM_VOCAB}, ES_R}, ES_MODEL_W(tok_embd)},          \
+    {{"output_norm.weight", {ES_DIM_EMBD},               ES_R}, ES_MODEL_W(output_norm)},       \
+    {{"output.weight",      {ES_DIM_EMBD, ES_DIM_VOCAB}, 0},    ES_MODEL_W(output)}  // absent: tied
+// Pre-norm attention; q_rows: the query projection's outputs (ES_DIM_Q, or
+// ES_DIM_EMBD where llama.cpp reads it so whatever the heads).
+#define ES_TENSORS_ATTENTION(q_rows)                                                            \
+    {{"attn_norm.weight",   {ES_DIM_EMBD},              ES_L | ES_R}, ES_LAYER_W(attn_norm)},   \
+    {{"attn_qkv.weight",    {ES_DIM_EMBD, ES_DIM_QKV},  ES_L},        ES_UNBOUND},              \
+    {{"attn_q.weight",      {ES_DIM_EMBD, q_rows},      ES_L | ES_TENSOR_UNFUSED}, ES_LAYER_W(wq)}, \
+    {{"attn_k.weight",      {ES_DIM_EMBD, ES_DIM_K},    ES_L | ES_TENSOR_UNFUSED}, ES_LAYER_W(wk)}, \
+    {{"attn_v.weight",      {ES_DIM_EMBD, ES_DIM_V},    ES_L | ES_TENSOR_UNFUSED}, ES_LAYER_W(wv)}, \
+    {{"attn_output.weight", {q_rows, ES_DIM_EMBD},      ES_L | ES_R}, ES_LAYER_W(wo)}
+#define ES_TENSORS_FFN_DENSE(flags)                                                             \
+    {{"ffn_norm.weight", {ES_DIM_EMBD},              ES_L | ES_R},         ES_LAYER_W(ffn_norm)}, \
+    {{"ffn_gate.weight", {ES_DIM_EMBD, ES_DIM_FF},   ES_L | ES_R | (flags)}, ES_LAYER_W(ffn_gate)}, \
+    {{"ffn_up.weight",   {ES_DIM_EMBD, ES_DIM_FF},   ES_L | ES_R | (flags)}, ES_LAYER_W(ffn_up)},  \
+    {{"ffn_down.weight", {ES_DIM_FF, ES_DIM_EMBD},   ES_L | ES_R | (flags)}, ES_LAYER_W(ffn_down)}
+// The router and the three expert stacks (moe.c reads them).
+#define ES_TENSORS_FFN_EXPERTS                                                                  \
+    {{"ffn_gate_inp.weight",  {ES_DIM_EMBD, ES_DIM_EXPERT},                 ES_L | ES_R | ES_TENSOR_EXPERTS}, ES_UNBOUND}, \
+    {{"ffn_gate_exps.weight", {ES_DIM_EMBD, ES_DIM_FF_EXP, ES_DIM_EXPERT},  ES_L | ES_R | ES_TENSOR_EXPERTS}, ES_UNBOUND}, \
+    {{"ffn_up_exps.weight",   {ES_DIM_EMBD, ES_DIM_FF_EXP, ES_DIM_EXPERT},  ES_L | ES_R | ES_TENSOR_EXPERTS}, ES_UNBOUND}, \
+    {{"ffn_down_exps.weight", {ES_DIM_FF_EXP, ES_DIM_EMBD, ES_DIM_EXPERT},  ES_L | ES_R | ES_TENSOR_EXPERTS}, ES_UNBOUND}
+
+// How an architecture's layers compute their FFN (what validation requires of expert_count).
+enum es_ffn_kind {
+    ES_FFN_DENSE,            // ffn_gate, ffn_up, ffn_down in every layer
+    ES_FFN_MOE,              // the router and the three expert stacks
+    ES_FFN_BY_EXPERT_COUNT,  // MoE when <arch>.expert_count > 0 (llama: Mixtral)
+};
+
 struct es_arch {
     const char * name;
+    const es_arch_row * tensors;  // (n_tensors) the tensor table
+    int32_t      n_tensors;
+    int32_t      ffn;                // enum es_ffn_kind
+    bool         full_rope;          // value width = key width = RoPE dimensions (its graph asserts it)
     // Reads the hyperparameters (m->gguf is open) and binds every tensor
-    // (es__bind); ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line err.
+    // (es__bind_tensors); ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line err.
     int (*load)(es_model * m, char * err, size_t err_cap);
     // One decoder layer over the batch: ctx->x (ctx->n, n_embd) in place.
     int (*layer)(es_context * ctx, int32_t il);
 };
+
+#define ES_TABLE(t) (t), (int32_t) (sizeof (t) / sizeof (t)[0])
+
+// The architecture called name, or NULL.
+const es_arch * es__arch(const char * name);
 
 extern const es_arch * const es__archs[];  // NULL-terminated
 
@@ -350,14 +408,14 @@ struct es_context {
     size_t     logits_cap; // floats allocated at logits; grows on demand
 };
 
-// Binds blk.<il>.<kind>.weight (il < 0: <kind>.weight) as an (n_in, n_out)
-// matrix (n_out = 1: a vector) of a type the kernels implement. Absent and
-// not required: *out zeroed, ES_OK. Errors name the tensor.
-int es__bind(const es_model * m, int32_t il, const char * kind, int64_t n_in, int64_t n_out,
-             bool required, es_weight * out, char * err, size_t err_cap);
-// Binds blk.<il>.<kind>.bias as an F32 vector of n elements; as es__bind.
-int es__bind_bias(const es_model * m, int32_t il, const char * kind, int64_t n, bool required,
-                  es_weight * out, char * err, size_t err_cap);
+// Binds every row of m->arch's tensor table that applies to m (dense rows
+// without experts, expert rows with them) into its es_weight, in the shape
+// m's hyperparameters give: sets n_vocab from token_embd, allocates
+// m->layers (zeroed), ties output to token_embd when the file has none.
+// ES_UNBOUND rows are left to whoever reads them (the experts: moe.c); a
+// layer with a fused attn_qkv instead of attn_q/k/v is ES_ERR_UNSUPPORTED.
+// Errors name the tensor.
+int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap);
 // Reads <arch>.<key> (an integer or float) into *out; absent and not
 // required: *out unchanged. Errors name the key.
 int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
@@ -373,12 +431,6 @@ int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t er
 // n_ctx_train, norm_eps), RoPE's base (default 10000) and linear scale.
 int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
                                char * err, size_t err_cap);
-// Binds layer il's attn_norm, attn_q, attn_k, attn_v and attn_output.
-int es__bind_attention(es_model * m, int32_t il, char * err, size_t err_cap);
-// Binds token_embd (sets n_vocab), output_norm and output (the embedding
-// when absent: tied), and allocates m->layers (n_layer, zeroed).
-int es__bind_embeddings(es_model * m, char * err, size_t err_cap);
-
 // The llama decoder layer (arch/llama.c), shared by qwen2: pre-norm attention
 // (biases as es__attention_inputs adds them, RoPE in m->rope_type's layout)
 // and a SwiGLU FFN, dense or the experts.

@@ -48,31 +48,6 @@
 enum { GV_U8 = 0, GV_I8 = 1, GV_U16 = 2, GV_I16 = 3, GV_U32 = 4, GV_I32 = 5, GV_F32 = 6,
        GV_BOOL = 7, GV_U64 = 10, GV_I64 = 11 };
 
-enum ffn_kind {
-    FFN_DENSE,            // ffn_gate, ffn_up, ffn_down
-    FFN_MOE,              // ffn_gate_inp and the three expert stacks
-    FFN_BY_EXPERT_COUNT,  // MoE when <arch>.expert_count > 0 (llama: Mixtral)
-};
-
-// What an architecture's loader reads beyond the attention and FFN blocks
-// every llama-family decoder has.
-typedef struct arch_rules {
-    const char * name;
-    int32_t      ffn;         // enum ffn_kind
-    bool         qk_norm;     // attn_q_norm, attn_k_norm (head_dim)
-    bool         post_norms;  // post_attention_norm, post_ffw_norm (n_embd)
-    bool         qkv_bias;    // attn_q/k/v.bias, optional
-    bool         q_is_embd;   // attn_q and attn_output are (n_embd, n_embd) whatever the heads
-    bool         full_rope;   // value width = key width = RoPE dimensions (the graph asserts it)
-} arch_rules;
-
-static const arch_rules ARCHS[] = {
-    {"llama",    FFN_BY_EXPERT_COUNT, false, false, false, false, true},
-    {"gemma3",   FFN_DENSE,           true,  true,  false, false, false},
-    {"qwen2",    FFN_DENSE,           false, false, true,  true,  true},
-    {"qwen3moe", FFN_MOE,             true,  false, false, false, true},
-};
-
 /* ========================================================================
  * The checker
  * ======================================================================== */
@@ -80,7 +55,7 @@ static const arch_rules ARCHS[] = {
 typedef struct checker {
     const es_gguf    * g;
     const char       * arch;   // general.architecture, owned by g
-    const arch_rules * rules;  // NULL: an architecture checked by the generic rules only
+    const es_arch    * rules;  // the architecture's table; NULL: one checked by the generic rules only
     char             * err;
     size_t             err_cap;
     // Hyperparameters (0: absent, for the generic rules).
@@ -365,7 +340,7 @@ static int check_hparams(checker * c) {
     TRY(key_int(c, arch_key(c, "expert_group_used_count", key), false, 0, MAX_EXPERTS, &n_groups_used));
     TRY(key_int(c, arch_key(c, "nextn_predict_layers", key), false, 0, c->n_layer, &n_nextn));
     if (rc != ES_OK) return rc;
-    if (c->rules && c->rules->ffn == FFN_MOE && c->n_expert == 0) {
+    if (c->rules && c->rules->ffn == ES_FFN_MOE && c->n_expert == 0) {
         return fail(c, "%s.expert_count is missing or 0 (every %s layer is a mixture of experts)",
                     c->arch, c->arch);
     }
@@ -391,7 +366,7 @@ static int check_hparams(checker * c) {
     const bool moe = c->n_expert > 0;
     TRY(key_per_layer(c, "feed_forward_length", known && !moe, known && !moe ? 1 : 0, MAX_FF, c->n_ff));
     c->n_ff_exp = c->n_ff[0];
-    if (moe && c->rules && c->rules->ffn == FFN_MOE) {
+    if (moe && c->rules && c->rules->ffn == ES_FFN_MOE) {
         c->n_ff_exp = c->n_expert_used[0] ? c->n_ff[0] / c->n_expert_used[0] : 0;
         TRY(key_int(c, arch_key(c, "expert_feed_forward_length", key), false, 1, MAX_FF, &c->n_ff_exp));
     }
@@ -698,65 +673,96 @@ static int want(checker * c, int32_t il, const char * kind, int64_t ne0, int64_t
     return ES_OK;
 }
 
-// token_embd (n_embd, n_vocab) for every architecture; output likewise when present.
+// token_embd (n_embd, n_vocab) and output likewise, when present: what an
+// architecture the engine does not read is still held to.
 static int check_embeddings(checker * c) {
     const int64_t V = c->n_vocab ? c->n_vocab : -1;
-    int rc = want(c, -1, "token_embd.weight", c->n_embd, V, 1, c->rules != NULL);
+    int rc = want(c, -1, "token_embd.weight", c->n_embd, V, 1, false);
     if (rc == ES_OK) rc = want(c, -1, "output.weight", c->n_embd, V, 1, false);
-    if (rc == ES_OK && c->rules) rc = want(c, -1, "output_norm.weight", c->n_embd, 1, 1, true);
     return rc;
 }
 
-// The tensors of layer il that the architecture's loader reads, in its shapes
-// (ggml order: ne0 is the input width).
-static int check_layer(checker * c, int32_t il) {
-    const arch_rules * r = c->rules;
-    const int64_t D = c->n_embd, HK = c->head_k, HV = c->head_v;
-    const int64_t Q = r->q_is_embd ? D : c->n_head[il] * HK;
-    const int64_t K = c->n_head_kv[il] * HK, V = c->n_head_kv[il] * HV;
-    const int64_t F = c->n_ff[il], E = c->n_expert, FE = c->n_ff_exp;
-    char name[64];
-    snprintf(name, sizeof name, "blk.%d.attn_qkv.weight", (int) il);
-    const bool fused = es_gguf_find_tensor(c->g, name) != NULL;  // Q, K, V in one matrix
+// The sizes the es_dim symbols stand for in layer il (0 for the global rows).
+static void layer_dims(const checker * c, int32_t il, int64_t size[ES_DIM_COUNT]) {
+    const int64_t Q = c->n_head[il] * c->head_k, K = c->n_head_kv[il] * c->head_k;
+    const int64_t V = c->n_head_kv[il] * c->head_v;
+    size[ES_DIM_ONE] = 1;
+    size[ES_DIM_EMBD] = c->n_embd;
+    size[ES_DIM_VOCAB] = c->n_vocab ? c->n_vocab : -1;   // a file without a vocabulary: any
+    size[ES_DIM_FF] = c->n_ff[il];
+    size[ES_DIM_Q] = Q;
+    size[ES_DIM_K] = K;
+    size[ES_DIM_V] = V;
+    size[ES_DIM_HEAD] = c->head_k;
+    size[ES_DIM_QKV] = Q + K + V;
+    size[ES_DIM_EXPERT] = c->n_expert;
+    size[ES_DIM_FF_EXP] = c->n_ff_exp;
+}
+
+// Calls fn for every row of the architecture's table that applies to this
+// file, in every layer it is in, with its full name, resolved shape and
+// whether the file must have it. Stops at the first status that is not ES_OK.
+typedef int (*row_fn)(checker * c, const char * name, const int64_t ne[3], int32_t flags, bool required,
+                      void * arg);
+
+static int each_row(checker * c, row_fn fn, void * arg) {
+    const bool moe = c->n_expert > 0;
     int rc = ES_OK;
-#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
-    TRY(want(c, il, "attn_norm.weight", D, 1, 1, true));
-    TRY(want(c, il, "attn_qkv.weight", D, Q + K + V, 1, false));
-    TRY(want(c, il, "attn_q.weight", D, Q, 1, !fused));
-    TRY(want(c, il, "attn_k.weight", D, K, 1, !fused));
-    TRY(want(c, il, "attn_v.weight", D, V, 1, !fused));
-    TRY(want(c, il, "attn_output.weight", Q, D, 1, true));
-    if (r->qkv_bias) {
-        TRY(want(c, il, "attn_q.bias", Q, 1, 1, false));
-        TRY(want(c, il, "attn_k.bias", K, 1, 1, false));
-        TRY(want(c, il, "attn_v.bias", V, 1, 1, false));
+    for (int32_t r = 0; rc == ES_OK && r < c->rules->n_tensors; r++) {
+        const es_tensor_spec * sp = &c->rules->tensors[r].spec;
+        if (((sp->flags & ES_TENSOR_DENSE) && moe) || ((sp->flags & ES_TENSOR_EXPERTS) && !moe)) continue;
+        const bool per_layer = sp->flags & ES_TENSOR_LAYER;
+        for (int32_t il = 0; rc == ES_OK && il < (per_layer ? c->n_layer : 1); il++) {
+            int64_t size[ES_DIM_COUNT];
+            layer_dims(c, il, size);
+            char name[80];
+            if (per_layer) snprintf(name, sizeof name, "blk.%d.%s", (int) il, sp->name);
+            else snprintf(name, sizeof name, "%s", sp->name);
+            bool required = sp->flags & ES_TENSOR_REQUIRED;
+            if (sp->flags & ES_TENSOR_UNFUSED) {   // Q, K, V: required unless in one matrix
+                char fused[80];
+                snprintf(fused, sizeof fused, "blk.%d.attn_qkv.weight", (int) il);
+                required = es_gguf_find_tensor(c->g, fused) == NULL;
+            }
+            const int64_t ne[3] = {size[sp->ne[0]], size[sp->ne[1]], size[sp->ne[2]]};
+            rc = fn(c, name, ne, sp->flags, required, arg);
+        }
     }
-    if (r->qk_norm) {
-        TRY(want(c, il, "attn_q_norm.weight", HK, 1, 1, true));
-        TRY(want(c, il, "attn_k_norm.weight", HK, 1, 1, true));
-    }
-    if (r->post_norms) {
-        TRY(want(c, il, "post_attention_norm.weight", D, 1, 1, true));
-        TRY(want(c, il, "post_ffw_norm.weight", D, 1, 1, true));
-    }
-    TRY(want(c, il, "ffn_norm.weight", D, 1, 1, true));
-    if (E == 0) {
-        TRY(want(c, il, "ffn_gate.weight", D, F, 1, true));
-        TRY(want(c, il, "ffn_up.weight", D, F, 1, true));
-        TRY(want(c, il, "ffn_down.weight", F, D, 1, true));
-    } else {
-        TRY(want(c, il, "ffn_gate_inp.weight", D, E, 1, true));
-        TRY(want(c, il, "ffn_gate_exps.weight", D, FE, E, true));
-        TRY(want(c, il, "ffn_up_exps.weight", D, FE, E, true));
-        TRY(want(c, il, "ffn_down_exps.weight", FE, D, E, true));
-    }
-#undef TRY
     return rc;
+}
+
+// Every tensor the architecture reads, in the shape its table gives.
+static int want_row(checker * c, const char * name, const int64_t ne[3], int32_t flags, bool required,
+                    void * arg) {
+    (void) flags;
+    (void) arg;
+    return want(c, -1, name, ne[0], ne[1], ne[2], required);
 }
 
 /* ========================================================================
  * The pass
  * ======================================================================== */
+
+// What both passes do first: the architecture named, its hyperparameters and
+// vocabulary read and checked into c.
+// known: only an architecture the engine reads (ES_ERR_UNSUPPORTED otherwise).
+static int read_model(checker * c, bool known) {
+    char buf[QUOTED_CAP];
+    c->arch = es_gguf_get_str(c->g, "general.architecture");
+    if (!c->arch) return fail(c, "metadata key general.architecture is missing or not a string");
+    if (strlen(c->arch) == 0 || strlen(c->arch) > 64) {
+        return fail(c, "general.architecture '%s' is not a name of 1..64 bytes",
+                    quoted(c->arch, strlen(c->arch), buf));
+    }
+    c->rules = es__arch(c->arch);
+    if (known && !c->rules) {
+        fail(c, "architecture %s is not one the native engine reads", quoted(c->arch, strlen(c->arch), buf));
+        return ES_ERR_UNSUPPORTED;
+    }
+    int rc = check_hparams(c);
+    if (rc == ES_OK) rc = check_vocab(c);
+    return rc;
+}
 
 int es_gguf_validate(const es_gguf * g, char * err, size_t err_cap) {
     if (err && err_cap) err[0] = '\0';
@@ -764,25 +770,46 @@ int es_gguf_validate(const es_gguf * g, char * err, size_t err_cap) {
     checker * c = calloc(1, sizeof *c);
     if (!c) return ES_ERR_NO_MEMORY;
     *c = (checker) {.g = g, .err = err, .err_cap = err_cap};
-    char buf[QUOTED_CAP];
-    int rc = ES_OK;
-    c->arch = es_gguf_get_str(g, "general.architecture");
-    if (!c->arch) {
-        rc = fail(c, "metadata key general.architecture is missing or not a string");
-    } else if (strlen(c->arch) == 0 || strlen(c->arch) > 64) {
-        rc = fail(c, "general.architecture '%s' is not a name of 1..64 bytes",
-                  quoted(c->arch, strlen(c->arch), buf));
-    }
-    for (size_t i = 0; rc == ES_OK && i < sizeof ARCHS / sizeof ARCHS[0]; i++) {
-        if (!strcmp(ARCHS[i].name, c->arch)) c->rules = &ARCHS[i];
-    }
-    if (rc == ES_OK) rc = check_hparams(c);
-    if (rc == ES_OK) rc = check_vocab(c);
+    int rc = read_model(c, false);
     if (rc == ES_OK) rc = check_all_tensors(c);
-    if (rc == ES_OK) rc = check_embeddings(c);
-    for (int32_t il = 0; rc == ES_OK && c->rules && il < c->n_layer; il++) rc = check_layer(c, il);
+    if (rc == ES_OK) rc = c->rules ? each_row(c, want_row, NULL) : check_embeddings(c);
     if (rc == ES_OK) rc = check_values(c);
     if (rc == ES_ERR_NO_MEMORY) fail(c, "out of memory validating the GGUF file");
+    free(c);
+    return rc;
+}
+
+typedef struct shapes_out {
+    es_tensor_shape * out;
+    int32_t cap, n;
+} shapes_out;
+
+static int add_shape(checker * c, const char * name, const int64_t ne[3], int32_t flags, bool required,
+                     void * arg) {
+    (void) c;
+    (void) required;
+    shapes_out * s = arg;
+    if (s->n < s->cap) {
+        es_tensor_shape * t = &s->out[s->n];
+        snprintf(t->name, sizeof t->name, "%s", name);
+        memcpy(t->ne, ne, sizeof t->ne);
+        t->flags = flags;
+    }
+    s->n++;
+    return ES_OK;
+}
+
+int es_gguf_arch_shapes(const es_gguf * g, es_tensor_shape * out, int32_t cap, int32_t * n,
+                        char * err, size_t err_cap) {
+    if (err && err_cap) err[0] = '\0';
+    if (!g || !n || cap < 0 || (cap > 0 && !out)) return ES_ERR_INVALID_ARG;
+    checker * c = calloc(1, sizeof *c);
+    if (!c) return ES_ERR_NO_MEMORY;
+    *c = (checker) {.g = g, .err = err, .err_cap = err_cap};
+    int rc = read_model(c, true);
+    shapes_out s = {.out = out, .cap = cap};
+    if (rc == ES_OK) rc = each_row(c, add_shape, &s);
+    if (rc == ES_OK) *n = s.n;
     free(c);
     return rc;
 }

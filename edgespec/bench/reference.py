@@ -93,10 +93,13 @@ class Reference:
             def key(name, default=None):
                 return f.get(f"{arch}.{name}", default)
 
+            # Widths from the engine's own tensor table, resolved for this file
+            # (the shapes the native engine binds and validation checks).
+            shapes = f.arch_shapes()
             self.n_layer, self.n_head = key("block_count"), key("attention.head_count")
             self.n_head_kv = key("attention.head_count_kv", self.n_head)
-            self.n_embd = key("embedding_length")
-            self.head_dim = key("attention.key_length", self.n_embd // self.n_head)
+            self.n_embd = shapes["token_embd.weight"][0]
+            self.head_dim = shapes["blk.0.attn_k.weight"][1] // self.n_head_kv
             self.eps = key("attention.layer_norm_rms_epsilon")
             self.rope_base = key("rope.freq_base", 10000.0)
             factor = key("rope.scaling.factor", 0.0) if key("rope.scaling.type", "linear") == "linear" else 0.0
@@ -106,7 +109,7 @@ class Reference:
             self.softcap = key("final_logit_softcapping", 0.0) if self.kind.gemma else 0.0
             self.swa = sliding_layers(f)
             self.out_name = "output.weight" if f.tensor("output.weight") else "token_embd.weight"  # tied
-            self.n_vocab = f.tensor(self.out_name).shape[1]
+            self.n_vocab = shapes["token_embd.weight"][1]
         self._out32: np.ndarray | None = None
 
     # -- weights ---------------------------------------------------------------

@@ -162,6 +162,28 @@ class GGUFFile(Owned):
     def tensor(self, name: str) -> GGUFTensor | None:
         return self._by_name.get(name)
 
+    def arch_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor this file's architecture reads (its table, each layer's
+        rows by full name, the rows that apply to this file), with the shape
+        its hyperparameters give, ggml order (-1: any). UnsupportedModelError
+        for an architecture the native engine does not read; ModelFormatError
+        when the hyperparameters are refused."""
+        self._require_open()
+        n = ffi.new("int32_t *")
+        err = ffi.new("char[]", ERR_CAP)
+        check_file(lib.es_gguf_arch_shapes(self._ptr, ffi.NULL, 0, n, err, ERR_CAP), err, self.path,
+                   "es_gguf_arch_shapes")
+        out = ffi.new("es_tensor_shape[]", max(n[0], 1))
+        check_file(lib.es_gguf_arch_shapes(self._ptr, out, n[0], n, err, ERR_CAP), err, self.path,
+                   "es_gguf_arch_shapes")
+        shapes = {}
+        for t in out[0:n[0]]:
+            ne = tuple(t.ne)
+            while len(ne) > 1 and ne[-1] == 1:
+                ne = ne[:-1]
+            shapes[ffi.string(t.name).decode()] = ne
+        return shapes
+
 
 def _decode(v) -> Any:
     """An es_gguf_value * as a Python object (its data lies in the open mapping)."""
@@ -184,6 +206,47 @@ def _decode(v) -> Any:
 
 def _text(v) -> str:
     return ffi.unpack(ffi.cast("char *", v.data), v.n).decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------------------
+# Architectures: each one's tensor table (csrc/native/arch/<name>.c)
+# ---------------------------------------------------------------------------
+
+# enum es_dim, as the tables write a shape's axes.
+DIMS = ("1", "n_embd", "n_vocab", "n_ff", "n_q", "n_k", "n_v", "head_dim", "n_qkv", "n_expert", "n_ff_exp")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One row of an architecture's tensor table."""
+
+    name: str                 # "attn_q.weight"; per layer under "blk.<il>."
+    dims: tuple[str, ...]     # each axis as a hyperparameter (DIMS), ggml order
+    layer: bool               # one per layer
+    required: bool            # a file without it is refused (Q, K, V: unless fused)
+    flags: int                # es_tensor_flags
+
+
+def architectures() -> list[str]:
+    """The architectures the native engine reads."""
+    out, i = [], 0
+    while (name := lib.es_arch_name(i)) != ffi.NULL:
+        out.append(ffi.string(name).decode())
+        i += 1
+    return out
+
+
+def arch_tensors(arch: str) -> list[TensorSpec]:
+    """Architecture ``arch``'s tensor table ([] for one the engine does not read)."""
+    spec, out, i = ffi.new("es_tensor_spec *"), [], 0
+    while lib.es_arch_tensor(arch.encode(), i, spec):
+        dims = tuple(DIMS[d] for d in spec.ne)
+        while len(dims) > 1 and dims[-1] == "1":
+            dims = dims[:-1]
+        out.append(TensorSpec(ffi.string(spec.name).decode(), dims, bool(spec.flags & lib.ES_TENSOR_LAYER),
+                              bool(spec.flags & (lib.ES_TENSOR_REQUIRED | lib.ES_TENSOR_UNFUSED)), spec.flags))
+        i += 1
+    return out
 
 
 def check_gguf(path: str | os.PathLike) -> None:

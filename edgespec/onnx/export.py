@@ -173,20 +173,23 @@ def read_config(reader: GGUFFile) -> DecoderConfig:
                                f"(supported: {', '.join(ARCHITECTURES)})")
     if reader.get(f"{arch}.expert_count"):
         raise ModelFormatError("Mixture-of-Experts models cannot be exported to ONNX yet")
-    n_embd = int(_field(reader, f"{arch}.embedding_length"))
+    # Widths from the engine's own tensor table, resolved for this file (the
+    # shapes the native engine binds and validation checks).
+    shapes = reader.arch_shapes()
+    n_embd, n_vocab = shapes["token_embd.weight"]
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(reader.get(f"{arch}.attention.key_length") or n_embd // n_head)
+    n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = shapes["blk.0.attn_k.weight"][1] // n_head_kv
     names = {t.name for t in reader.tensors}
-    n_vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
     n_layer = int(_field(reader, f"{arch}.block_count"))
     cfg = DecoderConfig(
         arch=arch,
         n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
+        n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_ff=int(_field(reader, f"{arch}.feed_forward_length")),
+        n_ff=shapes["blk.0.ffn_up.weight"][1],
         n_vocab=n_vocab,
         n_ctx_train=int(_field(reader, f"{arch}.context_length")),
         rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -195,7 +198,7 @@ def read_config(reader: GGUFFile) -> DecoderConfig:
         tied_output="output.weight" not in names,
         rope_neox=arch in ("qwen2", "gemma3"),
         rope_scale=_rope_scale(reader, arch),
-        qkv_bias=arch == "qwen2",
+        qkv_bias="blk.0.attn_q.bias" in shapes and "blk.0.attn_q.bias" in names,   # a table row, and in the file
     )
     if cfg.rope_dim != head_dim:
         raise ModelFormatError(f"RoPE over {cfg.rope_dim} of {head_dim} head dimensions cannot be exported")

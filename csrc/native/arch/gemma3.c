@@ -48,6 +48,16 @@ static int swa_pattern(es_model * m, char * err, size_t err_cap) {
     return ES_OK;
 }
 
+static const es_arch_row TENSORS[] = {
+    ES_TENSORS_EMBEDDINGS,
+    ES_TENSORS_ATTENTION(ES_DIM_Q),
+    {{"attn_q_norm.weight",         {ES_DIM_HEAD}, ES_L | ES_R}, ES_LAYER_W(attn_q_norm)},
+    {{"attn_k_norm.weight",         {ES_DIM_HEAD}, ES_L | ES_R}, ES_LAYER_W(attn_k_norm)},
+    {{"post_attention_norm.weight", {ES_DIM_EMBD}, ES_L | ES_R}, ES_LAYER_W(attn_post_norm)},
+    ES_TENSORS_FFN_DENSE(0),
+    {{"post_ffw_norm.weight",       {ES_DIM_EMBD}, ES_L | ES_R}, ES_LAYER_W(ffn_post_norm)},
+};
+
 static int load(es_model * m, char * err, size_t err_cap) {
     float rope_base, rope_base_swa = 10000.0f, scale;
     int rc = es__load_attention_hparams(m, &rope_base, &scale, err, err_cap);
@@ -58,24 +68,12 @@ static int load(es_model * m, char * err, size_t err_cap) {
     TRY(es__key_f32(m, "final_logit_softcapping", false, &m->final_softcap, err, err_cap));
     m->rope_type = ES_ROPE_NEOX;
     m->embd_scale = sqrtf((float) m->n_embd);
-    TRY(es__bind_embeddings(m, err, err_cap));
-    if (rc != ES_OK) return rc;
-
-    const int64_t D = m->n_embd, HD = m->head_dim, F = m->n_ff;
+    TRY(es__bind_tensors(m, false, err, err_cap));
     if (m->n_swa > 0) TRY(swa_pattern(m, err, err_cap));
     for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
         es_layer * L = &m->layers[il];
         L->rope_base = L->swa ? rope_base_swa : rope_base;
         L->rope_scale = L->swa ? 1.0f : scale;
-        TRY(es__bind_attention(m, il, err, err_cap));
-        TRY(es__bind(m, il, "attn_q_norm", HD, 1, true, &L->attn_q_norm, err, err_cap));
-        TRY(es__bind(m, il, "attn_k_norm", HD, 1, true, &L->attn_k_norm, err, err_cap));
-        TRY(es__bind(m, il, "post_attention_norm", D, 1, true, &L->attn_post_norm, err, err_cap));
-        TRY(es__bind(m, il, "ffn_norm", D, 1, true, &L->ffn_norm, err, err_cap));
-        TRY(es__bind(m, il, "ffn_gate", D, F, true, &L->ffn_gate, err, err_cap));
-        TRY(es__bind(m, il, "ffn_up", D, F, true, &L->ffn_up, err, err_cap));
-        TRY(es__bind(m, il, "ffn_down", F, D, true, &L->ffn_down, err, err_cap));
-        TRY(es__bind(m, il, "post_ffw_norm", D, 1, true, &L->ffn_post_norm, err, err_cap));
     }
 #undef TRY
     return rc;
@@ -116,4 +114,7 @@ static int layer(es_context * ctx, int32_t il) {
     return ES_OK;
 }
 
-const es_arch es__arch_gemma3 = { .name = "gemma3", .load = load, .layer = layer };
+const es_arch es__arch_gemma3 = {
+    .name = "gemma3", ES_TABLE(TENSORS), .ffn = ES_FFN_DENSE, .full_rope = false,
+    .load = load, .layer = layer,
+};

@@ -14,6 +14,13 @@
 
 #include "native/native_internal.h"
 
+static const es_arch_row TENSORS[] = {
+    ES_TENSORS_EMBEDDINGS,
+    ES_TENSORS_ATTENTION(ES_DIM_Q),
+    ES_TENSORS_FFN_DENSE(ES_TENSOR_DENSE),
+    ES_TENSORS_FFN_EXPERTS,
+};
+
 static int load(es_model * m, char * err, size_t err_cap) {
     float rope_base, scale;
     int32_t n_expert = 0, n_expert_used = 0;
@@ -24,27 +31,17 @@ static int load(es_model * m, char * err, size_t err_cap) {
     TRY(es__key_i32(m, "expert_used_count", false, &n_expert_used, err, err_cap));
     m->rope_type = ES_ROPE_NORM;
     m->embd_scale = 1.0f;
-    TRY(es__bind_embeddings(m, err, err_cap));
+    TRY(es__bind_tensors(m, n_expert > 0, err, err_cap));
     if (rc != ES_OK) return rc;
-
-    const int64_t D = m->n_embd, F = m->n_ff;
-    for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
-        es_layer * L = &m->layers[il];
-        L->rope_base = rope_base;
-        L->rope_scale = scale;
-        TRY(es__bind_attention(m, il, err, err_cap));
-        TRY(es__bind(m, il, "ffn_norm", D, 1, true, &L->ffn_norm, err, err_cap));
-        if (n_expert == 0) {
-            TRY(es__bind(m, il, "ffn_gate", D, F, true, &L->ffn_gate, err, err_cap));
-            TRY(es__bind(m, il, "ffn_up", D, F, true, &L->ffn_up, err, err_cap));
-            TRY(es__bind(m, il, "ffn_down", F, D, true, &L->ffn_down, err, err_cap));
-        }
+    for (int32_t il = 0; il < m->n_layer; il++) {
+        m->layers[il].rope_base = rope_base;
+        m->layers[il].rope_scale = scale;
     }
-    if (rc == ES_OK && n_expert > 0) {
+    if (n_expert > 0) {
         // Mixtral: softmax gating, the top-k weights renormalised (llama.cpp: norm_w).
         const es_moe_params mp = {
             .n_layer = m->n_layer, .n_expert = n_expert, .n_expert_used = n_expert_used,
-            .n_embd = D, .n_ff = F, .experts = m->params.experts, .norm_w = true,
+            .n_embd = m->n_embd, .n_ff = m->n_ff, .experts = m->params.experts, .norm_w = true,
         };
         rc = es_experts_init(m->gguf, &mp, &m->experts, err, err_cap);
         m->n_ff = 0;  // no dense FFN
@@ -79,4 +76,7 @@ int es__llama_layer(es_context * ctx, int32_t il) {
     return ES_OK;
 }
 
-const es_arch es__arch_llama = { .name = "llama", .load = load, .layer = es__llama_layer };
+const es_arch es__arch_llama = {
+    .name = "llama", ES_TABLE(TENSORS), .ffn = ES_FFN_BY_EXPERT_COUNT, .full_rope = true,
+    .load = load, .layer = es__llama_layer,
+};

@@ -8,35 +8,44 @@
  * and a dense SwiGLU FFN in every layer. The output projection is tied to
  * the token embeddings when the file has no output.weight (the small models).
  */
+#include <stdio.h>
+
 #include "native/native_internal.h"
+
+// llama.cpp reads qwen2's query and output projections as (n_embd, n_embd)
+// whatever the heads; this engine computes n_head * head_dim of them, the
+// same in every Qwen2 model (load refuses a file where they differ). The
+// biases are optional, as llama.cpp reads them: an absent one adds nothing.
+static const es_arch_row TENSORS[] = {
+    ES_TENSORS_EMBEDDINGS,
+    ES_TENSORS_ATTENTION(ES_DIM_EMBD),
+    {{"attn_q.bias", {ES_DIM_Q}, ES_L}, ES_LAYER_W(bq)},
+    {{"attn_k.bias", {ES_DIM_K}, ES_L}, ES_LAYER_W(bk)},
+    {{"attn_v.bias", {ES_DIM_V}, ES_L}, ES_LAYER_W(bv)},
+    ES_TENSORS_FFN_DENSE(0),
+};
 
 static int load(es_model * m, char * err, size_t err_cap) {
     float rope_base, scale;
     int rc = es__load_attention_hparams(m, &rope_base, &scale, err, err_cap);
-#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
-    TRY(es__key_i32(m, "feed_forward_length", true, &m->n_ff, err, err_cap));
+    if (rc == ES_OK) rc = es__key_i32(m, "feed_forward_length", true, &m->n_ff, err, err_cap);
+    if (rc != ES_OK) return rc;
+    if ((int64_t) m->n_head * m->head_dim != m->n_embd) {
+        snprintf(err, err_cap, "qwen2 with %d heads of %d is not %d wide: not read by the native engine",
+                 (int) m->n_head, (int) m->head_dim, (int) m->n_embd);
+        return ES_ERR_UNSUPPORTED;
+    }
     m->rope_type = ES_ROPE_NEOX;
     m->embd_scale = 1.0f;
-    TRY(es__bind_embeddings(m, err, err_cap));
-    if (rc != ES_OK) return rc;
-
-    const int64_t D = m->n_embd, F = m->n_ff;
-    const int64_t Q = (int64_t) m->n_head * m->head_dim, KV = (int64_t) m->n_head_kv * m->head_dim;
-    for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
-        es_layer * L = &m->layers[il];
-        L->rope_base = rope_base;
-        L->rope_scale = scale;
-        TRY(es__bind_attention(m, il, err, err_cap));
-        TRY(es__bind_bias(m, il, "attn_q", Q, true, &L->bq, err, err_cap));
-        TRY(es__bind_bias(m, il, "attn_k", KV, true, &L->bk, err, err_cap));
-        TRY(es__bind_bias(m, il, "attn_v", KV, true, &L->bv, err, err_cap));
-        TRY(es__bind(m, il, "ffn_norm", D, 1, true, &L->ffn_norm, err, err_cap));
-        TRY(es__bind(m, il, "ffn_gate", D, F, true, &L->ffn_gate, err, err_cap));
-        TRY(es__bind(m, il, "ffn_up", D, F, true, &L->ffn_up, err, err_cap));
-        TRY(es__bind(m, il, "ffn_down", F, D, true, &L->ffn_down, err, err_cap));
+    rc = es__bind_tensors(m, false, err, err_cap);
+    for (int32_t il = 0; rc == ES_OK && il < m->n_layer; il++) {
+        m->layers[il].rope_base = rope_base;
+        m->layers[il].rope_scale = scale;
     }
-#undef TRY
     return rc;
 }
 
-const es_arch es__arch_qwen2 = { .name = "qwen2", .load = load, .layer = es__llama_layer };
+const es_arch es__arch_qwen2 = {
+    .name = "qwen2", ES_TABLE(TENSORS), .ffn = ES_FFN_DENSE, .full_rope = true,
+    .load = load, .layer = es__llama_layer,
+};

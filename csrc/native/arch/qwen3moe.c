@@ -14,6 +14,15 @@
 
 #include "native/native_internal.h"
 
+static const es_arch_row TENSORS[] = {
+    ES_TENSORS_EMBEDDINGS,
+    ES_TENSORS_ATTENTION(ES_DIM_Q),
+    {{"attn_q_norm.weight", {ES_DIM_HEAD}, ES_L | ES_R}, ES_LAYER_W(attn_q_norm)},
+    {{"attn_k_norm.weight", {ES_DIM_HEAD}, ES_L | ES_R}, ES_LAYER_W(attn_k_norm)},
+    {{"ffn_norm.weight",    {ES_DIM_EMBD}, ES_L | ES_R}, ES_LAYER_W(ffn_norm)},
+    ES_TENSORS_FFN_EXPERTS,
+};
+
 static int load(es_model * m, char * err, size_t err_cap) {
     float rope_base, scale;
     int32_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0, n_ff = 0;
@@ -29,24 +38,17 @@ static int load(es_model * m, char * err, size_t err_cap) {
     m->n_ff = 0;  // no dense FFN
     m->rope_type = ES_ROPE_NEOX;
     m->embd_scale = 1.0f;
-    TRY(es__bind_embeddings(m, err, err_cap));
+    TRY(es__bind_tensors(m, true, err, err_cap));
     if (rc != ES_OK) return rc;
-
-    const int64_t D = m->n_embd, HD = m->head_dim;
-    for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) {
-        es_layer * L = &m->layers[il];
-        L->rope_base = rope_base;
-        L->rope_scale = scale;
-        TRY(es__bind_attention(m, il, err, err_cap));
-        TRY(es__bind(m, il, "attn_q_norm", HD, 1, true, &L->attn_q_norm, err, err_cap));
-        TRY(es__bind(m, il, "attn_k_norm", HD, 1, true, &L->attn_k_norm, err, err_cap));
-        TRY(es__bind(m, il, "ffn_norm", D, 1, true, &L->ffn_norm, err, err_cap));
+    for (int32_t il = 0; il < m->n_layer; il++) {
+        m->layers[il].rope_base = rope_base;
+        m->layers[il].rope_scale = scale;
     }
     // llama.cpp renormalises the top-k weights of qwen3moe whatever the file's
     // expert_weights_norm says (Qwen3's norm_topk_prob is true).
     const es_moe_params mp = {
         .n_layer = m->n_layer, .n_expert = n_expert, .n_expert_used = n_expert_used,
-        .n_embd = D, .n_ff = n_ff_exp, .experts = m->params.experts, .norm_w = true,
+        .n_embd = m->n_embd, .n_ff = n_ff_exp, .experts = m->params.experts, .norm_w = true,
     };
     TRY(es_experts_init(m->gguf, &mp, &m->experts, err, err_cap));
 #undef TRY
@@ -82,4 +84,7 @@ static int layer(es_context * ctx, int32_t il) {
     return ES_OK;
 }
 
-const es_arch es__arch_qwen3moe = { .name = "qwen3moe", .load = load, .layer = layer };
+const es_arch es__arch_qwen3moe = {
+    .name = "qwen3moe", ES_TABLE(TENSORS), .ffn = ES_FFN_MOE, .full_rope = true,
+    .load = load, .layer = layer,
+};
