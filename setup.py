@@ -11,7 +11,8 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["edgespec", "edgespec.*"]), "edgespec.builtin"],
     package_dir={"edgespec.builtin": "models"},
-    package_data={"edgespec.builtin": ["*.json", "drafters/*.md", "drafters/*/*.gguf"], "edgespec.server": ["page/*"],
+    package_data={"edgespec.builtin": ["*.json", "drafters/*.md", "drafters/*/*.gguf", "token-ranks/*.npy"],
+                  "edgespec.server": ["page/*"],
                   "edgespec.bench": ["results.schema.json", "suites/*.jsonl", "suites/SOURCES.txt"]},
     cffi_modules=["edgespec/capi/build.py:ffibuilder"],
     zip_safe=False,

@@ -92,6 +92,11 @@ class EngineConfig:
     draft_backend: str | None = option(
         None, "--draft-backend", choices=BACKENDS,
         help="Backend of the draft model (default: the target's), e.g. onnx on an NPU with a llama target.")
+    draft_vocab: int | None = option(
+        None, "--draft-vocab", minimum=256, metavar="N",
+        help="Trim the draft model's output layer to the N tokens text uses most (a token ranking: the "
+             "shipped one, or `edgespec drafter rank`), so each drafted token costs less; output stays "
+             "exact. For a draft model sharing the target's vocabulary, on the native backend (default: all).")
     draft_max: int = option(DEFAULT_DRAFT_MAX, "--draft-max", minimum=1, maximum=MAX_DRAFT - 1,
                             help=f"Most draft tokens per target step, [1, {MAX_DRAFT - 1}].")
     ngram_cache: str | None = option(None, "--ngram-cache",

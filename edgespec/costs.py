@@ -39,7 +39,8 @@ log = logging.getLogger("edgespec")
 
 def cost_key(backend) -> str:
     """What a backend's costs depend on: backend (and ONNX execution
-    provider), model file, thread count, expert-cache settings."""
+    provider), model file, thread count, expert-cache settings, the rows of
+    a trimmed output layer."""
     st = Path(backend.path).stat()
     device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
     # An expert cache's batches read the union of their tokens' experts from
@@ -47,7 +48,9 @@ def cost_key(backend) -> str:
     cache = getattr(backend, "expert_cache", None)
     experts = (f":experts-{cache.budget_mb}MB-{cache.precision}-{cache.policy}-{cache.prefetch}"
                if cache is not None else "")
-    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}"
+    rows = getattr(backend, "output_rows", 0)   # a draft head trimmed to its most used tokens
+    head = f":rows-{rows}" if rows else ""
+    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}{head}"
 
 
 def _filler(backend, n: int) -> list[int]:

@@ -418,16 +418,36 @@ def _chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
-@pytest.mark.parametrize("draft", ["other_vocab_llama", "trimmed_llama"])
-def test_sampling_with_drafts_follows_the_target_distribution(tiny_llama_path, draft, request):
+@pytest.fixture
+def head_ranking(tiny_llama_path, tmp_path, monkeypatch):
+    """A token ranking of the tiny vocabulary (a seeded shuffle) in a fresh
+    EDGESPEC_HOME, for draft heads trimmed to its top."""
+    from edgespec.drafters import ranks
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    with Vocab.load(tiny_llama_path) as vocab:
+        order = np.random.default_rng(0).permutation(vocab.n_vocab).astype(np.int32)
+        path = ranks.user_folder() / ranks.rank_name(model_drafter.target_fingerprint(vocab))
+    path.parent.mkdir(parents=True)
+    np.save(path, order)
+    return order
+
+
+@pytest.mark.parametrize("draft, draft_vocab", [("other_vocab_llama", None), ("trimmed_llama", None),
+                                                ("tiny_llama_path", 256)])
+def test_sampling_with_drafts_follows_the_target_distribution(tiny_llama_path, draft, draft_vocab, request):
     """End to end on the tiny models: the first four tokens sampled with
-    cross-tokenizer drafts (a deterministic proposal) or a trimmed
-    vocabulary's drafts (q zero outside its tokens) follow the target's own
-    distribution, computed exactly from its sampler probabilities along every prefix."""
+    cross-tokenizer drafts (a deterministic proposal), a trimmed
+    vocabulary's drafts (q zero outside its tokens) or a draft head trimmed
+    to 256 of the 515 tokens (--draft-vocab: q zero outside them, often
+    where the target's token is) follow the target's own distribution,
+    computed exactly from its sampler probabilities along every prefix."""
     params = SamplingParams(temperature=0.8, top_k=3)
     kw = dict(temperature=params.temperature, top_k=params.top_k)
+    if draft_vocab:
+        request.getfixturevalue("head_ranking")
     with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=256, drafter="model",
-                draft_model=str(request.getfixturevalue(draft))) as engine:
+                draft_model=str(request.getfixturevalue(draft)), draft_vocab=draft_vocab) as engine:
         prompt = "def fibonacci(n):\n    if n < 2:\n"
         context = engine.prompt_tokens(prompt)
         backend = engine.backend
@@ -525,3 +545,42 @@ def test_a_bad_token_map_is_refused(tiny_llama_path, tiny_vocab_path, tmp_path, 
     with open_backend("native", tiny_llama_path, n_ctx=512, threads=1) as target:
         with pytest.raises(IncompatibleDraftModelError, match=match):
             _drafter(target, path)
+
+
+def test_a_trimmed_draft_head_drafts_only_its_tokens_and_keeps_greedy_output(tiny_llama_path, head_ranking):
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="model",
+                draft_model=str(tiny_llama_path), draft_vocab=256, draft_max=4) as engine:
+        kept = set(head_ranking[:256].tolist())
+        drafted = []
+        real = model_drafter.ModelDrafter.draft
+
+        def spy(self, context, max_tokens):
+            d = real(self, context, max_tokens)
+            drafted.extend(d.tokens)
+            return d
+
+        model_drafter.ModelDrafter.draft = spy
+        try:
+            plain = engine.generate(LONG_TEXT[:200], max_tokens=48, drafter="none")
+            spec = engine.generate(LONG_TEXT[:200], max_tokens=48)
+        finally:
+            model_drafter.ModelDrafter.draft = real
+        assert spec.tokens == plain.tokens
+        assert drafted and set(drafted) <= kept
+        assert engine._drafters["model"].backend.output_rows == 256
+
+
+def test_draft_vocab_refusals(tiny_llama_path, other_vocab_llama, head_ranking, tmp_path, monkeypatch):
+    with pytest.raises(InvalidArgumentError, match=r"draft_vocab \(--draft-vocab\) must be in \[256, 515\]"):
+        Engine(str(tiny_llama_path), backend="native", threads=1, drafter="model",
+               draft_model=str(tiny_llama_path), draft_vocab=600)
+    with pytest.raises(InvalidArgumentError, match="cross-tokenizer draft"):
+        Engine(str(tiny_llama_path), backend="native", threads=1, drafter="model",
+               draft_model=str(other_vocab_llama), draft_vocab=256)
+    with pytest.raises(InvalidArgumentError, match="needs the draft model on the native backend"):
+        Engine(str(tiny_llama_path), backend="native", threads=1, drafter="model", draft_backend="llama",
+               draft_model=str(tiny_llama_path), draft_vocab=256)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "empty"))
+    with pytest.raises(InvalidArgumentError, match="edgespec drafter rank --model"):
+        Engine(str(tiny_llama_path), backend="native", threads=1, drafter="model",
+               draft_model=str(tiny_llama_path), draft_vocab=256)

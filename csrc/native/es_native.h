@@ -204,6 +204,15 @@ void es_model_free(es_model * model);
 
 const char * es_model_arch(const es_model * model);  // "llama", "gemma3", ...; owned by model
 int32_t es_model_n_vocab(const es_model * model);
+
+// Restricts the output layer to the rows of the n token ids in ids (a draft
+// model's head trimmed to the target's most frequent tokens: its cost per
+// token falls with the rows it skips): es_decode then computes those logits
+// only and sets every other one to -infinity, so rows stay n_vocab wide.
+// The rows are copied once, here; n = 0 (ids NULL) computes every row again.
+// Call it between decodes, with no context decoding. ES_ERR_INVALID_ARG: an
+// id outside the vocabulary, or twice; ES_ERR_NO_MEMORY.
+int es_model_set_output_rows(es_model * model, const es_token * ids, int32_t n);
 int32_t es_model_n_embd(const es_model * model);     // width of a hidden state
 int32_t es_model_n_ctx_train(const es_model * model);
 

@@ -414,8 +414,44 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     return ES_OK;
 }
 
+int es_model_set_output_rows(es_model * m, const es_token * ids, int32_t n) {
+    if (!m || n < 0 || (n > 0 && !ids)) return ES_ERR_INVALID_ARG;
+    const int64_t D = m->n_embd;
+    const size_t row = es_type_row_bytes(m->output.type, D);
+    uint8_t * seen = n > 0 ? calloc((size_t) m->n_vocab, 1) : NULL;
+    if (n > 0 && !seen) return ES_ERR_NO_MEMORY;
+    for (int32_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= m->n_vocab || seen[ids[i]]) {
+            free(seen);
+            return ES_ERR_INVALID_ARG;
+        }
+        seen[ids[i]] = 1;
+    }
+    free(seen);
+    uint8_t * data = n > 0 ? malloc((size_t) n * row) : NULL;
+    es_token * kept = n > 0 ? malloc((size_t) n * sizeof *kept) : NULL;
+    if (n > 0 && (!data || !kept)) {
+        free(data);
+        free(kept);
+        return ES_ERR_NO_MEMORY;
+    }
+    for (int32_t i = 0; i < n; i++) {   // (n, n_embd): row i is token ids[i]'s
+        memcpy(data + (size_t) i * row, (const uint8_t *) m->output.data + (size_t) ids[i] * row, row);
+        kept[i] = ids[i];
+    }
+    free((void *) m->output_rows.data);
+    free(m->output_ids);
+    m->output_rows = n > 0 ? (es_weight) { .data = data, .type = m->output.type, .n_in = D, .n_out = n }
+                           : (es_weight) { 0 };
+    m->output_ids = kept;
+    m->n_output_rows = n;
+    return ES_OK;
+}
+
 void es_model_free(es_model * m) {
     if (!m) return;
+    free((void *) m->output_rows.data);
+    free(m->output_ids);
     es_expert_cache_free(m->expert_cache);
     es_experts_free(m->experts);
     free(m->layers);
@@ -525,6 +561,7 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
 void es_context_free(es_context * c) {
     if (!c) return;
     free(c->logits);
+    free(c->kept);
     free(c->scratch);
     free(c->act);
     free(c->out);
@@ -956,13 +993,30 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
         ctx->n = 0;
         return ES_OK;
     }
-    const es_weight * out_w = &m->output;
-    rc = es__matmul(ctx, 1, &out_w, ctx->xn, &ctx->logits, rows);
+    // The kept rows of a restricted output layer (es_model_set_output_rows)
+    // go to ctx->kept and are spread out, the others -infinity.
+    const bool restricted = m->n_output_rows > 0;
+    const es_weight * out_w = restricted ? &m->output_rows : &m->output;
+    const int64_t width = restricted ? m->n_output_rows : m->n_vocab;
+    if (restricted && (size_t) rows * (size_t) width > ctx->kept_cap) {
+        float * k = malloc((size_t) rows * (size_t) width * sizeof *k);
+        if (!k) { ctx->n = 0; return ES_ERR_NO_MEMORY; }
+        free(ctx->kept);
+        ctx->kept = k;
+        ctx->kept_cap = (size_t) rows * (size_t) width;
+    }
+    float * out = restricted ? ctx->kept : ctx->logits;
+    rc = es__matmul(ctx, 1, &out_w, ctx->xn, &out, rows);
     if (rc != ES_OK) { ctx->n = 0; return rc; }
     if (m->final_softcap > 0.0f) {
         const float c = m->final_softcap, inv = 1.0f / c;
-        const size_t nl = (size_t) rows * (size_t) m->n_vocab;
-        for (size_t i = 0; i < nl; i++) ctx->logits[i] = tanhf(ctx->logits[i] * inv) * c;
+        const size_t nl = (size_t) rows * (size_t) width;
+        for (size_t i = 0; i < nl; i++) out[i] = tanhf(out[i] * inv) * c;
+    }
+    for (int32_t r = 0; restricted && r < rows; r++) {
+        float * row = ctx->logits + (size_t) r * (size_t) m->n_vocab;
+        for (int64_t i = 0; i < m->n_vocab; i++) row[i] = -INFINITY;
+        for (int64_t i = 0; i < width; i++) row[m->output_ids[i]] = ctx->kept[(size_t) r * (size_t) width + i];
     }
 
     ctx->n_past += n;

@@ -297,6 +297,10 @@ struct es_model {
     es_weight    tok_embd;                // (n_vocab, n_embd)
     es_weight    output_norm;             // (n_embd)
     es_weight    output;                  // (n_vocab, n_embd); tok_embd when tied
+    // es_model_set_output_rows: the output layer's rows kept, and their ids.
+    es_weight    output_rows;             // (n_output_rows, n_embd), data owned; unset: every row
+    es_token   * output_ids;              // (n_output_rows) owned
+    int32_t      n_output_rows;
     es_layer   * layers;                  // (n_layer), owned
     es_experts * experts;                 // owned; NULL for a dense model
     es_expert_cache * expert_cache;       // owned; NULL: experts served as params.experts says
@@ -406,6 +410,8 @@ struct es_context {
                            // pairs use the calling thread's slice
     float    * logits;     // (rows, n_vocab) rows [logits_from, n) of the last es_decode
     size_t     logits_cap; // floats allocated at logits; grows on demand
+    float    * kept;       // (rows, n_output_rows) the kept rows' logits before they are spread out
+    size_t     kept_cap;
 };
 
 // Binds every row of m->arch's tensor table that applies to m (dense rows

@@ -15,6 +15,7 @@
 
 #include "native/native_internal.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,6 +87,39 @@ static void check_embeddings(es_model * m, const es_token * seq) {
     es_context_free(ctx);
 }
 
+// A restricted output layer (es_model_set_output_rows): the kept ids' logits
+// bit-identical to the full layer's, every other one -infinity; bad ids
+// refused with the layer as it was; n = 0 gives every row back.
+static void check_output_rows(es_model * m, const es_token * seq) {
+    const int32_t nv = es_model_n_vocab(m);
+    es_context * ctx = new_context(m, 2);
+    if (!ctx) return;
+    CHECK(es_decode(ctx, seq, NULL, 4, 0) == ES_OK);
+    float * full = copy_logits(ctx, 4, nv);
+    const es_token keep[5] = {nv - 1, 0, 7 % nv, 1000 % nv == 0 ? 1 : 1000 % nv, 3};
+    const es_token twice[2] = {3, 3}, outside[1] = {nv};
+    CHECK(es_model_set_output_rows(m, twice, 2) == ES_ERR_INVALID_ARG);
+    CHECK(es_model_set_output_rows(m, outside, 1) == ES_ERR_INVALID_ARG);
+    CHECK(es_model_set_output_rows(m, keep, 5) == ES_OK);
+    CHECK(es_context_truncate(ctx, 0) == ES_OK);
+    CHECK(es_decode(ctx, seq, NULL, 4, 0) == ES_OK);
+    const float * got = es_context_logits(ctx);
+    for (int32_t r = 0; r < 4 && full; r++) {
+        int32_t finite = 0;
+        for (int32_t i = 0; i < nv; i++) finite += got[(size_t) r * nv + i] > -INFINITY;
+        CHECK(finite == 5);
+        for (int32_t k = 0; k < 5; k++) {
+            CHECK(got[(size_t) r * nv + keep[k]] == full[(size_t) r * nv + keep[k]]);
+        }
+    }
+    CHECK(es_model_set_output_rows(m, NULL, 0) == ES_OK);
+    CHECK(es_context_truncate(ctx, 0) == ES_OK);
+    CHECK(es_decode(ctx, seq, NULL, 4, 0) == ES_OK);
+    CHECK(full && memcmp(es_context_logits(ctx), full, (size_t) 4 * nv * sizeof *full) == 0);
+    free(full);
+    es_context_free(ctx);
+}
+
 static void check_model(const char * path) {
     char err[256];
     es_model * m = NULL;
@@ -154,6 +188,7 @@ static void check_model(const char * path) {
         es_context_free(ctx);
     }
     check_embeddings(m, seq);
+    check_output_rows(m, seq);
     es_model_free(m);
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -170,6 +171,7 @@ class NativeBackend(VocabMixin, Backend):
     name = "native"
     _ctx = _model = _embed_ctx = _vocab = None
     _contexts: list = []
+    output_rows = 0   # restrict_output: the output layer's rows computed (0: all)
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
                  threads: int | None = None, n_seq: int = 1, slots: int = 1,
@@ -255,6 +257,16 @@ class NativeBackend(VocabMixin, Backend):
     def expert_stats(self, reset: bool = False) -> dict | None:
         self._check_open()
         return self._model.expert_stats(reset)
+
+    def restrict_output(self, ids: Sequence[int]) -> None:
+        """Compute the logits of the tokens ``ids`` only (a draft head trimmed
+        to the target's most used tokens); the others come out as -inf, so
+        logits rows stay n_vocab wide. An empty ``ids`` computes every row again."""
+        self._check_open()
+        arr = np.ascontiguousarray(ids, dtype=np.int32)
+        check(lib.es_model_set_output_rows(self._model._ptr, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
+              "es_model_set_output_rows")
+        self.output_rows = len(arr)
 
     @property
     def expert_cache(self) -> moe.ExpertCache | None:

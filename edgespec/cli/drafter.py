@@ -1,4 +1,5 @@
 """`edgespec drafter ngram`: build a static n-gram cache for the cache drafter;
+`edgespec drafter rank`: a tokenizer's token ranking, for trimmed draft heads;
 `edgespec drafter distill` / `train`: make a specialized drafter for a target;
 `edgespec drafter list`: a target's specialized drafters.
 
@@ -40,6 +41,23 @@ def ngram_cmd(
     typer.echo(f"wrote {stats['path']}: {stats['contexts']} contexts from {stats['tokens']} tokens "
                f"in {stats['files']} file(s), n_max {stats['n_max']}, {stats['bytes'] / 1e6:.1f} MB, "
                f"{time.perf_counter() - t0:.1f} s")
+
+
+@drafter_app.command("rank")
+def rank_cmd(
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    chars: int = typer.Option(4_000_000, "--chars", help="Characters of text counted, spread over "
+                              "dataset-build's languages and Python code, > 0."),
+) -> None:
+    """Rank MODEL's tokens by how often text uses them, for `--draft-vocab N`
+    (a draft head trimmed to the N most used). The built-in models' rankings ship."""
+    from ..errors import InvalidArgumentError
+    from ..training.ranking import rank_tokens
+
+    if chars <= 0:
+        raise InvalidArgumentError(f"--chars must be > 0, got {chars}")
+    out = rank_tokens(model or registry.default_model(), chars=chars)
+    typer.echo(f"wrote {out}")
 
 
 @drafter_app.command("distill")

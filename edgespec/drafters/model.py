@@ -49,7 +49,7 @@ from ..costs import draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models.gguf import GGUFFile
 from ..sampling import Sampler, SamplingParams
-from . import Draft, Drafter, DrafterConfig, Verified, specialized
+from . import Draft, Drafter, DrafterConfig, Verified, ranks, specialized
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
 
@@ -346,6 +346,8 @@ class ModelDrafter(Drafter):
                                                        f"the target's {config.target.n_vocab} tokens")
             else:
                 self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
+            if config.options.draft_vocab:
+                self._trim_head(config.target, config.options.draft_vocab, ref)
             # What drafting costs beside this target, measured now (once per
             # machine) so that the planner charges it before the first try.
             self.cost = draft_cost(config.target, self.backend)
@@ -375,6 +377,19 @@ class ModelDrafter(Drafter):
         self.n_evaluated = 0
         self.n_trees = 0
         self.n_boundary_misses = 0        # cross-tokenizer drafts lost to the context boundary
+
+    def _trim_head(self, target, n: int, ref: str) -> None:
+        """Compute only the ``n`` most used tokens' logits (FR-Spec): the
+        others are -inf, so greedy drafts among them and a sampled draft's q
+        is zero outside them; verification is exact for any q."""
+        if self.mode != SAME_VOCAB:
+            raise InvalidArgumentError(f"draft_vocab (--draft-vocab) trims a draft model that shares the "
+                                       f"target's vocabulary; {ref} is a {self.mode} draft")
+        if not hasattr(self.backend, "restrict_output"):
+            raise InvalidArgumentError(f"draft_vocab (--draft-vocab) needs the draft model on the native "
+                                       f"backend, not {self.backend.name}")
+        self.backend.restrict_output(ranks.top_tokens(target_fingerprint(target), n,
+                                                      self.backend.n_vocab, ref))
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """Draft with the target's sampling settings on an RNG stream of its own."""
