@@ -266,7 +266,7 @@ def test_training_raises_held_out_acceptance(tmp_path, distilled, tiny_llama_pat
     with Vocab.load(tiny_llama_path) as vocab:
         data = train.prepare_data(vocab, read_gguf(tiny_llama_path), distill.DistillSet(distilled), params,
                                   progress=False)
-    fresh = train.build_model(params, len(data.token_map))
+    fresh = train.build_scratch(train.check_params(params), len(data.token_map))
     before = train.held_out_acceptance(fresh, data.kd_held_out)
     assert result.held_out_acceptance == state["progress"]["best_acceptance"] > before
 
@@ -383,12 +383,12 @@ def test_dataset_build_text_leaves_the_suites_prompts_out():
     for lang in ("deu", "jpn", "python"):
         texts = corpus.source_texts(lang, ["dataset-build"], progress=False)
         assert texts and all(name.startswith(f"dataset-build:{lang}/") for name, _ in texts)
-        prompts = [p.prompt for p in prompts.load_suite("multilingual") if p.lang == lang and not p.chat]
+        excerpts = [p.prompt for p in prompts.load_suite("multilingual") if p.lang == lang and not p.chat]
         whole = corpus.HeldOut(t for _, t in texts)
-        assert prompts and all(whole.overlaps(p) for p in prompts)
+        assert excerpts and all(whole.overlaps(e) for e in excerpts)
         docs, dropped = corpus.documents(texts, corpus.HeldOut.suites())
         kept = corpus.HeldOut(d.text for d in docs)
-        assert dropped >= 1 and not any(kept.overlaps(p) for p in prompts)
+        assert dropped >= 1 and not any(kept.overlaps(e) for e in excerpts)
         assert sum(len(d.text) for d in docs) > 0.8 * sum(len(t) for _, t in texts)
 
 
@@ -425,7 +425,7 @@ def test_exported_gguf_computes_what_was_trained(tmp_path, distilled, tiny_llama
     train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
     with GGUFFile(out) as f:
         keep, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
-    model = train.build_model(params, len(keep))
+    model = train.build_scratch(train.check_params(params), len(keep))
     model.load_state_dict(train.load_checkpoint(out.with_suffix(".ckpt"))["progress"]["best"])
     model.eval()
     to_draft = {t: i for i, t in enumerate(keep)}

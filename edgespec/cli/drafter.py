@@ -106,44 +106,71 @@ def train_cmd(
                              "the checkpoint a later run goes on from."),
     minutes: float = typer.Option(30.0, "--minutes", help="Training time of all runs together; the best "
                                   "state so far is exported when it is spent."),
-    n_embd: int = typer.Option(256, "--n-embd", help="Width of the drafter."),
-    n_layer: int = typer.Option(4, "--n-layer", help="Transformer blocks."),
-    n_head: int = typer.Option(4, "--n-head", help="Attention heads."),
-    n_head_kv: int = typer.Option(4, "--n-head-kv", help="Key/value heads (divides --n-head)."),
-    n_ff: int = typer.Option(768, "--n-ff", help="Feed-forward width."),
-    vocab: int = typer.Option(8192, "--vocab", help="Target tokens the drafter keeps (the most used; the "
-                              "others get probability 0)."),
+    init: str = typer.Option("target", "--init", help="Where the drafter starts: target (a new small llama "
+                             "whose embedding starts from the target's rows), random, or a model with the "
+                             "target's tokenizer to grow it from (a built-in name or GGUF path: "
+                             "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)."),
+    layers: str = typer.Option(None, "--layers", help="Grown: the N layers of the --init model that change "
+                               "its hidden state most on held-out text (default 4), or the layers named, "
+                               "e.g. 0,3,7."),
+    n_embd: int = typer.Option(None, "--n-embd", help="From scratch: width of the drafter (default 256)."),
+    n_layer: int = typer.Option(None, "--n-layer", help="From scratch: transformer blocks (default 4)."),
+    n_head: int = typer.Option(None, "--n-head", help="From scratch: attention heads (default 4)."),
+    n_head_kv: int = typer.Option(None, "--n-head-kv", help="From scratch: key/value heads, dividing --n-head "
+                                  "(default 4)."),
+    n_ff: int = typer.Option(None, "--n-ff", help="From scratch: feed-forward width (default 768)."),
+    vocab: int = typer.Option(8192, "--vocab", help="Target tokens the drafter keeps (the ones the target's "
+                              "labels use most; the others get probability 0), [256, the target's vocabulary]."),
+    quant: str = typer.Option(None, "--quant", help="The exported matrices: f16, q8_0 or q4_0 (default: f16 "
+                              "from scratch, q8_0 grown)."),
     ctx: int = typer.Option(512, "--ctx", help="Tokens per plain-text training window."),
-    lr: float = typer.Option(2e-3, "--lr", help="Peak learning rate (AdamW, cosine decay per stage)."),
-    pretrain_share: float = typer.Option(0.4, "--pretrain-share", help="Share of --minutes on plain text "
-                                         "before distillation, [0, 1)."),
+    batch_tokens: int = typer.Option(None, "--batch-tokens", help="Tokens per step and kind of batch (default: "
+                                     "4096 from scratch, 1024 grown)."),
+    lr: float = typer.Option(None, "--lr", help="Peak learning rate (AdamW, cosine decay per stage; default: "
+                             "2e-3 from scratch, 2e-4 grown)."),
+    pretrain_share: float = typer.Option(None, "--pretrain-share", help="Share of --minutes on plain text "
+                                         "before distillation, [0, 1) (default: 0.4 from scratch, 0 grown)."),
     sources: list[str] = typer.Option(None, "--source", help="Plain text for pretraining, repeatable (as "
                                       "distill's --source; default: the distillation's sources)."),
-    init: str = typer.Option("target", "--init", help="target: embedding from the target's own rows; random."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for PyTorch (default: its own)."),
     device: str = typer.Option("auto", "--device", help="auto (a CUDA GPU, else Apple's MPS, else the CPU), "
                                "cpu, cuda or mps."),
     restart: bool = typer.Option(False, "--restart", help="Start over, ignoring OUT.ckpt."),
 ) -> None:
-    """Train a small drafter for a target in two stages (plain text, then the target's soft labels) and
-    export it as a GGUF for `--drafter model --draft-model OUT` or a target's drafter set. Needs the
-    train extra: pip install 'edgespec[train]'."""
+    """Train a drafter for a target on its soft labels (from scratch: plain text first; or grown from a
+    smaller model with the target's tokenizer, --init MODEL) and export it as a GGUF for `--drafter model
+    --draft-model OUT` or a target's drafter set. Needs the train extra: pip install 'edgespec[train]'."""
     import shlex
     import sys
 
     from ..training import train
 
-    params = train.TrainParams(lang=lang, minutes=minutes, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                               n_head_kv=n_head_kv, n_ff=n_ff, vocab=vocab, ctx=ctx, lr=lr,
-                               pretrain_share=pretrain_share, init=init, seed=seed, threads=threads,
-                               device=device,
+    params = train.TrainParams(lang=lang, minutes=minutes, init=init, layers=_layers(layers), n_embd=n_embd,
+                               n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, vocab=vocab,
+                               quant=quant, ctx=ctx, batch_tokens=batch_tokens, lr=lr,
+                               pretrain_share=pretrain_share, seed=seed, threads=threads, device=device,
                                sources=list(sources or []))
     command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     result = train.train_model(model, data, out, params, restart=restart, command=command)
     typer.echo(f"wrote {result.out}: {result.n_params / 1e6:.1f}M parameters, {result.bytes / 1e6:.1f} MB; "
-               f"{result.steps} steps, {result.tokens_seen / 1e6:.1f}M tokens in {result.seconds / 60:.1f} min; "
+               f"{result.steps} steps, {result.tokens_seen / 1e6:.1f}M tokens in {result.seconds / 60:.1f} min "
+               f"({result.tokens_seen / max(result.seconds, 1e-9):.0f} tokens/s); "
                f"held-out acceptance {result.held_out_acceptance:.1%}")
+
+
+def _layers(text: str | None) -> int | list[int] | None:
+    """--layers: a count ("4") or layer numbers ("0,3,7")."""
+    from ..errors import InvalidArgumentError
+
+    if text is None:
+        return None
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"--layers must be a count such as 4 or layer numbers such as 0,3,7, "
+                                   f"got {text!r}") from None
+    return parts if "," in text else parts[0]
 
 
 def _default_sources(lang: str) -> list[str]:

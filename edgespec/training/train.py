@@ -1,29 +1,36 @@
-"""`edgespec drafter train`: a small llama drafter for one target and one
-language or domain, in the two stages of Yi et al. 2024, exported as a GGUF
-that the native engine and llama.cpp load as a draft model.
+"""`edgespec drafter train`: a drafter for one target and one language or
+domain, exported as a GGUF that the native engine and llama.cpp load as a
+draft model. Two kinds:
 
-1. Pretraining: next-token prediction on plain text of the language (the
-   sources the distillation read, tokenized with the target's tokenizer).
-2. Distillation: the drafter's distribution is pulled towards the target's
-   top-k soft labels (``edgespec drafter distill``) by cross-entropy, each
-   step also taking a batch of plain text so a small label set is not learnt
-   by heart.
+* From scratch (``init`` "target" or "random"), in the two stages of Yi et
+  al. 2024: a small llama pretrained on plain text of the language (the
+  sources the distillation read, tokenized with the target's tokenizer), then
+  distilled: its distribution pulled towards the target's top-k soft labels
+  (``edgespec drafter distill``) by cross-entropy, each step also taking a
+  batch of plain text so a small label set is not learnt by heart. Its
+  embedding starts from the principal components of the target's own
+  embedding rows of the kept tokens ("target"), so tokens the target treats
+  alike start alike; the output head is the embedding (tied).
+* Grown (``init`` a model sharing the target's tokenizer: the smaller sibling,
+  qwen2.5-coder-0.5b for qwen2.5-coder-1.5b): its weights, only ``layers`` of
+  its blocks (given, or the N of most block influence on held-out distilled
+  text, ShortGPT-style) and only the kept tokens' rows of its embedding and
+  output, then distilled on the labels as above (each step also with plain
+  text), exported in its own architecture.
 
-The drafter keeps only the ``vocab`` target tokens its text uses most (the
-target's control tokens always among them): drafter id i is target id
-``token_map[i]``; a target token outside the map is fed to it as ``unk``
-(the target's end-of-text token), the engine gives the others probability 0
-(see ``model.TokenMap``). Its embedding starts from the principal components
-of the target's own embedding rows of the kept tokens, so tokens the target
-treats alike start alike; the output head is the embedding (tied).
+Either way the drafter keeps only the ``vocab`` target tokens its language
+uses most (the plain text's and the labelled text's counts plus the target's
+label mass; the target's control tokens always among them): drafter id i is target id
+``token_map[i]``; a target token outside the map is fed to it as ``unk`` (the
+target's end-of-text token), the engine gives the others probability 0 (see
+``model.TokenMap``). The network (``network``) computes what the engines
+compute for its architecture, so the exported tensors need no conversion.
 
-The network is llama's (RMSNorm, rotary positions on adjacent pairs, which is
-llama.cpp's NORM mode, grouped-query attention, SwiGLU), so the exported
-tensors need no permutation. ``--minutes`` bounds the training of all runs
-together; a checkpoint (``OUT.ckpt``: magic, sha256, then the torch state) is
-written every minute and at the end, and a later run with the same data and
-shape goes on from it. The best state by held-out acceptance (the share of
-held-out positions where the drafter's top token is the target's) is exported.
+``--minutes`` bounds the training of all runs together; a checkpoint
+(``OUT.ckpt``: magic, sha256, then the torch state) is written every minute
+and at the end, and a later run with the same data and options goes on from
+it. The best state by held-out acceptance (the share of held-out positions
+where the drafter's top token is the target's) is exported.
 
 PyTorch and gguf-py come with the extra: ``pip install 'edgespec[train]'``.
 """
@@ -36,7 +43,7 @@ import math
 import os
 import struct
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -44,48 +51,62 @@ import numpy as np
 
 from ..errors import DrafterError, InvalidArgumentError
 from ..files import write_atomic
+from ..models import registry
 from ..progress import Progress
-from ..drafters import specialized
-from . import corpus
+from ..drafters import ranks, specialized
+from . import corpus, network
 from .distill import DistillSet
+from .network import _torch
 
 CKPT_MAGIC = b"ESCK"
-CKPT_VERSION = 1
+CKPT_VERSION = 2
 _CKPT_HEAD = struct.Struct("<4sI32sQ")   # magic, version, sha256 of the payload, payload bytes
 CHECKPOINT_SECONDS = 60
-EVAL_SECONDS = 30
-MAX_DRAFTER_BYTES = 25 * 1000 * 1000
-TRAIN_EXTRA = "pip install 'edgespec[train]'"
+EVAL_SECONDS = 30            # at least this long between held-out evaluations,
+EVAL_SHARE = 0.1             # and long enough that they take at most this share of the time
+MAX_DRAFTER_BYTES = 25 * 1000 * 1000   # a drafter trained from scratch
+MAX_GROWN_SHARE = 0.08       # a grown drafter: of the target's weight bytes (the goal: <= 8% of a target token)
+INFLUENCE_TOKENS = 4096      # held-out tokens the layer choice reads
+SCRATCH_INITS = ("target", "random")
+QUANTS = ("f16", "q8_0", "q4_0")
 
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise InvalidArgumentError(f"edgespec drafter train needs PyTorch: {TRAIN_EXTRA}") from None
-    return torch
+# Defaults that depend on the kind of drafter (a field left None takes its kind's);
+# the fields of only one kind are refused for the other.
+SCRATCH_DEFAULTS = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=4, n_ff=768, lr=2e-3, pretrain_share=0.4,
+                        quant="f16", batch_tokens=4096, warmup_steps=50)
+GROWN_DEFAULTS = dict(layers=4, lr=2e-4, pretrain_share=0.0, quant="q8_0", batch_tokens=1024, warmup_steps=10)
+_FLAGS = {"n_embd": "--n-embd", "n_layer": "--n-layer", "n_head": "--n-head", "n_head_kv": "--n-head-kv",
+          "n_ff": "--n-ff", "layers": "--layers"}
 
 
 @dataclass
 class TrainParams:
     lang: str
     minutes: float = 30.0       # training time of all runs together
-    n_embd: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_head_kv: int = 4
-    n_ff: int = 768
+    init: str = "target"        # "target": a new llama, embedding from the target's rows; "random"; or a model
+                                # (built-in name or GGUF path) sharing the target's tokenizer, grown from
+    layers: int | list[int] | None = None   # grown: the N layers of most influence, or these (default 4)
+    n_embd: int | None = None   # from scratch: the shape (defaults in SCRATCH_DEFAULTS)
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    n_ff: int | None = None
     vocab: int = 8192           # drafter tokens kept
     ctx: int = 512              # tokens per pretraining window
-    batch_tokens: int = 4096    # tokens per step and kind of batch
-    lr: float = 2e-3
-    pretrain_share: float = 0.4  # of the minutes spent on plain text alone
+    batch_tokens: int | None = None  # tokens per step and kind of batch
+    lr: float | None = None     # peak learning rate
+    warmup_steps: int | None = None
+    pretrain_share: float | None = None  # of the minutes spent on plain text alone
+    quant: str | None = None    # the exported matrices: f16, q8_0 or q4_0
     held_out_share: float = 0.05  # of the distilled sequences kept for measuring acceptance
-    init: str = "target"        # "target": embedding from the target's rows; "random"
     seed: int = 0
     threads: int | None = None
     device: str = "auto"        # auto: cuda, else mps, else cpu
     sources: list[str] = field(default_factory=list)  # pretraining text (default: the distillation's)
+
+    @property
+    def grown(self) -> bool:
+        return self.init not in SCRATCH_INITS
 
     def shape(self) -> dict:
         """What a checkpoint must share with a run that goes on from it."""
@@ -95,24 +116,40 @@ class TrainParams:
         return d
 
 
-def check_params(p: TrainParams) -> None:
+def check_params(p: TrainParams) -> TrainParams:
+    """``p`` checked (InvalidArgumentError naming the option), with its kind's defaults filled in."""
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise InvalidArgumentError(what)
 
+    defaults, other = (GROWN_DEFAULTS, SCRATCH_DEFAULTS) if p.grown else (SCRATCH_DEFAULTS, GROWN_DEFAULTS)
+    for key in other.keys() - defaults.keys():
+        need(getattr(p, key) is None, f"{_FLAGS[key]} is for a drafter " + (
+            "trained from scratch: a grown one has its --init model's shape (choose --layers)" if p.grown
+            else "grown from a model (--init MODEL)"))
+    p = replace(p, **{k: v for k, v in defaults.items() if getattr(p, k) is None})
     need(p.minutes > 0, f"--minutes must be positive, got {p.minutes}")
-    need(16 <= p.n_embd <= 2048 and p.n_embd % p.n_head == 0 and (p.n_embd // p.n_head) % 2 == 0,
-         f"--n-embd must be in [16, 2048] and split into --n-head heads of an even size, got {p.n_embd}")
-    need(1 <= p.n_layer <= 32, f"--n-layer must be in [1, 32], got {p.n_layer}")
-    need(1 <= p.n_head_kv <= p.n_head and p.n_head % p.n_head_kv == 0,
-         f"--n-head-kv must divide --n-head ({p.n_head}), got {p.n_head_kv}")
-    need(16 <= p.n_ff <= 16384, f"--n-ff must be in [16, 16384], got {p.n_ff}")
-    need(256 <= p.vocab <= 262144, f"--vocab must be in [256, 262144], got {p.vocab}")
+    if p.grown:
+        layers = [p.layers] if isinstance(p.layers, int) else p.layers
+        need(bool(layers) and all(isinstance(i, int) and i >= 0 for i in layers) and
+             (isinstance(p.layers, list) or p.layers >= 1) and len(set(layers)) == len(layers),
+             f"--layers must be a count N >= 1 or distinct layer numbers such as 0,3,7, got {p.layers}")
+    else:
+        need(16 <= p.n_embd <= 2048 and p.n_embd % p.n_head == 0 and (p.n_embd // p.n_head) % 2 == 0,
+             f"--n-embd must be in [16, 2048] and split into --n-head heads of an even size, got {p.n_embd}")
+        need(1 <= p.n_layer <= 32, f"--n-layer must be in [1, 32], got {p.n_layer}")
+        need(1 <= p.n_head_kv <= p.n_head and p.n_head % p.n_head_kv == 0,
+             f"--n-head-kv must divide --n-head ({p.n_head}), got {p.n_head_kv}")
+        need(16 <= p.n_ff <= 16384, f"--n-ff must be in [16, 16384], got {p.n_ff}")
+    need(ranks.MIN_KEPT <= p.vocab <= 262144, f"--vocab must be in [{ranks.MIN_KEPT}, 262144], got {p.vocab}")
     need(16 <= p.ctx <= 4096, f"--ctx must be in [16, 4096], got {p.ctx}")
+    need(64 <= p.batch_tokens <= 1 << 20, f"--batch-tokens must be in [64, {1 << 20}], got {p.batch_tokens}")
     need(0 <= p.pretrain_share < 1, f"--pretrain-share must be in [0, 1), got {p.pretrain_share}")
-    need(p.init in ("target", "random"), f"--init must be target or random, got {p.init!r}")
     need(p.lr > 0, f"--lr must be positive, got {p.lr}")
+    need(p.warmup_steps >= 0, f"warmup_steps must be >= 0, got {p.warmup_steps}")
+    need(p.quant in QUANTS, f"--quant must be {', '.join(QUANTS)}, got {p.quant!r}")
     need(p.device in ("auto", "cpu", "cuda", "mps"), f"--device must be auto, cpu, cuda or mps, got {p.device!r}")
+    return p
 
 
 def pick_device(name: str):
@@ -126,71 +163,26 @@ def pick_device(name: str):
     return torch.device(name)
 
 
-# -- the network ----------------------------------------------------------------------
+def scratch_shape(p: TrainParams, n_vocab: int) -> network.NetShape:
+    """The small llama a drafter trained from scratch is (tied output)."""
+    return network.NetShape(arch="llama", n_vocab=n_vocab, n_embd=p.n_embd, n_layer=p.n_layer, n_head=p.n_head,
+                            n_head_kv=p.n_head_kv, n_ff=p.n_ff, eps=1e-5, rope_base=10000.0)
 
-def build_model(p: TrainParams, n_vocab: int):
+
+def build_scratch(p: TrainParams, n_vocab: int):
+    """A drafter trained from scratch, at GPT-2's initialisation (residual
+    branches scaled down with depth)."""
     torch = _torch()
-    nn, F = torch.nn, torch.nn.functional
-    hd = p.n_embd // p.n_head
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn_norm = nn.RMSNorm(p.n_embd, eps=1e-5)
-            self.wq = nn.Linear(p.n_embd, p.n_head * hd, bias=False)          # (n_head*hd, n_embd)
-            self.wk = nn.Linear(p.n_embd, p.n_head_kv * hd, bias=False)
-            self.wv = nn.Linear(p.n_embd, p.n_head_kv * hd, bias=False)
-            self.wo = nn.Linear(p.n_head * hd, p.n_embd, bias=False)
-            self.ffn_norm = nn.RMSNorm(p.n_embd, eps=1e-5)
-            self.w_gate = nn.Linear(p.n_embd, p.n_ff, bias=False)             # (n_ff, n_embd)
-            self.w_up = nn.Linear(p.n_embd, p.n_ff, bias=False)
-            self.w_down = nn.Linear(p.n_ff, p.n_embd, bias=False)
-
-        def forward(self, x, cos, sin):
-            B, T, _ = x.shape
-            h = self.attn_norm(x)
-            q = rope(self.wq(h).view(B, T, p.n_head, hd), cos, sin).transpose(1, 2)      # (B, H, T, hd)
-            k = rope(self.wk(h).view(B, T, p.n_head_kv, hd), cos, sin).transpose(1, 2)
-            v = self.wv(h).view(B, T, p.n_head_kv, hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=p.n_head_kv != p.n_head)
-            x = x + self.wo(a.transpose(1, 2).reshape(B, T, p.n_head * hd))
-            h = self.ffn_norm(x)
-            return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
-
-    def rope(x, cos, sin):
-        # llama.cpp's NORM mode: each adjacent pair (2i, 2i+1) turns by pos * base^(-2i/hd).
-        x0, x1 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-    class Drafter(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok_embd = nn.Embedding(n_vocab, p.n_embd)     # (n_vocab, n_embd), also the output head
-            self.blocks = nn.ModuleList(Block() for _ in range(p.n_layer))
-            self.output_norm = nn.RMSNorm(p.n_embd, eps=1e-5)
-            for m in self.modules():
-                if isinstance(m, nn.Linear):
-                    nn.init.normal_(m.weight, std=0.02)
-            for b in self.blocks:  # residual branches scaled down with depth (GPT-2)
-                nn.init.normal_(b.wo.weight, std=0.02 / math.sqrt(2 * p.n_layer))
-                nn.init.normal_(b.w_down.weight, std=0.02 / math.sqrt(2 * p.n_layer))
-            nn.init.normal_(self.tok_embd.weight, std=0.02)
-
-        def forward(self, tokens):                               # (B, T) -> logits (B, T, n_vocab)
-            T = tokens.shape[1]
-            pos = torch.arange(T, dtype=torch.float32)
-            inv = ROPE_BASE ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-            ang = pos[:, None] * inv[None, :]                      # (T, hd/2)
-            cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-            x = self.tok_embd(tokens)
-            for b in self.blocks:
-                x = b(x, cos, sin)
-            return self.output_norm(x) @ self.tok_embd.weight.T
-
-    return Drafter()
-
-
-ROPE_BASE = 10000.0
+    model = network.build(scratch_shape(p, n_vocab))
+    nn = torch.nn
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+    for b in model.blk:
+        nn.init.normal_(b.attn_output.weight, std=0.02 / math.sqrt(2 * p.n_layer))
+        nn.init.normal_(b.ffn_down.weight, std=0.02 / math.sqrt(2 * p.n_layer))
+    nn.init.normal_(model.token_embd.weight, std=0.02)
+    return model
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -202,6 +194,7 @@ class TrainData:
     text: np.ndarray           # (N,) drafter ids of the plain text, documents one after another
     kd_train: list             # distillation records (tokens, ids, probs) in drafter ids
     kd_held_out: list
+    held_out_tokens: list      # the held-out records' tokens in target ids (for choosing layers)
     n_target: int              # the target's vocabulary size
     profile: list[str]         # specialized.char_profile() of the plain text, for the router
 
@@ -233,8 +226,10 @@ def prepare_data(target_vocab, target_reader, data: DistillSet, p: TrainParams, 
     if not records:
         raise DrafterError(f"{data.folder}: the distillation holds no records yet")
     n_target = target_vocab.n_vocab
+    if p.vocab > n_target:
+        raise InvalidArgumentError(f"--vocab {p.vocab} is above the target's vocabulary of {n_target} tokens")
     counts = np.bincount(text, minlength=n_target).astype(np.float64)
-    for r in records:
+    for r in records:   # the text the target read, and its label mass: what it says comes next
         counts += np.bincount(r.tokens, minlength=n_target)
         np.add.at(counts, r.ids.ravel(), r.probs.ravel().astype(np.float64))
     types = target_reader.fields.get(gguf.Keys.Tokenizer.TOKEN_TYPE)
@@ -254,8 +249,9 @@ def prepare_data(target_vocab, target_reader, data: DistillSet, p: TrainParams, 
     rng = np.random.default_rng(p.seed)
     order = rng.permutation(len(kd))
     n_held = max(1, int(round(len(kd) * p.held_out_share))) if len(kd) > 1 else 0
-    held = [kd[i] for i in order[:n_held]] or kd
-    return TrainData(keep, unk, ids(text), [kd[i] for i in order[n_held:]] or kd, held, n_target,
+    held = order[:n_held] if n_held else order
+    return TrainData(keep, unk, ids(text), [kd[i] for i in order[n_held:]] or kd, [kd[i] for i in held],
+                     [records[i].tokens.astype(np.int64) for i in held], n_target,
                      specialized.char_profile(t for _, t in texts))
 
 
@@ -309,7 +305,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     from ..models.gguf_write import read_gguf
     from ..drafters.model import target_fingerprint
 
-    check_params(p)
+    p = check_params(p)
     if out.suffix != ".gguf":
         raise InvalidArgumentError(f"--out must name a .gguf file, got {out}")
     if not out.parent.is_dir():
@@ -323,6 +319,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
         if data.target_vocab != target_fingerprint(vocab):
             raise InvalidArgumentError(f"{data_dir} was distilled from {data.target}, whose vocabulary differs "
                                        f"from {target_name}'s")
+        init_path = _grown_init(p.init, vocab, target_name) if p.grown else None
         prepared = prepare_data(vocab, reader, data, p, progress=progress)
     if len(prepared.text) < p.ctx + 1:
         raise InvalidArgumentError(f"the plain text of --lang {p.lang} has {len(prepared.text)} tokens, "
@@ -331,19 +328,29 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     if p.threads:
         torch.set_num_threads(p.threads)
     device = pick_device(p.device)
-    model = build_model(p, len(prepared.token_map))
-    if p.init == "target":
-        _init_from_target(model, reader, prepared.token_map)
-    model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.05)
     ckpt_path = out.with_suffix(".ckpt")
-    state = {"step": 0, "seconds": 0.0, "tokens": 0, "best_acceptance": -1.0, "best": None}
+    saved = None
     if ckpt_path.exists() and not restart:
         saved = load_checkpoint(ckpt_path)
         if saved["shape"] != p.shape() or saved["data"] != data.manifest["text_sha256"] \
                 or saved["records"] != data.sequences:
             raise InvalidArgumentError(f"{ckpt_path} was trained with other options or data: give the same "
                                        "ones to go on, or --restart to start over")
+    grown = None     # the init model's layers kept, and every layer's block influence
+    if saved is not None:
+        model, grown = network.build(network.NetShape(**saved["net"])), saved["grown"]
+    elif p.grown:
+        grown = _choose_layers(init_path, p.layers, prepared.held_out_tokens, progress)
+        model = network.read_gguf(init_path, grown["layers"], prepared.token_map)
+    else:
+        model = build_scratch(p, len(prepared.token_map))
+        if p.init == "target":
+            _init_from_target(model, reader, prepared.token_map)
+    _check_size(model, p, reader)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    state = {"step": 0, "seconds": 0.0, "tokens": 0, "best_acceptance": -1.0, "best": None}
+    if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         state = saved["progress"]
@@ -355,16 +362,18 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     bar.update(int(state["seconds"]))
     t_run = time.monotonic()
     seconds0 = state["seconds"]
-    last_ckpt = last_eval = time.monotonic()
+    checkpoints, evaluations = _Every(CHECKPOINT_SECONDS, EVAL_SHARE), _Every(EVAL_SECONDS, EVAL_SHARE)
 
     def save():
-        save_checkpoint(ckpt_path, {"shape": p.shape(), "data": data.manifest["text_sha256"],
-                                    "records": data.sequences, "model": model.state_dict(),
-                                    "optimizer": opt.state_dict(), "progress": state,
-                                    "rng": torch.get_rng_state()})
+        with checkpoints:
+            save_checkpoint(ckpt_path, {"shape": p.shape(), "data": data.manifest["text_sha256"],
+                                        "records": data.sequences, "net": model.shape.to_dict(), "grown": grown,
+                                        "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                        "progress": state, "rng": torch.get_rng_state()})
 
     def evaluate():
-        acc = held_out_acceptance(model, prepared.kd_held_out)
+        with evaluations:
+            acc = held_out_acceptance(model, prepared.kd_held_out)
         if acc > state["best_acceptance"]:
             state["best_acceptance"] = acc
             state["best"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -375,10 +384,11 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
         while state["seconds"] < budget:
             share = state["seconds"] / budget
             stage = "text" if share < p.pretrain_share else "distil"
-            # Warm-up over 50 steps, then a cosine down to a tenth within each stage.
+            # Warm-up, then a cosine down to a tenth within each stage.
             a, b = (0.0, p.pretrain_share) if stage == "text" else (p.pretrain_share, 1.0)
             frac = (share - a) / max(b - a, 1e-9)
-            lr = p.lr * min(1.0, (state["step"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            warm = min(1.0, (state["step"] + 1) / max(p.warmup_steps, 1))
+            lr = p.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr
             model.train()
@@ -391,15 +401,14 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
             opt.step()
             state["step"] += 1
             state["tokens"] += p.batch_tokens * (2 if stage == "distil" else 1)
-            now = time.monotonic()
-            state["seconds"] = seconds0 + now - t_run
-            if now - last_eval > EVAL_SECONDS:
-                acc, last_eval = evaluate(), now
-            if now - last_ckpt > CHECKPOINT_SECONDS:
+            state["seconds"] = seconds0 + time.monotonic() - t_run
+            if evaluations.due():
+                acc = evaluate()
+            if checkpoints.due():
                 save()
-                last_ckpt = now
             bar.update(int(state["seconds"]) - bar.count,
-                       f"{stage}  loss {loss.item():.3f}  held-out acceptance {max(acc, 0):.1%}")
+                       f"{stage}  loss {loss.item():.3f}  held-out acceptance {max(acc, 0):.1%}  "
+                       f"{state['tokens'] / max(state['seconds'], 1e-9):.0f} tok/s")
         evaluate()
     finally:
         # Also when interrupted: the run so far is kept and its best state exported.
@@ -412,7 +421,9 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
                 "target", "sources", "top_k", "ctx", "tokens", "sequences", "text_sha256")},
                 "params": p.shape(), "steps": state["step"], "seconds": round(state["seconds"]),
                 "tokens_seen": state["tokens"], "held_out_acceptance": round(state["best_acceptance"], 4)}
-            export_gguf(out, model, p, prepared, reader, target_name=target_name,
+            if grown is not None:
+                recipe["grown"] = {"init": registry.model_name(p.init), **grown}
+            export_gguf(out, model, prepared, reader, lang=p.lang, quant=p.quant, target_name=target_name,
                         target_vocab=data.target_vocab, recipe=recipe)
         bar.done()
     return TrainResult(out, state["step"], state["seconds"], state["best_acceptance"], state["tokens"],
@@ -423,13 +434,116 @@ def train_model(model: str | None, data: str | os.PathLike, out: str | os.PathLi
                 restart: bool = False, progress: bool = True, command: str = "") -> TrainResult:
     """``train`` for a model reference (a built-in name, a GGUF path, hf:...;
     default: the built-in default)."""
-    from ..models import registry
-
     check_params(params)
     _torch()
     ref = model or registry.default_model()
     return train(registry.model_path_checked(ref), registry.model_name(ref), Path(data), Path(out), params,
                  restart=restart, progress=progress, command=command)
+
+
+class _Every:
+    """When a periodic task (a checkpoint, an evaluation) is due: at least
+    ``seconds`` after the last one ended, and late enough that it takes at
+    most ``share`` of the time (a grown drafter's checkpoint is large)."""
+
+    def __init__(self, seconds: float, share: float):
+        self.seconds, self.share = seconds, share
+        self.last, self.took = time.monotonic(), 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last > max(self.seconds, self.took / self.share)
+
+    def __enter__(self):
+        self._t0 = time.monotonic()
+
+    def __exit__(self, *exc):
+        self.last = time.monotonic()
+        self.took = self.last - self._t0
+
+
+# -- growing from a model -----------------------------------------------------------------------
+
+def _grown_init(ref: str, target_vocab, target_name: str) -> Path:
+    """The path of the --init model, refused (InvalidArgumentError with the
+    reason) unless its tokenizer is the target's."""
+    from ..backends.vocab import Vocab
+    from ..drafters.model import target_fingerprint
+
+    path = registry.model_path_checked(ref)
+    with Vocab.load(path) as init:
+        theirs, ours = target_fingerprint(init), target_fingerprint(target_vocab)
+        if theirs != ours:
+            raise InvalidArgumentError(
+                f"--init {ref}: its tokenizer is not {target_name}'s (vocabulary fingerprint {theirs[:12]}, "
+                f"{init.n_vocab} tokens, against {ours[:12]}, {target_vocab.n_vocab} tokens): a drafter grows "
+                "from a model with the target's tokenizer")
+    return path
+
+
+def _choose_layers(init_path: Path, layers: int | list[int], held_out: list, progress: bool) -> dict:
+    """The init model's layers kept: ``layers`` as given, or the N of most
+    block influence on up to INFLUENCE_TOKENS held-out tokens."""
+    from ..models.gguf import GGUFFile
+
+    with GGUFFile(init_path) as f:
+        n_layer = network.read_shape(f).n_layer
+    count = layers if isinstance(layers, int) else len(layers)
+    if count > n_layer or not isinstance(layers, int) and max(layers) >= n_layer:
+        raise InvalidArgumentError(f"--layers {layers if isinstance(layers, int) else ','.join(map(str, layers))}"
+                                   f": {init_path.name} has {n_layer} layers (0 to {n_layer - 1})")
+    if not isinstance(layers, int):
+        return {"layers": list(layers), "influence": None}
+    sample, n = [], 0
+    for tokens in held_out:
+        if n >= INFLUENCE_TOKENS:
+            break
+        sample.append(tokens[:INFLUENCE_TOKENS - n])
+        n += len(sample[-1])
+    bar = Progress("block influence", n_layer, enabled=progress, lines=True)
+    influence = network.block_influence(init_path, sample, bar.update)
+    bar.done()
+    return {"layers": network.choose_layers(influence, layers), "influence": [round(float(x), 5) for x in influence]}
+
+
+def _check_size(model, p: TrainParams, target_reader) -> None:
+    """The drafter's bytes a drafted token reads, against the cap of its kind:
+    MAX_DRAFTER_BYTES from scratch, MAX_GROWN_SHARE of the target's when grown."""
+    size = token_bytes({k: tensor_bytes(v.shape, p.quant) for k, v in model.state_dict().items()},
+                       model.shape.n_vocab)
+    if p.grown:
+        n_target = max(int(t.shape[-1]) for t in target_reader.tensors if t.name == "token_embd.weight")
+        target = token_bytes({t.name: int(t.n_bytes) for t in target_reader.tensors}, n_target)
+        cap, what = MAX_GROWN_SHARE * target, f"{MAX_GROWN_SHARE:.0%} of the target's {target / 1e6:.0f} MB"
+        fix = "keep fewer --layers, a smaller --vocab or --quant q4_0"
+    else:
+        cap, what = MAX_DRAFTER_BYTES, "a drafter trained from scratch"
+        fix = "lower --vocab, --n-embd or --n-layer"
+    if size > cap:
+        raise InvalidArgumentError(f"a drafted token would read {size / 1e6:.1f} MB of the drafter, over the "
+                                   f"{cap / 1e6:.1f} MB of {what}: {fix}")
+
+
+def token_bytes(sizes: dict[str, int], n_vocab: int) -> int:
+    """Bytes of weights a token's evaluation reads, of tensors of ``sizes``
+    bytes by name: all of them but an untied embedding's other rows."""
+    total = sum(sizes.values())
+    if "output.weight" in sizes:
+        total -= sizes["token_embd.weight"] * (n_vocab - 1) // n_vocab
+    return total
+
+
+def tensor_bytes(shape, quant: str) -> int:
+    """Bytes of an exported tensor of (numpy) ``shape``: a matrix as ``quant``, a vector F32."""
+    from ..models.gguf_write import row_bytes
+
+    return shape[0] * row_bytes(_qtype(quant), shape[1]) if len(shape) == 2 else 4 * math.prod(shape)
+
+
+def _qtype(quant: str) -> int:
+    import gguf
+
+    return {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+            "q4_0": gguf.GGMLQuantizationType.Q4_0}[quant]
 
 
 def _text_loss(model, d: TrainData, p: TrainParams, rng):
@@ -496,71 +610,77 @@ def _init_from_target(model, reader, keep: np.ndarray) -> None:
         return
     rows = dequantize(np.asarray(t.data)[keep], t.tensor_type).astype(np.float32)   # (n_draft, n_embd_target)
     rows -= rows.mean(axis=0)
-    n = model.tok_embd.weight.shape[1]
+    n = model.token_embd.weight.shape[1]
     u, s, _ = torch.linalg.svd(torch.from_numpy(rows), full_matrices=False)
     k = min(n, u.shape[1])
     e = torch.zeros(len(keep), n)
     e[:, :k] = u[:, :k] * s[:k]
     e *= 0.02 / e.std()
     with torch.no_grad():
-        model.tok_embd.weight.copy_(e)
+        model.token_embd.weight.copy_(e)
 
 
 # -- export ----------------------------------------------------------------------------------
 
-def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *, target_name: str,
+def export_gguf(out: Path, model, d: TrainData, target_reader, *, lang: str, quant: str, target_name: str,
                 target_vocab: str, recipe: dict) -> None:
-    """The drafter as a llama GGUF: F16 matrices, F32 norms, the trimmed
-    tokenizer and the edgespec.drafter.* keys (see ``specialized``)."""
+    """The drafter as a GGUF of its network's architecture: matrices as
+    ``quant``, norms and biases F32, its tensors in the order of the
+    architecture's table, the trimmed tokenizer and the edgespec.drafter.*
+    keys (see ``specialized``)."""
     import gguf
 
-    from ..models.gguf_write import gguf_output
+    from ..models.gguf import arch_tensors
+    from ..models.gguf_write import gguf_output, quantize
 
+    s = model.shape
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    names = []
+    for spec in arch_tensors(s.arch):
+        names += [n for n in ([f"blk.{il}.{spec.name}" for il in range(s.n_layer)] if spec.layer else [spec.name])
+                  if n in sd]
+    if set(names) != set(sd):   # the network and the engine's table disagree: a bug here, not bad input
+        raise AssertionError(f"tensors outside {s.arch}'s table: {sorted(set(sd) - set(names))}")
+    qtype = _qtype(quant)
     with gguf_output(out) as tmp:
-        w = gguf.GGUFWriter(str(tmp), "llama")
+        w = gguf.GGUFWriter(str(tmp), s.arch)
         try:
-            w.add_name(f"edgespec drafter {p.lang} for {target_name}")
-            w.add_context_length(4096)
-            w.add_embedding_length(p.n_embd)
-            w.add_block_count(p.n_layer)
-            w.add_feed_forward_length(p.n_ff)
-            w.add_head_count(p.n_head)
-            w.add_head_count_kv(p.n_head_kv)
-            w.add_layer_norm_rms_eps(1e-5)
-            w.add_rope_freq_base(ROPE_BASE)
-            w.add_rope_dimension_count(p.n_embd // p.n_head)
+            w.add_name(f"edgespec drafter {lang} for {target_name}")
+            w.add_context_length(s.n_ctx)
+            w.add_embedding_length(s.n_embd)
+            w.add_block_count(s.n_layer)
+            w.add_feed_forward_length(s.n_ff)
+            w.add_head_count(s.n_head)
+            w.add_head_count_kv(s.n_head_kv)
+            w.add_layer_norm_rms_eps(s.eps)
+            w.add_rope_freq_base(s.rope_base)
+            w.add_rope_dimension_count(s.head_dim)
+            if s.rope_scale != 1.0:
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(1.0 / s.rope_scale)
             w.add_vocab_size(len(d.token_map))
-            w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+            w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                             "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant])
             specialized.add_trimmed_tokenizer(w, target_reader, d.token_map.tolist())
             w.add_string(specialized.KEY_TARGET, target_name)
             w.add_string(specialized.KEY_TARGET_VOCAB, target_vocab)
             w.add_uint32(specialized.KEY_TARGET_N_VOCAB, d.n_target)
             w.add_array(specialized.KEY_TOKEN_MAP, d.token_map.tolist())
             w.add_uint32(specialized.KEY_UNK, d.unk)
-            w.add_array(specialized.KEY_LANGS, [p.lang])
+            w.add_array(specialized.KEY_LANGS, [lang])
             w.add_array(specialized.KEY_PROFILE, d.profile)
             w.add_string(specialized.KEY_RECIPE, json.dumps(recipe, ensure_ascii=False, sort_keys=True))
-            f16 = lambda a: a.astype(np.float16)
-            w.add_tensor("token_embd.weight", f16(sd["tok_embd.weight"]))
-            names = {"attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight",
-                     "wv": "attn_v.weight", "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
-                     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
-            for i in range(p.n_layer):
-                for ours, theirs in names.items():
-                    a = sd[f"blocks.{i}.{ours}.weight"]
-                    w.add_tensor(f"blk.{i}.{theirs}", a if a.ndim == 1 else f16(a))
-            w.add_tensor("output_norm.weight", sd["output_norm.weight"])
+            for name in names:
+                a = sd[name]
+                if a.ndim == 1:
+                    w.add_tensor(name, a, raw_dtype=gguf.GGMLQuantizationType.F32)
+                else:
+                    w.add_tensor(name, quantize(a, qtype), raw_dtype=qtype)
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_tensors_to_file()
         finally:
             w.close()
-        size = tmp.stat().st_size
-        if size > MAX_DRAFTER_BYTES:
-            raise InvalidArgumentError(f"the drafter would be {size / 1e6:.1f} MB, over the "
-                                       f"{MAX_DRAFTER_BYTES / 1e6:.0f} MB a drafter may take: lower --vocab, "
-                                       "--n-embd or --n-layer")
 
 
 class _Clock(Progress):
