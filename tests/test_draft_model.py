@@ -522,7 +522,7 @@ def test_a_trimmed_drafter_maps_ids_both_ways(tiny_llama_path, trimmed_llama, ti
 
 @pytest.mark.parametrize("keys, match", [
     ({"edgespec.drafter.target_vocab": "0" * 64, "edgespec.drafter.target": "some-model"},
-     "trained for some-model, whose vocabulary differs"),
+     "trained for some-model, whose vocabulary differs from the target's, tiny-llama "),
     ({"edgespec.drafter.unk_id": 100000}, "unk_id must be one of its token ids"),
 ])
 def test_a_trimmed_drafter_for_another_vocabulary_or_with_bad_keys_is_refused(

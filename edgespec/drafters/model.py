@@ -47,6 +47,7 @@ from ..backends.base import common_prefix
 from ..capi import ffi
 from ..costs import draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
+from ..models import registry
 from ..models.gguf import GGUFFile
 from ..sampling import Sampler, SamplingParams
 from . import Draft, Drafter, DrafterConfig, Verified, ranks, specialized
@@ -197,9 +198,11 @@ def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | No
         trained_for, fingerprint = f.get(specialized.KEY_TARGET), f.get(specialized.KEY_TARGET_VOCAB)
     n_target = target.n_vocab
     if fingerprint != target_fingerprint(target):
+        target_path = getattr(target, "path", None)
         raise IncompatibleDraftModelError(
             f"draft model {draft_ref} was trained for {trained_for or 'another model'}, whose vocabulary "
-            f"differs from the target's ({specialized.KEY_TARGET_VOCAB} does not match)")
+            f"differs from the target's, {registry.model_name(target_path) if target_path else 'this one'} "
+            f"({specialized.KEY_TARGET_VOCAB} does not match)")
     if not isinstance(ids, list) or len(ids) != n_draft or not all(isinstance(i, int) for i in ids):
         raise IncompatibleDraftModelError(f"draft model {draft_ref}: {specialized.KEY_TOKEN_MAP} must list "
                                           f"a target id for each of its {n_draft} tokens")

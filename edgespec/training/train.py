@@ -52,6 +52,7 @@ import numpy as np
 from ..errors import DrafterError, InvalidArgumentError
 from ..files import write_atomic
 from ..models import registry
+from ..models.gguf import GGUFFile
 from ..progress import Progress
 from ..drafters import ranks, specialized
 from . import corpus, network
@@ -319,7 +320,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
         if data.target_vocab != target_fingerprint(vocab):
             raise InvalidArgumentError(f"{data_dir} was distilled from {data.target}, whose vocabulary differs "
                                        f"from {target_name}'s")
-        init_path = _grown_init(p.init, vocab, target_name) if p.grown else None
+        init_path = _grown_init(p, vocab, target_name) if p.grown else None
         prepared = prepare_data(vocab, reader, data, p, progress=progress)
     if len(prepared.text) < p.ctx + 1:
         raise InvalidArgumentError(f"the plain text of --lang {p.lang} has {len(prepared.text)} tokens, "
@@ -463,34 +464,33 @@ class _Every:
 
 # -- growing from a model -----------------------------------------------------------------------
 
-def _grown_init(ref: str, target_vocab, target_name: str) -> Path:
+def _grown_init(p: TrainParams, target_vocab, target_name: str) -> Path:
     """The path of the --init model, refused (InvalidArgumentError with the
-    reason) unless its tokenizer is the target's."""
+    reason) unless the network computes its architecture, its tokenizer is
+    the target's and it has the --layers asked for."""
     from ..backends.vocab import Vocab
     from ..drafters.model import target_fingerprint
 
-    path = registry.model_path_checked(ref)
+    path = registry.model_path_checked(p.init)
+    with GGUFFile(path) as f:
+        n_layer = network.read_shape(f).n_layer
     with Vocab.load(path) as init:
         theirs, ours = target_fingerprint(init), target_fingerprint(target_vocab)
         if theirs != ours:
             raise InvalidArgumentError(
-                f"--init {ref}: its tokenizer is not {target_name}'s (vocabulary fingerprint {theirs[:12]}, "
+                f"--init {p.init}: its tokenizer is not {target_name}'s (vocabulary fingerprint {theirs[:12]}, "
                 f"{init.n_vocab} tokens, against {ours[:12]}, {target_vocab.n_vocab} tokens): a drafter grows "
                 "from a model with the target's tokenizer")
+    layers = [p.layers] if isinstance(p.layers, int) else p.layers
+    if (p.layers if isinstance(p.layers, int) else max(layers) + 1) > n_layer:
+        raise InvalidArgumentError(f"--layers {','.join(map(str, layers))}: {path.name} has {n_layer} layers "
+                                   f"(0 to {n_layer - 1})")
     return path
 
 
 def _choose_layers(init_path: Path, layers: int | list[int], held_out: list, progress: bool) -> dict:
     """The init model's layers kept: ``layers`` as given, or the N of most
     block influence on up to INFLUENCE_TOKENS held-out tokens."""
-    from ..models.gguf import GGUFFile
-
-    with GGUFFile(init_path) as f:
-        n_layer = network.read_shape(f).n_layer
-    count = layers if isinstance(layers, int) else len(layers)
-    if count > n_layer or not isinstance(layers, int) and max(layers) >= n_layer:
-        raise InvalidArgumentError(f"--layers {layers if isinstance(layers, int) else ','.join(map(str, layers))}"
-                                   f": {init_path.name} has {n_layer} layers (0 to {n_layer - 1})")
     if not isinstance(layers, int):
         return {"layers": list(layers), "influence": None}
     sample, n = [], 0
@@ -499,6 +499,8 @@ def _choose_layers(init_path: Path, layers: int | list[int], held_out: list, pro
             break
         sample.append(tokens[:INFLUENCE_TOKENS - n])
         n += len(sample[-1])
+    with GGUFFile(init_path) as f:
+        n_layer = network.read_shape(f).n_layer
     bar = Progress("block influence", n_layer, enabled=progress, lines=True)
     influence = network.block_influence(init_path, sample, bar.update)
     bar.done()
