@@ -17,7 +17,9 @@ another so machine drift cancels:
     auto, no set        --drafter auto without specialized drafters
 
 Prints per language: acceptance (accepted / drafted), accepted tokens per
-target step, tokens/s and the ratio to plain decoding (total tokens over total
+target step, a draft model's cost per drafted token in target tokens (its
+DraftCost, measured when it opens and corrected from its timed drafts; the
+last run's), tokens/s and the ratio to plain decoding (total tokens over total
 decode time), and checks that every run's output equals plain decoding. The
 drafters come from --drafters DIR (files DIR/*.gguf and DIR/<target>/*.gguf),
 else the target's shipped set. The prompts are the suites', which `edgespec
@@ -68,7 +70,8 @@ def configurations(model: str, lang: str, drafter_dir: str | None, empty: str) -
 def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
     configs = configurations(args.model, lang, args.drafters, empty)
     engines = {label: Engine(args.model, threads=args.threads, n_ctx=2048, **kw) for label, kw in configs.items()}
-    totals = {label: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0} for label in configs}
+    totals = {label: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "cost": None}
+              for label in configs}
     mismatches = []
     prompts = prompts_of(lang, args.limit)
     try:
@@ -94,19 +97,21 @@ def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
                         t["drafted"] += r.stats.spec.drafted
                         t["accepted"] += r.stats.spec.accepted
                         t["steps"] += r.stats.spec.target_steps
+                        t["cost"] = r.stats.spec.planner.get("draft_cost", {}).get("model", [t["cost"]])[0]
     finally:
         for engine in engines.values():
             engine.close()
     base = totals["plain"]["tokens"] / totals["plain"]["seconds"]
     print(f"\n{lang}: {args.model}, {args.threads} threads, greedy, {args.tokens} tokens, "
           f"{len(prompts)} prompts x {args.rounds} rounds")
-    print("| configuration | acceptance | tokens / step | tokens/s | x plain |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| configuration | acceptance | tokens / step | cost / drafted token | tokens/s | x plain |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for label, t in totals.items():
         speed = t["tokens"] / t["seconds"]
         acc = f"{t['accepted'] / t['drafted']:.0%}" if t["drafted"] else "-"
         per_step = f"{t['tokens'] / t['steps']:.2f}" if t["steps"] else "1.00"
-        print(f"| {label} | {acc} | {per_step} | {speed:.2f} | {speed / base:.2f}x |")
+        cost = f"{t['cost']:.3f}" if t["cost"] is not None else "-"
+        print(f"| {label} | {acc} | {per_step} | {cost} | {speed:.2f} | {speed / base:.2f}x |")
     print("greedy output identical to plain decoding:", "yes" if not mismatches else f"NO {mismatches}")
     return {label: {"x_plain": (t["tokens"] / t["seconds"]) / base,
                     "acceptance": t["accepted"] / t["drafted"] if t["drafted"] else None} for label, t in totals.items()}
