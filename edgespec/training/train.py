@@ -66,7 +66,7 @@ CHECKPOINT_SECONDS = 60
 EVAL_SECONDS = 30            # at least this long between held-out evaluations,
 EVAL_SHARE = 0.1             # and long enough that they take at most this share of the time
 MAX_DRAFTER_BYTES = 25 * 1000 * 1000   # a drafter trained from scratch
-MAX_GROWN_SHARE = 0.08       # a grown drafter: of the target's weight bytes (the goal: <= 8% of a target token)
+MAX_GROWN_SHARE = 0.08       # a grown drafter: of what a target token reads (the goal: <= 8% of a target token)
 INFLUENCE_TOKENS = 4096      # held-out tokens the layer choice reads
 SCRATCH_INITS = ("target", "random")
 QUANTS = ("f16", "q8_0", "q4_0")
@@ -320,7 +320,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
         if data.target_vocab != target_fingerprint(vocab):
             raise InvalidArgumentError(f"{data_dir} was distilled from {data.target}, whose vocabulary differs "
                                        f"from {target_name}'s")
-        init_path = _grown_init(p, vocab, target_name) if p.grown else None
+        init_path, init_shape = _grown_init(p, vocab, target_name) if p.grown else (None, None)
         prepared = prepare_data(vocab, reader, data, p, progress=progress)
     if len(prepared.text) < p.ctx + 1:
         raise InvalidArgumentError(f"the plain text of --lang {p.lang} has {len(prepared.text)} tokens, "
@@ -337,17 +337,24 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
                 or saved["records"] != data.sequences:
             raise InvalidArgumentError(f"{ckpt_path} was trained with other options or data: give the same "
                                        "ones to go on, or --restart to start over")
+    n_draft = len(prepared.token_map)
+    if saved is not None:
+        shape = network.NetShape(**saved["net"])
+    elif p.grown:
+        shape = replace(init_shape, n_layer=p.layers if isinstance(p.layers, int) else len(p.layers), n_vocab=n_draft)
+    else:
+        shape = scratch_shape(p, n_draft)
+    _check_size(shape, p, reader)
     grown = None     # the init model's layers kept, and every layer's block influence
     if saved is not None:
-        model, grown = network.build(network.NetShape(**saved["net"])), saved["grown"]
+        model, grown = network.build(shape), saved["grown"]
     elif p.grown:
-        grown = _choose_layers(init_path, p.layers, prepared.held_out_tokens, progress)
+        grown = _choose_layers(init_path, p.layers, init_shape.n_layer, prepared.held_out_tokens, progress)
         model = network.read_gguf(init_path, grown["layers"], prepared.token_map)
     else:
-        model = build_scratch(p, len(prepared.token_map))
+        model = build_scratch(p, n_draft)
         if p.init == "target":
             _init_from_target(model, reader, prepared.token_map)
-    _check_size(model, p, reader)
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.05)
     state = {"step": 0, "seconds": 0.0, "tokens": 0, "best_acceptance": -1.0, "best": None}
@@ -464,16 +471,17 @@ class _Every:
 
 # -- growing from a model -----------------------------------------------------------------------
 
-def _grown_init(p: TrainParams, target_vocab, target_name: str) -> Path:
-    """The path of the --init model, refused (InvalidArgumentError with the
-    reason) unless the network computes its architecture, its tokenizer is
-    the target's and it has the --layers asked for."""
+def _grown_init(p: TrainParams, target_vocab, target_name: str) -> tuple[Path, network.NetShape]:
+    """The path and whole shape of the --init model, refused
+    (InvalidArgumentError with the reason) unless the network computes its
+    architecture, its tokenizer is the target's and it has the --layers asked for."""
     from ..backends.vocab import Vocab
     from ..drafters.model import target_fingerprint
 
     path = registry.model_path_checked(p.init)
     with GGUFFile(path) as f:
-        n_layer = network.read_shape(f).n_layer
+        shape = network.read_shape(f)
+    n_layer = shape.n_layer
     with Vocab.load(path) as init:
         theirs, ours = target_fingerprint(init), target_fingerprint(target_vocab)
         if theirs != ours:
@@ -485,10 +493,10 @@ def _grown_init(p: TrainParams, target_vocab, target_name: str) -> Path:
     if (p.layers if isinstance(p.layers, int) else max(layers) + 1) > n_layer:
         raise InvalidArgumentError(f"--layers {','.join(map(str, layers))}: {path.name} has {n_layer} layers "
                                    f"(0 to {n_layer - 1})")
-    return path
+    return path, shape
 
 
-def _choose_layers(init_path: Path, layers: int | list[int], held_out: list, progress: bool) -> dict:
+def _choose_layers(init_path: Path, layers: int | list[int], n_layer: int, held_out: list, progress: bool) -> dict:
     """The init model's layers kept: ``layers`` as given, or the N of most
     block influence on up to INFLUENCE_TOKENS held-out tokens."""
     if not isinstance(layers, int):
@@ -499,19 +507,18 @@ def _choose_layers(init_path: Path, layers: int | list[int], held_out: list, pro
             break
         sample.append(tokens[:INFLUENCE_TOKENS - n])
         n += len(sample[-1])
-    with GGUFFile(init_path) as f:
-        n_layer = network.read_shape(f).n_layer
     bar = Progress("block influence", n_layer, enabled=progress, lines=True)
     influence = network.block_influence(init_path, sample, bar.update)
     bar.done()
     return {"layers": network.choose_layers(influence, layers), "influence": [round(float(x), 5) for x in influence]}
 
 
-def _check_size(model, p: TrainParams, target_reader) -> None:
+def _check_size(shape: network.NetShape, p: TrainParams, target_reader) -> None:
     """The drafter's bytes a drafted token reads, against the cap of its kind:
     MAX_DRAFTER_BYTES from scratch, MAX_GROWN_SHARE of the target's when grown."""
-    size = token_bytes({k: tensor_bytes(v.shape, p.quant) for k, v in model.state_dict().items()},
-                       model.shape.n_vocab)
+    with _torch().device("meta"):   # the tensors' shapes, no memory
+        tensors = network.build(shape).state_dict()
+    size = token_bytes({k: tensor_bytes(v.shape, p.quant) for k, v in tensors.items()}, shape.n_vocab)
     if p.grown:
         n_target = max(int(t.shape[-1]) for t in target_reader.tensors if t.name == "token_embd.weight")
         target = token_bytes({t.name: int(t.n_bytes) for t in target_reader.tensors}, n_target)
