@@ -27,7 +27,7 @@ from edgespec.drafters import specialized
 from edgespec.drafters.model import target_fingerprint
 from edgespec.models.gguf import GGUFFile
 from edgespec.training import distill, network, train
-from test_drafter_train import TEXT, _killed_when, run_cli
+from test_drafter_train import _killed_when, distilled, run_cli  # noqa: F401 (distilled: a fixture)
 from tiny_gguf import Q, copy_gguf, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2
 
 torch = pytest.importorskip("torch")
@@ -51,15 +51,6 @@ def init_model(tmp_path_factory, tiny_vocab_path) -> Path:
     copy_gguf(folder / "full.gguf", folder / "init.gguf", drop=zero,
               add={t.name: np.zeros(t.data.shape, np.float32) for t in reader.tensors if t.name in zero})
     return folder / "init.gguf"
-
-
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory, tiny_llama_path) -> Path:
-    folder = tmp_path_factory.mktemp("grow") / "py"
-    with open_backend("native", tiny_llama_path, n_ctx=64, n_batch=64, threads=1) as target:
-        distill.distill(target, "tiny", folder, distill.DistillParams(lang="python", sources=[TEXT], top_k=8, ctx=64),
-                        fingerprint=target_fingerprint(target), progress=False)
-    return folder
 
 
 def grow(monkeypatch, capsys, target, data, out, *extra, lang="python") -> str:
