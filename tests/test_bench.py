@@ -211,17 +211,17 @@ def test_forget_prefix_makes_the_next_run_evaluate_its_whole_prompt(tiny_llama_p
 
 
 def test_bandwidth_is_measured_in_c_and_cached(tmp_path, monkeypatch):
-    from edgespec.bench import hardware
+    from edgespec import costs
     from edgespec.capi import ffi, lib
 
     assert lib.es_measure_bandwidth(ffi.NULL, ffi.NULL) == lib.ES_ERR_INVALID_ARG
-    assert hardware.measure_bandwidth(2, n_bytes=8 << 20, passes=2) > 1e8   # > 0.1 GB/s anywhere
+    assert costs.measure_bandwidth(2, n_bytes=8 << 20, passes=2) > 1e8   # > 0.1 GB/s anywhere
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     measured = []
-    monkeypatch.setattr(hardware, "measure_bandwidth", lambda threads: measured.append(threads) or 5e9)
-    assert hardware.bandwidth(2) == hardware.bandwidth(2) == 5e9
+    monkeypatch.setattr(costs, "measure_bandwidth", lambda threads: measured.append(threads) or 5e9)
+    assert costs.bandwidth(2) == costs.bandwidth(2) == 5e9
     assert measured == [2]                                  # the second call read the cache
-    assert hardware.bandwidth(2, remeasure=True) == 5e9 and measured == [2, 2]
+    assert costs.bandwidth(2, remeasure=True) == 5e9 and measured == [2, 2]
 
 
 def test_bytes_per_token_count_what_a_token_reads(tiny_llama_path, tmp_path, tiny_vocab_path):

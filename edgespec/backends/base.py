@@ -63,6 +63,7 @@ import numpy as np
 
 from ..capi import Closing
 from ..config import DEFAULT_CTX, MAX_CTX, MAX_SLOTS, MIN_CTX
+from ..costs import available_memory  # noqa: F401  (re-exported: what the pool reads)
 from ..models.gguf import GGUFFile
 from ..errors import (ContextOverflowError, EngineClosedError, InvalidArgumentError,
                       UnsupportedModelError)
@@ -83,18 +84,6 @@ def context_size(requested: int | None, limit: int, *, extend: bool | None = Fal
         hint = "" if extend is None else " (ctx_extend / --ctx-extend allows it, at the model's risk)"
         raise InvalidArgumentError(f"a context of {requested} tokens exceeds {limit_name} of {limit}{hint}")
     return requested
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the kernel says a new allocation can take, where it says."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:

@@ -6,7 +6,7 @@ only the token's row; with tied embeddings the whole table again as the
 output matrix; of MoE expert tensors the used experts' share) and the KV
 cache of every earlier position (F16 keys and values, in both engines; a
 sliding-window layer only its window). This machine's read bandwidth
-(hardware.bandwidth) over those bytes is the roofline in tokens/s.
+(costs.bandwidth) over those bytes is the roofline in tokens/s.
 
     bytes_per_token(path, context)          {"weights", "kv_cache", "total", "context"}
     measure_roofline(path, backends, ...)   results.json "roofline"
@@ -19,7 +19,7 @@ from pathlib import Path
 from ..backends import open_backend
 from ..errors import EdgespecError
 from ..models.gguf import GGUFFile
-from .hardware import bandwidth
+from ..costs import bandwidth
 from .reference import sliding_layers
 
 BATCH_SIZES = (1, 2, 4, 8, 16)

@@ -14,7 +14,7 @@ import typer
 from ..server import DEFAULT_MAX_REQUEST_BYTES
 from .base import app, fail
 from ..config import MODEL_HELP, EngineConfig
-from .options import engine_options, with_envvar
+from .options import engine_options, with_chat_model, with_envvar
 
 DEFAULT_SLOTS = 3   # KV caches per model: an editor's completion, its chat and one more client
 
@@ -56,7 +56,6 @@ def serve(
 ):
     """Serve models over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
     Sampling settings come with each request."""
-    from ..models import registry
     from ..pool import EnginePool, cached_models
     from ..server import make_server
 
@@ -69,7 +68,7 @@ def serve(
     refs: list = list(dict.fromkeys(models or []))
     if all_cached:
         refs += [name for name in cached_models() if name not in refs]
-    refs = refs or [registry.default_model()]
+    refs = refs or [with_chat_model(engine)[0].model]
     if model_name:
         refs[0] = (model_name, refs[0])
     with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes) as pool:

