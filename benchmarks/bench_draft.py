@@ -26,7 +26,7 @@ import statistics
 import time
 
 from edgespec import Engine
-from edgespec.bench import suites
+from edgespec.bench import prompts
 
 SUITES = ("edit", "chat", "code")
 PROSE = ["Write a short paragraph about the history of lighthouses.",
@@ -34,9 +34,9 @@ PROSE = ["Write a short paragraph about the history of lighthouses.",
          "Explain how a bicycle gear works."]
 
 
-def _prompts(names) -> list[suites.Prompt]:
+def _prompts(names) -> list[prompts.Prompt]:
     """The first prompt of each suite."""
-    return [suites.load_suite(name)[0] for name in names]
+    return [prompts.load_suite(name)[0] for name in names]
 
 
 def pairs(args) -> None:
@@ -98,12 +98,11 @@ def overhead(args) -> None:
                     spent[0] += time.perf_counter() - t0
             return wrapper
 
-        engine._choose_draft = timed(engine._choose_draft)
-        engine.generate(PROSE[0], max_tokens=8)  # opens the drafters and the planner
+        engine.generate(PROSE[0], max_tokens=8)  # a first generation, as every other one
         for d in engine._open_drafters("auto"):
             d.accept = timed(d.accept)
         planner = engine._planner
-        for name in ("record", "record_step_time"):
+        for name in ("choose", "record", "record_step_time"):
             setattr(planner, name, timed(getattr(planner, name)))
         fractions, per_step, plain_speed, auto_speed, drafted = [], [], [], [], 0
         for rnd in range(args.rounds):

@@ -39,7 +39,7 @@ import numpy as np
 
 from edgespec import Engine
 from edgespec.backends import onnx as onnx_backend
-from edgespec.backends import onnx_export
+from edgespec.onnx import export as onnx_export
 from edgespec.models import registry
 
 PROMPTS = [

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from edgespec import Engine
 from edgespec.backends.vocab import Vocab
-from edgespec.bench import suites
+from edgespec.bench import prompts
 from edgespec.drafters import routed
 from edgespec.errors import InvalidArgumentError
 from edgespec.models import registry
@@ -39,10 +39,10 @@ from edgespec.models import registry
 GENERIC = ("smollm2-135m",)
 
 
-def prompts_of(lang: str, limit: int) -> list[suites.Prompt]:
+def prompts_of(lang: str, limit: int) -> list[prompts.Prompt]:
     if lang == "python":
-        return suites.spread(suites.load_suite("code"), limit)
-    picked = [p for p in suites.load_suite("multilingual") if p.lang == lang]
+        return prompts.spread(prompts.load_suite("code"), limit)
+    picked = [p for p in prompts.load_suite("multilingual") if p.lang == lang]
     if not picked:
         raise SystemExit(f"no multilingual prompts for language {lang}")
     return picked[:limit]

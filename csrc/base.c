@@ -18,5 +18,8 @@ const char * es_status_str(int status) {
     }
 }
 
+#ifndef ES_VERSION
+#error "ES_VERSION: the build passes edgespec/__init__.py's __version__ (CMakeLists.txt, edgespec/capi/build.py)"
+#endif
 const char * es_version(void) { return ES_VERSION; }
 

@@ -3,8 +3,8 @@
  * codes and the version.
  *
  * The two components, each with its own public header over this one:
- *   spec/es_spec.h      the speculative core: sampler, verification, drafters' data
- *   native/es_native.h  the inference engine: GGUF reader, kernels, forward pass
+ *   speculative/es_spec.h  the speculative core: sampler, verification, drafters' data
+ *   native/es_native.h     the inference engine: GGUF reader, kernels, forward pass
  *
  * Neither prints, exits or aborts, nor reads the environment: every fallible
  * function returns an es_status (0 on success, negative on failure) that
@@ -25,8 +25,6 @@
 extern "C" {
 #endif
 
-#define ES_VERSION "0.1.0"
-
 typedef int32_t es_token;  // a token id, as llama.cpp's llama_token
 
 typedef enum es_status {
@@ -44,7 +42,8 @@ typedef enum es_status {
 // Text for a status code; a static string, never NULL.
 const char * es_status_str(int status);
 
-// The library's version string, ES_VERSION.
+// The library's version string: edgespec/__init__.py's __version__, which
+// every build passes as ES_VERSION (CMakeLists.txt, edgespec/capi/build.py).
 const char * es_version(void);
 
 #ifdef __cplusplus

@@ -21,11 +21,11 @@ __version__ = "0.1.0"
 
 # The engine pulls in llama.cpp and the compiled C core; import it on first use
 # so that `edgespec models ...` and the registry stay light.
-_LAZY = {"Engine": "engine", "Result": "engine", "GenerationStats": "engine",
+_LAZY = {"Engine": "engine", "EngineConfig": "config", "Result": "results", "GenerationStats": "results",
          "SamplingParams": "sampling", "Grammar": "grammar",
          # Making specialized drafters: distill_model(model, out, DistillParams(...)), train_model(model, data, out, TrainParams(...)).
-         "DistillParams": "drafters.distill", "distill_model": "drafters.distill",
-         "TrainParams": "drafters.train", "train_model": "drafters.train"}
+         "DistillParams": "training.distill", "distill_model": "training.distill",
+         "TrainParams": "training.train", "train_model": "training.train"}
 
 
 def __getattr__(name):

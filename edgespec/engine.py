@@ -17,6 +17,7 @@ least recently used one), so N conversations keep their prefixes.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -29,135 +30,35 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import drafters as drafting
-from . import moe
-from .backends import BACKENDS, Interrupted, default_backend, open_backend, resolve_model
+from .backends import Interrupted, default_backend, open_backend
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
+from .config import EngineConfig
+from .costs import batch_costs
 from .drafters import Draft, Drafter, DrafterConfig, Verified, routed
 from .drafters.router import open_router
 from .errors import (ContextOverflowError, EdgespecError, EngineBusyError, EngineClosedError,
                      GenerationAbandonedError, InvalidArgumentError, UnsupportedModelError)
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
-from .planner import Planner, batch_costs
+from .onnx import resolve_model
+from .planner import Planner
+from .results import GenerationStats, Result, SpecStats, Step
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
-DEFAULT_DRAFT_MAX = 16  # most draft tokens (tree nodes) per target step
 # GGUF <arch>.pooling_type (llama.cpp's enum) -> how embed() pools token states;
 # absent or 0 (none): the mean.
 POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
 
 
-@dataclass
-class SpecStats:
-    """What speculation did during one generation."""
-
-    drafted: int = 0          # draft tokens (tree nodes) sent to the target
-    accepted: int = 0         # of those, accepted
-    target_steps: int = 0     # target forward passes after prefill
-    spec_steps: int = 0       # of those, with a draft
-    per_drafter: dict = field(default_factory=dict)   # name -> {steps, drafted, accepted}
-    by_length: dict = field(default_factory=dict)     # draft length -> {steps, accepted}
-    planner: dict = field(default_factory=dict)
-    drafters: dict = field(default_factory=dict)      # drafter-specific counters
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Draft tokens accepted per target step."""
-        return self.accepted / self.target_steps if self.target_steps else 0.0
-
-    @property
-    def specialized(self) -> str | None:
-        """The specialized drafter the router chose for this generation (its
-        file stem; None: none), whether or not the planner used it."""
-        return next((d["specialized"] for d in self.drafters.values() if d.get("specialized")), None)
-
-    def count(self, name: str, drafted: int, accepted: int) -> None:
-        self.target_steps += 1
-        if drafted:
-            self.spec_steps += 1
-            self.drafted += drafted
-            self.accepted += accepted
-            d = self.per_drafter.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
-            d["steps"] += 1
-            d["drafted"] += drafted
-            d["accepted"] += accepted
-            n = self.by_length.setdefault(drafted, {"steps": 0, "accepted": 0})
-            n["steps"] += 1
-            n["accepted"] += accepted
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["acceptance_rate"] = self.acceptance_rate
-        d["mean_accepted"] = self.mean_accepted
-        d["specialized"] = self.specialized
-        return d
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0         # prompt tokens whose K/V were reused from an earlier generation
-    slot: int = 0                  # the KV-cache slot it ran in
-    n_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    stop_reason: str = ""          # "eos", "stop", "length", "context", "cancelled"; "" if closed early
-    seed: int = 0
-    drafter: str = "none"
-    spec: SpecStats | None = None   # None for plain decoding
-    experts: dict | None = None     # the expert cache's counters over this generation (moe.stats_dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens / decode time (prefill excluded)."""
-        return self.n_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens evaluated (the cached ones excluded) / prefill time."""
-        evaluated = self.prompt_tokens - self.cached_tokens
-        return evaluated / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        if self.spec is not None:
-            d["spec"] = self.spec.to_dict()
-        d["tokens_per_s"] = self.tokens_per_s
-        d["prefill_tokens_per_s"] = self.prefill_tokens_per_s
-        return d
 
 
-@dataclass
-class Result:
-    text: str
-    tokens: list[int]
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    logprobs: list[TokenLogprob] | None = None   # one per token, when asked for
-    parsed: chat_tools.Parsed | None = None      # with tools: the reply split into text and calls
-
-    @property
-    def tool_calls(self) -> list[chat_tools.ToolCall]:
-        return self.parsed.tool_calls if self.parsed else []
 
 
-@dataclass
-class Step:
-    """One target step of a generation, as the step generator yields it."""
-
-    tokens: list[int]        # appended to the text: accepted draft tokens, then the target's own
-    seconds: float           # wall time of the step (the first: prompt evaluation)
-    drafted: int = 0         # draft tokens (tree nodes) verified
-    accepted: int = 0        # of those, accepted
-    source: str = ""         # the drafter of the draft ("" for a plain step)
-    cached: int = 0          # the first step: prompt tokens whose K/V the cache already held
-    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
 @dataclass
@@ -297,16 +198,6 @@ def _is_token(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def _check_threads(threads: int | None, force: bool) -> None:
-    if threads is None:
-        return
-    _whole("threads", threads, 1)
-    cores = os.cpu_count() or 1
-    if threads > 4 * cores and not force:
-        raise InvalidArgumentError(f"threads {threads} is more than 4 x the {cores} CPUs of this machine "
-                                   "(force_threads / --force-threads allows it)")
-
-
 def _routing_text(prompt, messages, suffix) -> str | None:
     """A request's own text, which a router reads: a chat's messages but the
     system's (its template's text and a system prompt say little of the
@@ -322,87 +213,55 @@ def _routing_text(prompt, messages, suffix) -> str | None:
 class Engine:
     """A loaded model and its context.
 
+    Its options are an ``EngineConfig`` (edgespec.config: each option's range
+    and meaning), given whole (``config=``) or as keywords, which are checked
+    before anything loads (InvalidArgumentError naming the option; one a
+    backend does not take, such as ``gpu_layers`` on the native engine, too).
     ``model``: a built-in name (``edgespec models list``), a GGUF path or
     ``hf:owner/repo/file.gguf`` (with ``backend="onnx"`` also a folder from
     ``edgespec export-onnx``; a GGUF is exported on first use). ``backend``
     None chooses one per model (edgespec.backends.default_backend: native
     where it is at least llama.cpp's speed, else llama; a file of a variant
-    the native engine does not read falls back to llama). ``gpu_layers``
-    offloads layers when llama.cpp was built with Metal/CUDA/Vulkan.
-    ``draft_backend`` runs the draft model on another backend than the
-    target. ``auto`` also routes each request to one of the target's
-    specialized drafters (edgespec.drafters.routed: the shipped ones and
-    $EDGESPEC_HOME/drafters/<target>/, or those of the folder ``drafter_dir``),
-    chosen by the router called ``router``; ``ep`` is the ONNX Runtime execution provider of whichever of
-    them is onnx (cpu, qnn, openvino, dml, coreml, cuda). ``n_ctx`` defaults
-    to 4096 tokens or the model's training context if smaller; a larger one
-    than that needs ``ctx_extend``. ``threads`` above 4 x the CPUs needs
-    ``force_threads``. ``slots``: KV caches kept (each of ``n_ctx``, made when
-    first used; llama and native backends).
-    ``force_threads``. ``expert_cache_mb`` (native backend, MoE models) keeps
-    at most that many MB of expert weights in memory, read from disk on
-    demand; ``expert_precision`` (exact, balanced, fast), ``expert_policy``
-    (adaptive, lru) and ``expert_prefetch`` (layers ahead, 0: off) tune it
-    (edgespec.moe).
+    the native engine does not read falls back to llama). With a ``drafter``
+    other than none the machine's costs are measured now, once per machine
+    (edgespec.costs), never inside a generation.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, *, backend: str | None = None,
-                 threads: int | None = None, n_ctx: int | None = None, n_batch: int = 512,
-                 slots: int = 1,
-                 gpu_layers: int = 0, drafter: str = "none", draft_model: str | None = None,
-                 draft_backend: str | None = None, ep: str | None = None,
-                 ngram_cache: str | None = None, drafter_dir: str | os.PathLike | None = None,
-                 router: str = "profile", draft_max: int = DEFAULT_DRAFT_MAX,
-                 ctx_extend: bool = False, force_threads: bool = False, verbose: bool = False,
-                 expert_cache_mb: int | None = None, expert_precision: str = "exact",
-                 expert_policy: str = "adaptive", expert_prefetch: int = moe.DEFAULT_PREFETCH):
-        _check_threads(threads, force_threads)
-        if backend is None and expert_cache_mb is not None:
-            backend = "native"   # the expert cache is the native engine's
-        experts = moe.ExpertCache.of(expert_cache_mb, expert_precision, expert_policy,
-                                     expert_prefetch, backend)
-        _whole("n_batch", n_batch, 1)
-        _whole("gpu_layers", gpu_layers, 0)
-        _whole("draft_max", draft_max, 1)
-        _whole("slots", slots, 1)
-        if n_ctx is not None:
-            _whole("n_ctx", n_ctx, 1)
-        if not 1 <= draft_max < min(n_batch, 64):
-            raise InvalidArgumentError(f"draft_max must be in [1, {min(n_batch, 64) - 1}], got {draft_max}")
-        for name in (backend, draft_backend):
-            if name is not None and name not in BACKENDS:
-                raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
-        self.drafter = drafting.check_name(drafter)
-        self.draft_max = draft_max
-        self.model_ref = str(model) if model is not None else registry.default_model()
-        open_router(router)   # fail early on an unknown one
-        specialized = routed.set_files(registry.model_name(self.model_ref), drafter_dir)
+    def __init__(self, model: str | os.PathLike | None = None, *, config: EngineConfig | None = None,
+                 **options):
+        if config is None:
+            config = EngineConfig.of(model=model, **options)
+        elif model is not None or options:
+            config = config.but(**options, **({"model": model} if model is not None else {}))
+        self.config = c = config
+        self.drafter = c.drafter
+        self.draft_max = c.draft_max
+        self.model_ref = c.model if c.model is not None else registry.default_model()
+        open_router(c.router)   # fail early on an unknown one
+        specialized = routed.set_files(registry.model_name(self.model_ref), c.drafter_dir)
+        backend = c.backend or ("native" if c.expert_cache_mb is not None else None)  # the cache is native's
         auto = backend is None
         if auto:
-            backend = default_backend(self.model_ref, gpu_layers)
-        if slots > 1 and backend == "onnx":
-            raise InvalidArgumentError("the onnx backend keeps one KV cache: slots must be 1")
-        if ep is not None and "onnx" not in (backend, draft_backend):
+            backend = default_backend(self.model_ref, c.gpu_layers)
+        if c.ep is not None and "onnx" not in (backend, c.draft_backend):
             raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
                                        "use it with backend onnx or draft_backend onnx")
-        options = dict(n_ctx=n_ctx, n_batch=n_batch, threads=threads, gpu_layers=gpu_layers, n_seq=TREE_SEQS,
-                       slots=slots, ep=ep, ctx_extend=ctx_extend, experts=experts, verbose=verbose)
+        options = dict(n_ctx=c.n_ctx, n_batch=c.n_batch, threads=c.threads, gpu_layers=c.gpu_layers,
+                       n_seq=TREE_SEQS, slots=c.slots, ctx_extend=c.ctx_extend, experts=c.expert_cache,
+                       verbose=c.verbose)
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
-            self.backend = open_backend(backend, self.model_path, **options)
+            self.backend = open_backend(backend, self.model_path, **options,
+                                        ep=c.ep if backend == "onnx" else None)
         except UnsupportedModelError:
             if not (auto and backend == "native"):
                 raise
             # A variant of a native architecture the engine does not read (an extra tensor).
             self.model_path = resolve_model("llama", self.model_ref)
             self.backend = open_backend("llama", self.model_path, **options)
-        self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend,
-                                             draft_model=draft_model,
+        self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend, options=c,
                                              paired_draft=registry.paired_draft(self.model_ref),
-                                             draft_backend=draft_backend,
-                                             ep=ep, ngram_cache=ngram_cache,
-                                             specialized=tuple(specialized), router=router,
-                                             threads=threads, n_ctx=self.backend.n_ctx)
+                                             specialized=tuple(specialized), n_ctx=self.backend.n_ctx)
         self._drafters: dict[str, Drafter] = {}
         self._costs: list[float] | None = None
         self._planner: Planner | None = None
@@ -419,6 +278,8 @@ class Engine:
         if self.drafter != "none":
             try:
                 self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
+                # The machine is measured now, if it must be, never inside a generation.
+                self._planner = Planner(self._batch_costs())
             except BaseException:
                 self._free()
                 raise
@@ -764,21 +625,33 @@ class Engine:
     def chat(self, messages: Sequence[dict], **options) -> Result:
         return self.generate(messages=messages, **options)
 
-    def stream(self, prompt: str | Sequence[int] | None = None, *,
-               messages: Sequence[dict] | None = None, suffix: str | None = None,
-               max_tokens: int = 256, stop: Sequence[str] | str | None = None,
-               chat: bool = False, seed: int | None = None, drafter: str | None = None,
-               blocking: bool = True, json_schema=None, grammar: Grammar | str | None = None,
-               tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-               **sampling) -> Generation:
-        """Validate the request and return its Generation: iterate it for text
-        pieces; its ``result`` (and ``last_result``) holds the whole Result
-        once it ends. Nothing runs until the first piece is asked for."""
+    def stream(self, prompt: str | Sequence[int] | None = None, *, blocking: bool = True,
+               **request) -> Generation:
+        """Validate the request (``request``'s options: see ``generate``) and
+        return its Generation: iterate it for text pieces; its ``result`` (and
+        ``last_result``) holds the whole Result once it ends. Nothing runs
+        until the first piece is asked for."""
+        return Generation(self, self._request(prompt, **request), blocking)
+
+    def _request(self, prompt: str | Sequence[int] | None = None, *,
+                 messages: Sequence[dict] | None = None, suffix: str | None = None,
+                 max_tokens: int = 256, stop: Sequence[str] | str | None = None,
+                 chat: bool = False, seed: int | None = None, drafter: str | None = None,
+                 json_schema=None, grammar: Grammar | str | None = None,
+                 tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
+                 **sampling) -> _Request:
+        """A request checked whole, before anything runs: every option, the
+        grammar or tool call it implies, the prompt's tokens against the
+        context. InvalidArgumentError (or ContextOverflowError) naming what is wrong."""
         self._check_open()
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise InvalidArgumentError(f"max_tokens must be a whole number > 0, got {max_tokens!r}")
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
+        unknown = sorted(set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)})
+        if unknown:
+            raise InvalidArgumentError(f"unknown generation option{'s' if len(unknown) > 1 else ''} "
+                                       f"{', '.join(map(repr, unknown))}"[:300])
         params = SamplingParams(seed=seed, **sampling)
         if suffix is not None and (chat or messages is not None):
             raise InvalidArgumentError("suffix (fill-in-the-middle) is for plain prompts, not chats")
@@ -823,8 +696,8 @@ class Engine:
         if len(tokens) >= n_ctx:
             raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
                                        "(raise n_ctx or shorten the prompt)")
-        return Generation(self, _Request(tokens, params, max_tokens, stop, name, grammar, tools, style,
-                                         logprobs, _routing_text(prompt, messages, suffix)), blocking)
+        return _Request(tokens, params, max_tokens, stop, name, grammar, tools, style, logprobs,
+                        _routing_text(prompt, messages, suffix))
 
     def _tool_tags(self, style: str) -> tuple[int | None, int | None]:
         """The vocabulary's own <tool_call> / </tool_call> tokens, if it has them."""
@@ -840,43 +713,6 @@ class Engine:
         if self._llg_tokenizer is None:
             self._llg_tokenizer = tokenizer_for(self.backend)
         return Constraint(grammar, self._llg_tokenizer, self.backend.n_vocab)
-
-    def _choose_draft(self, drafters: list[Drafter], context: list[int], room: int, may_skip: bool) -> Draft:
-        """Ask each drafter for a draft and keep the part of one that pays most
-        on this machine (or nothing: a plain step)."""
-        planner = self._planner
-        best, best_value = Draft(), 0.0
-        limit = min(self.draft_max, room)
-        for d in drafters:
-            behind = 0
-            if d.costly:
-                if best_value and best_value >= planner.worth(d.name, limit, d.prior):
-                    continue  # a cheap draft is worth at least what this one could be
-                # Text that steps without this drafter added must be evaluated
-                # first: where the planner may choose (auto), only if that pays.
-                behind = d.backlog(context)
-                if may_skip and not planner.catch_up_pays(d.name, behind, room, max(best_value, 1.0),
-                                                          limit, d.prior):
-                    continue
-                ask = planner.budget(d.name, limit, may_skip, d.prior)
-            else:
-                ask = limit
-            if ask <= 0:
-                continue
-            t0 = time.perf_counter()
-            draft = d.draft(context, ask)
-            if d.costly:
-                planner.record_draft_time(d.name, time.perf_counter() - t0 - d.backlog_seconds, len(draft))
-                if d.backlog_seconds > 0:   # the part beyond the step's own tokens
-                    planner.record_catch_up(d.name, d.backlog_seconds, max(1, behind - ask - 1))
-            if not len(draft):
-                continue
-            if not self.backend.exact_trees:  # verified as a chain: exact where a tree is not
-                draft = draft.first_path()
-            draft, value = planner.cut(draft, may_skip)
-            if len(draft) and value > best_value:
-                best, best_value = draft, value
-        return best
 
     def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
                may_skip: bool, max_tokens: int, cancel: threading.Event,
@@ -906,7 +742,8 @@ class Engine:
             pending = context[backend.n_past:]
             room = min(max_tokens - produced - 1, backend.n_ctx - len(context) - 1,
                        backend.n_batch - len(pending))
-            draft = self._choose_draft(drafters, context, room, may_skip) if drafters and room > 0 else Draft()
+            draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
+                                    backend.exact_trees) if drafters and room > 0 else Draft())
             ts = time.perf_counter()
             masks = None
             if constraint:

@@ -21,16 +21,18 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
+from .capi import lib
 from .errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from .models.gguf_write import (copy_keys, gguf_module, gguf_output, quantize, raw_tensor, read_gguf,
+                                row_bytes, write_gguf)
 from .progress import Progress
 
 PRECISIONS = ("exact", "balanced", "fast")   # enum es_expert_precision, in order
 POLICIES = ("adaptive", "lru")                # enum es_expert_policy, in order
-DEFAULT_PREFETCH = 3                          # es_model_default_params().prefetch_depth
+DEFAULT_PREFETCH = int(lib.es_model_default_params().prefetch_depth)
 SIDECAR_SUFFIX = ".experts-low"
 SIDECAR_MAGIC = b"ESMOELP1"                   # es_native.h ES_SIDECAR_MAGIC
 LOW_TYPES = ("q2_k", "q3_k")                  # what `moe prepare --type` writes
@@ -49,30 +51,6 @@ class ExpertCache:
     precision: str = "exact"
     policy: str = "adaptive"
     prefetch: int = DEFAULT_PREFETCH
-
-    @classmethod
-    def of(cls, budget_mb: int | None, precision: str = "exact", policy: str = "adaptive",
-           prefetch: int = DEFAULT_PREFETCH, backend: str = "native") -> "ExpertCache | None":
-        """The settings of Engine's expert_* arguments, checked before any
-        model loads; None when no cache is asked for."""
-        if precision not in PRECISIONS:
-            raise InvalidArgumentError(f"expert precision must be one of {', '.join(PRECISIONS)}, "
-                                       f"got {precision!r}"[:200])
-        if policy not in POLICIES:
-            raise InvalidArgumentError(f"expert policy must be one of {', '.join(POLICIES)}, got {policy!r}"[:200])
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= 64:
-            raise InvalidArgumentError(f"expert prefetch must be a whole number in [0, 64], got {prefetch!r}"[:200])
-        if budget_mb is None:
-            if precision != "exact":
-                raise InvalidArgumentError(f"expert precision {precision} applies to an expert cache "
-                                           "(expert_cache_mb / --expert-cache)")
-            return None
-        if isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb < 1:
-            raise InvalidArgumentError(f"expert cache must be a whole number of MB >= 1, got {budget_mb!r}"[:200])
-        if backend != "native":
-            raise InvalidArgumentError(f"an expert cache (--expert-cache) needs the native backend, "
-                                       f"not {backend}")
-        return cls(budget_mb, precision, policy, prefetch)
 
     @property
     def budget_bytes(self) -> int:
@@ -108,122 +86,6 @@ def sidecar_path(model: os.PathLike | str) -> Path:
     return model.with_name(model.name + SIDECAR_SUFFIX)
 
 
-# ---- reading and writing GGUF -----------------------------------------------------------
-
-def _gguf():
-    import gguf  # the writer and reader; imported on use, like the commands that need it
-    return gguf
-
-
-def _reader(path: os.PathLike | str):
-    gguf = _gguf()
-    if not Path(path).is_file():
-        raise ModelNotFoundError(f"{path}: no such file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, struct.error, ... on a bad file
-        raise ModelFormatError(f"{path}: not a readable GGUF file ({e})"[:300]) from None
-
-
-def field_value(field):
-    """A reader field's value as GGUFWriter.add_key_value takes it (strings
-    as bytes, so tokens that are not valid UTF-8 survive the copy)."""
-    gguf = _gguf()
-    main = field.types[0]
-    if main == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]])
-    if main == gguf.GGUFValueType.ARRAY and field.types[-1] == gguf.GGUFValueType.STRING:
-        return [bytes(field.parts[i]) for i in field.data]
-    return field.contents()
-
-
-def copy_keys(reader, writer, keep: Callable[[str], bool] = lambda key: True) -> None:
-    """The metadata of ``reader`` (a gguf.GGUFReader) that ``keep`` accepts,
-    onto ``writer``: all but the header's counts and the architecture, which
-    the writer sets."""
-    gguf = _gguf()
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or not keep(key):
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field_value(field), field.types[0], sub_type)
-
-
-def _raw(t) -> np.ndarray:
-    """A reader tensor's bytes, (rows..., bytes per row) as uint8."""
-    data = np.asarray(t.data)
-    return data.view(np.uint8).reshape(*data.shape[:-1], -1)
-
-
-class _Output:
-    """A file written beside ``path`` and renamed into place on success."""
-
-    def __init__(self, path: os.PathLike | str):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-
-    def __enter__(self) -> Path:
-        if not self.path.parent.is_dir():
-            raise InvalidArgumentError(f"{self.path.parent}: no such folder")
-        return self.tmp
-
-    def __exit__(self, exc_type, *exc):
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.tmp.unlink(missing_ok=True)
-
-
-def _write_gguf(path: Path, arch: str, keys: Callable, tensors: list[tuple[str, tuple, int, int]],
-                data: Iterator[np.ndarray], progress: Progress) -> None:
-    """Streams a GGUF: ``keys(writer)`` adds the metadata; ``tensors`` lists
-    (name, numpy shape, ggml type, bytes) and ``data`` yields each one's
-    array in that order."""
-    gguf = _gguf()
-    w = gguf.GGUFWriter(str(path), arch)
-    try:
-        keys(w)
-        for name, shape, qtype, nbytes in tensors:
-            if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                dtype = np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16
-            else:  # raw bytes: the writer takes the shape in bytes per row
-                dtype, shape = np.uint8, (*shape[:-1], _row_bytes(qtype, shape[-1]))
-            w.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=gguf.GGMLQuantizationType(qtype))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for (name, _, _, nbytes), arr in zip(tensors, data):
-            w.write_tensor_data(np.ascontiguousarray(arr))
-            progress.update(nbytes)
-    finally:
-        w.close()
-    progress.done()
-
-
-def _row_bytes(qtype: int, n: int) -> int:
-    block, size = _gguf().GGML_QUANT_SIZES[_gguf().GGMLQuantizationType(qtype)]
-    if n % block:
-        raise InvalidArgumentError(f"rows of {n} values are not a multiple of the "
-                                   f"{_gguf().GGMLQuantizationType(qtype).name} block of {block}")
-    return n // block * size
-
-
-def _quantize(w: np.ndarray, qtype: int) -> np.ndarray:
-    """Floats (..., n) as ``qtype``: F32/F16 as numpy floats, other types as
-    raw bytes (..., bytes per row)."""
-    gguf = _gguf()
-    q = gguf.GGMLQuantizationType(qtype)
-    if q == q.F32:
-        return w.astype(np.float32)
-    if q == q.F16:
-        return w.astype(np.float16)
-    try:
-        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), q)
-    except NotImplementedError:
-        raise InvalidArgumentError(f"cannot write weights of type {q.name} "
-                                   "(f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0)") from None
-
-
 # ---- the low-precision sidecar --------------------------------------------------------------
 
 def checksum(data: bytes | np.ndarray) -> int:
@@ -252,12 +114,12 @@ def _expert_stacks(reader) -> tuple[int, list[tuple]]:
 
 def _low_copy(w: np.ndarray, qtype: int) -> bytes:
     """Floats (rows, n) as ``qtype``: Q2_K / Q3_K by the C kernels, Q4_0 by gguf-py."""
-    gguf = _gguf()
+    gguf = gguf_module()
     if qtype == gguf.GGMLQuantizationType.Q4_0:
         return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype).tobytes()
-    from .capi import ffi, lib
+    from .capi import ffi
     w = np.ascontiguousarray(w, dtype=np.float32)
-    out = bytearray(w.shape[0] * _row_bytes(qtype, w.shape[1]))
+    out = bytearray(w.shape[0] * row_bytes(qtype, w.shape[1]))
     status = lib.es_quantize_row(qtype, ffi.from_buffer("float[]", w), ffi.from_buffer(out), w.size)
     if status != lib.ES_OK:
         raise ModelFormatError("an expert's weights are not finite or exceed half precision's range: "
@@ -268,7 +130,7 @@ def _low_copy(w: np.ndarray, qtype: int) -> bytes:
 def low_types(n_embd: int, n_ff: int, qtype: str = "q3_k") -> tuple[int, int]:
     """The sidecar's ggml types of (gate and up, down): ``qtype`` for rows
     of whole 256-value super-blocks, else Q4_0 (rows of 32-value blocks)."""
-    gguf = _gguf()
+    gguf = gguf_module()
     if qtype not in LOW_TYPES:
         raise InvalidArgumentError(f"--type must be one of {', '.join(LOW_TYPES)}, got {qtype!r}"[:200])
     k = int(getattr(gguf.GGMLQuantizationType, qtype.upper()))
@@ -284,12 +146,12 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, q
     """Writes the sidecar of low-precision copies of every expert of
     ``model`` (``qtype``, see low_types; default: beside it,
     ``sidecar_path``); returns its path."""
-    gguf = _gguf()
+    gguf = gguf_module()
     model = Path(model)
     if not model.is_file():
         raise ModelNotFoundError(f"{model}: no such file")
     out = Path(out) if out is not None else sidecar_path(model)
-    reader = _reader(model)
+    reader = read_gguf(model)
     n_layer, layers = _expert_stacks(reader)
     gate = layers[0][0]
     D, F, E = (int(x) for x in gate.shape[:3])
@@ -297,7 +159,7 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, q
         t_in, t_down = low_types(D, F, qtype)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{model}: {e}") from None
-    slabs = [F * _row_bytes(t_in, D), F * _row_bytes(t_in, D), D * _row_bytes(t_down, F)]
+    slabs = [F * row_bytes(t_in, D), F * row_bytes(t_in, D), D * row_bytes(t_down, F)]
     types = (t_in, t_in, t_down)
     stride = -(-sum(slabs) // _ALIGN_COPY) * _ALIGN_COPY
     n_copies = n_layer * E
@@ -307,7 +169,7 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, q
     # The metadata and tensor infos, and the routers (which differ between
     # models of one shape), each zero-padded to 8 bytes: the checksums added.
     by_name = {t.name: t for t in reader.tensors}
-    parts = [meta] + [bytes(_raw(by_name[f"blk.{il}.ffn_gate_inp.weight"])) for il in range(n_layer)]
+    parts = [meta] + [bytes(raw_tensor(by_name[f"blk.{il}.ffn_gate_inp.weight"])) for il in range(n_layer)]
     identity = sum(checksum(p + b"\0" * (-len(p) % 8)) for p in parts) % 2**64
     header = bytearray(_SIDECAR_HEADER)
     header[0:8] = SIDECAR_MAGIC
@@ -319,7 +181,7 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, q
     struct.pack_into("<Q", header, 80, checksum(bytes(header[:80])))
     sums = np.zeros(n_copies, dtype="<u8")
     bar = _Bytes(f"prepare {out.name}", n_copies * stride, enabled=progress)
-    with _Output(out) as tmp, open(tmp, "wb") as f:
+    with gguf_output(out) as tmp, open(tmp, "wb") as f:
         f.write(bytes(header))
         f.write(sums.tobytes())
         f.write(b"\0" * (data_off - f.tell()))
@@ -331,7 +193,7 @@ def prepare(model: os.PathLike | str, out: os.PathLike | str | None = None, *, q
                 copy = bytearray(stride)
                 pos = 0
                 for t, qt in zip(stacks, types):
-                    w = gguf.quants.dequantize(_raw(t)[e] if t.tensor_type not in (0, 1) else
+                    w = gguf.quants.dequantize(raw_tensor(t)[e] if t.tensor_type not in (0, 1) else
                                                np.asarray(t.data)[e], t.tensor_type)
                     q = _low_copy(w, qt)
                     copy[pos:pos + len(q)] = q
@@ -358,9 +220,9 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
     in each layer ``experts`` copies of its FFN and a router of random
     projections, N(0, router_scale^2 / n_embd), choosing ``top_k`` (a larger
     scale routes more sharply: unequal weights, as trained routers give)."""
-    gguf = _gguf()
+    gguf = gguf_module()
     _check_counts(experts, top_k)
-    reader = _reader(model)
+    reader = read_gguf(model)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     if arch != "llama":
         raise UnsupportedModelError(f"{model}: upcycling takes a llama-architecture model, not {arch}")
@@ -373,7 +235,7 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
     for t in reader.tensors:
         kind = t.name.split(".")
         if len(kind) == 4 and kind[0] == "blk" and kind[2] in ("ffn_gate", "ffn_up", "ffn_down"):
-            raw = _raw(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
+            raw = raw_tensor(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
             name = f"blk.{kind[1]}.{kind[2]}_exps.weight"
             if kind[2] == "ffn_gate":
                 router = rng.standard_normal((experts, D), dtype=np.float32) * np.float32(router_scale / np.sqrt(D))
@@ -393,8 +255,8 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
         w.add_uint32("llama.expert_used_count", top_k)
 
     total = sum(t[3] for t in tensors)
-    with _Output(out) as tmp:
-        _write_gguf(tmp, arch, keys, tensors, (s() for s in sources),
+    with gguf_output(out) as tmp:
+        write_gguf(tmp, arch, keys, tensors, (s() for s in sources),
                     _Bytes(f"upcycle {Path(out).name}", total, enabled=progress))
     return Path(out)
 
@@ -416,7 +278,7 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
     from the GGUF ``tokenizer``), every matrix of ``qtype``; norms and
     routers F32. Experts draw their rows from a bank of random rows, so a
     file of gigabytes is written at disk speed."""
-    gguf = _gguf()
+    gguf = gguf_module()
     _check_counts(experts, top_k)
     if qtype not in SYNTH_TYPES:
         raise InvalidArgumentError(f"--type must be one of {', '.join(SYNTH_TYPES)}, got {qtype!r}"[:200])
@@ -432,7 +294,7 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         raise InvalidArgumentError(f"{heads} heads do not divide --embd {embd}")
     heads_kv = heads // 4 if heads % 4 == 0 else heads
     head_dim = embd // heads
-    src = _reader(tokenizer)
+    src = read_gguf(tokenizer)
     n_vocab = len(src.fields[gguf.Keys.Tokenizer.LIST].data)
     rng = np.random.default_rng(seed)
     bank = {}
@@ -441,7 +303,7 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         """n_rows random rows of n values of type q, drawn from a bank of 512."""
         if (n, gain) not in bank:
             w = rng.standard_normal((512, n), dtype=np.float32) * np.float32(gain / np.sqrt(n))
-            bank[n, gain] = _quantize(w, q)
+            bank[n, gain] = quantize(w, q)
         return bank[n, gain][rng.integers(0, 512, n_rows)]
 
     def f32(shape, ones=False):
@@ -449,7 +311,7 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
                 rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1])))
 
     def nbytes(shape, t):
-        return int(np.prod(shape[:-1])) * _row_bytes(t, shape[-1])
+        return int(np.prod(shape[:-1])) * row_bytes(t, shape[-1])
 
     tensors, sources = [], []
 
@@ -495,7 +357,7 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
             yield arr.reshape(*shape[:-1], -1) if t not in (0, 1) else arr.reshape(shape)
 
     total = sum(t[3] for t in tensors)
-    with _Output(out) as tmp:
-        _write_gguf(tmp, "llama", keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
+    with gguf_output(out) as tmp:
+        write_gguf(tmp, "llama", keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
                                                                  enabled=progress))
     return Path(out)

@@ -1,159 +1,146 @@
-"""Hardware-aware draft planning.
+"""Hardware-aware draft planning: at every step, which draft (if any) to verify.
 
 Speculation pays only when the tokens a step is expected to add outweigh what
-the step costs on this machine. Two measurements decide it:
+the step costs on this machine. The planner weighs:
 
-* the batch cost curve ``cost[k]``: time to evaluate k tokens in one target
-  batch relative to one token (k = 1..32), measured once per model file,
-  backend and thread count and cached on disk;
+* the batch cost curve ``cost(k)``: time to evaluate k tokens in one target
+  batch relative to one token. The curve measured at load (edgespec.costs)
+  is a prior; the planner corrects it from its own timed steps (``CostCurve``:
+  the median of the recent steps of each batch size, within what physics
+  allows, weighed against the prior by how many there are), so neither a
+  curve measured on a busy machine nor one noisy step decides a run;
 * acceptance, tracked online per kind of draft (a drafter, or a finer key it
   gives, such as the n-gram drafter's match length) and per draft depth:
   alpha[d] is the chance that the token at depth d is accepted given that
-  depth d - 1 was.
+  depth d - 1 was;
+* what a costly drafter (a draft model) spends: time per drafted token, and
+  time per context token it must first catch up on (a prompt it has not
+  seen). Its measured ``DraftCost`` is the prior, corrected by timings like
+  the curve.
 
 For a draft whose longest path has depth D and which has n nodes, the expected
 tokens added are E = 1 + sum_{i<=D} prod_{j<=i} alpha[j], and the expected
-speed relative to plain decoding is E / cost[n + 1]. Plain decoding scores
-exactly 1. A costly drafter (a draft model) is asked beforehand for only as
-many tokens as pay once its own time per token is added to the cost.
+speed relative to plain decoding is E / cost(n + 1). Plain decoding scores
+exactly 1. A costly drafter is asked only when its expected saving over the
+tokens still to generate exceeds its catch-up, and one without evidence yet
+only while trying it costs less than EXPLORE_SHARE of that generation's
+plain decoding time; it is then asked for as many tokens as pay once its own
+time per token is added to the cost.
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import random
+import bisect
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable
+from typing import Sequence
 
-from .models import registry
-from .drafters import Draft
+from .costs import MAX_BATCH, DraftCost, plausible
+from .drafters import Draft, Drafter
 
-MAX_BATCH = 33            # cost curve covers batches of 1..MAX_BATCH tokens
-COST_FILE = "batch-costs.json"
 EMA = 0.9                 # weight kept by old acceptance evidence at each update
 PRIOR_ALPHA = 0.5         # acceptance assumed before any evidence
 EXPLORE_EVERY = 96        # plain steps between one-token probes of drafts the planner had dropped
+WINDOW = 9                # recent timings kept per quantity: decisions read their median
+MIN_SAMPLES = 3           # timings before a measured value moves away from its prior
+PRIOR_WEIGHT = 0.5        # timings' worth of evidence a cached measurement counts as
+REBUILD_EVERY = 8         # plain steps between rebuilds of the corrected cost curve
+EXPLORE_SHARE = 0.03      # most of a generation's plain decoding time trying an unproven costly drafter may cost
 
 
-def _cost_key(backend) -> str:
-    st = Path(backend.path).stat()
-    device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
-    # An expert cache's batches read the union of their tokens' experts from
-    # disk: a curve of its own for each setting.
-    cache = getattr(backend, "expert_cache", None)
-    experts = (f":experts-{cache.budget_mb}MB-{cache.precision}-{cache.policy}-{cache.prefetch}"
-               if cache is not None else "")
-    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}"
+class Timings:
+    """Recent timings of one quantity; ``median`` once there are MIN_SAMPLES."""
+
+    def __init__(self):
+        self.window: deque[float] = deque(maxlen=WINDOW)
+
+    def add(self, value: float) -> None:
+        self.window.append(value)
+
+    def __len__(self) -> int:
+        return len(self.window)
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.window) if len(self.window) >= MIN_SAMPLES else None
+
+    def blend(self, prior: float, measured: float) -> float:
+        """``measured`` weighed against ``prior`` by the evidence behind it,
+        geometrically (costs are ratios): the prior counts as PRIOR_WEIGHT
+        timings, since a cached measurement may have been taken on a busier
+        (or quieter) machine than this process runs on."""
+        w = len(self.window) / (len(self.window) + PRIOR_WEIGHT)
+        return prior ** (1 - w) * measured ** w
 
 
-MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
+class CostCurve:
+    """The time of a target batch of n tokens in one-token steps: the prior
+    curve measured at load, corrected by the timed steps of this planner."""
 
+    def __init__(self, prior: list[float]):
+        self.prior = plausible(prior)
+        self.steps: dict[int, Timings] = {}   # batch size -> seconds of recent steps
+        self._table: list[float] | None = None  # the corrected curve, rebuilt after new timings
+        self._plain_since_rebuild = 0
 
-def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int, float]:
-    """Seconds of one target batch of each of ``sizes`` tokens (every row's
-    logits kept, as verification does) after a ``prefix``-token context, the
-    fastest of ``reps``. Leaves the KV cache cleared. With an expert cache
-    every batch is of other tokens (random ones), so each reads the union of
-    its own tokens' experts as verification does, not the experts the
-    previous repetition left cached."""
-    tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 16)
-    while len(tokens) < prefix + max(sizes):
-        tokens += tokens
-    fresh = getattr(backend, "expert_cache", None) is not None
-    rng = random.Random(0)
-    backend.clear()
-    backend.decode(tokens[:prefix])
-    times = {}
-    for k in sizes:
-        best = float("inf")
-        for _ in range(reps):
-            batch = [rng.randrange(backend.n_vocab) for _ in range(k)] if fresh else tokens[prefix:prefix + k]
-            t0 = time.perf_counter()
-            backend.decode(batch, logits_from=0)
-            best = min(best, time.perf_counter() - t0)
-            backend.truncate(prefix)
-        times[k] = best
-    backend.clear()
-    return times
+    def record(self, seconds: float, n_tokens: int) -> None:
+        n = min(n_tokens, MAX_BATCH)
+        timings = self.steps.setdefault(n, Timings())
+        timings.add(seconds)
+        # A plain step moves the unit (the median one-token time) only a
+        # little: the curve is rebuilt after a batch's timing, or every
+        # REBUILD_EVERY plain steps, so that declining to draft stays cheap.
+        self._plain_since_rebuild += n == 1
+        if n > 1 or self._plain_since_rebuild >= REBUILD_EVERY:
+            self._table = None
+            self._plain_since_rebuild = 0
 
+    @property
+    def t_token(self) -> float | None:
+        """Seconds of a one-token step: the median of recent plain steps, else
+        what the recent steps of other sizes say through the curve."""
+        one = self.steps.get(1)
+        if one is not None and one.median is not None:
+            return one.median
+        recent = [s / self.prior[n] for n, t in self.steps.items() for s in t.window]
+        return statistics.median(recent) if recent else None
 
-def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
-    """Time target batches of MEASURED sizes after a short prefix; returns
-    cost[k] = t(k) / t(1) for k = 0..MAX_BATCH (cost[0] = 0), interpolated
-    linearly between measured sizes. Leaves the KV cache cleared."""
-    times = time_batches(backend, MEASURED, reps=reps, prefix=prefix)
-    costs = [0.0] * (MAX_BATCH + 1)
-    for lo, hi in zip(MEASURED, MEASURED[1:]):
-        for k in range(lo, hi + 1):
-            w = (k - lo) / (hi - lo)
-            costs[k] = ((1 - w) * times[lo] + w * times[hi]) / times[1]
-    # Timings are noisy; a bigger batch never costs less.
-    for k in range(2, MAX_BATCH + 1):
-        costs[k] = max(costs[k], costs[k - 1])
-    return costs
+    def table(self) -> list[float]:
+        if self._table is None:
+            self._table = self._corrected()
+        return self._table
 
+    def _corrected(self) -> list[float]:
+        """The prior scaled at each size by what timings of that size (or the
+        nearest timed sizes, interpolated) say; one-token steps are the unit."""
+        one = self.steps.get(1)
+        t1 = one.median if one is not None else None
+        factors: dict[int, float] = {1: 1.0}   # one-token steps are the unit
+        if t1:
+            for n, t in self.steps.items():
+                if n > 1 and t.median is not None:
+                    measured = min(max(t.median / t1, 1.0), float(n))
+                    factors[n] = t.blend(self.prior[n], measured) / self.prior[n]
+        if len(factors) == 1:
+            return self.prior
+        sizes = sorted(factors)   # 1 first
+        table = [0.0, 1.0]
+        for n in range(2, MAX_BATCH + 1):
+            i = bisect.bisect_left(sizes, n)
+            if i == len(sizes):       # past the largest size timed: its factor
+                f = factors[sizes[-1]]
+            elif sizes[i] == n:
+                f = factors[n]
+            else:                     # between two timed sizes: geometric interpolation
+                lo, hi = sizes[i - 1], sizes[i]
+                w = (n - lo) / (hi - lo)
+                f = factors[lo] ** (1 - w) * factors[hi] ** w
+            table.append(self.prior[n] * f)
+        return plausible(table)
 
-BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measured curve is provisional
-
-
-def _other_load() -> float:
-    """The 1-minute load average per CPU (0 where the system does not say)."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except OSError:
-        return 0.0
-
-
-def cached_measurement(file: str, key: str, field: str, measure: Callable[[], Any],
-                       valid: Callable[[Any], bool], *, remeasure: bool = False) -> Any:
-    """A measurement of this machine, cached in ``registry.home() / file`` as
-    ``{key: {field: value, "load": load}}``; ``measure()`` runs when it is
-    missing, not ``valid``, or ``remeasure`` is asked.
-
-    A value measured while the machine was busy (other work loading it more
-    than BUSY) is kept as provisional: it is measured again the next time the
-    machine is quieter than it was then, so one busy first run does not
-    decide for good."""
-    path = registry.home() / file
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    entry, load = table.get(key), _other_load()
-    # (an entry without a recorded load was written before loads were: measured again once)
-    if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
-            and not (entry.get("load", 0.0) > BUSY and load < entry["load"] - BUSY / 2)):
-        return entry[field]
-    value = measure()
-    table[key] = {field: value, "load": round(load, 3)}
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        # An unwritable cache only costs a measurement per process: the value
-        # is used all the same.
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    return value
-
-
-def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
-    """The cached cost curve for this backend, measuring it when missing
-    (provisional when measured on a busy machine: see cached_measurement)."""
-    return cached_measurement(COST_FILE, _cost_key(backend), "costs", lambda: measure_batch_costs(backend),
-                              lambda c: isinstance(c, list) and len(c) == MAX_BATCH + 1, remeasure=remeasure)
-
-
-def speedup_ceiling(costs: list[float]) -> tuple[float, int]:
-    """The best speedup over plain decoding this cost curve allows, and the
-    draft length giving it: max over k of (k + 1) / cost[k + 1], every draft
-    token accepted (k drafted tokens and the target's own next one per step)."""
-    return max(((k + 1) / costs[k + 1], k) for k in range(1, len(costs) - 1))
+    def __call__(self, n_tokens: int) -> float:
+        return self.table()[min(n_tokens, MAX_BATCH)] * max(1.0, n_tokens / MAX_BATCH)
 
 
 @dataclass
@@ -187,6 +174,28 @@ class Acceptance:
         return e
 
 
+class DrafterCosts:
+    """A costly drafter's time per drafted token and per caught-up context
+    token, in one-token target steps: its measured DraftCost, corrected by
+    the time its drafts take here (seconds, converted with the curve's
+    current one-token time)."""
+
+    def __init__(self, prior: DraftCost):
+        self.prior = prior
+        self.per_token, self.catch_up = Timings(), Timings()
+
+    def now(self, t_token: float | None) -> DraftCost:
+        return DraftCost(self._corrected(self.per_token, self.prior.per_token, t_token),
+                         self._corrected(self.catch_up, self.prior.catch_up, t_token))
+
+    @staticmethod
+    def _corrected(timings: Timings, prior: float, t_token: float | None) -> float:
+        median = timings.median
+        if median is None or not t_token:
+            return prior
+        return timings.blend(prior, max(median / t_token, 1e-4))
+
+
 def _cut(draft: Draft, max_depth: int) -> Draft:
     """The part of ``draft`` no deeper than ``max_depth``."""
     if draft.parents is None:
@@ -198,17 +207,42 @@ def _cut(draft: Draft, max_depth: int) -> Draft:
                    parents=[index.get(draft.parents[i], -1) for i in keep])
 
 
+# A costly drafter that says nothing of its cost is taken to cost this much
+# (in one-token target steps per drafted / caught-up token) until timed.
+UNKNOWN_COST = DraftCost(per_token=0.5, catch_up=0.25)
+
+
 class Planner:
     """Chooses, each step, whether and how much to speculate. Lives as long as
-    its engine: acceptance learned in one generation serves the next."""
+    its engine: acceptance and costs learned in one generation serve the next."""
 
     def __init__(self, costs: list[float]):
-        self.costs = costs
+        self.costs = CostCurve(costs)
         self.acceptance: dict[str, Acceptance] = {}
-        self.draft_cost: dict[str, float] = {}   # drafting time per token, in target tokens
-        self.catch_up_cost: dict[str, float] = {}  # a costly drafter's time per unseen context token, likewise
-        self.t_token: float | None = None        # seconds of a one-token target step
-        self.plain_steps = 0                     # plain steps since the last draft
+        self.drafters: dict[str, DrafterCosts] = {}   # costly drafters by name
+        self.plain_steps = 0                          # plain steps since the last draft
+
+    # -- what things cost ------------------------------------------------------------
+
+    def cost(self, n_tokens: int) -> float:
+        return self.costs(n_tokens)
+
+    @property
+    def t_token(self) -> float | None:
+        return self.costs.t_token
+
+    def drafter_costs(self, key: str, prior: DraftCost | None = None) -> DrafterCosts:
+        """The cost record of costly drafter ``key``, made from ``prior`` (its
+        measured DraftCost; None: UNKNOWN_COST) when first asked for."""
+        d = self.drafters.get(key)
+        if d is None:
+            d = self.drafters[key] = DrafterCosts(prior or UNKNOWN_COST)
+        return d
+
+    def drafter_cost(self, key: str) -> DraftCost:
+        """What costly drafter ``key`` spends per drafted and per caught-up
+        token now, in target tokens."""
+        return self.drafter_costs(key).now(self.t_token)
 
     def _acc(self, key: str, prior: float | None = None) -> Acceptance:
         acc = self.acceptance.get(key)
@@ -216,23 +250,27 @@ class Planner:
             acc = self.acceptance[key] = Acceptance(prior if prior is not None else PRIOR_ALPHA)
         return acc
 
-    def cost(self, n_tokens: int) -> float:
-        return self.costs[min(n_tokens, MAX_BATCH)] * max(1.0, n_tokens / MAX_BATCH)
-
     def probing(self) -> bool:
         """Time to try a minimal draft so that acceptance estimates can recover."""
         return self.plain_steps >= EXPLORE_EVERY
 
+    # -- costly drafters ---------------------------------------------------------------
+
+    def worth(self, key: str, limit: int, prior: float | None = None) -> float:
+        """The most a costly drafter's chain of up to ``limit`` tokens is
+        expected to be worth (speed relative to plain decoding, drafting time
+        included): a cheaper draft already worth as much makes asking it moot."""
+        e = self._acc(key, prior).expected(limit)
+        per_token = self.drafter_cost(key).per_token
+        return max((e[k] / (self.cost(k + 1) + per_token * k) for k in range(1, len(e))), default=0.0)
+
     def budget(self, key: str, limit: int, may_skip: bool, prior: float | None = None) -> int:
-        """How many tokens to ask a costly drafter (one that spends time per
-        token, like a draft model) for: the chain length worth the most.
-        ``prior``: the drafter's guess of its acceptance before any evidence;
-        a drafter without evidence yet is asked for a short probe."""
-        acc = self._acc(key, prior)
-        if not acc.seen and key not in self.draft_cost and limit > 0:
-            return min(limit, 2)   # nothing known yet: a probe measures its cost
-        e = acc.expected(limit)
-        per_token = self.draft_cost.get(key, 0.0)
+        """How many tokens to ask a costly drafter for: the chain length worth
+        the most, drafting time included (0: none pays). An explicitly chosen
+        drafter (may_skip False) is asked for a short chain regardless, and
+        every EXPLORE_EVERY plain steps a declined one for a probe."""
+        e = self._acc(key, prior).expected(limit)
+        per_token = self.drafter_cost(key).per_token
         best_k, best = 0, 1.0
         for k in range(1, len(e)):
             value = e[k] / (self.cost(k + 1) + per_token * k)
@@ -242,34 +280,71 @@ class Planner:
             best_k = 1 if may_skip else min(limit, 2)
         return best_k
 
-    def worth(self, key: str, limit: int, prior: float | None = None) -> float:
-        """The most a costly drafter's chain of up to ``limit`` tokens is
-        expected to be worth (speed relative to plain decoding, drafting time
-        included): a cheaper draft already worth as much makes asking it moot."""
-        e = self._acc(key, prior).expected(limit)
-        per_token = self.draft_cost.get(key, 0.0)
-        return max((e[k] / (self.cost(k + 1) + per_token * k) for k in range(1, len(e))), default=0.0)
-
     def catch_up_pays(self, key: str, backlog: int, room: int, alternative: float, limit: int,
                       prior: float | None = None) -> bool:
         """Whether a costly drafter that must first evaluate ``backlog`` context
         tokens it has not seen is worth asking: the time its expected speed
         saves over ``alternative`` (the best draft in hand, or 1 for plain
-        decoding) for the ``room`` tokens left must exceed the catch-up time.
-        Unmeasured catch-up costs are measured by asking."""
-        per_token = self.catch_up_cost.get(key)
-        if backlog <= 0 or per_token is None:
+        decoding) for the ``room`` tokens left must exceed the catch-up time,
+        and a drafter with no evidence yet may spend at most EXPLORE_SHARE of
+        the plain time left finding out."""
+        if backlog <= 0:
             return True
         value = self.worth(key, limit, prior)
         if value <= alternative:
             return False
-        return room / alternative - room / value > backlog * per_token
+        catch_up = backlog * self.drafter_cost(key).catch_up
+        if not self._acc(key, prior).seen and catch_up > EXPLORE_SHARE * room:
+            return False
+        return room / alternative - room / value > catch_up
+
+    def record_draft_time(self, key: str, seconds: float, n_tokens: int) -> None:
+        if n_tokens > 0:
+            self.drafter_costs(key).per_token.add(seconds / n_tokens)
 
     def record_catch_up(self, key: str, seconds: float, n_tokens: int) -> None:
-        if self.t_token and n_tokens > 0:
-            per_token = seconds / self.t_token / n_tokens
-            old = self.catch_up_cost.get(key, per_token)
-            self.catch_up_cost[key] = EMA * old + (1 - EMA) * per_token
+        if n_tokens > 0:
+            self.drafter_costs(key).catch_up.add(seconds / n_tokens)
+
+    # -- choosing a draft ----------------------------------------------------------------
+
+    def choose(self, drafters: Sequence[Drafter], context: list[int], limit: int, room: int,
+               may_skip: bool, trees: bool) -> Draft:
+        """Ask each drafter for a draft of up to ``limit`` tokens and keep the
+        part of one that pays most on this machine (or nothing: a plain step).
+        ``room``: tokens still to generate; ``trees``: False where the backend
+        verifies a tree's first path only."""
+        best, best_value = Draft(), 0.0
+        for d in drafters:
+            behind = 0
+            if d.costly:
+                self.drafter_costs(d.name, d.cost)
+                if best_value and best_value >= self.worth(d.name, limit, d.prior):
+                    continue  # a cheap draft is worth at least what this one could be
+                # Text that steps without this drafter added must be evaluated
+                # first: where the planner may choose (auto), only if that pays.
+                behind = d.backlog(context)
+                if may_skip and not self.catch_up_pays(d.name, behind, room, max(best_value, 1.0), limit, d.prior):
+                    continue
+                ask = self.budget(d.name, limit, may_skip, d.prior)
+            else:
+                ask = limit
+            if ask <= 0:
+                continue
+            t0 = time.perf_counter()
+            draft = d.draft(context, ask)
+            if d.costly:
+                self.record_draft_time(d.name, time.perf_counter() - t0 - d.backlog_seconds, len(draft))
+                if d.backlog_seconds > 0:   # the part beyond the step's own tokens
+                    self.record_catch_up(d.name, d.backlog_seconds, max(1, behind - ask - 1))
+            if not len(draft):
+                continue
+            if not trees:  # verified as a chain: exact where a tree is not
+                draft = draft.first_path()
+            draft, value = self.cut(draft, may_skip)
+            if len(draft) and value > best_value:
+                best, best_value = draft, value
+        return best
 
     def widen(self, key: str, n_chain: int, gains: list[float]) -> int:
         """How many leaves to add to a chain of ``n_chain`` tokens, taking
@@ -322,6 +397,8 @@ class Planner:
             best_d, best = 1, 1.0
         return _cut(draft, best_d), best
 
+    # -- learning ------------------------------------------------------------------------
+
     def record(self, key: str, depth: int, n_accepted: int) -> None:
         if key == "none":
             self.plain_steps += 1
@@ -329,20 +406,20 @@ class Planner:
         self.plain_steps = 0
         self._acc(key).update(depth, n_accepted)
 
-    def record_draft_time(self, key: str, seconds: float, n_tokens: int) -> None:
-        if self.t_token and n_tokens:
-            per_token = seconds / self.t_token / n_tokens
-            old = self.draft_cost.get(key, per_token)
-            self.draft_cost[key] = EMA * old + (1 - EMA) * per_token
-
     def record_step_time(self, seconds: float, n_tokens: int) -> None:
-        """A target step of ``n_tokens`` took ``seconds``: refreshes the time of one token."""
-        one = seconds / self.cost(n_tokens)
-        self.t_token = one if self.t_token is None else EMA * self.t_token + (1 - EMA) * one
+        """A target step of ``n_tokens`` took ``seconds``."""
+        self.costs.record(seconds, n_tokens)
 
     def summary(self) -> dict:
         return {
-            "batch_cost": [round(c, 3) for c in self.costs[1:17]],
+            "batch_cost": [round(c, 3) for c in self.costs.table()[1:17]],
             "alpha": {k: [round(a, 3) for a in v.alpha[:8]] for k, v in self.acceptance.items()},
-            "draft_cost": {k: round(v, 4) for k, v in self.draft_cost.items()},
+            "draft_cost": {k: [round(x, 4) for x in self.drafter_cost(k).to_list()] for k in self.drafters},
         }
+
+
+def speedup_ceiling(costs: list[float]) -> tuple[float, int]:
+    """The best speedup over plain decoding this cost curve allows, and the
+    draft length giving it: max over k of (k + 1) / cost[k + 1], every draft
+    token accepted (k drafted tokens and the target's own next one per step)."""
+    return max(((k + 1) / costs[k + 1], k) for k in range(1, len(costs) - 1))

@@ -1,7 +1,7 @@
 """Several models behind one server: an Engine per model name, loaded on first
 use and unloaded least recently used first under a memory budget.
 
-    pool = EnginePool(["smollm2-135m", "qwen2.5-coder-0.5b"], slots=3, threads=2)
+    pool = EnginePool(["smollm2-135m", "qwen2.5-coder-0.5b"], EngineConfig(slots=3, threads=2))
     with pool.engine("qwen2.5-coder-0.5b") as engine:    # loads it, or waits for its load
         engine.generate("def fib(n):")
     pool.models()       # [{"name", "loaded", "bytes"}, ...]: what the pool serves
@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .backends import default_backend, resolve_model
-from .backends.base import DEFAULT_CTX, available_memory, kv_cache_bytes
+from .backends import default_backend
+from .onnx import resolve_model
+from .backends.base import available_memory, kv_cache_bytes
+from .config import DEFAULT_CTX, EngineConfig
 from .engine import Engine
 from .errors import EdgespecError, EngineBusyError, InvalidArgumentError, ModelNotFoundError
 from .models import registry
@@ -89,11 +91,12 @@ class EnginePool:
     references (built-in names, paths, ``hf:``), served under ``model_name``
     of each, the first as the default. ``max_loaded_bytes``: the memory
     budget (None: ``default_budget()``; 0: none). A ``(name, ref)`` pair in
-    ``refs`` serves ``ref`` under ``name``. Every other keyword goes to
-    each Engine (backend, threads, n_ctx, slots, drafter, ...)."""
+    ``refs`` serves ``ref`` under ``name``. ``config`` (with ``options`` as
+    keywords over it) is every Engine's (its model aside)."""
 
-    def __init__(self, refs: Sequence[str], *, max_loaded_bytes: int | None = None, pull: bool = True,
-                 opener: Callable[..., Engine] = Engine, **engine_options):
+    def __init__(self, refs: Sequence[str], config: EngineConfig | None = None, *,
+                 max_loaded_bytes: int | None = None, pull: bool = True,
+                 opener: Callable[..., Engine] = Engine, **options):
         if not refs:
             raise InvalidArgumentError("the pool needs at least one model")
         if max_loaded_bytes is not None and (isinstance(max_loaded_bytes, bool) or max_loaded_bytes < 0):
@@ -109,10 +112,9 @@ class EnginePool:
         self.budget = default_budget() if max_loaded_bytes is None else max_loaded_bytes or None
         self.pull = pull
         self._opener = opener
-        self._options = engine_options
-        self._backend = engine_options.get("backend")   # None: each model's default
+        self.config = config.but(**options) if config is not None and options else config or EngineConfig.of(**options)
         # contexts per model: a slot each, and the embeddings context
-        self._contexts = engine_options.get("slots", 1) + 1
+        self._contexts = self.config.slots + 1
         self._lock = threading.Lock()
         self._clock = 0
         self._closed = False
@@ -183,14 +185,14 @@ class EnginePool:
             with self._lock:
                 if entry.engine is not None:
                     return self._take(entry)
-            backend = self._backend or default_backend(entry.ref, self._options.get("gpu_layers") or 0)
+            backend = self.config.backend or default_backend(entry.ref, self.config.gpu_layers)
             path = resolve_model(backend, entry.ref)   # pulls a built-in model on first use
-            need = model_bytes(path, self._options.get("n_ctx"), self._contexts)
+            need = model_bytes(path, self.config.n_ctx, self._contexts)
             victims = self._make_room(entry, need)
             for engine in victims:
                 engine.close()
             try:
-                engine = self._opener(str(path), **self._options)
+                engine = self._opener(str(path), config=self.config)
             except BaseException:
                 with self._lock:
                     entry.bytes = 0   # the reserved room

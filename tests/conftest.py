@@ -70,7 +70,7 @@ def tiny_llama_path(tmp_path_factory, tiny_vocab_path):
 def tiny_onnx_dir(tmp_path_factory, tiny_llama_path):
     """The tiny llama exported for the onnx backend (float weights: exact enough
     to compare with the other backends)."""
-    from edgespec.backends import onnx_export
+    from edgespec.onnx import export as onnx_export
 
     return onnx_export.export(tiny_llama_path, tmp_path_factory.mktemp("tiny") / "tiny-llama-fp32",
                               weights="fp32", progress=False)

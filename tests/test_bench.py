@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from typer.testing import CliRunner
 
-from edgespec.bench import report, suites
+from edgespec.bench import prompts, report
 from edgespec.bench.peers import LlamaCppPython, PeerError
 from edgespec.bench.runner import Configuration
 from edgespec.errors import InvalidArgumentError
@@ -27,40 +27,40 @@ def run_cli(*args, timeout=300):
 
 
 def test_suites_load_with_sources_and_languages():
-    for name in suites.SUITES:
-        prompts = suites.load_suite(name)
-        assert prompts and all(p.suite == name and p.prompt.strip() and p.source for p in prompts)
-        assert len({p.id for p in prompts}) == len(prompts)
-    multi = suites.load_suite("multilingual")
+    for name in prompts.SUITES:
+        suite = prompts.load_suite(name)
+        assert suite and all(p.suite == name and p.prompt.strip() and p.source for p in suite)
+        assert len({p.id for p in suite}) == len(suite)
+    multi = prompts.load_suite("multilingual")
     human = {p.lang for p in multi if p.lang.isalpha() and len(p.lang) == 3 and p.id.startswith("translate-")}
     code = {p.lang for p in multi if not p.chat and not p.id[len("continue-"):] in human}
     assert len(human) >= 38 and len(code) >= 20
-    assert {p.lang for p in suites.load_suite("code")} == {"python"}
+    assert {p.lang for p in prompts.load_suite("code")} == {"python"}
 
 
 def test_select_filters_languages_and_spreads_the_limit():
-    got = suites.select(["multilingual"], langs=["deu", "jpn"])
+    got = prompts.select(["multilingual"], langs=["deu", "jpn"])
     assert {p.lang for p in got} == {"deu", "jpn"} and len(got) == 4
-    spread = suites.select(["multilingual", "chat"], limit=3)
+    spread = prompts.select(["multilingual", "chat"], limit=3)
     assert [p.suite for p in spread] == ["multilingual"] * 3 + ["chat"] * 3
     assert len({p.lang for p in spread if p.suite == "multilingual"}) == 3  # not the first 3 of one language
     with pytest.raises(InvalidArgumentError, match="unknown language 'xx'"):
-        suites.select(["chat"], langs=["xx"])
+        prompts.select(["chat"], langs=["xx"])
     with pytest.raises(InvalidArgumentError, match="unknown suite 'poems'"):
-        suites.select(["poems"])
+        prompts.select(["poems"])
     with pytest.raises(InvalidArgumentError, match="--limit must be > 0"):
-        suites.select(["chat"], limit=0)
+        prompts.select(["chat"], limit=0)
 
 
 def test_prompts_file(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "Hello there", "lang": "eng"}\n\n{"prompt": "def f(x):", "chat": false, "id": "f"}\n')
-    got = suites.select([], prompts_file=f)
+    got = prompts.select([], prompts_file=f)
     assert [(p.id, p.lang, p.chat) for p in got] == [("line-1", "eng", True), ("f", "und", False)]
-    assert [p.id for p in suites.select([], prompts_file=f, langs=["eng"])] == ["line-1"]
+    assert [p.id for p in prompts.select([], prompts_file=f, langs=["eng"])] == ["line-1"]
     f.write_text('{"prompt": "ok"}\n{"prompt": ""}\n')
     with pytest.raises(InvalidArgumentError, match="line 2"):
-        suites.load_prompts_file(f)
+        prompts.load_prompts_file(f)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -185,7 +185,7 @@ def test_llama_cpp_binary_output_is_parsed_and_failures_named(tmp_path):
 
 
 def test_speedup_ceiling_and_acceptance_by_length():
-    from edgespec.engine import SpecStats
+    from edgespec.results import SpecStats
     from edgespec.planner import speedup_ceiling
 
     # cost[k] of a k-token batch: 3 tokens for the price of 1.5 is the best deal.

@@ -76,7 +76,7 @@ def test_chat_page_streams_an_answer_with_stats(server, tmp_path):
         text = driver.execute_script(f"return {answer}.textContent")
         assert text == ref.text
         assert driver.find_element(By.CSS_SELECTOR, ".message.user .content").text == QUESTION
-        assert re.fullmatch(r"\d+\.\d tok/s · acceptance \d+% · speedup \d+\.\d\d× · drafter ngram( \(.+\))?"
+        assert re.fullmatch(r"\d+\.\d tok/s · acceptance \d+% · ≈\d+\.\d\d× \(estimated\) · drafter ngram( \(.+\))?"
                             rf" · {ref.stats.n_tokens} tokens, first after \d+\.\d\d s", stats), stats
         assert driver.find_element(By.ID, "send").is_enabled()
         artifacts = Path(os.environ.get("EDGESPEC_TEST_ARTIFACTS") or tmp_path)

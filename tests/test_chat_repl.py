@@ -14,7 +14,7 @@ import pytest
 
 from edgespec import Engine
 from edgespec.chat.repl import ChatSession, read_template
-from edgespec.engine import GenerationStats, Result, SpecStats
+from edgespec.results import GenerationStats, Result, SpecStats
 from edgespec.errors import ContextOverflowError, InvalidArgumentError
 
 pexpect = pytest.importorskip("pexpect")

@@ -85,7 +85,7 @@ def one_line_error(p, message):
 @pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: c[0])
 @pytest.mark.parametrize("args, message", [
     (["--gpu-layers", "-5"], "--gpu-layers must be >= 0, got -5"),
-    (["--threads", "0"], "--threads must be > 0, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
 ])
 def test_every_engine_command_checks_engine_options_before_loading(tmp_path, command, args, message):
     # A model that does not exist: were the options not checked first, the error would name the model.
@@ -93,7 +93,7 @@ def test_every_engine_command_checks_engine_options_before_loading(tmp_path, com
 
 
 @pytest.mark.parametrize("command, args, message", [
-    (["generate", "Hello"], ["--threads", "-3"], "--threads must be > 0, got -3"),
+    (["generate", "Hello"], ["--threads", "-3"], "--threads must be >= 1, got -3"),
     (["generate", "Hello"], ["--draft-max", "64"], "--draft-max must be in [1, 63], got 64"),
     (["chat"], ["--top-p", "0"], "top_p"),  # chat takes the sampling options generate takes
     (["chat"], ["--min-p", "1"], "min_p"),

@@ -16,6 +16,8 @@ import pytest
 from edgespec import Engine
 from edgespec.backends import open_backend
 from edgespec.backends.vocab import Vocab
+from edgespec.config import EngineConfig
+from edgespec.costs import DraftCost
 from edgespec.drafters import DrafterConfig, Verified, auto_members
 from edgespec.drafters import model as model_drafter
 from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
@@ -58,9 +60,9 @@ def trimmed_llama(tmp_path_factory, tiny_vocab_path):
     return path
 
 
-def _drafter(target, draft_path, **config):
-    cfg = DrafterConfig(n_vocab=target.n_vocab, target=target, draft_model=str(draft_path), threads=1,
-                        n_ctx=512, **config)
+def _drafter(target, draft_path):
+    cfg = DrafterConfig(n_vocab=target.n_vocab, target=target,
+                        options=EngineConfig(draft_model=str(draft_path), threads=1), n_ctx=512)
     return model_drafter.ModelDrafter(cfg)
 
 
@@ -77,7 +79,8 @@ def test_the_manifest_pairs_the_coder_models():
 
 def test_auto_weighs_a_paired_draft_model_and_leaves_recycling_out():
     assert auto_members(DrafterConfig(n_vocab=1, paired_draft="d")) == ["ngram", "model"]
-    assert auto_members(DrafterConfig(n_vocab=1, draft_model="d", ngram_cache="c")) == ["ngram", "cache", "model"]
+    assert auto_members(DrafterConfig(n_vocab=1, options=EngineConfig(draft_model="d", ngram_cache="c"))) == \
+        ["ngram", "cache", "model"]
     assert auto_members(DrafterConfig(n_vocab=1)) == ["ngram"]
 
 
@@ -265,10 +268,30 @@ def test_sampling_with_a_deterministic_proposal_is_exact():
 # -- the planner declines a draft model that costs more than it saves -------------------
 
 
-def test_planner_declines_a_slowed_draft_model(tiny_llama_path, monkeypatch):
-    """Self-drafting accepts everything, but each drafted token here costs
-    about 20 target steps: auto stops asking the draft model after its
-    probes, and the output stays plain decoding's."""
+def test_a_draft_model_measured_slow_at_load_is_never_asked(tiny_llama_path, monkeypatch, tmp_path):
+    """What the draft model costs is measured when it opens: where a drafted
+    token costs more than it can save, auto never asks it, not even once."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(model_drafter, "draft_cost", lambda target, draft: DraftCost(per_token=20.0, catch_up=5.0))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
+                draft_model=str(tiny_llama_path)) as engine:
+        prompt = "Write a sentence about the sea."
+        plain = engine.generate(prompt, max_tokens=64, drafter="none")
+        spec = engine.generate(prompt, max_tokens=64)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.spec.drafters["model"]["drafts"] == 0
+        assert spec.stats.spec.drafters["model"]["draft_tokens_evaluated"] == 0
+
+
+def test_planner_stops_asking_a_draft_model_slower_than_measured(tiny_llama_path, monkeypatch, tmp_path):
+    """Self-drafting accepts everything, and the load-time measurement says
+    drafting is nearly free; but each drafted token here takes 20 ms, about
+    20 target steps: the planner's own timings overrule the measurement
+    within a few drafts, and the output stays plain decoding's."""
+    from edgespec.planner import MIN_SAMPLES
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(model_drafter, "draft_cost", lambda target, draft: DraftCost(per_token=0.01, catch_up=0.001))
     real = model_drafter.ModelDrafter.draft
 
     def slow(self, context, max_tokens):
@@ -284,8 +307,28 @@ def test_planner_declines_a_slowed_draft_model(tiny_llama_path, monkeypatch):
         spec = engine.generate(prompt, max_tokens=64)
         assert spec.tokens == plain.tokens
         asked = spec.stats.spec.drafters["model"]["drafts"]
-        assert 1 <= asked <= 3, f"the slowed draft model was asked {asked} times"
-        assert engine._planner.draft_cost["model"] > 1.0
+        assert MIN_SAMPLES <= asked <= MIN_SAMPLES + 2, f"the slowed draft model was asked {asked} times"
+        assert engine._planner.drafter_cost("model").per_token > 1.0
+
+
+def test_draft_cost_is_measured_once_and_cached(tiny_llama_path, monkeypatch, tmp_path):
+    """A draft model as large as its target (itself): one drafted token costs
+    about one target step, a caught-up token less (it is evaluated in a
+    batch); measured once, then read from the cache."""
+    from edgespec import costs
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    calls = []
+    real = costs.measure_draft_cost
+    monkeypatch.setattr(costs, "measure_draft_cost", lambda t, d: calls.append(1) or real(t, d))
+    with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as target, \
+            open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as draft:
+        cost = costs.draft_cost(target, draft)
+        assert costs.draft_cost(target, draft) == cost
+    assert len(calls) == 1
+    assert 0.3 < cost.per_token < 3.0
+    assert 0 < cost.catch_up < cost.per_token
+    assert (tmp_path / costs.DRAFT_COST_FILE).is_file()
 
 
 # -- the built-in models, native backend, past 256 positions ---------------------------
@@ -328,7 +371,8 @@ def test_runner_up_leaves_on_a_cheap_cost_curve_keep_greedy_identity(tiny_llama_
     """Another random model over the same tokenizer drafts; with batches
     nearly free the planner widens uncertain positions into trees, which
     verification walks exactly."""
-    from edgespec.planner import MAX_BATCH, Planner
+    from edgespec.costs import MAX_BATCH
+    from edgespec.planner import Planner
 
     other = tmp_path / "other-seed.gguf"
     write_tiny_llama(other, tiny_vocab_path, seed=5)

@@ -23,7 +23,8 @@ import edgespec
 from edgespec import Engine, cli
 from edgespec.backends import open_backend
 from edgespec.capi import ffi
-from edgespec.drafters import corpus, distill, specialized, train
+from edgespec.drafters import specialized
+from edgespec.training import corpus, distill, train
 from edgespec.drafters.model import target_fingerprint
 from edgespec.errors import DrafterError, InvalidArgumentError
 from edgespec.models.gguf import GGUFFile
@@ -141,7 +142,7 @@ def test_a_distill_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_llam
     script = """if True:
         import sys, time
         from edgespec.backends import open_backend, native
-        from edgespec.drafters import distill
+        from edgespec.training import distill
         from edgespec.drafters.model import target_fingerprint
         distill.CHECKPOINT_SECONDS = 0.2
         real = native.BACKEND.decode
@@ -210,9 +211,9 @@ def test_distill_bad_input(monkeypatch, capsys, tmp_path, tiny_llama_path, disti
 
 
 def test_benchmark_text_is_held_out(tmp_path):
-    from edgespec.bench import suites
+    from edgespec.bench import prompts
 
-    prompt = suites.load_suite("code")[3].prompt
+    prompt = prompts.load_suite("code")[3].prompt
     own = "def tidy(rows):\n    return [r.strip() for r in rows if r.strip()]\n"
     docs, dropped = corpus.documents([("f", own + "\n\n" + prompt + "\n\n" + own)], corpus.HeldOut.suites())
     text = "".join(d.text for d in docs)
@@ -260,10 +261,10 @@ def test_training_raises_held_out_acceptance(tmp_path, distilled, tiny_llama_pat
 
     torch.manual_seed(0)
     from edgespec.backends.vocab import Vocab
-    from edgespec.moe import _reader
+    from edgespec.models.gguf_write import read_gguf
 
     with Vocab.load(tiny_llama_path) as vocab:
-        data = train.prepare_data(vocab, _reader(tiny_llama_path), distill.DistillSet(distilled), params,
+        data = train.prepare_data(vocab, read_gguf(tiny_llama_path), distill.DistillSet(distilled), params,
                                   progress=False)
     fresh = train.build_model(params, len(data.token_map))
     before = train.held_out_acceptance(fresh, data.kd_held_out)
@@ -293,7 +294,7 @@ def test_a_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, distille
     script = """if True:
         import sys
         from pathlib import Path
-        from edgespec.drafters import train
+        from edgespec.training import train
         train.CHECKPOINT_SECONDS = 0.3
         params = train.TrainParams(lang="python", minutes=5, n_embd=32, n_layer=1, n_head=2, n_head_kv=2,
                                    n_ff=64, vocab=300, ctx=64, threads=1)
@@ -377,12 +378,12 @@ def test_dataset_build_text_leaves_the_suites_prompts_out():
     """dataset-build (fetched with pip like the models) is where the
     multilingual suite's prompts come from: each language's suite excerpts are
     found in its text and none survives into the training documents."""
-    from edgespec.bench import suites
+    from edgespec.bench import prompts
 
     for lang in ("deu", "jpn", "python"):
         texts = corpus.source_texts(lang, ["dataset-build"], progress=False)
         assert texts and all(name.startswith(f"dataset-build:{lang}/") for name, _ in texts)
-        prompts = [p.prompt for p in suites.load_suite("multilingual") if p.lang == lang and not p.chat]
+        prompts = [p.prompt for p in prompts.load_suite("multilingual") if p.lang == lang and not p.chat]
         whole = corpus.HeldOut(t for _, t in texts)
         assert prompts and all(whole.overlaps(p) for p in prompts)
         docs, dropped = corpus.documents(texts, corpus.HeldOut.suites())

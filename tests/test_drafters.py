@@ -11,6 +11,7 @@ import pytest
 
 import edgespec.cli.drafter  # noqa: F401  (registers `drafter ngram`)
 from edgespec import cli
+from edgespec.config import EngineConfig
 from edgespec.drafters import Draft, DrafterConfig, Verified, open_drafter
 from edgespec.drafters.cache import NgramCache, build_ngram_cache
 from edgespec.errors import DrafterError, InvalidArgumentError
@@ -21,8 +22,8 @@ GREEDY = SamplingParams()
 VOCAB = 100
 
 
-def config(**fields) -> DrafterConfig:
-    return DrafterConfig(n_vocab=VOCAB, **fields)
+def config(**options) -> DrafterConfig:
+    return DrafterConfig(n_vocab=VOCAB, options=EngineConfig(**options))
 
 
 def step(tokens, logits=None, row_tokens=()) -> Verified:
@@ -192,7 +193,7 @@ def test_cache_drafter_prefers_the_session_text(built):
 def test_cache_drafter_cuts_ids_outside_the_vocabulary(built):
     tok, out, _ = built
     # the cache would go on with "mat", whose id is the first one past this vocabulary
-    d = open_drafter("cache", DrafterConfig(n_vocab=tok("mat")[0], ngram_cache=str(out)))
+    d = open_drafter("cache", DrafterConfig(n_vocab=tok("mat")[0], options=EngineConfig(ngram_cache=str(out))))
     prompt = tok("the cat")
     d.begin(prompt, GREEDY)
     assert d.draft(prompt, 4).tokens == tok("sat on the")
@@ -285,7 +286,7 @@ def test_cli_builds_a_cache_with_the_model_tokenizer(smollm2_path, tmp_path, mon
     with Vocab.load(smollm2_path) as vocab:
         n_vocab = vocab.n_vocab
         ids = vocab.tokenize("The target model verifies the drafted tokens", add_special=False)
-    d = open_drafter("cache", DrafterConfig(n_vocab=n_vocab, ngram_cache=str(out)))
+    d = open_drafter("cache", DrafterConfig(n_vocab=n_vocab, options=EngineConfig(ngram_cache=str(out))))
     d.begin(ids[:3], GREEDY)
     assert d.draft(ids[:3], 3).tokens == ids[3:6]
 

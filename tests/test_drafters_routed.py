@@ -18,10 +18,13 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends.vocab import Vocab
+from edgespec.config import EngineConfig
+from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import DrafterConfig, auto_members, routed, specialized
+from edgespec.drafters import model as model_drafter
 from edgespec.drafters.router import ProfileRouter, Router, open_router, script_shares
 from edgespec.errors import InvalidArgumentError
-from edgespec.planner import MAX_BATCH, Planner
+from edgespec.planner import Planner
 from tiny_gguf import SPECIAL_TOKENS, write_trimmed_drafter
 
 DATA = Path(__file__).parent / "data" / "routing"
@@ -123,7 +126,7 @@ def test_routers_are_found_by_name():
 
 def test_auto_weighs_a_set_between_the_cheap_drafters_and_the_draft_model():
     assert auto_members(DrafterConfig(n_vocab=1, specialized=(Path("a.gguf"),), paired_draft="d",
-                                      ngram_cache="c")) == ["ngram", "cache", "routed", "model"]
+                                      options=EngineConfig(ngram_cache="c"))) == ["ngram", "cache", "routed", "model"]
     assert auto_members(DrafterConfig(n_vocab=1, specialized=(Path("a.gguf"),))) == ["ngram", "routed"]
 
 
@@ -156,6 +159,7 @@ def test_auto_routes_each_request_to_one_drafter_and_keeps_greedy_output(tiny_ll
     # The drafters here are as large as the target; the planner is told they
     # cost what a real specialized drafter does (a few percent of it), and
     # batches nearly nothing (as on a bandwidth-bound model).
+    monkeypatch.setattr(model_drafter, "draft_cost", lambda target, draft: DraftCost(per_token=0.03, catch_up=0.005))
     for method in ("record_draft_time", "record_catch_up"):
         real = getattr(Planner, method)
         monkeypatch.setattr(Planner, method, lambda self, key, seconds, n, real=real: real(

@@ -52,12 +52,12 @@ def test_an_abandoned_stream_is_finalized_by_the_next_call(model):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"n_ctx": 7}, "context must hold 16 to"),
-    ({"n_ctx": 4294967360}, "context must hold 16 to"),
+    ({"n_ctx": 7}, r"n_ctx must be in \[16, "),
+    ({"n_ctx": 4294967360}, r"n_ctx must be in \[16, "),
     ({"n_ctx": 100000}, "exceeds the model's training context of 512"),
     ({"threads": 4 * (os.cpu_count() or 1) + 1}, "force_threads"),
-    ({"threads": 0}, "threads must be a whole number >= 1"),
-    ({"gpu_layers": -5}, "gpu_layers must be a whole number >= 0"),
+    ({"threads": 0}, "threads must be >= 1"),
+    ({"gpu_layers": -5}, "gpu_layers must be >= 0"),
     ({"n_batch": "8"}, "n_batch must be a whole number"),
 ])
 def test_sizes_out_of_range_are_refused_naming_the_limit(model, options, message):
@@ -99,10 +99,42 @@ def test_bad_arguments_are_typed_errors(tiny_llama_path, call, message):
 
 
 def test_export_into_an_unwritable_folder_is_one_line(tiny_llama_path):
-    from edgespec.backends import onnx_export
+    from edgespec.onnx import export as onnx_export
 
     with pytest.raises(InvalidArgumentError, match=r"^/proc(/edgespec-export: cannot write the export there| is not writable)"):
         onnx_export.export(tiny_llama_path, "/proc/edgespec-export", weights="fp32", progress=False)
+
+
+def test_a_misspelt_or_backend_foreign_option_is_refused_naming_it(tiny_llama_path):
+    """An option is never dropped silently: one that does not exist, or one the
+    chosen backend does not take, is an error naming it (and who takes it)."""
+    with pytest.raises(InvalidArgumentError, match="unknown engine option 'treads'"):
+        Engine(str(tiny_llama_path), treads=2)
+    with pytest.raises(InvalidArgumentError, match="gpu_layers does not apply to the native backend "
+                                                   r"\(it applies to the llama backend\)"):
+        Engine(str(tiny_llama_path), backend="native", gpu_layers=8)
+    from edgespec.backends import open_backend
+    with pytest.raises(InvalidArgumentError, match="experts does not apply to the llama backend"):
+        open_backend("llama", tiny_llama_path, experts=object())
+    with open_backend("llama", tiny_llama_path, n_ctx=64, threads=1, gpu_layers=0, experts=None) as b:
+        assert b.n_ctx >= 64     # options at their "nothing asked" values pass
+
+
+def test_the_command_line_refuses_a_backend_foreign_option(tiny_llama_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "edgespec", "generate", "hi", "--model", str(tiny_llama_path),
+                        "--backend", "native", "--gpu-layers", "8"], capture_output=True, text=True)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["error: gpu_layers does not apply to the native backend "
+                                             "(it applies to the llama backend)"]
+
+
+def test_a_misspelt_generation_option_is_refused_naming_it(tiny_llama_path):
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=64) as engine:
+        with pytest.raises(InvalidArgumentError, match="unknown generation option 'temprature'"):
+            engine.generate("hi", max_tokens=2, temprature=0.5)
 
 
 def test_a_small_context_ends_where_it_was_asked_to_on_both_backends(tiny_llama_path):

@@ -19,6 +19,8 @@ import subprocess
 
 import pytest
 
+import edgespec
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64-static"
 
@@ -38,9 +40,10 @@ def test_neon_kernels_under_qemu(tmp_path, march):
             pytest.fail(f"EDGESPEC_REQUIRE_NEON=1 but {why}")
         pytest.skip(why)
     sources = [ROOT / "csrc/tests/test_quants.c", ROOT / "csrc/base.c",
-               *sorted((ROOT / "csrc/native").rglob("*.c")), *sorted((ROOT / "csrc/spec").glob("*.c"))]
+               *sorted((ROOT / "csrc/native").rglob("*.c")), *sorted((ROOT / "csrc/speculative").glob("*.c"))]
     exe = tmp_path / "test_quants"
-    subprocess.run([CC, "-static", "-O2", "-std=gnu11", f"-march={march}", f"-I{ROOT / 'csrc'}",
+    subprocess.run([CC, "-static", "-O2", "-std=gnu11", f"-march={march}", f'-DES_VERSION="{edgespec.__version__}"',
+                    f"-I{ROOT / 'csrc'}",
                     f"-I{ROOT / 'csrc/tests'}", *map(str, sources), "-lm", "-lpthread", "-o", str(exe)],
                    check=True, capture_output=True, text=True)
     run = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=300)

@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from edgespec import Engine
-from edgespec.backends import onnx_export
+from edgespec.onnx import export as onnx_export
 from edgespec.backends import open_backend
 from edgespec.errors import InvalidArgumentError, ModelFormatError
 
@@ -422,7 +422,7 @@ def test_a_killed_exports_folder_is_removed_by_the_next_export(tmp_path, tiny_ll
 
     # An export killed (-9) while it writes: its .part folder stays, locked by nobody.
     script = ("import sys, time, onnx; onnx.save_model = lambda *a, **k: time.sleep(600); "
-              "from edgespec.backends import onnx_export; "
+              "from edgespec.onnx import export as onnx_export; "
               "onnx_export.export(sys.argv[1], sys.argv[2], weights='fp32', progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama_path), str(tmp_path / "out")])
     try:
@@ -450,7 +450,7 @@ def test_a_killed_exports_folder_is_removed_by_the_next_export(tmp_path, tiny_ll
 
 
 def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, export_dir, monkeypatch):
-    from edgespec.backends import onnx as onnx_backend
+    from edgespec.onnx import resolve_model
 
     calls = []
 
@@ -461,8 +461,8 @@ def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, expo
         return out_dir
     monkeypatch.setattr(onnx_export, "cache_dir", lambda: tmp_path / "onnx")
     monkeypatch.setattr(onnx_export, "export", fake_export)
-    first = onnx_backend.resolve_model(str(smollm2_path))
-    second = onnx_backend.resolve_model(str(smollm2_path))
+    first = resolve_model("onnx", str(smollm2_path))
+    second = resolve_model("onnx", str(smollm2_path))
     assert first == second == tmp_path / "onnx" / f"{smollm2_path.stem}-int4"
     assert len(calls) == 1
 

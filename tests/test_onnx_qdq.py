@@ -14,7 +14,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from edgespec.backends import onnx_export, open_backend
+from edgespec.backends import open_backend
+from edgespec.onnx import export as onnx_export
 
 TINY = {"llama": "tiny_llama_path", "qwen2": "tiny_qwen2_path", "gemma3": "tiny_gemma3_path"}
 # not the calibration text: the ranges must hold on text they were not taken from

@@ -1,8 +1,10 @@
-"""The draft planner on synthetic cost curves: pure logic, no model."""
+"""The draft planner on synthetic cost curves: pure logic, no model (but for
+the cached measurements at the end, on the tiny model)."""
 from __future__ import annotations
 
-from edgespec.drafters import Draft
-from edgespec.planner import EXPLORE_EVERY, MAX_BATCH, Planner
+from edgespec.costs import MAX_BATCH, DraftCost
+from edgespec.drafters import Draft, Drafter
+from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, Planner
 
 LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
 FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
@@ -66,12 +68,15 @@ def test_tree_cut_keeps_valid_parents():
 
 def test_budget_for_costly_drafters_counts_drafting_time():
     p = Planner(FLAT)
+    p.drafter_costs("m", DraftCost(per_token=0.05, catch_up=0.01))
     for _ in range(30):
         p.record("m", 8, 8)
     assert p.budget("m", 8, may_skip=True) == 8
-    p.t_token = 1.0
-    for _ in range(50):
-        p.record_draft_time("m", 2.0, 1)  # drafting a token costs two target tokens
+    for _ in range(MIN_SAMPLES):
+        p.record_step_time(0.01, 1)          # a target token takes 10 ms
+    for _ in range(20):
+        p.record_draft_time("m", 0.02, 1)    # drafting a token takes two target tokens
+    assert p.drafter_cost("m").per_token > 1.0
     assert p.budget("m", 8, may_skip=True) == 0
     assert p.budget("m", 8, may_skip=False) == 2
 
@@ -81,12 +86,9 @@ def test_a_draft_model_is_asked_to_catch_up_only_where_that_pays():
     text they added: worth it for a long answer to come, not for a short one,
     and never when the draft in hand is worth as much as the draft model."""
     p = Planner(FLAT)
-    p.t_token = 1.0
+    p.drafter_costs("m", DraftCost(per_token=0.1, catch_up=0.05))   # as measured at load
     for _ in range(30):
         p.record("m", 4, 4)                  # the draft model's drafts are all accepted
-        p.record_draft_time("m", 0.1, 1)
-    assert p.catch_up_pays("m", 500, room=10, alternative=1.0, limit=4)   # catch-up cost not measured yet
-    p.record_catch_up("m", 5.0, 100)         # 0.05 of a target token per unseen token
     value = p.worth("m", 4)
     assert 2.5 < value < 3.5                 # 5 tokens for 1.2 + 4 x 0.1
     assert p.catch_up_pays("m", 0, room=1, alternative=1.0, limit=4)
@@ -95,11 +97,88 @@ def test_a_draft_model_is_asked_to_catch_up_only_where_that_pays():
     assert not p.catch_up_pays("m", 10, room=200, alternative=value, limit=4)
 
 
+class SlowDrafter(Drafter):
+    """A costly drafter that has seen none of the text: every draft must first
+    evaluate the whole context, at half a target token per context token."""
+
+    name = "slow"
+    costly = True
+    prior = 0.9
+    cost = DraftCost(per_token=0.1, catch_up=0.5)
+
+    def __init__(self):
+        self.asked = 0
+
+    def backlog(self, context):
+        return len(context)
+
+    def draft(self, context, max_tokens):
+        self.asked += 1
+        return Draft(tokens=[1] * max_tokens, source=self.name)
+
+
+def test_a_slow_drafter_with_a_large_catch_up_is_not_tried_on_a_short_generation():
+    """Catching up on a 200-token prompt costs ~100 target tokens: not worth it
+    for 32 tokens to come, whatever the drafter would then save; worth it
+    when thousands are to come and the drafts are expected to pay."""
+    p = Planner(FLAT)
+    slow = SlowDrafter()
+    context = list(range(200))
+    for _ in range(10):
+        assert len(p.choose([slow], context, limit=8, room=32, may_skip=True, trees=True)) == 0
+    assert slow.asked == 0
+    # Unproven, it may spend only EXPLORE_SHARE of the plain time left finding out.
+    assert not p.catch_up_pays("slow", 200, room=int(100 / EXPLORE_SHARE) - 1, alternative=1.0, limit=8,
+                               prior=slow.prior)
+    assert len(p.choose([slow], context, limit=8, room=10_000, may_skip=True, trees=True)) > 0
+    assert slow.asked == 1
+
+
+def test_a_drafter_that_does_not_say_its_cost_is_taken_to_be_costly():
+    p = Planner(FLAT)
+    slow = SlowDrafter()
+    slow.cost = None
+    assert p.drafter_cost(slow.name) == p.drafter_costs(slow.name).prior
+    assert p.drafter_cost(slow.name).per_token >= 0.5
+
+
+def test_a_lying_cost_curve_is_corrected_by_timed_steps_within_a_few_steps():
+    """The cached curve says batches are free; this machine's steps say a
+    5-token batch costs 3.3 tokens. After a few timed steps the planner
+    uses the truth and stops drafting what only the lie made pay."""
+    truth = [0.0] + [1.0 + 0.58 * (k - 1) for k in range(1, MAX_BATCH + 1)]
+    p = Planner([0.0] + [1.0] * MAX_BATCH)
+    for _ in range(30):
+        p.record("k", 4, 1)                  # the second drafted token is always rejected
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 4      # the lie: every token free
+    t1 = 0.030
+    steps = 0
+    while len(p.cut(chain(4), may_skip=True)[0]) == 4:
+        p.record_step_time(t1, 1)
+        p.record_step_time(t1 * truth[5], 5)
+        steps += 1
+        assert steps <= MIN_SAMPLES + 2, "the lie outlived a few timed steps"
+    assert abs(p.cost(5) - truth[5]) / truth[5] < 0.25
+    assert 1.0 <= p.cost(3) <= p.cost(5) <= p.cost(9) <= 9   # sizes not timed: within bounds
+    assert len(p.cut(chain(4), may_skip=True)[0]) <= 1    # the first token is always accepted: it pays
+
+
+def test_one_noisy_step_does_not_move_the_curve():
+    p = Planner(FLAT)
+    for _ in range(8):
+        p.record_step_time(0.03, 1)
+        p.record_step_time(0.03 * FLAT[5], 5)
+    before = p.cost(5)
+    p.record_step_time(3.0, 5)               # the machine stalled once: 100 tokens' time
+    assert abs(p.cost(5) - before) < 0.05 * before
+    assert p.cost(5) <= 5
+
+
 def test_an_unwritable_cache_still_gives_a_measured_curve(tiny_llama_path, tmp_path, monkeypatch):
     """EDGESPEC_HOME unwritable (a file where the folder should be): the curve
     is measured and used, nothing raised, nothing left behind."""
     from edgespec.backends import open_backend
-    from edgespec.planner import batch_costs
+    from edgespec.costs import batch_costs
 
     blocker = tmp_path / "home"
     blocker.write_text("not a folder")
@@ -114,42 +193,42 @@ def test_a_curve_measured_on_a_busy_machine_is_measured_again_when_quieter(tiny_
                                                                           monkeypatch):
     import os
 
-    from edgespec import planner
+    from edgespec import costs
     from edgespec.backends import open_backend
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     measured = []
-    real = planner.measure_batch_costs
-    monkeypatch.setattr(planner, "measure_batch_costs", lambda b: measured.append(1) or real(b))
+    real = costs.measure_batch_costs
+    monkeypatch.setattr(costs, "measure_batch_costs", lambda b: measured.append(1) or real(b))
     cpus = os.cpu_count() or 1
     with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as backend:
         monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cpus, 0.0, 0.0))   # busy
-        planner.batch_costs(backend)
-        planner.batch_costs(backend)              # as busy: the provisional curve is kept
+        costs.batch_costs(backend)
+        costs.batch_costs(backend)              # as busy: the provisional curve is kept
         assert len(measured) == 1
         monkeypatch.setattr(os, "getloadavg", lambda: (0.1 * cpus, 0.0, 0.0))   # quiet
-        planner.batch_costs(backend)              # measured again
-        planner.batch_costs(backend)              # and now trusted
+        costs.batch_costs(backend)              # measured again
+        costs.batch_costs(backend)              # and now trusted
         assert len(measured) == 2
         monkeypatch.setattr(os, "getloadavg", lambda: (3.0 * cpus, 0.0, 0.0))
-        planner.batch_costs(backend)              # a quiet curve stays, however busy now
+        costs.batch_costs(backend)              # a quiet curve stays, however busy now
         assert len(measured) == 2
 
 
 def test_a_curve_of_unknown_load_is_measured_again_once(tiny_llama_path, tmp_path, monkeypatch):
     import json
 
-    from edgespec import planner
+    from edgespec import costs
     from edgespec.backends import open_backend
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as backend:
-        stale = [0.0] + [1.0] * planner.MAX_BATCH        # batches as cheap as one token: wrong
-        (tmp_path / planner.COST_FILE).write_text(json.dumps({planner._cost_key(backend): stale}))
-        costs = planner.batch_costs(backend)
-    assert costs != stale
-    entry = json.loads((tmp_path / planner.COST_FILE).read_text())[planner._cost_key(backend)]
-    assert entry["costs"] == costs and "load" in entry
+        stale = [0.0] + [1.0] * costs.MAX_BATCH        # batches as cheap as one token: wrong
+        (tmp_path / costs.COST_FILE).write_text(json.dumps({costs.cost_key(backend): stale}))
+        curve = costs.batch_costs(backend)
+    assert curve != stale
+    entry = json.loads((tmp_path / costs.COST_FILE).read_text())[costs.cost_key(backend)]
+    assert entry["costs"] == curve and "load" in entry
 
 
 def test_widen_adds_leaves_only_where_the_cost_curve_pays():

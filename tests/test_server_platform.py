@@ -117,7 +117,7 @@ def test_ollama_generate(server):
     assert final["eval_count"] == ref.stats.n_tokens == 8
     assert final["prompt_eval_count"] == ref.stats.prompt_tokens
     assert final["eval_duration"] > 0 and final["total_duration"] >= final["eval_duration"]
-    assert final["edgespec"]["drafter"] == "ngram" and final["edgespec"]["speedup"] > 0
+    assert final["edgespec"]["drafter"] == "ngram" and final["edgespec"]["estimated_speedup"] > 0
     # one object
     status, _, data = post(server, "/api/generate", {"model": MODEL, "prompt": PROMPT, "options": opts,
                                                      "stream": False})
@@ -335,7 +335,7 @@ def test_metrics(server):
     spec = answer["edgespec"]["spec"]
     assert delta("edgespec_draft_tokens_total") == spec["drafted"]
     assert delta("edgespec_accepted_tokens_total") == spec["accepted"]
-    assert after[("edgespec_last_speedup", m)] == pytest.approx(answer["edgespec"]["speedup"], abs=1e-3)
+    assert after[("edgespec_last_estimated_speedup", m)] == pytest.approx(answer["edgespec"]["estimated_speedup"], abs=1e-3)
     assert after[("edgespec_last_tokens_per_second", m)] > 0
     assert 0 <= after[("edgespec_last_acceptance_rate", m)] <= 1
     assert ("edgespec_requests_total", (("endpoint", "/metrics"), ("status", "200"))) in after
@@ -366,7 +366,7 @@ def test_openai_client_stream(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.completion_tokens == ref.stats.n_tokens
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-    assert final.model_extra["edgespec"]["drafter"] == "ngram" and final.model_extra["edgespec"]["speedup"] > 0
+    assert final.model_extra["edgespec"]["drafter"] == "ngram" and final.model_extra["edgespec"]["estimated_speedup"] > 0
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from edgespec.errors import ModelFormatError
 from edgespec.models import registry
 from edgespec.models.gguf import check_gguf as validate_gguf
-from edgespec.moe import field_value
+from edgespec.models.gguf_write import field_value
 
 Q = gguf.GGMLQuantizationType
 

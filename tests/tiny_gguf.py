@@ -39,7 +39,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from edgespec.moe import copy_keys, field_value
+from edgespec.models.gguf_write import copy_keys, field_value
 
 Q = gguf.GGMLQuantizationType
 T = gguf.MODEL_TENSOR

@@ -10,7 +10,7 @@
  * Cache files are written to the working directory under es_test_*.bin and
  * removed again.
  */
-#include "spec/es_spec.h"
+#include "speculative/es_spec.h"
 
 #include <math.h>
 #include <stdio.h>

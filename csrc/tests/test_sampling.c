@@ -5,8 +5,8 @@
  * and the program exits nonzero when any check failed. Rows are small and
  * hand-made, so every expected value can be worked out on paper.
  */
-#include "spec/es_spec.h"
-#include "spec/spec_internal.h"  // es__rng_* for the draw-fallback test
+#include "speculative/es_spec.h"
+#include "speculative/spec_internal.h"  // es__rng_* for the draw-fallback test
 
 #include <math.h>
 #include <stdio.h>

@@ -12,8 +12,8 @@
  *     follow p0(x) * p1(y | x), the target's own distributions, whatever the
  *     draft (deterministic chain, sibling candidates, drafter q rows).
  */
-#include "spec/es_spec.h"
-#include "spec/spec_internal.h"  // sampler internals for the state checks
+#include "speculative/es_spec.h"
+#include "speculative/spec_internal.h"  // sampler internals for the state checks
 
 #include <math.h>
 #include <stdio.h>

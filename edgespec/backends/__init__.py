@@ -11,10 +11,9 @@ import inspect
 import os
 from pathlib import Path
 
+from ..config import BACKENDS  # noqa: F401  (re-exported: one list, the config's)
 from ..errors import InvalidArgumentError
 from .base import Backend, Interrupted  # noqa: F401  (the contract, re-exported)
-
-BACKENDS = ("llama", "native", "onnx")
 
 # Architectures the native engine decodes at least as fast as llama.cpp
 # (benchmarks/bench_native.py speed, 2 threads, native / llama.cpp: llama
@@ -57,9 +56,10 @@ def _module(name: str):
 
 
 def resolve_model(name: str, ref: str) -> Path:
-    """What backend ``name`` opens for model reference ``ref``: a GGUF file
-    (checked), or what the backend's own ``resolve_model`` makes of it (the
-    onnx backend: an exported folder, exporting on first use)."""
+    """The GGUF file backend ``name`` opens for model reference ``ref``:
+    checked, unless the backend's own ``resolve_model`` says otherwise (the
+    native engine validates the whole file as it loads it). An ONNX export is
+    resolved a layer up (edgespec.onnx.resolve_model)."""
     module = _module(name)
     if hasattr(module, "resolve_model"):
         return module.resolve_model(ref)
@@ -85,10 +85,17 @@ def check_model(ref: str) -> Path:
     return path
 
 
-def open_backend(name: str, path: Path, **kwargs) -> Backend:
-    """Open backend ``name`` on ``path``. Options a backend does not take
-    (``gpu_layers`` for onnx, ``ep`` for llama, ...) are left out, so one set
-    of options serves a target and a draft model on different backends."""
+def open_backend(name: str, path: Path, **options) -> Backend:
+    """Open backend ``name`` on ``path`` with ``options`` (its keyword
+    arguments). An option the backend does not take is an InvalidArgumentError
+    naming the backends that do (``gpu_layers`` on native: only llama.cpp
+    offloads layers), unless it asks for nothing (None, 0, False, one slot)."""
     cls = _module(name).BACKEND
     params = inspect.signature(cls).parameters
-    return cls(path, **{k: v for k, v in kwargs.items() if k in params})
+    for key, value in options.items():
+        if key not in params and value not in (None, 0, False) and not (key == "slots" and value == 1):
+            takers = [b for b in BACKENDS if b != name and key in inspect.signature(_module(b).BACKEND).parameters]
+            raise InvalidArgumentError(f"{key} does not apply to the {name} backend"
+                                       + (f" (it applies to the {' and '.join(takers)} backend"
+                                          f"{'s' if len(takers) > 1 else ''})" if takers else ""))
+    return cls(path, **{k: v for k, v in options.items() if k in params})

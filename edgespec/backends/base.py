@@ -56,18 +56,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..capi import Closing
+from ..config import DEFAULT_CTX, MAX_CTX, MAX_SLOTS, MIN_CTX
+from ..models.gguf import GGUFFile
 from ..errors import (ContextOverflowError, EngineClosedError, InvalidArgumentError,
                       UnsupportedModelError)
 
-DEFAULT_CTX = 4096    # the KV cache size when none is asked for (capped at the training context)
-MIN_CTX = 16          # smaller caches trip llama.cpp's asserts, and hold no useful text
-MAX_CTX = 2**31 - 1   # positions are int32 in every backend
-MAX_SLOTS = 64        # KV-cache slots per backend
 EMBED_SEQS = 16       # sequences in one embeddings batch
 
 
@@ -206,7 +205,12 @@ class Backend(Closing, ABC):
         """Refuse a KV cache (F16 keys and values, every layer) larger than the
         memory available, before anything is allocated. Uses the GGUF's own
         hyperparameters; a model that does not state them is not checked."""
-        need = kv_cache_bytes(self.metadata, n_ctx)
+        path = Path(getattr(self, "path", "") or "")
+        if path.suffix == ".gguf" and path.is_file():   # the C reader: no tokenizer loaded to read four numbers
+            with GGUFFile(path) as f:
+                need = kv_cache_bytes(f.get, n_ctx)
+        else:
+            need = kv_cache_bytes(self.metadata, n_ctx)
         have = available_memory()
         if need is not None and have is not None and need > have:
             raise InvalidArgumentError(f"a context of {n_ctx} tokens needs {need / 2**30:.1f} GiB for its KV "

@@ -14,6 +14,7 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
+from ..config import DEFAULT_BATCH
 from ..errors import BackendError, ModelFormatError
 from ..models.gguf import GGUFFile
 from . import default_threads
@@ -42,7 +43,7 @@ class LlamaBackend(VocabMixin, Backend):
     _contexts: list = []
     _n_tree_seqs = 1               # KV sequences the last draft tree used
 
-    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
                  threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
                  swa_full: bool = True, ctx_extend: bool = False, verbose: bool = False):
         super().__init__(slots)

@@ -12,6 +12,7 @@ decoding on this backend reproduces plain decoding at any context length.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ import numpy as np
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, lib
 from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
 from .. import moe
+from ..config import DEFAULT_BATCH
 from ..models import registry
+from ..models.gguf import GGUFFile
 from . import default_threads
 from .base import Backend, context_size
 from .vocab import Vocab, VocabMixin
@@ -71,6 +74,12 @@ class NativeModel(Owned):
     _free = lib.es_model_free
 
     def __init__(self, path: Path, experts: moe.ExpertCache | None = None):
+        if experts is not None:
+            with GGUFFile(path) as f:
+                arch = f.get("general.architecture")
+                if not f.get(f"{arch}.expert_count", 0):
+                    raise InvalidArgumentError(f"{Path(path).name} is a dense {arch} model (no experts): an "
+                                               "expert cache (--expert-cache) is for mixture-of-experts models")
         params = ffi.new("es_model_params *", model_params(experts))
         sidecar = experts.sidecar(path) if experts is not None else None
         if sidecar is not None:
@@ -159,25 +168,22 @@ class NativeBackend(VocabMixin, Backend):
     one more, with embeddings, for hidden states."""
 
     name = "native"
-    _ctx = _model = _embed_ctx = None
+    _ctx = _model = _embed_ctx = _vocab = None
     _contexts: list = []
-    vocab = None
 
-    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
-                 threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
+                 threads: int | None = None, n_seq: int = 1, slots: int = 1,
                  ctx_extend: bool = False, experts: moe.ExpertCache | None = None,
                  verbose: bool = False):
-        # gpu_layers and n_seq do not apply: the engine runs on the CPU, and
-        # draft trees need no sequences (a tree is one batch with parents).
+        # n_seq does not apply: draft trees need no sequences here (a tree is
+        # one batch with parents).
         super().__init__(slots)
         self.path = Path(path)
         self._model = NativeModel(self.path, experts)
         self._contexts = [None] * slots
+        self._verbose = verbose
+        self._vocab_lock = threading.Lock()
         try:
-            self.vocab = Vocab.load(self.path, verbose=verbose)
-            if self.vocab.n_vocab != self._model.n_vocab:
-                raise ModelFormatError(f"{self.path}: the vocabulary has {self.vocab.n_vocab} tokens, "
-                                       f"the embeddings {self._model.n_vocab}")
             self.threads = threads or default_threads()
             n_ctx = context_size(n_ctx, self._model.n_ctx_train, extend=ctx_extend)
             self._check_kv_memory(n_ctx)
@@ -191,6 +197,23 @@ class NativeBackend(VocabMixin, Backend):
         self.arch = self._model.arch
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
+
+    @property
+    def vocab(self) -> Vocab:
+        """llama.cpp's view of the vocabulary (tokenizer, pieces, special
+        tokens), loaded on first use: a draft model that drafts in its
+        target's token ids never needs it, and its load takes a tenth of a
+        second on a 150k-token vocabulary."""
+        with self._vocab_lock:
+            if self._vocab is None:
+                self._check_open()
+                vocab = Vocab.load(self.path, verbose=self._verbose)
+                if vocab.n_vocab != self._model.n_vocab:
+                    vocab.close()
+                    raise ModelFormatError(f"{self.path}: the vocabulary has {vocab.n_vocab} tokens, "
+                                           f"the embeddings {self._model.n_vocab}")
+                self._vocab = vocab
+            return self._vocab
 
     def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
         return NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
@@ -244,9 +267,9 @@ class NativeBackend(VocabMixin, Backend):
                 c.close()
         self._ctx = self._embed_ctx = None
         self._contexts = []
-        if self.vocab is not None:
-            self.vocab.close()
-            self.vocab = None
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None
         if self._model is not None:
             self._model.close()
             self._model = None

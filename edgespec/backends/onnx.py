@@ -18,6 +18,7 @@ backend's.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models import registry
-from . import onnx_export
+from ..config import DEFAULT_BATCH
 from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from . import default_threads
 from .base import Backend, context_size
@@ -200,15 +201,30 @@ def placement(path: Path, ep: str, threads: int = 1) -> dict:
             "fallback": [f for f in fallback if f not in boundary], "boundary": boundary}
 
 
-def resolve_model(ref: str, *, weights: str = "int4") -> Path:
-    """An exported folder, or a model reference (built-in name, GGUF path,
-    hf:...) exported into the cache on first use. Returns the folder."""
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        onnx_export.load_export(path)  # fails clearly on a folder that is not an export
-        return path
-    gguf = registry.model_path_checked(ref)
-    return onnx_export.cached_export(gguf, onnx_export.check_weights(weights), model_ref=ref)
+FORMAT = "edgespec-onnx"
+FORMAT_VERSION = 3             # 3: GroupQueryAttention over a cache the caller owns (IO binding)
+CONFIG_FILE = "edgespec-onnx.json"
+MODEL_FILE = "model.onnx"
+
+
+def load_export(folder: str | os.PathLike) -> dict:
+    """The config of an exported folder; ModelFormatError when it is not one."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise ModelFormatError(f"{folder} is not an edgespec ONNX export (no {CONFIG_FILE}; "
+                               "make one with `edgespec export-onnx MODEL OUT_DIR`)") from None
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"{folder / CONFIG_FILE}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ModelFormatError(f"{folder / CONFIG_FILE} is not an edgespec ONNX export config")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ModelFormatError(f"{folder} was exported in format version {meta.get('version')}; "
+                               f"this edgespec reads version {FORMAT_VERSION} (export it again)")
+    if not (folder / meta.get("model", MODEL_FILE)).is_file():
+        raise ModelFormatError(f"{folder} has no {meta.get('model', MODEL_FILE)}")
+    return meta
 
 
 class OnnxBackend(VocabMixin, Backend):
@@ -223,15 +239,16 @@ class OnnxBackend(VocabMixin, Backend):
     vocab = None
     recorded: list[dict] | None = None  # a list: every call's inputs are appended to it
 
-    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = 512,
-                 threads: int | None = None, ep: str | None = None, verbose: bool = False):
+    def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
+                 threads: int | None = None, ep: str | None = None, n_seq: int = 1, verbose: bool = False):
+        # n_seq does not apply: trees are verified along their first path (exact_trees False).
         import onnxruntime as ort
 
         super().__init__()
         self.ep = ep = ep or "cpu"
         provider(ep)  # before reading anything
         self.folder = Path(path)
-        meta = onnx_export.load_export(self.folder)
+        meta = load_export(self.folder)
         cfg = meta["config"]
         self.path = self.folder / meta["model"]
         self.weights = meta["weights"]
@@ -260,7 +277,7 @@ class OnnxBackend(VocabMixin, Backend):
             slots, cache_type = self.static["ctx"], np.float16
         else:
             # The graph's RoPE tables cover `positions`; one slot more than the
-            # context takes the copy of a call's last row (see onnx_export).
+            # context takes the copy of a call's last row (see edgespec.onnx.export).
             self.n_ctx = context_size(n_ctx, min(self.n_ctx_train, meta["positions"]), extend=None)
             slots, cache_type = self.n_ctx + 1, np.float32
         self.n_batch = min(n_batch, self.n_ctx)
@@ -299,7 +316,7 @@ class OnnxBackend(VocabMixin, Backend):
         have = {i.name: i.shape for i in self._session.get_inputs() if i.name in want}
         if have != want:
             self.close()
-            raise ModelFormatError(f"{self.path}: the graph takes {have}, but {onnx_export.CONFIG_FILE} "
+            raise ModelFormatError(f"{self.path}: the graph takes {have}, but {CONFIG_FILE} "
                                    f"says calls of {self.static['seq']} tokens over {self.static['ctx']} "
                                    f"cache slots {want}; export the model again")
 
@@ -375,7 +392,7 @@ class OnnxBackend(VocabMixin, Backend):
         """One graph call for m tokens written to slots first_slot...; returns
         their logits rows ``rows`` (len(rows), n_vocab)."""
         feeds, wanted = self._feeds(tokens, positions, bias, rows, first_slot)  # alive during the run
-        if self.recorded is not None:  # calibration (onnx_qdq): every input, the cache as it was
+        if self.recorded is not None:  # calibration (edgespec.onnx.qdq): every input, the cache as it was
             self.recorded.append({**feeds, **{name: array.copy() for name, array in zip(self._past, self._cache)}})
         for name, array in feeds.items():
             self._io.bind_cpu_input(name, array)

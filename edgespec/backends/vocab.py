@@ -85,6 +85,7 @@ class Vocab(Closing):
     """
 
     _owned = None  # llama_model loaded by load(), freed by close()
+    path: Path | None = None  # the file load() read
 
     def __init__(self, model):
         self._model = model
@@ -102,6 +103,7 @@ class Vocab(Closing):
             raise ModelFormatError(f"{path}: llama.cpp could not read this model's vocabulary")
         vocab = cls(model)
         vocab._owned = model
+        vocab.path = Path(path)
         return vocab
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:

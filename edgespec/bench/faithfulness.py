@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backends import open_backend
-from . import suites
+from . import prompts
 from .reference import Reference, kl_rows
 
 CHUNK = 128   # positions whose logits (reference and engine) are held at once
@@ -29,7 +29,7 @@ CHUNK = 128   # positions whose logits (reference and engine) are held at once
 def real_text() -> str:
     """The shipped suites' prompts taken round-robin (code, multilingual, edit,
     chat, code, ...): real text of every kind the benchmark measures."""
-    per_suite = [suites.load_suite(name) for name in suites.SUITES]
+    per_suite = [prompts.load_suite(name) for name in prompts.SUITES]
     return "\n\n".join(p.prompt for group in itertools.zip_longest(*per_suite) for p in group if p)
 
 

@@ -139,9 +139,10 @@ def measure_bandwidth(threads: int, *, n_bytes: int = 512 << 20, passes: int = 5
 def bandwidth(threads: int, *, remeasure: bool = False) -> float:
     """This machine's read bandwidth with ``threads`` threads, in bytes/s:
     cached like the planner's cost curves (provisional when measured on a
-    busy machine, see edgespec.planner.cached_measurement)."""
-    from ..planner import cached_measurement
+    busy machine, see edgespec.costs.cached_measurement)."""
+    from ..costs import cached_measurement
 
     return cached_measurement(BANDWIDTH_FILE, f"{_cpuinfo()[0]}:{threads}", "bytes_per_s",
                               lambda: measure_bandwidth(threads),
-                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure)
+                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,
+                              notice=f"the read bandwidth of {threads} threads")

@@ -71,7 +71,7 @@ def _decode_speed(backend, tokens: list[int], n: int, reps: int = 2) -> float:
 
 def measure_backend(name: str, path: Path, threads: int, n_decode: int) -> dict:
     """One backend's plain decode speed and batch cost curve on ``path``."""
-    from ..planner import time_batches
+    from ..costs import time_batches
 
     try:
         with open_backend(name, path, n_ctx=PREFIX + max(n_decode, max(BATCH_SIZES)) + 16,

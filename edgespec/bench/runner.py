@@ -24,11 +24,12 @@ from pathlib import Path
 
 from .. import drafters as drafting
 from ..models import registry
-from ..engine import DEFAULT_DRAFT_MAX, Engine
+from ..config import EngineConfig
+from ..engine import Engine
 from ..errors import InvalidArgumentError
 from ..planner import speedup_ceiling
 from ..progress import Progress
-from . import suites as suite_data
+from . import prompts as suite_data
 from .hardware import PeakRSS, fingerprint
 from .peers import PEERS, PeerError, RunResult, open_peer
 from .roofline import measure_roofline
@@ -43,30 +44,12 @@ DEFAULT_LIMIT = 4
 
 @dataclass
 class BenchOptions:
-    model: str | None = None
-    backend: str | None = None         # None: edgespec.backends.default_backend
-    ep: str | None = None               # onnx backend's execution provider
-    draft_backend: str | None = None    # the draft model's backend (default: the target's)
-    threads: int | None = None
-    n_ctx: int | None = None          # None: 4096, or the model's training context if smaller
-    gpu_layers: int = 0
-    draft_max: int = DEFAULT_DRAFT_MAX
-    ctx_extend: bool = False            # a context longer than the model's training context
-    force_threads: bool = False         # more than 4 threads per CPU
-    verbose: bool = False               # the backend's own log
-    expert_cache_mb: int | None = None  # MoE on the native backend: the expert cache (edgespec.moe)
-    expert_precision: str = "exact"
-    expert_policy: str = "adaptive"
-    expert_prefetch: int = 3
+    engine: EngineConfig = field(default_factory=EngineConfig)   # every configuration's, but its drafter
     suites: list[str] = field(default_factory=lambda: list(suite_data.SUITES))
     langs: list[str] | None = None
     limit: int | None = None            # None: DEFAULT_LIMIT per shipped suite, every prompt of a --prompts file
     prompts_file: Path | None = None
     drafters: list[str] = field(default_factory=lambda: ["none", "ngram", "auto"])
-    draft_model: str | None = None
-    ngram_cache: str | None = None
-    drafter_dir: str | None = None      # auto's specialized drafters (default: the target's set)
-    router: str = "profile"
     modes: list[str] = field(default_factory=lambda: ["greedy"])
     max_tokens: int = 256
     repeats: int = 2
@@ -86,8 +69,6 @@ class BenchOptions:
             raise InvalidArgumentError(f"--max-tokens must be > 0, got {self.max_tokens}")
         if self.repeats <= 0:
             raise InvalidArgumentError(f"--repeats must be > 0, got {self.repeats}")
-        if self.threads is not None and self.threads <= 0:
-            raise InvalidArgumentError(f"--threads must be > 0, got {self.threads}")
         for s in self.suites:
             if s not in suite_data.SUITES:
                 raise InvalidArgumentError(f"unknown suite '{s}' (available: {', '.join(suite_data.SUITES)})")
@@ -103,17 +84,12 @@ class BenchOptions:
             raise InvalidArgumentError("sampled mode needs --temperature > 0 and --top-p in (0, 1]")
         if self.llama_cpp_bin is not None and not Path(self.llama_cpp_bin).is_dir():
             raise InvalidArgumentError(f"--llama-cpp-bin {self.llama_cpp_bin}: no such directory")
-        if "model" in self.drafters and not (self.draft_model or registry.paired_draft(self.model or "")):
+        if "model" in self.drafters and not (self.engine.draft_model or registry.paired_draft(self.engine.model or "")):
             raise InvalidArgumentError("drafter 'model' needs --draft-model (this model has no paired draft model)")
 
     def open_engine(self, drafter: str, ngram_cache: str | None) -> Engine:
         """The Engine of one edgespec configuration: these options with ``drafter``."""
-        return Engine(self.model, backend=self.backend, ep=self.ep, threads=self.threads, n_ctx=self.n_ctx,
-                      gpu_layers=self.gpu_layers, drafter=drafter, draft_model=self.draft_model,
-                      draft_backend=self.draft_backend, draft_max=self.draft_max, ngram_cache=ngram_cache,
-                      drafter_dir=self.drafter_dir, router=self.router, ctx_extend=self.ctx_extend, force_threads=self.force_threads, verbose=self.verbose,
-                      expert_cache_mb=self.expert_cache_mb, expert_precision=self.expert_precision,
-                      expert_policy=self.expert_policy, expert_prefetch=self.expert_prefetch)
+        return Engine(config=self.engine.but(drafter=drafter, ngram_cache=ngram_cache))
 
 
 class Configuration:
@@ -273,8 +249,8 @@ class Lineup:
         """One Configuration per drafter. Without --ngram-cache, the cache
         drafter gets one built from the shipped suite texts into ``scratch``."""
         options = plan.options
-        self.configs.append(Configuration("none", options, options.ngram_cache, rss))
-        ngram_cache = options.ngram_cache
+        self.configs.append(Configuration("none", options, options.engine.ngram_cache, rss))
+        ngram_cache = options.engine.ngram_cache
         if "cache" in plan.drafters and not ngram_cache:
             ngram_cache = _build_suite_cache(self.plain.engine, scratch)
             notes.append("drafter cache: n-gram cache built from every shipped suite prompt "
@@ -289,7 +265,7 @@ class Lineup:
         model_path = self.plain.engine.model_path
         wanted = options.peers if options.peers is not None else \
             [p for p in PEERS if p.startswith("llama-cpp-python") or options.llama_cpp_bin is not None]
-        draft = options.draft_model or registry.paired_draft(options.model or registry.default_model())
+        draft = options.engine.draft_model or registry.paired_draft(options.engine.model or registry.default_model())
         draft_path = registry.model_path_checked(draft) if draft else None
         for name in wanted:
             try:
@@ -454,7 +430,7 @@ def run_bench(options: BenchOptions, *, progress: bool = True,
     lineup = Lineup(bar)
     with tempfile.TemporaryDirectory(prefix="edgespec-bench-") as scratch:
         try:  # the configurations close before the scratch folder (the n-gram cache) goes
-            bar.note(f"loading {plan.options.model or registry.default_model()} "
+            bar.note(f"loading {plan.options.engine.model or registry.default_model()} "
                      f"for {len(plan.drafters)} edgespec configurations")
             lineup.open_edgespec(plan, rss, Path(scratch), notes)
             ceiling = measure_ceiling(lineup.plain.engine, plan.options.remeasure_costs, bar)
@@ -505,11 +481,11 @@ def run_roofline(options: BenchOptions, *, command: str | None = None) -> dict:
     from ..backends import default_threads
 
     options.check()
-    ref = options.model or registry.default_model()
+    ref = options.engine.model or registry.default_model()
     path = registry.model_path_checked(ref)
-    threads = options.threads or default_threads()
+    threads = options.engine.threads or default_threads()
     load_start = _load_average()
-    roofline = measure_roofline(path, [options.backend or "native", "llama"], threads,
+    roofline = measure_roofline(path, [options.engine.backend or "native", "llama"], threads,
                                 remeasure_bandwidth=options.remeasure_costs)
     hardware = fingerprint(threads)
     hardware["load_average_start"], hardware["load_average_end"] = load_start, _load_average()
@@ -522,20 +498,20 @@ def run_roofline(options: BenchOptions, *, command: str | None = None) -> dict:
 
 def settings(plan: Plan, plain: Configuration) -> dict:
     """results.json "settings": what was run, as run."""
-    o = plan.options
-    built_cache = "cache" in plan.drafters and not o.ngram_cache
+    o, e = plan.options, plan.options.engine
+    built_cache = "cache" in plan.drafters and not e.ngram_cache
     return {
-        "model": o.model or registry.default_model(), "model_path": str(plain.engine.model_path),
-        "backend": plain.engine.backend.name, "ep": o.ep, "draft_backend": o.draft_backend,
+        "model": e.model or registry.default_model(), "model_path": str(plain.engine.model_path),
+        "backend": plain.engine.backend.name, "ep": e.ep, "draft_backend": e.draft_backend,
         "threads": plain.threads, "suites": o.suites if not o.prompts_file else [],
         "prompts_file": str(o.prompts_file) if o.prompts_file else None,
         "langs": o.langs, "limit": o.limit, "drafters": plan.drafters,
-        "draft_model": o.draft_model, "draft_max": o.draft_max,
-        "ngram_cache": "(built from the shipped suites)" if built_cache else o.ngram_cache,
+        "draft_model": e.draft_model, "draft_max": e.draft_max,
+        "ngram_cache": "(built from the shipped suites)" if built_cache else e.ngram_cache,
         "modes": o.modes, "max_tokens": o.max_tokens, "repeats": o.repeats, "warmup": o.warmup,
         "warmup_tokens": WARMUP_TOKENS if o.warmup else 0,
         "sampling": {"temperature": o.temperature, "top_p": o.top_p, "seed": o.seed},
-        "n_ctx": plain.engine.backend.n_ctx, "gpu_layers": o.gpu_layers, "quick": o.quick, "remeasured_costs": o.remeasure_costs,
+        "n_ctx": plain.engine.backend.n_ctx, "gpu_layers": e.gpu_layers, "quick": o.quick, "remeasured_costs": o.remeasure_costs,
         "llama_cpp_bin": str(o.llama_cpp_bin) if o.llama_cpp_bin else None,
     }
 

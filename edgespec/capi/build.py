@@ -12,9 +12,11 @@ from cffi import FFI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-HEADERS = ("es_base.h", "spec/es_spec.h", "native/es_native.h")
+HEADERS = ("es_base.h", "speculative/es_spec.h", "native/es_native.h")
+# The version lives in edgespec/__init__.py; the C library reports it (es_version).
+VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "edgespec" / "__init__.py").read_text(), re.M).group(1)
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in
-                 [CSRC / "base.c", *CSRC.glob("spec/**/*.c"), *CSRC.glob("native/**/*.c")])
+                 [CSRC / "base.c", *CSRC.glob("speculative/**/*.c"), *CSRC.glob("native/**/*.c")])
 
 
 def public_cdef() -> str:
@@ -49,4 +51,5 @@ ffibuilder.set_source(
     extra_compile_args=["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread"],
     extra_link_args=["-pthread"],  # the native engine's thread pool; older glibc needs it
     libraries=["m"],
+    define_macros=[("ES_VERSION", f'"{VERSION}"')],
 )

@@ -2,13 +2,13 @@
 (see edgespec.bench and benchmarks/README.md)."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import typer
 
-from . import app
-from .options import EngineOptions, engine_options
+from .base import app
+from ..config import EngineConfig
+from .options import engine_options
 
 
 def _list(value: str | None) -> list[str] | None:
@@ -18,9 +18,9 @@ def _list(value: str | None) -> list[str] | None:
 
 
 @app.command()
-@engine_options(exclude=("drafter", "drafter_dir"))   # --drafters: the configurations here
+@engine_options(exclude=("drafter", "drafter_dir", "slots"))   # --drafters: the configurations here
 def bench(
-    engine: EngineOptions = ...,
+    engine: EngineConfig = ...,
     suite: str = typer.Option("code,multilingual,edit,chat", "--suite",
                               help="Comma-separated suites: code (HumanEval), multilingual, edit, chat."),
     limit: int = typer.Option(None, "--limit", help="Most prompts per suite (> 0), spread over the suite "
@@ -70,10 +70,9 @@ def bench(
 
     if prompts is not None and not prompts.exists():
         raise InvalidArgumentError(f"prompts file {prompts}: no such file")
-    shared = {k: v for k, v in dataclasses.asdict(engine).items() if k != "drafter"}  # drafters: per run
-    shared["drafter_dir"] = str(set_dir) if set_dir is not None else None
     options = BenchOptions(
-        **shared, suites=_list(suite) or [], langs=_list(langs), limit=limit, prompts_file=prompts,
+        engine=engine.but(drafter_dir=str(set_dir) if set_dir is not None else None),   # drafters: per run
+        suites=_list(suite) or [], langs=_list(langs), limit=limit, prompts_file=prompts,
         drafters=_list(drafters) or ["none"], modes=_list(modes) or [], max_tokens=max_tokens, repeats=repeats,
         peers=None if peers == "auto" else ([] if peers == "none" else _list(peers)),
         llama_cpp_bin=llama_cpp_bin, temperature=temperature, top_p=top_p, seed=seed,

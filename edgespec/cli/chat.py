@@ -4,15 +4,17 @@ from __future__ import annotations
 import typer
 
 from ..text import utf8_text
-from . import app
-from .options import EngineOptions, SamplingOptions, engine_options, sampling_options
+from .base import app
+from ..config import EngineConfig
+from ..engine import Engine
+from .options import SamplingOptions, engine_options, sampling_options
 
 
 @app.command()
-@engine_options
+@engine_options(exclude=("slots",))
 @sampling_options
 def chat(
-    engine: EngineOptions = ...,
+    engine: EngineConfig = ...,
     system: str = typer.Option(None, "--system", help="System prompt (default: none; the template's own default applies)."),
     template: str = typer.Option(None, "--template", help="Jinja chat template file (default: the model's own)."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per answer, > 0."),
@@ -26,6 +28,6 @@ def chat(
     if system is not None:
         utf8_text(system, "--system")
     template_text = read_template(template) if template else None  # fail before loading the model
-    with engine.open() as e:
+    with Engine(config=engine) as e:
         code = run_chat(e, system=system, template=template_text, max_tokens=max_tokens, **sampling.kwargs())
     raise typer.Exit(code)

@@ -17,8 +17,8 @@ import typer
 
 from ..models import registry
 from ..backends.vocab import Vocab
-from . import drafter_app
-from .options import MODEL_HELP
+from .base import drafter_app
+from ..config import MODEL_HELP
 from ..drafters import routed
 from ..drafters.cache import N_MAX_LIMIT, build_ngram_cache
 
@@ -66,7 +66,7 @@ def distill_cmd(
 ) -> None:
     """Label text with the target's own next-token probabilities (teacher forcing, top-k soft labels),
     for `edgespec drafter train`. Text shared with the benchmark suites is left out."""
-    from ..drafters import distill
+    from ..training import distill
 
     params = distill.DistillParams(lang=lang, sources=sources or _default_sources(lang), top_k=top_k,
                                    ctx=ctx, max_tokens=tokens, minutes=minutes, mode=mode,
@@ -114,7 +114,7 @@ def train_cmd(
     import shlex
     import sys
 
-    from ..drafters import train
+    from ..training import train
 
     params = train.TrainParams(lang=lang, minutes=minutes, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                                n_head_kv=n_head_kv, n_ff=n_ff, vocab=vocab, ctx=ctx, lr=lr,

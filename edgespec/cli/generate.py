@@ -1,7 +1,6 @@
 """``edgespec generate`` and ``edgespec demo``: one generation, streamed or as JSON."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -9,8 +8,10 @@ import typer
 
 from ..errors import InvalidArgumentError
 from ..text import utf8_text
-from . import app
-from .options import EngineOptions, SamplingOptions, engine_options, sampling_options
+from .base import app
+from ..config import EngineConfig
+from ..engine import Engine
+from .options import SamplingOptions, engine_options, sampling_options
 
 
 def _result_json(engine, result) -> dict:
@@ -65,11 +66,11 @@ def experts_summary(x: dict) -> str:
 
 
 @app.command()
-@engine_options
+@engine_options(exclude=("slots",))
 @sampling_options
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text (UTF-8)."),
-    engine: EngineOptions = ...,
+    engine: EngineConfig = ...,
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate, > 0."),
     sampling: SamplingOptions = ...,
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to PROMPT as one user message."),
@@ -79,11 +80,13 @@ def generate(
 ):
     """Generate text from PROMPT (or, with --suffix, between PROMPT and SUFFIX)."""
     utf8_text(prompt, "prompt")
+    if max_tokens <= 0:   # before a model loads (and the machine is measured for it)
+        raise InvalidArgumentError(f"max_tokens (--max-tokens) must be a whole number > 0, got {max_tokens}")
     if suffix is not None:
         utf8_text(suffix, "--suffix")
         if chat:
             raise InvalidArgumentError("--suffix (fill-in-the-middle) and --chat do not go together")
-    with engine.open() as e:
+    with Engine(config=engine) as e:
         pieces = e.stream(prompt, suffix=suffix, max_tokens=max_tokens, chat=chat, **sampling.kwargs())
         if as_json:
             for _ in pieces:
@@ -128,15 +131,15 @@ def _accepted_by(spec) -> str:
 
 
 @app.command()
-@engine_options(exclude=("backend",))
-def demo(engine: EngineOptions = ...,
+@engine_options(exclude=("backend", "slots"))
+def demo(engine: EngineConfig = ...,
          demo_backend: str = typer.Option("native", "--backend", help="llama, native or onnx (default: native, "
                                      "whose greedy output is the same whatever the draft, so the side by side "
                                      "texts must match).")):
     """Fetch the default model if needed and answer a question with it (greedy,
     128 tokens); then decode a few editing prompts plainly and speculatively,
     side by side, and show the one where speculation pays most on this machine."""
-    with dataclasses.replace(engine, backend=demo_backend).open() as e:
+    with Engine(config=engine.but(backend=demo_backend)) as e:
         typer.echo(f"model: {e.model_ref} ({e.model_path})", err=True)
         typer.echo(f"> {DEMO_QUESTION}")
         for piece in e.stream(DEMO_QUESTION, chat=e.chat_template is not None, max_tokens=128, seed=0):

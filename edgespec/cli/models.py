@@ -10,7 +10,7 @@ import typer
 
 from ..errors import ModelFetchError
 from ..models import registry
-from . import models_app
+from .base import models_app
 from ..models.gguf import ModelInfo, model_info
 
 

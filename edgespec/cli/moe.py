@@ -8,8 +8,8 @@ from pathlib import Path
 
 import typer
 
-from . import moe_app
-from .options import MODEL_HELP
+from .base import moe_app
+from ..config import MODEL_HELP
 
 
 def _done(what: str, path: Path, t0: float) -> None:

@@ -1,5 +1,5 @@
 """``edgespec export-onnx``: a GGUF model as an ONNX decoder graph for ONNX Runtime
-(see edgespec.backends.onnx_export); run it with ``--backend onnx --model OUT_DIR``."""
+(see edgespec.onnx.export); run it with ``--backend onnx --model OUT_DIR``."""
 from __future__ import annotations
 
 import time
@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ..errors import InvalidArgumentError
-from . import app
-from .options import MODEL_HELP
+from .base import app
+from ..config import MODEL_HELP
 
 
 @app.command("export-onnx")
@@ -33,7 +33,7 @@ def export_onnx(
 ):
     """Export a GGUF model (llama, qwen2, gemma3) to ONNX with explicit KV-cache
     inputs (contrib ops: MatMulNBits, GroupQueryAttention, SkipSimplifiedLayerNormalization)."""
-    from ..backends import onnx_export
+    from ..onnx import export as onnx_export
     from ..models import registry
 
     onnx_export.check_weights(weights)  # before fetching or reading anything
@@ -65,7 +65,8 @@ def onnx_placement(
     design (counted as placed, and said)."""
     from pathlib import Path
 
-    from ..backends import onnx, onnx_export
+    from ..backends import onnx
+    from ..onnx import export as onnx_export
 
     meta = onnx_export.load_export(Path(folder))
     report = onnx.placement(Path(folder) / meta["model"], ep)

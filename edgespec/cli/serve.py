@@ -11,10 +11,10 @@ from typing import Optional
 
 import typer
 
-from ..backends.base import MAX_SLOTS
 from ..server import DEFAULT_MAX_REQUEST_BYTES
-from . import app, fail
-from .options import MODEL_HELP, EngineOptions, engine_options, with_envvar
+from .base import app, fail
+from ..config import MODEL_HELP, EngineConfig
+from .options import engine_options, with_envvar
 
 DEFAULT_SLOTS = 3   # KV caches per model: an editor's completion, its chat and one more client
 
@@ -24,14 +24,12 @@ def _opt(*args, **kwargs):
 
 
 @app.command()
-@engine_options(envvars=True, exclude=("model",))
+@engine_options(envvars=True, exclude=("model",), defaults={"slots": DEFAULT_SLOTS})
 def serve(
-    engine: EngineOptions = ...,
+    engine: EngineConfig = ...,
     models: Optional[list[str]] = _opt(None, "--model", "-m", help=MODEL_HELP + " Repeatable: every one "
                                        "is served under its name, the first is the default."),
     all_cached: bool = _opt(False, "--all-cached", help="Also serve every built-in model in the cache."),
-    slots: int = _opt(DEFAULT_SLOTS, "--slots", help=f"KV-cache slots per model, [1, {MAX_SLOTS}]: each keeps "
-                      "one conversation's prefix (a context of --ctx tokens each, made when first used)."),
     max_loaded_bytes: Optional[int] = _opt(None, "--max-loaded-bytes",
                                            help="Memory budget of the loaded models, bytes (file + KV caches); "
                                                 "0: none (default: 80% of the memory available at start)."),
@@ -58,8 +56,6 @@ def serve(
 ):
     """Serve models over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
     Sampling settings come with each request."""
-    import dataclasses
-
     from ..models import registry
     from ..pool import EnginePool, cached_models
     from ..server import make_server
@@ -68,8 +64,6 @@ def serve(
         raise fail(f"--port must be in [0, 65535], got {port}")
     if max_request_bytes <= 0:
         raise fail(f"--max-request-bytes must be > 0, got {max_request_bytes}")
-    if not 1 <= slots <= MAX_SLOTS:
-        raise fail(f"--slots must be in [1, {MAX_SLOTS}], got {slots}")
     if max_loaded_bytes is not None and max_loaded_bytes < 0:
         raise fail(f"--max-loaded-bytes must be >= 0, got {max_loaded_bytes}")
     refs: list = list(dict.fromkeys(models or []))
@@ -78,9 +72,7 @@ def serve(
     refs = refs or [registry.default_model()]
     if model_name:
         refs[0] = (model_name, refs[0])
-    options = dataclasses.asdict(engine)
-    del options["model"]
-    with EnginePool(refs, max_loaded_bytes=max_loaded_bytes, slots=slots, **options) as pool:
+    with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes) as pool:
         with pool.engine() as e:   # the first model now: a bad file or option fails here
             drafter = e.drafter
         try:
@@ -90,7 +82,7 @@ def serve(
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
         budget = f"{pool.budget / 2**30:.1f} GiB" if pool.budget else "none"
-        typer.echo(f"serving {', '.join(pool.names)} (drafter {drafter}, {slots} slots each, memory budget "
+        typer.echo(f"serving {', '.join(pool.names)} (drafter {drafter}, {engine.slots} slots each, memory budget "
                    f"{budget}) at {server.url} (chat page), {server.url}/v1 (OpenAI), {server.url}/api (Ollama)"
                    f"{' with an API key' if server.api_key else ''}; Ctrl-C to stop", err=True)
         server.serve_until_interrupted()

@@ -12,10 +12,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from ..config import DEFAULT_CTX, DRAFTERS, EngineConfig
+from ..costs import DraftCost
 from ..errors import InvalidArgumentError
 from ..sampling import SamplingParams
 
-DRAFTERS = ("none", "ngram", "recycle", "cache", "model", "auto")
 
 
 @dataclass
@@ -72,19 +73,16 @@ class Verified:
 
 @dataclass
 class DrafterConfig:
-    """What a drafter may need to set itself up; each kind reads its own fields."""
+    """What a drafter may need to set itself up: the engine's options
+    (draft_model, draft_backend, ep, ngram_cache, router, threads, ...) and
+    what the loaded target gives. Each kind reads its own fields."""
 
     n_vocab: int
     target: object = None            # the target backend (tokenizer checks, vocabulary)
-    draft_model: str | None = None   # model drafter: built-in name, path or hf: reference
+    options: EngineConfig = field(default_factory=EngineConfig)
     paired_draft: str | None = None  # the built-in draft model the registry pairs with the target
-    draft_backend: str | None = None  # model drafter's backend (default: the target's)
-    ep: str | None = None            # onnx backend: execution provider
-    ngram_cache: str | None = None   # cache drafter: a file from `edgespec drafter ngram`
     specialized: tuple = ()          # routed drafter: the target's set of specialized drafter files
-    router: str = "profile"          # routed drafter: its router's name (edgespec.drafters.router)
-    threads: int | None = None
-    n_ctx: int = 4096
+    n_ctx: int = DEFAULT_CTX         # the target's context (a draft model's cache follows its text)
 
 
 class Drafter(ABC):
@@ -93,6 +91,10 @@ class Drafter(ABC):
     name: str
     costly: bool = False  # drafting spends real time per token (a draft model): ask only for what pays
     prior: float | None = None  # costly drafters: guessed acceptance before any evidence (None: the planner's)
+    # Costly drafters: what drafting and catching up cost on this machine,
+    # measured when the drafter opens (None: unknown, the planner assumes a
+    # cautious cost until it has timed some drafts).
+    cost: DraftCost | None = None
     planner = None        # the engine's Planner, set before the first draft (drafters that size trees read it)
     # Costly drafters: seconds of the last draft spent catching up with text
     # that steps without this drafter added (not a cost of drafting per step).
@@ -149,11 +151,11 @@ def auto_members(config: DrafterConfig) -> list[str]:
     percent of a paired model). Token recycling is left out: its trees cost
     more than they add on every measured suite (README, Performance)."""
     names = ["ngram"]
-    if config.ngram_cache:
+    if config.options.ngram_cache:
         names.append("cache")
     if config.specialized:
         names.append("routed")
-    if config.draft_model or config.paired_draft:
+    if config.options.draft_model or config.paired_draft:
         names.append("model")
     return names
 

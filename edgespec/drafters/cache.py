@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..capi import Owned, check, ffi, lib
 from ..errors import DrafterError, InvalidArgumentError
+from ..files import atomic_output
 from ..sampling import SamplingParams
 from . import Draft, Drafter, DrafterConfig, Verified
 
@@ -94,10 +94,10 @@ class CacheDrafter(Drafter):
     name = "cache"
 
     def __init__(self, config: DrafterConfig):
-        if not config.ngram_cache:
+        if not config.options.ngram_cache:
             raise InvalidArgumentError("the cache drafter needs an n-gram cache: --ngram-cache FILE "
                                        "(build one with `edgespec drafter ngram CORPUS... --out FILE`)")
-        self.static = NgramCache.load(config.ngram_cache)
+        self.static = NgramCache.load(config.options.ngram_cache)
         self.dynamic = NgramCache(DYNAMIC_N_MAX)
         self.n_vocab = config.n_vocab
         self._text: list[int] = []   # prompt + output that the dynamic cache has learned
@@ -239,19 +239,10 @@ def build_ngram_cache(tokenize: Callable[[str], list[int]], corpus_paths: Sequen
         out = Path(out_path)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-            os.close(fd)
+            with atomic_output(out) as tmp:
+                cache.save(str(tmp))
         except OSError as e:
-            raise DrafterError(f"cannot write to {out.parent}: {e.strerror or e}") from e
-        try:
-            try:
-                cache.save(tmp_name)
-                os.replace(tmp_name, out)
-            except OSError as e:
-                raise DrafterError(f"cannot write {out}: {e.strerror or e}") from e
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+            raise DrafterError(f"cannot write {out}: {e.strerror or e}") from e
         n_contexts = len(cache)
     return {"path": str(out), "files": len(paths), "tokens": n_tokens, "contexts": n_contexts,
             "bytes": out.stat().st_size, "n_max": n_max}

@@ -1,6 +1,7 @@
 """Draft model: a small GGUF model proposes a chain (or a small tree).
 
-Two modes, chosen by the tokenizer check (``check_tokenizers``):
+Three modes, chosen by the token map a specialized drafter carries and by the
+tokenizer check (``check_tokenizers``):
 
 * same-vocabulary: the draft model shares the target's token ids; it drafts
   them directly and, under sampling, hands its distributions q to
@@ -40,9 +41,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..backends import open_backend, resolve_model
+from ..backends import open_backend
+from ..onnx import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
+from ..costs import draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models.gguf import GGUFFile
 from ..sampling import Sampler, SamplingParams
@@ -51,9 +54,6 @@ from . import Draft, Drafter, DrafterConfig, Verified, specialized
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
 
 SAME_VOCAB, TRIMMED, CROSS_TOKENIZER = "same-vocabulary", "trimmed-vocabulary", "cross-tokenizer"
-
-# Metadata that must agree between draft and target for token ids to mean the same.
-_SPECIAL = ("bos_token", "eos_token")
 
 # Texts a cross-tokenizer draft model must turn into tokens whose pieces give
 # the same bytes back (with a sample of the target's own vocabulary).
@@ -73,22 +73,55 @@ ANCHOR = 3          # target tokens of the context re-tokenized with the draft's
 UNCERTAIN = 0.8     # top-1 draft probability below which a sibling may be added
 
 
+# What must agree between draft and target, beyond the tokens, for ids to mean the same.
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
+                   "tokenizer.ggml.eos_token_id")
+
+
+class _Vocabulary:
+    """A backend's vocabulary entries in id order, and the tokenizer settings
+    that give ids their meaning, as its GGUF file stores them (read once:
+    llama.cpp returns the same texts for every file the validator accepts,
+    at a hundredth of the time of asking for 150k tokens one by one); token
+    by token for a backend without a GGUF file of its own (an ONNX graph)."""
+
+    def __init__(self, backend):
+        path = Path(getattr(backend, "path", None) or "")
+        if path.suffix == ".gguf" and path.is_file():
+            with GGUFFile(path) as f:
+                self.texts = f.get("tokenizer.ggml.tokens") or []
+                self.settings = {k: f.get(k) for k in _TOKENIZER_KEYS}
+        else:
+            self.texts = [backend.token_text(t) for t in range(backend.n_vocab)]
+            self.settings = {"tokenizer.ggml.model": backend.metadata("tokenizer.ggml.model"),
+                             "tokenizer.ggml.pre": backend.metadata("tokenizer.ggml.pre"),
+                             "tokenizer.ggml.bos_token_id": backend.bos_token,
+                             "tokenizer.ggml.eos_token_id": backend.eos_token}
+
+
+_VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def vocabulary(backend) -> _Vocabulary:
+    """``_Vocabulary`` of a backend (or a Vocab), read once per object."""
+    v = _VOCABULARIES.get(backend)
+    if v is None:
+        v = _VOCABULARIES[backend] = _Vocabulary(backend)
+    return v
+
+
 def _vocab_difference(target, draft, draft_ref: str) -> str | None:
     """Why the draft's token ids do not mean the target's (None: they do)."""
     if draft.n_vocab != target.n_vocab:
         return f"draft model {draft_ref} has a vocabulary of {draft.n_vocab} tokens, the target {target.n_vocab}"
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre"):
-        a, b = target.metadata(key), draft.metadata(key)
+    t, d = vocabulary(target), vocabulary(draft)
+    for key in _TOKENIZER_KEYS:
+        a, b = t.settings[key], d.settings[key]
         if a != b:
             return f"draft model {draft_ref} has {key} = {b!r}, the target {a!r}"
-    for attr in _SPECIAL:
-        a, b = getattr(target, attr), getattr(draft, attr)
-        if a != b:
-            return f"draft model {draft_ref} has {attr} {b}, the target {a}"
-    for t in range(target.n_vocab):
-        a, b = target.token_text(t), draft.token_text(t)
-        if a != b:
-            return f"draft model {draft_ref}: token {t} is {b!r} but the target's is {a!r}"
+    if t.texts != d.texts:
+        i = next(i for i, (a, b) in enumerate(zip(t.texts, d.texts)) if a != b)
+        return f"draft model {draft_ref}: token {i} is {d.texts[i]!r} but the target's is {t.texts[i]!r}"
     return None
 
 
@@ -141,17 +174,13 @@ class TokenMap:
         return self.to_target[np.asarray(tokens, dtype=np.int64)].tolist() if len(tokens) else []
 
 
-_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def target_fingerprint(target) -> str:
     """``specialized.vocab_fingerprint`` of a target's vocabulary (a backend or
     a Vocab), computed once per object (a set of drafters checks it often)."""
-    fingerprint = _FINGERPRINTS.get(target)
-    if fingerprint is None:
-        fingerprint = _FINGERPRINTS[target] = specialized.vocab_fingerprint(
-            target.token_text(t) for t in range(target.n_vocab))
-    return fingerprint
+    v = vocabulary(target)
+    if not hasattr(v, "fingerprint"):
+        v.fingerprint = specialized.vocab_fingerprint(v.texts)
+    return v.fingerprint
 
 
 def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
@@ -294,22 +323,22 @@ class ModelDrafter(Drafter):
     costly = True
 
     def __init__(self, config: DrafterConfig):
-        ref = config.draft_model or config.paired_draft
+        ref = config.options.draft_model or config.paired_draft
         if not ref:
             raise InvalidArgumentError("the model drafter needs a draft model (--draft-model NAME|PATH); "
                                        "this target has no paired draft model in the registry")
         self.ref = ref
         # The draft model may run on another backend and device than the target
         # (e.g. on an NPU through onnxruntime while llama.cpp runs the target).
-        name = config.draft_backend or config.target.name
+        name = config.options.draft_backend or config.target.name
         try:
             path = resolve_model(name, ref)
         except ModelFetchError as e:
             raise ModelFetchError(f"draft model {ref} is not downloaded and could not be fetched ({e}); "
                                   f"get it with: edgespec models pull {ref}") from e
         # Its cache follows the target's text, also past its own training context.
-        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.threads, ep=config.ep,
-                                    ctx_extend=True)
+        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads,
+                                    ep=config.options.ep if name == "onnx" else None, ctx_extend=True)
         try:
             self._map = token_map(config.target, path, self.backend.n_vocab, ref)
             if self._map is not None:
@@ -317,7 +346,10 @@ class ModelDrafter(Drafter):
                                                        f"the target's {config.target.n_vocab} tokens")
             else:
                 self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
-        except Exception:
+            # What drafting costs beside this target, measured now (once per
+            # machine) so that the planner charges it before the first try.
+            self.cost = draft_cost(config.target, self.backend)
+        except BaseException:
             self.backend.close()
             raise
         target_path = Path(config.target.path)

@@ -68,6 +68,15 @@ class DrafterInfo:
             line += f" (held-out acceptance {recipe['held_out_acceptance']:.0%})"
         return line
 
+    @property
+    def held_out_acceptance(self) -> float | None:
+        """The acceptance its training measured on held-out text (its recipe's), if any."""
+        try:
+            value = json.loads(self.recipe).get("held_out_acceptance") if self.recipe else None
+        except (ValueError, AttributeError):
+            return None
+        return float(value) if isinstance(value, (int, float)) and 0 <= value <= 1 else None
+
     def to_dict(self) -> dict:
         return {"file": str(self.path), "name": self.name, "target": self.target, "langs": list(self.langs),
                 "size": self.size, "parameters": self.n_params, "vocab": self.n_vocab,
@@ -82,7 +91,7 @@ def set_folders(target_name: str, explicit: str | Path | None = None) -> list[Pa
         if not folder.is_dir():
             raise InvalidArgumentError(f"drafters folder {folder}: no such folder")
         return [folder, folder / target_name]
-    builtin = Path(str(resources.files("edgespec.models") / "drafters"))
+    builtin = Path(str(resources.files("edgespec.builtin") / "drafters"))
     return [builtin / target_name, registry.home() / "drafters" / target_name]
 
 
@@ -144,14 +153,22 @@ class RoutedDrafter(Drafter):
 
     def __init__(self, config: DrafterConfig):
         self.config = config
-        self.router = open_router(config.router)
+        self.router = open_router(config.options.router)
         found = find_set(config.target, config.specialized)
         self.members = [i for i in found if i.problem is None]
         if not self.members:
             warnings.warn("no specialized drafter of this target's set can draft for it: "
                           + "; ".join(f"{i.path.name}: {i.problem}" for i in found), stacklevel=2)
-        self._open: dict[str, Drafter] = {}
         self.current: Drafter | None = None
+        # Every member opens now (they are small), so that what each costs is
+        # known before a request, and no request waits for one to load.
+        self._open: dict[str, Drafter] = {}
+        try:
+            for info in self.members:
+                self._open[info.name] = self._load(info)
+        except BaseException:
+            self.close()
+            raise
         self.name = PREFIX.rstrip(":")
         self.planner = None
         self._text: str | None = None
@@ -165,17 +182,21 @@ class RoutedDrafter(Drafter):
     def backlog_seconds(self) -> float:
         return self.current.backlog_seconds if self.current is not None else 0.0
 
+    @property
+    def cost(self):
+        return self.current.cost if self.current is not None else None
+
     def route(self, text: str | None) -> None:
         self._text = text
 
-    def _drafter(self, info: DrafterInfo) -> Drafter:
-        if info.name not in self._open:
-            from .model import ModelDrafter
+    def _load(self, info: DrafterInfo) -> Drafter:
+        from .model import ModelDrafter
 
-            d = ModelDrafter(replace(self.config, draft_model=str(info.path)))
-            d.name = PREFIX + info.name
-            self._open[info.name] = d
-        return self._open[info.name]
+        d = ModelDrafter(replace(self.config, options=self.config.options.but(draft_model=str(info.path))))
+        d.name = PREFIX + info.name
+        if info.held_out_acceptance is not None:
+            d.prior = info.held_out_acceptance
+        return d
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         text = self._text
@@ -184,7 +205,7 @@ class RoutedDrafter(Drafter):
             text = b"".join(target.piece(t) for t in prompt).decode("utf-8", "replace")
         self._text = None
         chosen, self.scores = self.router.choose(text, self.members) if self.members else (None, {})
-        self.current = self._drafter(chosen) if chosen is not None else None
+        self.current = self._open[chosen.name] if chosen is not None else None
         self.name = self.current.name if self.current is not None else PREFIX.rstrip(":")
         if self.current is not None:
             self.current.planner = self.planner

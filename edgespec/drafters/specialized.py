@@ -32,11 +32,8 @@ PROFILE_TOP = 400   # n-grams kept in a drafter's profile
 def vocab_fingerprint(token_texts: Iterable[str | bytes]) -> str:
     """sha256 (hex) over the target's token texts in id order, each UTF-8
     encoded and followed by a NUL byte: equal fingerprints mean the same ids."""
-    h = hashlib.sha256()
-    for text in token_texts:
-        h.update(text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text)
-        h.update(b"\0")
-    return h.hexdigest()
+    return hashlib.sha256(b"".join((t.encode("utf-8", "surrogatepass") if isinstance(t, str) else t) + b"\0"
+                                   for t in token_texts)).hexdigest()
 
 
 def char_profile(texts: Iterable[str], n: int = PROFILE_N, top: int = PROFILE_TOP) -> list[str]:
@@ -70,7 +67,7 @@ def add_trimmed_tokenizer(writer, target_reader, keep) -> None:
     llama.cpp loads the drafter with the target's tokenizer rules."""
     import gguf
 
-    from ..moe import field_value
+    from ..models.gguf_write import field_value
 
     keys = gguf.Keys.Tokenizer
     fields = target_reader.fields

@@ -52,6 +52,7 @@ from ..errors import (
     ModelFetchError,
     ModelNotFoundError,
 )
+from ..files import write_atomic
 from ..progress import Progress
 
 _CHUNK = 1 << 20
@@ -99,7 +100,7 @@ def models_dir() -> Path:
 
 def _load_manifest() -> dict:
     """The parsed built-in manifest (tests replace this function)."""
-    return json.loads((resources.files("edgespec.models") / "manifest.json").read_text("utf-8"))
+    return json.loads((resources.files("edgespec.builtin") / "manifest.json").read_text("utf-8"))
 
 
 def builtin_models() -> dict[str, ModelEntry]:
@@ -290,15 +291,7 @@ def _write_record(entry: ModelEntry, f: BinaryIO) -> None:
     """Write `.F.json` for the open cached file `f`, atomically. The caller holds the lock
     and has checked `f` against entry.sha256."""
     record = _record(entry, f, os.fstat(f.fileno()))
-    fd, tmp = tempfile.mkstemp(prefix=f".{entry.file}.json.", suffix=".tmp", dir=models_dir())
-    try:
-        os.fchmod(fd, 0o644)   # mkstemp's 0600: the cache may be shared, like its models
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(record, out)
-        os.replace(tmp, _beside(entry, ".json"))
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(_beside(entry, ".json"), json.dumps(record).encode())
 
 
 # ---------------------------------------------------------------------------

@@ -11,6 +11,6 @@ openai.py and ollama.py (the two APIs), runner.py (where a request becomes
 Engine calls), metrics.py (/metrics), http.py (the HTTP connection and the
 Server), page/ (the chat page's static files).
 """
-from .app import DEFAULT_MAX_REQUEST_BYTES, Settings  # noqa: F401
+from .request import DEFAULT_MAX_REQUEST_BYTES, Settings  # noqa: F401
 from .errors import ApiError  # noqa: F401
 from .http import Server, default_model_name, make_server, serve  # noqa: F401

@@ -32,8 +32,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..errors import InvalidArgumentError
 from ..pool import EnginePool, model_name as served_name
-from .app import DEFAULT_MAX_REQUEST_BYTES, Settings, create_app
 from .app import allowed_hosts as hosts_answered
+from .app import create_app
+from .request import DEFAULT_MAX_REQUEST_BYTES, Settings
 from .errors import ApiError
 from .metrics import Metrics
 from .runner import SOCKET, Runners, log_to_stderr

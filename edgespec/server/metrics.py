@@ -38,13 +38,13 @@ class Metrics:
         self.accepted = counter("accepted_tokens", "Draft tokens accepted.")
         self.tokens_per_s = gauge("last_tokens_per_second", "Tokens/s of the last generation.")
         self.acceptance = gauge("last_acceptance_rate", "Accepted / drafted tokens of the last generation.")
-        self.speedup = gauge("last_speedup", "Estimated speed of the last generation over plain decoding "
-                             "on this machine (from its measured batch-cost curve).")
+        self.estimated_speedup = gauge("last_estimated_speedup", "Estimated speed of the last generation over "
+                                       "plain decoding on this machine (from its measured batch-cost curve).")
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def generation(self, stats, speedup: float, model: str | None = None) -> None:
+    def generation(self, stats, estimated_speedup: float, model: str | None = None) -> None:
         m = model or self.model
         self.generations.labels(m).inc()
         self.prompt_tokens.labels(m).inc(stats.prompt_tokens)
@@ -54,7 +54,7 @@ class Metrics:
         self.tokens.labels(m).inc(stats.n_tokens)
         self.decode_seconds.labels(m).inc(stats.decode_s)
         self.tokens_per_s.labels(m).set(stats.tokens_per_s)
-        self.speedup.labels(m).set(speedup)
+        self.estimated_speedup.labels(m).set(estimated_speedup)
         if stats.spec is not None:
             self.drafted.labels(m).inc(stats.spec.drafted)
             self.accepted.labels(m).inc(stats.spec.accepted)

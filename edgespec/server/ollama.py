@@ -24,7 +24,7 @@ and ``raw`` play no part then, and a model without FIM tokens is refused.
 ``images`` (these models read text only), ``template`` and ``context`` are
 refused with a 400 naming the field.
 Durations are nanoseconds; the final object also carries ``edgespec``
-(drafter, tokens/s, speedup, speculative stats).
+(drafter, tokens/s, estimated_speedup, speculative stats).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from ..grammar import Grammar
 from ..models import registry
 from ..progress import Progress
 from ..sampling import SamplingParams
-from .app import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -380,7 +380,7 @@ def _final(request: Request, job: Job, obj: dict) -> dict:
             "prompt_eval_count": s.prompt_tokens, "prompt_eval_duration": int(s.prefill_s * 1e9),
             "eval_count": s.n_tokens, "eval_duration": int(s.decode_s * 1e9),
             "edgespec": {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3),
-                         "speedup": round(job.speedup, 3),
+                         "estimated_speedup": round(job.estimated_speedup, 3),
                          "spec": s.spec.to_dict() if s.spec is not None else None}}
 
 

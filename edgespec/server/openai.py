@@ -5,7 +5,7 @@ server-sent events, ``stream_options.include_usage`` for a usage chunk),
 lists every model the server serves, with ``loaded`` saying which are in
 memory now.
 Responses carry OpenAI's fields plus ``edgespec``: the generation's drafter,
-tokens per second, estimated speedup over plain decoding and speculative
+tokens per second, estimated_speedup over plain decoding and speculative
 stats.
 
 Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from ..chat import tools as chat_tools
 from . import fields
-from .app import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import ApiError, bad, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -300,7 +300,7 @@ def extras(request: Request, job: Job) -> tuple[dict, dict]:
     usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.n_tokens,
              "total_tokens": s.prompt_tokens + s.n_tokens,
              "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
-    extra = {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3), "speedup": round(job.speedup, 3),
+    extra = {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3), "estimated_speedup": round(job.estimated_speedup, 3),
              "slot": s.slot,
              "spec": s.spec.to_dict() if s.spec is not None else None}
     note(request, f"{s.n_tokens} tokens {s.tokens_per_s:.1f} tok/s")

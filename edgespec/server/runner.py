@@ -9,9 +9,12 @@ and Engine.stream's keyword arguments), then::
     async for piece in job.pieces(): ...      # text pieces as the engine makes them
     job.close()                               # job.result: the engine's Result
 
-The engine is not thread-safe: generations run one at a time, each in a
-worker thread holding ``runner.lock``, in the order they take it; the event
-loop never blocks on the engine. The worker counts the prompt's tokens before
+Generations run one at a time, each in a worker thread holding
+``runner.lock``, in the order they take it; the event loop never blocks on
+the engine. The runner keeps this lock on top of the Engine's own because a
+queued job, once its turn comes, must still be droppable (its client gone,
+the server stopping) before the engine does any work for it, and shutdown
+takes every runner's lock to know that no generation runs. The worker counts the prompt's tokens before
 it takes the lock, so a prompt over the context is refused without waiting
 for the running generation. Pieces cross from the worker to the loop
 through a queue. A client that goes away (``http.disconnect``) cancels its
@@ -77,7 +80,7 @@ class Completion:
         return "messages" if self.messages is not None else "suffix" if self.suffix is not None else "prompt"
 
 
-def speedup(stats, costs: list[float] | None) -> float:
+def estimated_speedup(stats, costs: list[float] | None) -> float:
     """Estimated speed over plain decoding on this machine: the tokens the
     target steps made, over what those steps cost in units of a plain step
     (the machine's measured batch-cost curve: a step verifying n draft tokens
@@ -226,9 +229,9 @@ class Runner:
         """Called in the worker, still holding the engine, once a generation ended."""
         stats = job.result.stats
         costs = self.engine.batch_costs() if stats.spec is not None else None
-        job.speedup = speedup(stats, costs)
+        job.estimated_speedup = estimated_speedup(stats, costs)
         if self.metrics is not None:
-            self.metrics.generation(stats, job.speedup, self.name)
+            self.metrics.generation(stats, job.estimated_speedup, self.name)
 
 
 _STARTED, _END = object(), object()
@@ -241,7 +244,7 @@ class Job:
         self.runner, self.completion = runner, completion
         self.result = None               # the engine's Result once it ended
         self.logprobs: list = []         # the generation's logprobs so far, when asked for
-        self.speedup = 1.0
+        self.estimated_speedup = 1.0   # modelled from the cost curve, not measured
         self.client_gone = False
         self.cut = False                 # the server's shutdown ended the generation early
         self.created = time.time()

@@ -1,5 +1,5 @@
 /*
- * arch_gemma3.c — Gemma 3 (text), as llama.cpp's models/gemma3.cpp:
+ * gemma3.c — Gemma 3 (text), as llama.cpp's models/gemma3.cpp:
  *
  *   x = embed(token) * sqrt(n_embd)
  *   q, k = rope(rmsnorm_head(wq · norm(x))), rope(rmsnorm_head(wk · norm(x)))

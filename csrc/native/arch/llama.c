@@ -1,5 +1,5 @@
 /*
- * arch_llama.c — the llama architecture (SmolLM2, Llama 2/3 without RoPE
+ * llama.c — the llama architecture (SmolLM2, Llama 2/3 without RoPE
  * factors, Mixtral-style Mixture of Experts), as llama.cpp's models/llama.cpp:
  *
  *   x += wo · attention(rope(wq · norm(x)), rope(wk · norm(x)), wv · norm(x))

@@ -1,5 +1,5 @@
 /*
- * arch_qwen3moe.c — Qwen3 mixture-of-experts decoders (Qwen3-30B-A3B,
+ * qwen3moe.c — Qwen3 mixture-of-experts decoders (Qwen3-30B-A3B,
  * Qwen3-235B-A22B), as llama.cpp's models/qwen3moe.cpp:
  *
  *   h = norm(x)

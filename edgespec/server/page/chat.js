@@ -38,12 +38,12 @@ async function loadModels() {
   $("model").replaceChildren(...body.data.map((m) => new Option(m.id, m.id)));
 }
 
-// "41.8 tok/s · acceptance 63% · speedup 1.72× · drafter auto (ngram 12, recycle 3) · 96 tokens, first after 0.21 s"
+// "41.8 tok/s · acceptance 63% · ≈1.72× (estimated) · drafter auto (ngram 12, recycle 3) · 96 tokens, first after 0.21 s"
 function statsLine(extra, usage, firstS) {
   const parts = [`${extra.tokens_per_s.toFixed(1)} tok/s`];
   const spec = extra.spec;
   if (spec) parts.push(`acceptance ${Math.round(100 * spec.acceptance_rate)}%`);
-  parts.push(`speedup ${extra.speedup.toFixed(2)}×`);
+  parts.push(`≈${extra.estimated_speedup.toFixed(2)}× (estimated)`);
   let drafter = `drafter ${extra.drafter}`;
   const used = spec ? Object.entries(spec.per_drafter) : [];
   if (used.length) drafter += " (" + used.map(([name, d]) => `${name} ${d.steps}`).join(", ") + ")";

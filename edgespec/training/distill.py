@@ -282,7 +282,7 @@ def distill_model(model: str | None, out: str | os.PathLike, params: DistillPara
     or llama backend. Returns the manifest."""
     from ..backends import default_backend, open_backend
     from ..models import registry
-    from .model import target_fingerprint
+    from ..drafters.model import target_fingerprint
 
     _check_params(params)
     ref = model or registry.default_model()

@@ -6,7 +6,7 @@
  * and speculative verification use, so the distribution that verification
  * preserves is exactly the one plain sampling draws from.
  */
-#include "spec/spec_internal.h"
+#include "speculative/spec_internal.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -6,7 +6,7 @@
  * Both hash token n-grams the same way (ngram_hash below) and keep their
  * tables at most half full, so linear probing stays short.
  */
-#include "spec/es_spec.h"
+#include "speculative/es_spec.h"
 
 #include <stdio.h>
 #include <stdlib.h>

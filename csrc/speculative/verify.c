@@ -1,6 +1,6 @@
 /*
  * verify.c — speculative verification of a draft tree against the target's
- * logits (es_verify, documented in spec/es_spec.h).
+ * logits (es_verify, documented in speculative/es_spec.h).
  *
  * The walk starts at the root and, at each node, builds the kept set of the
  * node's row with es__kept_set(): the very distribution plain sampling draws
@@ -18,7 +18,7 @@
  * without touching the RNG. Which uniforms are consumed is a function of the
  * draft and the rows, so a seed still reproduces a run.
  */
-#include "spec/spec_internal.h"
+#include "speculative/spec_internal.h"
 
 #include <string.h>
 

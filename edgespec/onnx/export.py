@@ -34,7 +34,7 @@ OpenVINO's supported set: ``edgespec onnx-placement``).
 ``--weights qdq`` (NPU providers that compile integer graphs, e.g. QNN): the
 static graph with float weights and no contrib ops (RMSNormalization and Add
 for the fused norms, an untied head), then calibrated and quantized into QDQ
-form by onnx_qdq.
+form by edgespec.onnx.qdq.
 
 Row invariance: a token's logits must not depend on how many tokens share its
 call, or speculative greedy output would part from plain decoding (a plain step
@@ -89,13 +89,10 @@ import numpy as np
 from ..capi import lib
 from ..errors import InvalidArgumentError, ModelFormatError
 from ..files import sha256_file
+from ..backends.onnx import CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, load_export
 from ..models.gguf import GGUFFile, GGUFTensor
 
-FORMAT = "edgespec-onnx"
-FORMAT_VERSION = 3             # 3: GroupQueryAttention over a cache the caller owns (IO binding)
-CONFIG_FILE = "edgespec-onnx.json"
-MODEL_FILE = "model.onnx"
-WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see onnx_qdq (static shapes)
+WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see edgespec.onnx.qdq (static shapes)
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 BLOCK = 32                    # MatMulNBits block size = the GGUF block of Q4_0/Q4_1/Q8_0
 STATIC_SEQ = 16               # --static-shapes: tokens per call unless --call-size says
@@ -806,10 +803,10 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         }
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
         if weights == "qdq":  # the float graph written above, calibrated through the backend
-            from . import onnx_qdq
+            from . import qdq
 
             bar.note("calibrating and quantizing (QDQ)")
-            onnx_qdq.quantize_export(tmp, MODEL_FILE)
+            qdq.quantize_export(tmp, MODEL_FILE)
             onnx.checker.check_model(str(tmp / MODEL_FILE))
         os.chmod(tmp, 0o755)
         if out_dir.exists():
@@ -852,26 +849,6 @@ def remove_killed_exports(folder: Path) -> None:
             shutil.rmtree(part, ignore_errors=True)
         finally:
             os.close(fd)
-
-
-def load_export(folder: str | os.PathLike) -> dict:
-    """The config of an exported folder; ModelFormatError when it is not one."""
-    folder = Path(folder)
-    try:
-        meta = json.loads((folder / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise ModelFormatError(f"{folder} is not an edgespec ONNX export (no {CONFIG_FILE}; "
-                               "make one with `edgespec export-onnx MODEL OUT_DIR`)") from None
-    except (OSError, ValueError) as e:
-        raise ModelFormatError(f"{folder / CONFIG_FILE}: unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ModelFormatError(f"{folder / CONFIG_FILE} is not an edgespec ONNX export config")
-    if meta.get("version") != FORMAT_VERSION:
-        raise ModelFormatError(f"{folder} was exported in format version {meta.get('version')}; "
-                               f"this edgespec reads version {FORMAT_VERSION} (export it again)")
-    if not (folder / meta.get("model", MODEL_FILE)).is_file():
-        raise ModelFormatError(f"{folder} has no {meta.get('model', MODEL_FILE)}")
-    return meta
 
 
 def cache_dir() -> Path:

@@ -150,9 +150,9 @@ class HeldOut:
 
     @classmethod
     def suites(cls) -> "HeldOut":
-        from ..bench import suites
+        from ..bench import prompts
 
-        return cls(p.prompt for name in suites.SUITES for p in suites.load_suite(name))
+        return cls(p.prompt for name in prompts.SUITES for p in prompts.load_suite(name))
 
     def overlaps(self, text: str) -> bool:
         # Windows starting every 16 characters catch any shared run of 63 or more.

@@ -45,7 +45,8 @@ import numpy as np
 from ..errors import DrafterError, InvalidArgumentError
 from ..files import write_atomic
 from ..progress import Progress
-from . import corpus, specialized
+from ..drafters import specialized
+from . import corpus
 from .distill import DistillSet
 
 CKPT_MAGIC = b"ESCK"
@@ -305,8 +306,8 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     on the distillation ``data_dir``; export the best state to ``out``."""
     torch = _torch()
     from ..backends.vocab import Vocab
-    from ..moe import _reader
-    from .model import target_fingerprint
+    from ..models.gguf_write import read_gguf
+    from ..drafters.model import target_fingerprint
 
     check_params(p)
     if out.suffix != ".gguf":
@@ -317,7 +318,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     if data.lang != p.lang:
         raise InvalidArgumentError(f"{data_dir} was distilled for --lang {data.lang}, not {p.lang}")
     data.verify()
-    reader = _reader(target_path)
+    reader = read_gguf(target_path)
     with Vocab.load(target_path) as vocab:
         if data.target_vocab != target_fingerprint(vocab):
             raise InvalidArgumentError(f"{data_dir} was distilled from {data.target}, whose vocabulary differs "
@@ -513,10 +514,10 @@ def export_gguf(out: Path, model, p: TrainParams, d: TrainData, target_reader, *
     tokenizer and the edgespec.drafter.* keys (see ``specialized``)."""
     import gguf
 
-    from ..moe import _Output
+    from ..models.gguf_write import gguf_output
 
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    with _Output(out) as tmp:
+    with gguf_output(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "llama")
         try:
             w.add_name(f"edgespec drafter {p.lang} for {target_name}")

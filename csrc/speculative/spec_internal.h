@@ -5,7 +5,7 @@
 #ifndef EDGESPEC_INTERNAL_H
 #define EDGESPEC_INTERNAL_H
 
-#include "spec/es_spec.h"
+#include "speculative/es_spec.h"
 
 struct es_sampler {
     es_sampler_params params;

@@ -6,7 +6,7 @@ NPU providers run integer arithmetic and reject float MatMul and Gather; they
 read a quantized graph in QDQ form: every operator between DequantizeLinear
 nodes on its inputs and QuantizeLinear nodes on its output, the scales fixed
 in the graph. So the QDQ form is the static-shape float graph (plain operators
-only: no contrib ops, see onnx_export) calibrated and quantized by ONNX
+only: no contrib ops, see edgespec.onnx.export) calibrated and quantized by ONNX
 Runtime's own quantizer with its QNN settings:
 
     weights       int8, symmetric, one scale per output channel (DequantizeLinear -> MatMul / Gemm / Gather)
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 from ..errors import ModelFormatError
+from ..files import atomic_output
 
 # Decoded once through the float graph to calibrate the activation ranges:
 # prose, code and a chat turn, like what the models are asked.
@@ -49,7 +49,7 @@ CALIBRATION_TOKENS = 192      # at most this many tokens (12 static calls) are d
 def calibration_feeds(folder: Path, threads: int | None = None) -> list[dict]:
     """Every call's inputs (the cache included, as it was before the call) while
     the float export in ``folder`` decodes CALIBRATION_TEXT."""
-    from .onnx import OnnxBackend
+    from ..backends.onnx import OnnxBackend
 
     backend = OnnxBackend(folder, threads=threads)
     try:
@@ -115,12 +115,9 @@ def quantize_export(folder: Path, model_file: str, threads: int | None = None) -
     config = get_qnn_qdq_config(str(path), Reader(), activation_type=QuantType.QUInt16,
                                 weight_type=QuantType.QInt8, per_channel=True, weight_symmetric=True,
                                 init_overrides=per_channel_weights(onnx.load(str(path), load_external_data=False)))
-    out = folder / f"{model_file}.qdq"
     try:
-        with _quiet():
+        with _quiet(), atomic_output(path) as out:   # the QDQ graph replaces the float one whole
             quantize(str(path), str(out), config)
     except Exception as e:
-        out.unlink(missing_ok=True)
         raise ModelFormatError(f"onnxruntime's quantizer could not make the QDQ form: "
                                f"{str(e).strip().splitlines()[0]}") from e
-    os.replace(out, path)

@@ -7,7 +7,7 @@
  * what the target thought likely after a token last time is a good guess for
  * next time (Luo et al., "Turning Trash into Treasure", 2024).
  */
-#include "spec/es_spec.h"
+#include "speculative/es_spec.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -1,0 +1,214 @@
+"""What work costs on this machine: measured once, cached on disk.
+
+* The batch cost curve of a target backend: ``cost[k]``, the time to evaluate
+  k tokens in one batch relative to one token (k = 1..MAX_BATCH), per model
+  file, backend and thread count (``batch_costs``).
+* The cost of a draft model beside its target (``draft_cost``): one drafted
+  token, and one context token it must catch up on, in one-token target steps.
+
+Both are measured when an Engine loads (never inside a generation), logged
+once as a notice on the ``edgespec`` logger, and kept in
+``registry.home()``. A value measured while the machine was busy is
+provisional and measured again at a later load on a quieter machine
+(``cached_measurement``). The planner treats them as priors and corrects
+them from its own timed steps (edgespec.planner).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .files import write_atomic
+from .models import registry
+
+MAX_BATCH = 33            # cost curve covers batches of 1..MAX_BATCH tokens
+COST_FILE = "batch-costs.json"
+DRAFT_COST_FILE = "draft-costs.json"
+MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
+CATCH_UP_BATCH = 32       # batch a draft model's catch-up is timed with (a prompt evaluates in such chunks)
+BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measurement is provisional
+
+log = logging.getLogger("edgespec")
+
+
+def cost_key(backend) -> str:
+    """What a backend's costs depend on: backend (and ONNX execution
+    provider), model file, thread count, expert-cache settings."""
+    st = Path(backend.path).stat()
+    device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
+    # An expert cache's batches read the union of their tokens' experts from
+    # disk: a curve of its own for each setting.
+    cache = getattr(backend, "expert_cache", None)
+    experts = (f":experts-{cache.budget_mb}MB-{cache.precision}-{cache.policy}-{cache.prefetch}"
+               if cache is not None else "")
+    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}"
+
+
+def _filler(backend, n: int) -> list[int]:
+    """``n`` ordinary tokens of this backend's vocabulary."""
+    tokens = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 16)
+    while len(tokens) < n:
+        tokens += tokens
+    return tokens[:n]
+
+
+def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int, float]:
+    """Seconds of one target batch of each of ``sizes`` tokens (every row's
+    logits kept, as verification does) after a ``prefix``-token context, the
+    fastest of ``reps``. Leaves the KV cache cleared. With an expert cache
+    every batch is of other tokens (random ones), so each reads the union of
+    its own tokens' experts as verification does, not the experts the
+    previous repetition left cached."""
+    tokens = _filler(backend, prefix + max(sizes))
+    fresh = getattr(backend, "expert_cache", None) is not None
+    rng = random.Random(0)
+    backend.clear()
+    backend.decode(tokens[:prefix])
+    times = {}
+    for k in sizes:
+        best = float("inf")
+        for _ in range(reps):
+            batch = [rng.randrange(backend.n_vocab) for _ in range(k)] if fresh else tokens[prefix:prefix + k]
+            t0 = time.perf_counter()
+            backend.decode(batch, logits_from=0)
+            best = min(best, time.perf_counter() - t0)
+            backend.truncate(prefix)
+        times[k] = best
+    backend.clear()
+    return times
+
+
+def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
+    """Time target batches of MEASURED sizes after a short prefix; returns
+    cost[k] = t(k) / t(1) for k = 0..MAX_BATCH (cost[0] = 0), interpolated
+    linearly between measured sizes. Leaves the KV cache cleared."""
+    times = time_batches(backend, MEASURED, reps=reps, prefix=prefix)
+    costs = [0.0] * (MAX_BATCH + 1)
+    for lo, hi in zip(MEASURED, MEASURED[1:]):
+        for k in range(lo, hi + 1):
+            w = (k - lo) / (hi - lo)
+            costs[k] = ((1 - w) * times[lo] + w * times[hi]) / times[1]
+    return plausible(costs)
+
+
+def plausible(costs: list[float]) -> list[float]:
+    """A cost curve within what physics allows: a batch of k tokens costs at
+    least one token (the weights are read once) and at most k (k one-token
+    steps would do), and a bigger batch never less than a smaller one.
+    Timings are noisy, and a curve measured on a busy machine can be wrong
+    either way."""
+    out = [0.0, 1.0]
+    for k in range(2, len(costs)):
+        out.append(min(max(costs[k], out[-1], 1.0), float(k)))
+    return out
+
+
+def _other_load() -> float:
+    """The 1-minute load average per CPU (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def cached_measurement(file: str, key: str, field: str, measure: Callable[[], Any],
+                       valid: Callable[[Any], bool], *, remeasure: bool = False,
+                       notice: str | None = None) -> Any:
+    """A measurement of this machine, cached in ``registry.home() / file`` as
+    ``{key: {field: value, "load": load}}``; ``measure()`` runs when it is
+    missing, not ``valid``, or ``remeasure`` is asked, after ``notice`` (what
+    is measured) is logged.
+
+    A value measured while the machine was busy (other work loading it more
+    than BUSY) is kept as provisional: it is measured again the next time the
+    machine is quiet, so one busy first run does not decide for good (and a
+    machine whose load only wavers is not measured at every load)."""
+    path = registry.home() / file
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
+    entry, load = table.get(key), _other_load()
+    # (an entry without a recorded load was written before loads were: measured again once)
+    if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
+            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
+        return entry[field]
+    if notice:
+        log.info("measuring %s (once for this machine; cached in %s)", notice, path)
+    value = measure()
+    table[key] = {field: value, "load": round(load, 3)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(table, indent=1).encode())
+    except OSError:
+        pass   # an unwritable cache only costs a measurement per process: the value is used all the same
+    return value
+
+
+def batch_costs(backend, *, remeasure: bool = False) -> list[float]:
+    """The cached cost curve for this backend, measuring it when missing
+    (provisional when measured on a busy machine: see cached_measurement)."""
+    costs = cached_measurement(COST_FILE, cost_key(backend), "costs", lambda: measure_batch_costs(backend),
+                               lambda c: isinstance(c, list) and len(c) == MAX_BATCH + 1
+                               and all(isinstance(x, (int, float)) for x in c), remeasure=remeasure,
+                               notice=f"the batch cost curve of {Path(backend.path).name} "
+                                      f"({backend.name}, {backend.threads} threads)")
+    return plausible(costs)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What a draft model's work costs, in one-token target steps."""
+
+    per_token: float   # drafting one token: one of its one-token steps
+    catch_up: float    # evaluating one context token it has not seen (in a batch, as a prompt is)
+
+    def to_list(self) -> list[float]:
+        return [self.per_token, self.catch_up]
+
+
+def measure_draft_cost(target, draft, *, reps: int = 5, prefix: int = 64) -> DraftCost:
+    """Time a draft backend's one-token step and CATCH_UP_BATCH-token batch
+    against the target's one-token step, interleaved so that the machine's
+    drift touches both alike; the fastest of ``reps`` each. Leaves both KV
+    caches cleared."""
+    t_tokens = _filler(target, prefix + CATCH_UP_BATCH)
+    # The draft's tokens need not be text (timing does not depend on them), so
+    # its tokenizer, which a draft model drafting in target ids never loads, stays unused.
+    d_tokens = [t % draft.n_vocab for t in t_tokens]
+    target.clear()
+    draft.clear()
+    target.decode(t_tokens[:prefix])
+    draft.decode(d_tokens[:prefix])
+    best = {"target": float("inf"), "draft": float("inf"), "batch": float("inf")}
+    runs = (("target", target, t_tokens[prefix:prefix + 1]), ("draft", draft, d_tokens[prefix:prefix + 1]),
+            ("batch", draft, d_tokens[prefix:prefix + CATCH_UP_BATCH]))
+    for _ in range(reps):
+        for name, backend, batch in runs:
+            t0 = time.perf_counter()
+            backend.decode(batch)
+            best[name] = min(best[name], time.perf_counter() - t0)
+            backend.truncate(prefix)
+    target.clear()
+    draft.clear()
+    return DraftCost(best["draft"] / best["target"], best["batch"] / CATCH_UP_BATCH / best["target"])
+
+
+def draft_cost(target, draft, *, remeasure: bool = False) -> DraftCost:
+    """The cached cost of draft backend ``draft`` beside ``target`` (both
+    open), measured when missing."""
+    value = cached_measurement(
+        DRAFT_COST_FILE, f"{cost_key(target)}|{cost_key(draft)}", "cost",
+        lambda: measure_draft_cost(target, draft).to_list(),
+        lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v),
+        remeasure=remeasure,
+        notice=f"the cost of draft model {Path(draft.path).name} beside {Path(target.path).name}")
+    return DraftCost(*value)
