@@ -69,19 +69,16 @@ def resolve_model(name: str, ref: str) -> Path:
 
 
 def check_model(ref: str) -> Path:
-    """The file of ``ref``, checked as every backend checks it before reading
+    """The file of ``ref``, checked as the backends check it before reading
     weights, so that `edgespec models info` gives the verdict `generate`
     would: the GGUF validated (registry.model_path_checked), then read by
-    llama.cpp without its tensors (hyperparameters and vocabulary: both
-    backends take the tokenizer from it), its tokenizer tried on a text of
-    letters, digits, punctuation and a non-ASCII letter. ModelFormatError
-    otherwise."""
+    llama.cpp without its tensors' data (llama.check_loadable: the native
+    backend takes its tokenizer from llama.cpp too). ModelFormatError otherwise."""
     from ..models import registry
-    from .vocab import Vocab
+    from .llama import check_loadable
 
     path = registry.model_path_checked(ref)
-    with Vocab.load(path) as vocab:
-        vocab.tokenize("Hello, world: 42 caf\u00e9!")
+    check_loadable(path)
     return path
 
 
