@@ -346,9 +346,12 @@ static int check_hparams(checker * c) {
         rc = fail(c, "%s.rope.scaling.type is not one of none, linear, yarn, longrope", c->arch);
     }
 
-    // Sliding-window layers (gemma3): a period, or a flag per layer.
-    int64_t swa[MAX_LAYERS];
+    // Sliding-window layers (gemma3): a period, or a flag per layer; the window.
+    int64_t swa[MAX_LAYERS], window = 0, vocab_size = 0;
     TRY(key_per_layer(c, "attention.sliding_window_pattern", false, 0, INT32_MAX, swa));
+    TRY(key_int(c, arch_key(c, "attention.sliding_window", key), false, 0, INT32_MAX, &window));
+    // Read by llama.cpp as a u32 when present (the vocabulary gives the count).
+    TRY(key_int(c, arch_key(c, "vocab_size", key), false, 1, MAX_VOCAB, &vocab_size));
 
     // Norm epsilon, RoPE frequencies, soft-capping.
     TRY(key_float(c, "attention.layer_norm_rms_epsilon", known, false));
@@ -356,6 +359,7 @@ static int check_hparams(checker * c) {
     TRY(key_float(c, "rope.freq_base", false, false));
     TRY(key_float(c, "rope.freq_base_swa", false, false));
     TRY(key_float(c, "rope.scaling.factor", false, true));
+    TRY(key_float(c, "rope.scale_linear", false, false));
     TRY(key_float(c, "final_logit_softcapping", false, true));
     TRY(key_float(c, "attn_logit_softcapping", false, true));
 

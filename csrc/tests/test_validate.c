@@ -385,6 +385,12 @@ static void test_hparams(void) {
     standard(&m, "gemma3", false);
     set_i32(&m, "gemma3.attention.sliding_window", 8);   // a key the validator reads nothing else of
     REFUSED(&m, "metadata key gemma3.attention.sliding_window is a i32; llama.cpp reads it as u32");
+    standard(&m, "gemma3", false);
+    set_str(&m, "gemma3.attention.sliding_window", "8");
+    REFUSED(&m, "metadata key gemma3.attention.sliding_window is not an integer");
+    standard(&m, "llama", false);
+    set_u32(&m, "llama.vocab_size", 0);
+    REFUSED(&m, "metadata key llama.vocab_size = 0 is out of range");
     const uint32_t f32_bits[N_LAYER] = {0, 0};
     standard(&m, "llama", false);
     set_arr4(&m, "llama.attention.head_count", GV_F32, f32_bits, N_LAYER);
