@@ -86,7 +86,7 @@ def stream_times(server, tokens: int) -> tuple[float, list[float]]:
     sock = socket.create_connection(server.server_address[:2], timeout=120)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     t0 = time.perf_counter()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     arrivals, buf = [], b""
     while True:

@@ -90,8 +90,11 @@ static int bind_tensor(const es_model * m, const char * name, int64_t n_in, int6
     const es_tensor * t = es_gguf_find_tensor(m->gguf, name);
     if (!t) {
         if (!required) return ES_OK;
-        set_err(err, err_cap, "tensor %s is missing", name);
-        return ES_ERR_FORMAT;
+        // The file passed es_gguf_validate, which asks for every tensor
+        // llama.cpp needs: this one is optional there (a variant, such as
+        // qwen2 without one of its biases), which this engine does not read.
+        set_err(err, err_cap, "tensor %s is missing (a variant the native engine does not read)", name);
+        return ES_ERR_UNSUPPORTED;
     }
     const int64_t want_out = n_out > 0 ? n_out : t->ne[1];
     if (t->ne[0] != n_in || t->ne[1] != want_out || t->ne[2] != 1 || t->ne[3] != 1) {

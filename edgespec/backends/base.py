@@ -54,6 +54,7 @@ to the cache (a long sequence in chunks).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,13 @@ from ..errors import (ContextOverflowError, EngineClosedError, InvalidArgumentEr
                       UnsupportedModelError)
 
 EMBED_SEQS = 16       # sequences in one embeddings batch
+
+
+def default_threads() -> int:
+    """Physical cores are what matters for decoding; on SMT machines with many
+    logical CPUs use half of them."""
+    n = os.cpu_count() or 1
+    return n if n <= 4 else n // 2
 
 
 def context_size(requested: int | None, limit: int, *, extend: bool | None = False,

@@ -17,8 +17,7 @@ import numpy as np
 from ..config import DEFAULT_BATCH
 from ..errors import BackendError, ModelFormatError
 from ..models.gguf import GGUFFile
-from . import default_threads
-from .base import EMBED_SEQS, Backend, context_size
+from .base import Backend, EMBED_SEQS, context_size, default_threads
 from .vocab import Vocab, VocabMixin, init_llama, model_params
 
 
@@ -36,6 +35,29 @@ def _load_mode(path: Path) -> int:
     return lc.LLAMA_LOAD_MODE_AUTO if mappable else lc.LLAMA_LOAD_MODE_NONE
 
 
+def _load(path: Path, **params):
+    """A llama_model of ``path`` (the caller frees it); ModelFormatError when llama.cpp refuses it."""
+    model = lc.llama_model_load_from_file(str(path).encode(), model_params(**params))
+    if not model:
+        raise ModelFormatError(f"{path}: llama.cpp could not load this model "
+                               "(unsupported architecture or damaged file)")
+    return model
+
+
+def check_loadable(path: Path) -> None:
+    """llama.cpp reads ``path`` as it would load it, but not its tensors'
+    data (``no_alloc``): hyperparameters, vocabulary and tensor table, the
+    checks both backends pass through; then its tokenizer is tried on a text
+    of letters, digits, punctuation and a non-ASCII letter.
+    ModelFormatError naming what failed."""
+    init_llama(False)
+    model = _load(path, no_alloc=True, load_mode=lc.LLAMA_LOAD_MODE_NONE)  # mapping asserts under no_alloc
+    try:
+        Vocab(model).tokenize("Hello, world: 42 caf\u00e9!")
+    finally:
+        lc.llama_model_free(model)
+
+
 class LlamaBackend(VocabMixin, Backend):
     name = "llama"
     # llama.cpp objects, freed by close() in reverse order
@@ -51,11 +73,7 @@ class LlamaBackend(VocabMixin, Backend):
         init_llama(verbose)
         self.path = Path(path)
 
-        self._model = lc.llama_model_load_from_file(
-            str(self.path).encode(), model_params(n_gpu_layers=gpu_layers, load_mode=_load_mode(self.path)))
-        if not self._model:
-            raise ModelFormatError(f"{self.path}: llama.cpp could not load this model "
-                                   "(unsupported architecture or damaged file)")
+        self._model = _load(self.path, n_gpu_layers=gpu_layers, load_mode=_load_mode(self.path))
         self.vocab = Vocab(self._model)
         self.n_vocab = self.vocab.n_vocab
         self.n_embd = lc.llama_model_n_embd(self._model)

@@ -24,8 +24,7 @@ from .. import moe
 from ..config import DEFAULT_BATCH
 from ..models import registry
 from ..models.gguf import GGUFFile
-from . import default_threads
-from .base import Backend, context_size
+from .base import Backend, context_size, default_threads
 from .vocab import Vocab, VocabMixin
 
 # EDGESPEC_EXPERTS: how MoE experts' weights are served (unset: from the mapping).

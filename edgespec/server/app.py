@@ -82,7 +82,7 @@ class HostCheck:
                 e = ApiError(403, f"Host {host[:100]!r} is not a name this server answers to (a guard against "
                              "DNS rebinding); serve with --allowed-host NAME to add it", code="host_not_allowed")
                 shape = OLLAMA if scope["path"].startswith("/api/") else OPENAI
-                return await JSONResponse(e.body(shape), e.status)(scope, receive, send)
+                return await error_response(Request(scope, receive), e, shape)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
