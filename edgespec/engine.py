@@ -427,9 +427,9 @@ class Engine:
                 self._readers -= 1
                 self._state.notify_all()
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         with self._reading():
-            return self.backend.tokenize(text, add_special=add_special)
+            return self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._reading():
@@ -457,44 +457,62 @@ class Engine:
                     tools: list[dict] | None = None) -> str:
         """The chat as the model reads it; OpenAI ``tools`` go through the
         template when it takes them, else into a system note (chat/tools.py)."""
+        return "".join(text for text, _ in self._chat_pieces(messages, template, tools))
+
+    def _chat_pieces(self, messages: Sequence[dict], template: str | None = None,
+                     tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+        """The rendered chat as ``(text, is_content)`` pieces: a message whose
+        text holds a special token's text (``<|im_end|>``) is a piece of its
+        own, tokenized as plain text (chat_templates.render_pieces)."""
         template = self._template(template)
         b = self.backend
         with self._reading():
             bos, eos = b.token_text(b.bos_token), b.token_text(b.eos_token)
+            special = b.special_pattern
         messages = chat_templates.validate_messages(messages)
         style = chat_tools.style_of(template)
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             messages = chat_tools.prepare_messages(messages, tools, style)
-        return chat_templates.render(template, messages, bos_token=bos, eos_token=eos,
-                                     tools=tools if style == "tags" else None)
+        literal = [i for i, m in enumerate(messages) if special is not None and special.search(m["content"])]
+        return chat_templates.render_pieces(template, messages, literal, bos_token=bos, eos_token=eos,
+                                            tools=tools if style == "tags" else None)
 
     def prompt_tokens(self, prompt: str | Sequence[int] | None = None,
                       messages: Sequence[dict] | None = None, tools: list[dict] | None = None,
-                      suffix: str | None = None) -> list[int]:
+                      suffix: str | None = None, parse_special: bool = False) -> list[int]:
         """The tokens a generation of ``prompt`` (or of a reply to ``messages``,
         with ``tools``) evaluates: the text, or the chat rendered through its
         template, tokenized; a list of token ids as it is; with ``suffix``, the
-        fill-in-the-middle prompt of ``prompt`` and ``suffix``. Thread-safe; it
-        does not wait for a running generation."""
+        fill-in-the-middle prompt of ``prompt`` and ``suffix``. A chat's
+        template text is parsed for special tokens, its messages' text never
+        is; a text prompt's is with ``parse_special`` (``<|fim_prefix|>`` becomes
+        that token, as llama-server and Ollama's raw mode tokenize prompts).
+        Thread-safe; it does not wait for a running generation."""
         if suffix is not None:
             return self.fill_in_middle_tokens(prompt or "", suffix)
         if isinstance(prompt, (list, tuple)) and prompt and all(_is_token(t) for t in prompt):
             return self._known_tokens(prompt, "prompt")
         if messages is not None:
-            text = utf8_text(self.render_chat(messages, tools=tools), "the chat")
+            pieces = self._chat_pieces(messages, tools=tools)
+            utf8_text("".join(text for text, _ in pieces), "the chat")
             with self._reading():
-                tokens = self.backend.tokenize(text, parse_special=True)
-                bos = self.backend.bos_token
-            if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
-                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
-            return tokens
+                return self._one_bos([t for k, (text, content) in enumerate(pieces)
+                                      for t in self.backend.tokenize(text, add_special=k == 0,
+                                                                     parse_special=not content)])
         if not isinstance(prompt, str):
             raise InvalidArgumentError(f"prompt must be a str, not {type(prompt).__name__}")
         if not prompt:
             raise InvalidArgumentError("prompt is empty")
         utf8_text(prompt, "prompt")
         with self._reading():
-            return self.backend.tokenize(prompt)
+            tokens = self.backend.tokenize(prompt, parse_special=parse_special)
+            return self._one_bos(tokens) if parse_special else tokens
+
+    def _one_bos(self, tokens: list[int]) -> list[int]:
+        """``tokens`` less a second BOS: text that starts with the BOS token's
+        own text, after the one the tokenizer adds (as llama.cpp warns of)."""
+        bos = self.backend.bos_token
+        return tokens[1:] if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos else tokens
 
     def fill_in_middle_tokens(self, prefix: str, suffix: str) -> list[int]:
         """The prompt that asks the model for the text between ``prefix`` and
@@ -603,7 +621,9 @@ class Engine:
         Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
         min_p, repeat_penalty, presence_penalty, frequency_penalty,
         repeat_last_n (the penalties' window), seed (random when None), stop
-        (strings), chat (wrap ``prompt`` as one user message), drafter (this
+        (strings), chat (wrap ``prompt`` as one user message), parse_special
+        (special-token text in a text prompt becomes those tokens, as in
+        llama-server's and Ollama's raw prompts; see prompt_tokens), drafter (this
         call's drafter instead of the engine's: none, ngram, recycle, cache,
         model, auto), blocking (False: raise EngineBusyError rather than wait
         for another thread's generation).
@@ -639,7 +659,7 @@ class Engine:
                  chat: bool = False, seed: int | None = None, drafter: str | None = None,
                  json_schema=None, grammar: Grammar | str | None = None,
                  tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-                 **sampling) -> _Request:
+                 parse_special: bool = False, **sampling) -> _Request:
         """A request checked whole, before anything runs: every option, the
         grammar or tool call it implies, the prompt's tokens against the
         context. InvalidArgumentError (or ContextOverflowError) naming what is wrong."""
@@ -689,7 +709,9 @@ class Engine:
                 if grammar is not None:
                     raise InvalidArgumentError("a required tool call cannot be combined with json_schema or grammar")
                 grammar = Grammar.from_text(chat_tools.call_grammar(tools, choice, style, *self._tool_tags(style)))
-        tokens = self.prompt_tokens(prompt, messages, tools, suffix)
+        if not isinstance(parse_special, bool):
+            raise InvalidArgumentError(f"parse_special must be true or false, got {parse_special!r}"[:200])
+        tokens = self.prompt_tokens(prompt, messages, tools, suffix, parse_special)
         if not tokens:
             raise InvalidArgumentError("the prompt has no tokens (the tokenizer drops every character of it)")
         n_ctx = self.backend.n_ctx

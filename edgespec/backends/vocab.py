@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
@@ -168,6 +169,20 @@ class Vocab(Closing):
     def eos_token(self) -> int:
         return lc.llama_vocab_eos(self._vocab)
 
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern | None:
+        """The texts that tokenize as a special token only when special tokens
+        are parsed (control and unknown tokens: llama.cpp matches user-defined
+        ones always), longest first; None when the vocabulary has none. A
+        scan of the vocabulary, once."""
+        parsed_only = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = {self.token_text(t) for t in range(self.n_vocab)
+                 if lc.llama_vocab_get_attr(self._vocab, t) & parsed_only}
+        texts.discard("")
+        if not texts:
+            return None
+        return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
+
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
@@ -219,3 +234,7 @@ class VocabMixin:
     @property
     def eos_token(self) -> int:
         return self.vocab.eos_token
+
+    @property
+    def special_pattern(self) -> re.Pattern | None:
+        return self.vocab.special_pattern

@@ -263,8 +263,10 @@ async def generate(request: Request):
                              "done_reason": "load"})
     if suffix:
         c = Completion(prompt=prompt, suffix=suffix)
-    elif raw or not runner.engine.chat_template:
-        c = Completion(prompt=(system + "\n\n" if system and not raw else "") + prompt)
+    elif raw:   # the prompt as the model reads it: special-token text is those tokens (as Ollama's)
+        c = Completion(prompt=prompt, parse_special=True)
+    elif not runner.engine.chat_template:
+        c = Completion(prompt=(system + "\n\n" if system else "") + prompt)
     else:
         c = Completion(messages=([{"role": "system", "content": system}] if system else [])
                        + [{"role": "user", "content": prompt}])

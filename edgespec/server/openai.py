@@ -198,7 +198,8 @@ def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
         c = Completion(messages=messages(body))
     else:
         _refuse_unserved(body)
-        c = Completion(prompt=prompt(body), suffix=suffix(body))
+        # as llama-server: a prompt's special-token text is those tokens (editors send FIM prompts so)
+        c = Completion(prompt=prompt(body), suffix=suffix(body), parse_special=True)
     c.options = opts
     return c, stream, stream_options.get("include_usage") is True
 

@@ -61,13 +61,14 @@ class Completion:
     prompt: str | list[int] | None = None   # a plain prompt (text or token ids), or
     messages: list[dict] | None = None   # a chat, rendered through the model's template
     suffix: str | None = None            # with a text prompt: fill in the middle
+    parse_special: bool = False          # a text prompt's special-token text is those tokens (raw prompts)
     options: dict = field(default_factory=dict)   # Engine.stream's keyword arguments (max_tokens, temperature, ...)
 
     @property
     def prompt_args(self) -> dict:
         if self.messages is not None:
             return {"messages": self.messages}
-        return {"prompt": self.prompt, "suffix": self.suffix}
+        return {"prompt": self.prompt, "suffix": self.suffix, "parse_special": self.parse_special}
 
     @property
     def tools(self) -> list[dict] | None:
@@ -203,7 +204,7 @@ class Runner:
         context is refused without waiting for the running generation."""
         with self._tokenizer():
             try:
-                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix))
+                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix, c.parse_special))
             except InvalidArgumentError as e:     # a chat template refusing the messages
                 raise ApiError(400, str(e), param=c.param)
         if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
