@@ -514,13 +514,23 @@ class Engine:
         bos = self.backend.bos_token
         return tokens[1:] if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos else tokens
 
-    def fill_in_middle_tokens(self, prefix: str, suffix: str) -> list[int]:
+    def fill_in_middle_tokens(self, prefix: str, suffix: str, *, extra: Sequence[tuple[str, str]] | None = None,
+                              middle: str = "", keep: tuple[int, int, int] | None = None) -> list[int]:
         """The prompt that asks the model for the text between ``prefix`` and
         ``suffix``, from its own fill-in-the-middle tokens in prefix-suffix-middle
         order: [BOS] <fim_prefix> prefix <fim_suffix> suffix <fim_middle>. The
         texts are tokenized as plain text (special-token names in them stay text).
-        Raises InvalidArgumentError when the model has no such tokens."""
-        for name, text in (("prompt", prefix), ("suffix", suffix)):
+        Raises InvalidArgumentError when the model has no such tokens.
+
+        With ``extra`` (a list, maybe empty), llama-server's /infill layout:
+        the files ``(name, text)`` go first, in the repository-level form
+        (``<|repo_name|>myproject``, then ``<|file_sep|>name`` + text each,
+        and ``<|file_sep|>filename`` before the prefix) where the model has
+        those tokens, else each after a ``--- snippet ---`` line; ``middle`` (the text typed so far
+        after the prefix, its special-token text parsed) follows the prefix.
+        ``keep``: the most tokens kept of the prefix's end, the suffix's
+        start and the extra files' end."""
+        for name, text in (("prompt", prefix), ("suffix", suffix), ("middle", middle)):
             if not isinstance(text, str):
                 raise InvalidArgumentError(f"{name} must be a str, not {type(text).__name__}")
             utf8_text(text, name)
@@ -533,8 +543,32 @@ class Engine:
                     "between a prompt and a suffix (code models such as qwen2.5-coder-1.5b can)")
             pre, suf, mid = fim
             head = [b.bos_token] if b.adds_bos else []
-            return (head + [pre] + b.tokenize(prefix, add_special=False)
-                    + [suf] + b.tokenize(suffix, add_special=False) + [mid])
+            before = b.tokenize(prefix, add_special=False)
+            after = b.tokenize(suffix, add_special=False)
+            files = self._fim_files(extra) if extra is not None else []
+            typed = b.tokenize(middle, add_special=False, parse_special=True) if middle else []
+        if keep is not None:
+            before, after, files = before[len(before) - min(keep[0], len(before)):], after[:keep[1]], \
+                files[len(files) - min(keep[2], len(files)):]
+        return files + head + [pre] + before + typed + [suf] + after + [mid]
+
+    def _fim_files(self, extra: Sequence[tuple[str, str]]) -> list[int]:
+        """llama-server's repository-level context of ``extra`` files (see
+        fill_in_middle_tokens); under ``_reading``."""
+        b = self.backend
+        rep, sep = b.fim_repo_tokens
+        out = [rep] + b.tokenize("myproject\n", add_special=False) if rep is not None else []
+        for name, text in extra:
+            utf8_text(name, "a file name")
+            utf8_text(text, "a file's text")
+            if sep is not None:
+                out += [sep] + b.tokenize(name + "\n", add_special=False)
+            else:
+                out += b.tokenize("\n\n--- snippet ---\n\n", add_special=False)
+            out += b.tokenize(text, add_special=False)
+        if sep is not None:
+            out += [sep] + b.tokenize("filename\n", add_special=False)
+        return out
 
     def _known_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
         """``tokens`` as a list, each checked to be in the vocabulary."""
@@ -620,7 +654,8 @@ class Engine:
 
         Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
         min_p, repeat_penalty, presence_penalty, frequency_penalty,
-        repeat_last_n (the penalties' window), seed (random when None), stop
+        repeat_last_n (the penalties' window), logit_bias ({token: bias},
+        added to the logits; -inf bans), seed (random when None), stop
         (strings), chat (wrap ``prompt`` as one user message), parse_special
         (special-token text in a text prompt becomes those tokens, as in
         llama-server's and Ollama's raw prompts; see prompt_tokens), drafter (this
@@ -673,6 +708,7 @@ class Engine:
             raise InvalidArgumentError(f"unknown generation option{'s' if len(unknown) > 1 else ''} "
                                        f"{', '.join(map(repr, unknown))}"[:300])
         params = SamplingParams(seed=seed, **sampling)
+        self._known_tokens([t for t, _ in params.logit_bias], "logit_bias")
         if suffix is not None and (chat or messages is not None):
             raise InvalidArgumentError("suffix (fill-in-the-middle) is for plain prompts, not chats")
         if chat and messages is None:

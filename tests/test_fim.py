@@ -210,6 +210,83 @@ def test_ollama_refuses_fim_without_fim_tokens_and_images(tiny_qwen2_path):
             stop(server, thread)
 
 
+# -- llama-server's /infill -----------------------------------------------------------------
+
+INFILL = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 12, "temperature": 0, "seed": 0}
+EXTRA = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+
+
+def _infill(server, body):
+    status, _, data = request(server, "POST", "/infill", body)
+    return status, data
+
+
+def test_infill_answers_as_the_engine_on_llama_server_s_layout(fim_server, fim_engine):
+    body = {**INFILL, "input_extra": EXTRA, "prompt": "a"}
+    status, data = _infill(fim_server, body)
+    out = json.loads(data)
+    # the tiny vocabulary has no repository tokens: each file follows a "--- snippet ---" line
+    tokens = fim_engine.fill_in_middle_tokens(PREFIX, SUFFIX, extra=[("util.py", EXTRA[0]["text"])], middle="a")
+    assert "--- snippet ---" in fim_engine.detokenize(tokens)
+    want = fim_engine.generate(tokens, temperature=0, max_tokens=12, seed=0)
+    assert status == 200 and out["content"] == want.text and out["stop"] is True
+    assert out["tokens_evaluated"] == len(tokens) and out["tokens_predicted"] == want.stats.n_tokens
+    assert out["stop_type"] == {"eos": "eos", "length": "limit"}[want.stats.stop_reason]
+    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_per_second", "cache_n"} <= set(out["timings"])
+    status, data = request(fim_server, "POST", "/infill", {**body, "stream": True})[::2]
+    events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1]["stop"] is True and not any(e["stop"] for e in events[:-1])
+    assert "".join(e["content"] for e in events) == want.text
+    status, data = _infill(fim_server, {**body, "response_fields": ["content", "timings/predicted_n"]})
+    assert json.loads(data) == {"content": want.text, "timings/predicted_n": want.stats.n_tokens}
+
+
+def test_infill_without_extra_files_is_the_suffix_form(fim_server, fim_engine):
+    status, data = _infill(fim_server, INFILL)
+    assert status == 200 and json.loads(data)["content"] == fim_engine.generate(PREFIX, suffix=SUFFIX, **GREEDY).text
+
+
+def test_infill_stops_at_a_line_indented_less_than_n_indent(fim_server, fim_engine):
+    from edgespec.server.llamacpp import Limits
+    limits = Limits({"n_indent": 4})
+    sent = [limits.push(p) for p in ("def f():\n", "    ", "return 1\n", "  ", "x = 2")]
+    assert sent == ["def f():\n", "", "    return 1\n", "", "  "] and limits.stopped
+    assert limits.text == "def f():\n    return 1\n  "
+    long = {**INFILL, "n_predict": 64, "temperature": 0.9, "seed": 3, "n_indent": 1}
+    status, data = _infill(fim_server, long)
+    out = json.loads(data)
+    assert status == 200
+    lines = out["content"].split("\n")
+    assert all(line.startswith((" ", "\t")) for line in lines[1:-1])   # every whole new line is indented
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input_suffix": "x"}, "input_prefix"),
+    ({"input_prefix": "x"}, "input_suffix"),
+    ({**INFILL, "input_extra": {"text": "x"}}, "input_extra"),
+    ({**INFILL, "input_extra": [{"filename": "a"}]}, "input_extra[0]"),
+    ({**INFILL, "samplers": ["top_k", "xtc2"]}, "samplers"),
+    ({**INFILL, "mirostat": 2}, "mirostat"),
+    ({**INFILL, "n_predict": -5}, "n_predict"),
+    ({**INFILL, "n_indent": "4"}, "n_indent"),
+    ({**INFILL, "prompt": 3}, "prompt"),
+    ({**INFILL, "logit_bias": {"5": 1000}}, "logit_bias"),
+])
+def test_infill_refuses_bad_fields_naming_them(fim_server, body, param):
+    status, data = _infill(fim_server, body)
+    assert status == 400 and json.loads(data)["error"]["param"] == param, data
+
+
+def test_infill_needs_fim_tokens(tiny_qwen2_path):
+    with Engine(str(tiny_qwen2_path), backend="native", threads=1, n_ctx=128) as e:
+        server, thread = start(e)
+        try:
+            status, data = _infill(server, INFILL)
+            assert status == 400 and "fill-in-the-middle" in json.loads(data)["error"]["message"]
+        finally:
+            stop(server, thread)
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=300)
 
@@ -252,6 +329,18 @@ def test_a_raw_fim_prompt_gives_the_suffix_form_s_middle(coder):
     raw = coder.generate(RAW_FIM, parse_special=True, temperature=0, max_tokens=24)
     assert raw.stats.prompt_tokens == want.stats.prompt_tokens and raw.tokens == want.tokens
     assert "a + b" in raw.text
+
+
+def test_infill_on_a_code_model_gives_the_suffix_form_s_middle(coder):
+    server, thread = start(coder)
+    try:
+        status, data = _infill(server, {**INFILL, "n_predict": 24})
+        want = coder.generate(PREFIX, suffix=SUFFIX, temperature=0, max_tokens=24)
+        # the repository header llama-server puts first (<|repo_name|>, <|file_sep|>) leaves the middle as it was
+        assert status == 200 and json.loads(data)["content"].split("\n")[0] == want.text.split("\n")[0]
+        assert "a + b" in json.loads(data)["content"]
+    finally:
+        stop(server, thread)
 
 
 def test_the_cli_fills_in_the_middle(coder, qwen_coder_05b_path):

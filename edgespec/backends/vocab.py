@@ -166,6 +166,14 @@ class Vocab(Closing):
         return ids if all(0 <= i < self.n_vocab for i in ids) else None
 
     @property
+    def fim_repo_tokens(self) -> tuple[int | None, int | None]:
+        """The repository-level fill-in-the-middle tokens (repository name,
+        file separator: Qwen's <|repo_name|>, <|file_sep|>), each None when
+        the model has none."""
+        ids = (lc.llama_vocab_fim_rep(self._vocab), lc.llama_vocab_fim_sep(self._vocab))
+        return tuple(i if 0 <= i < self.n_vocab else None for i in ids)
+
+    @property
     def eos_token(self) -> int:
         return lc.llama_vocab_eos(self._vocab)
 
@@ -230,6 +238,10 @@ class VocabMixin:
     @property
     def fim_tokens(self) -> tuple[int, int, int] | None:
         return self.vocab.fim_tokens
+
+    @property
+    def fim_repo_tokens(self) -> tuple[int | None, int | None]:
+        return self.vocab.fim_repo_tokens
 
     @property
     def eos_token(self) -> int:

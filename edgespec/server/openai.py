@@ -43,8 +43,6 @@ from .runner import FINISH_REASON, ClientGone, Completion, Job
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
 MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
-MIN_TEMPERATURE = 1e-6        # the sampler's smallest; below it is greedy
-MIN_TOP_P = 1e-6              # the sampler's top_p is in (0, 1]; this keeps the top token only
 MAX_STOP = 16                 # stop strings per request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -84,13 +82,13 @@ def options(body: dict) -> dict:
     if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
                   f"got {show(temperature)}")
-    opts["temperature"] = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
+    opts["temperature"] = float(temperature) if temperature >= fields.MIN_TEMPERATURE else 0.0
 
     top_p = body.get("top_p")
     if top_p is not None:
         if not is_number(top_p) or not 0 <= top_p <= 1:
             raise bad("top_p", f"top_p must be a number in [0, 1], got {show(top_p)}")
-        opts["top_p"] = max(float(top_p), MIN_TOP_P)
+        opts["top_p"] = max(float(top_p), fields.MIN_TOP_P)
 
     seed = body.get("seed")
     if seed is not None:
@@ -180,8 +178,6 @@ def _refuse_unserved(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and not (is_int(best_of) and best_of == 1):
         raise bad("best_of", f"only best_of = 1 is supported, got {show(best_of)}")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
 
 
 def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
