@@ -708,7 +708,11 @@ class Engine:
             raise InvalidArgumentError(f"unknown generation option{'s' if len(unknown) > 1 else ''} "
                                        f"{', '.join(map(repr, unknown))}"[:300])
         params = SamplingParams(seed=seed, **sampling)
-        self._known_tokens([t for t, _ in params.logit_bias], "logit_bias")
+        try:
+            self._known_tokens([t for t, _ in params.logit_bias], "logit_bias")
+        except InvalidArgumentError as e:
+            e.option = "logit_bias"   # the request field a server names
+            raise
         if suffix is not None and (chat or messages is not None):
             raise InvalidArgumentError("suffix (fill-in-the-middle) is for plain prompts, not chats")
         if chat and messages is None:

@@ -172,7 +172,8 @@ def test_raw_fim_prompts_over_both_apis_answer_as_the_suffix_form(fim_server, fi
     ({"prompt": [1, 2], "suffix": "x"}, "suffix"),
     ({"prompt": PREFIX, "echo": True}, "echo"),
     ({"prompt": PREFIX, "best_of": 3}, "best_of"),
-    ({"prompt": PREFIX, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": PREFIX, "logit_bias": {"10000000": 10}}, "logit_bias"),
+    ({"prompt": PREFIX, "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": [1, 10 ** 9]}, "prompt"),
     ({"prompt": ""}, "prompt"),
 ])

@@ -347,7 +347,7 @@ class Job:
             self._post(ApiError(400, str(e), param=c.param, code="context_length_exceeded"))
             return
         except InvalidArgumentError as e:
-            self._post(ApiError(400, str(e)))
+            self._post(ApiError(400, str(e), param=getattr(e, "option", None)))
             return
         except EdgespecError as e:
             self._post(server_error(str(e)))
