@@ -75,6 +75,7 @@ class _Request:
     tool_style: str = ""              # chat_tools.style_of the template
     logprobs: int | None = None       # None: off; k: each token's logprob and the top k
     text: str | None = None           # what the request is about, for routing (None: its tokens say)
+    n_ctx: int | None = None          # the context it runs in (None: the backend's)
 
 
 @dataclass
@@ -267,6 +268,7 @@ class Engine:
         self._planner: Planner | None = None
         self.last_result: Result | None = None
         self._chat_template: str | None = None
+        self._capabilities: tuple[str, ...] | None = None
         self._llg_tokenizer = None  # the grammar engine's view of the vocabulary, built on first use
         # Sharing between threads: _busy is held by the running generation;
         # _state guards the fields below it and lets close() wait for readers.
@@ -445,6 +447,7 @@ class Engine:
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
         self._chat_template = template
+        self._capabilities = None
 
     def _template(self, template: str | None = None) -> str:
         template = template or self.chat_template
@@ -452,6 +455,34 @@ class Engine:
             raise InvalidArgumentError(f"model {self.model_ref} has no chat template in its metadata; "
                                        "pass a template file or use plain prompts")
         return template
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What the model does, in Ollama's words: ``completion`` (it
+        generates), ``tools`` (its chat template renders the tools it is
+        given), ``insert`` (it has fill-in-the-middle tokens), ``embedding``
+        (``embed`` serves it). Found once, by trying."""
+        if self._capabilities is None:
+            found = ["completion"]
+            template = self.chat_template
+            probe = {"type": "function", "function": {"name": "edgespec_probe_tool", "parameters": {"type": "object"}}}
+            try:
+                if template and "edgespec_probe_tool" in chat_templates.render(
+                        template, [{"role": "user", "content": "x"}], tools=[probe]):
+                    found.append("tools")
+            except InvalidArgumentError:   # a template that refuses the probe renders no tools
+                pass
+            with self._reading():
+                if self.backend.fim_tokens is not None:
+                    found.append("insert")
+                if self.backend.embeds:
+                    try:
+                        self.pooling
+                        found.append("embedding")
+                    except UnsupportedModelError:
+                        pass
+            self._capabilities = tuple(found)
+        return self._capabilities
 
     def render_chat(self, messages: Sequence[dict], template: str | None = None,
                     tools: list[dict] | None = None) -> str:
@@ -580,10 +611,12 @@ class Engine:
 
     # -- embeddings ---------------------------------------------------------------
 
-    def embedding_inputs(self, inputs) -> list[list[int]]:
+    def embedding_inputs(self, inputs, *, truncate: bool = False) -> list[list[int]]:
         """The token sequences ``embed`` evaluates for ``inputs``: a string, a
         list of strings, a list of token ids or a list of such lists (OpenAI's
-        ``input``). Thread-safe; it does not wait for a running generation."""
+        ``input``); with ``truncate``, one longer than the context is cut to
+        its first n_ctx tokens (Ollama's default) instead of refused.
+        Thread-safe; it does not wait for a running generation."""
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and _is_token(inputs[0])):
             inputs = [inputs]
         if not isinstance(inputs, (list, tuple)) or not inputs:
@@ -602,6 +635,8 @@ class Engine:
                 raise InvalidArgumentError(f"input {i} must be a non-empty string or list of token ids")
             if not tokens:
                 raise InvalidArgumentError(f"input {i} has no tokens")
+            if truncate:
+                tokens = tokens[:self.backend.n_ctx]
             if len(tokens) > self.backend.n_ctx:
                 raise ContextOverflowError(f"input {i} is {len(tokens)} tokens but the context holds "
                                            f"{self.backend.n_ctx}")
@@ -623,10 +658,12 @@ class Engine:
                                         "one embeddings can use (mean, cls, last)")
         return kind
 
-    def embed(self, inputs, *, normalize: bool = True) -> np.ndarray:
+    def embed(self, inputs, *, normalize: bool = True, dimensions: int | None = None) -> np.ndarray:
         """One vector per input (see ``embedding_inputs``): ``(n, n_embd)``
         float32, the model's hidden states after its final norm pooled as
-        ``pooling`` says, scaled to unit length unless ``normalize`` is False.
+        ``pooling`` says, scaled to unit length unless ``normalize`` is False;
+        ``dimensions``: only the first so many of each (``(n, dimensions)``,
+        scaled after the cut, as OpenAI's and Ollama's ``dimensions``).
         The inputs are evaluated apart from every generation's KV cache, in
         shared batches, between generations (never interleaved with one)."""
         sequences = self.embedding_inputs(inputs)
@@ -639,6 +676,12 @@ class Engine:
             vectors = np.stack([s[-1] for s in states])
         else:
             vectors = np.stack([s.mean(axis=0, dtype=np.float64) for s in states]).astype(np.float32)
+        if dimensions is not None:
+            _whole("dimensions", dimensions, 1)
+            if dimensions > vectors.shape[1]:
+                raise InvalidArgumentError(f"dimensions must be at most {vectors.shape[1]} for this model, "
+                                           f"got {dimensions}")
+            vectors = np.ascontiguousarray(vectors[:, :dimensions])
         if normalize:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.where(norms > 0, norms, 1)
@@ -655,7 +698,9 @@ class Engine:
         Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
         min_p, repeat_penalty, presence_penalty, frequency_penalty,
         repeat_last_n (the penalties' window), logit_bias ({token: bias},
-        added to the logits; -inf bans), seed (random when None), stop
+        added to the logits; -inf bans), n_ctx (the context to run in, when
+        not the engine's: a KV-cache slot of that size, made if none is;
+        Ollama's num_ctx), seed (random when None), stop
         (strings), chat (wrap ``prompt`` as one user message), parse_special
         (special-token text in a text prompt becomes those tokens, as in
         llama-server's and Ollama's raw prompts; see prompt_tokens), drafter (this
@@ -694,7 +739,7 @@ class Engine:
                  chat: bool = False, seed: int | None = None, drafter: str | None = None,
                  json_schema=None, grammar: Grammar | str | None = None,
                  tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-                 parse_special: bool = False, **sampling) -> _Request:
+                 parse_special: bool = False, n_ctx: int | None = None, **sampling) -> _Request:
         """A request checked whole, before anything runs: every option, the
         grammar or tool call it implies, the prompt's tokens against the
         context. InvalidArgumentError (or ContextOverflowError) naming what is wrong."""
@@ -754,12 +799,16 @@ class Engine:
         tokens = self.prompt_tokens(prompt, messages, tools, suffix, parse_special)
         if not tokens:
             raise InvalidArgumentError("the prompt has no tokens (the tokenizer drops every character of it)")
-        n_ctx = self.backend.n_ctx
-        if len(tokens) >= n_ctx:
-            raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
+        if n_ctx is not None:
+            _whole("n_ctx", n_ctx, 1)
+            with self._reading():
+                n_ctx = self.backend.check_context(n_ctx)
+        room = n_ctx or self.backend.n_ctx
+        if len(tokens) >= room:
+            raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {room} "
                                        "(raise n_ctx or shorten the prompt)")
         return _Request(tokens, params, max_tokens, stop, name, grammar, tools, style, logprobs,
-                        _routing_text(prompt, messages, suffix))
+                        _routing_text(prompt, messages, suffix), n_ctx)
 
     def _tool_tags(self, style: str) -> tuple[int | None, int | None]:
         """The vocabulary's own <tool_call> / </tool_call> tokens, if it has them."""
@@ -778,7 +827,8 @@ class Engine:
 
     def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
                may_skip: bool, max_tokens: int, cancel: threading.Event,
-               constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Step]:
+               constraint: Constraint | None = None, logprobs: int | None = None,
+               n_ctx: int | None = None) -> Iterator[Step]:
         """The speculative loop as a step generator: the first step evaluates
         the prompt (reusing the cache's common prefix) and samples one token;
         every later step evaluates the last token plus a draft (possibly
@@ -788,7 +838,7 @@ class Engine:
         every logits row is verified inside its mask."""
         backend, planner = self.backend, self._planner
         t0 = time.perf_counter()
-        kept = backend.reuse_prefix(prompt_tokens)
+        kept = backend.reuse_prefix(prompt_tokens, n_ctx)
         logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
         masks = constraint.masks(Draft())[1] if constraint else None
         new = sampler.verify(logits, [], masks_addr=masks)
@@ -798,11 +848,11 @@ class Engine:
         produced = len(new)
         yield Step(new, time.perf_counter() - t0, cached=kept,
                    logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
-        while len(context) < backend.n_ctx and not cancel.is_set():
+        while len(context) < backend.context and not cancel.is_set():
             # Tokens of the text not in the cache yet: the root (the last one),
             # preceded by a tree step's accepted path.
             pending = context[backend.n_past:]
-            room = min(max_tokens - produced - 1, backend.n_ctx - len(context) - 1,
+            room = min(max_tokens - produced - 1, backend.context - len(context) - 1,
                        backend.n_batch - len(pending))
             draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
                                     backend.exact_trees) if drafters and room > 0 else Draft())
@@ -860,7 +910,7 @@ class Engine:
                 d.begin(prompt, request.sampling)
                 d.constrain(constraint)
             steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
-                                request.max_tokens, outcome.cancel, constraint, request.logprobs)
+                                request.max_tokens, outcome.cancel, constraint, request.logprobs, request.n_ctx)
             try:
                 for step in steps:
                     if t_decode is None:

@@ -38,6 +38,8 @@ def _load_mode(path: Path) -> int:
 
 class LlamaBackend(VocabMixin, Backend):
     name = "llama"
+    resizable = True
+    embeds = True
     # llama.cpp objects, freed by close() in reverse order
     _model = _ctx = _batch = _embed_ctx = _embed_batch = None
     _contexts: list = []
@@ -62,6 +64,7 @@ class LlamaBackend(VocabMixin, Backend):
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
         self.threads = threads or default_threads()
         self._swa_full = swa_full
+        self.ctx_extend = ctx_extend
         try:
             n_ctx = context_size(n_ctx, self.n_ctx_train, extend=ctx_extend)
             self._check_kv_memory(n_ctx)
@@ -163,10 +166,13 @@ class LlamaBackend(VocabMixin, Backend):
             lc.llama_memory_seq_rm(self._mem, s, -1, -1)
         self._n_tree_seqs = 1
 
-    def _select_slot(self, i: int) -> None:
-        if self._contexts[i] is None:
-            self._check_kv_memory(self.n_ctx)
-            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch, self.n_seq)
+    def _select_slot(self, i: int, n_ctx: int) -> None:
+        old = self._contexts[i]
+        if old is None or (self._sizes[i] or self.n_ctx) != n_ctx:
+            self._check_kv_memory(n_ctx)
+            self._contexts[i] = self._new_context(n_ctx, self.n_batch, self.n_seq)
+            if old is not None:   # another size: made again
+                lc.llama_free(old)
         self._ctx = self._contexts[i]
         self._mem = lc.llama_get_memory(self._ctx)
 

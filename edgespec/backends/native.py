@@ -169,6 +169,8 @@ class NativeBackend(VocabMixin, Backend):
     one more, with embeddings, for hidden states."""
 
     name = "native"
+    resizable = True
+    embeds = True
     _ctx = _model = _embed_ctx = _vocab = None
     _contexts: list = []
     output_rows = 0   # restrict_output: the output layer's rows computed (0: all)
@@ -185,6 +187,7 @@ class NativeBackend(VocabMixin, Backend):
         self._contexts = [None] * slots
         self._verbose = verbose
         self._vocab_lock = threading.Lock()
+        self.ctx_extend = ctx_extend
         try:
             self.threads = threads or default_threads()
             n_ctx = context_size(n_ctx, self._model.n_ctx_train, extend=ctx_extend)
@@ -231,10 +234,13 @@ class NativeBackend(VocabMixin, Backend):
     def _truncate(self, n_keep: int) -> None:
         self._ctx.truncate(n_keep)
 
-    def _select_slot(self, i: int) -> None:
-        if self._contexts[i] is None:
-            self._check_kv_memory(self.n_ctx)
-            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch)
+    def _select_slot(self, i: int, n_ctx: int) -> None:
+        old = self._contexts[i]
+        if old is None or (self._sizes[i] or self.n_ctx) != n_ctx:
+            self._check_kv_memory(n_ctx)
+            self._contexts[i] = self._new_context(n_ctx, self.n_batch)
+            if old is not None:   # another size: made again
+                old.close()
         self._ctx = self._contexts[i]
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,6 +49,7 @@ from ..grammar import Grammar
 from ..models import registry
 from ..progress import Progress
 from ..sampling import SamplingParams
+from . import fields
 from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
@@ -56,11 +58,24 @@ from .runner import FINISH_REASON, ClientGone, Completion, Job
 OLLAMA_VERSION = "0.9.0"
 NDJSON = "application/x-ndjson"
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
-            "repeat_last_n": 64}
-LOADING_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram",
-                   "use_mmap", "use_mlock", "vocab_only", "num_keep"}
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "mirostat": 0, "typical_p": 1, "tfs_z": 1}
-UNSERVED = ("template", "context")
+            "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+WHOLE = ("top_k", "repeat_last_n", "seed", "num_predict", "num_ctx")   # options that are integers
+# Options whose one value here is what this server does anyway: taken at it, refused otherwise.
+FIXED = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": True, "use_mmap": True,
+         "use_mlock": False, "numa": False, "low_vram": False, "vocab_only": False, "f16_kv": True,
+         "logits_all": False, "main_gpu": 0}
+# Options that tune only what this server never does (mirostat, which is off; shifting a full
+# context, which ends the generation instead): taken, changing nothing.
+INERT = ("mirostat_tau", "mirostat_eta", "num_keep")
+# The server's own settings: a request may name them at the value they have (or Ollama's "auto").
+SERVER = {"num_thread": (lambda e: e.backend.threads, 0, "--threads"),
+          "num_batch": (lambda e: e.backend.n_batch, None, None),
+          "num_gpu": (lambda e: e.config.gpu_layers, -1, "--gpu-layers")}
+KEEP_ALIVE_S = 300            # Ollama's default: a model unloads after 5 idle minutes
+UNSERVED = ("template", "context", "width", "height", "steps")   # a 400 naming them unless empty
+# Fields this server serves only at one value (what it does): think off (no reasoning models),
+# no context shifting (a full context ends the generation), no prompt truncation (a 400 instead).
+ONLY = {"think": False, "shift": False, "truncate": False}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
 
@@ -110,8 +125,7 @@ def _describe(runner) -> tuple[dict, dict]:
         size_label = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
         details = {"parent_model": "", "format": "gguf" if info else "onnx", "family": arch, "families": [arch],
                    "parameter_size": size_label, "quantization_level": (info.file_type if info else None) or ""}
-        card = {"name": f"{runner.name}:latest", "model": f"{runner.name}:latest",
-                "modified_at": datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+        card = {"name": f"{runner.name}:latest", "model": f"{runner.name}:latest", "modified_at": _iso(st.st_mtime),
                 "size": st.st_size, "digest": digest, "details": details}
         model_info_ = {"general.architecture": arch, "general.parameter_count": n}
         if info:
@@ -145,53 +159,107 @@ async def tags(request: Request):
     return JSONResponse({"models": [_describe(r)[0] for r in runners]})
 
 
+FOREVER = "2318-01-01T00:00:00Z"   # Ollama's expiry of a model kept loaded (keep_alive -1)
+
+
 async def ps(request: Request):
-    cards = [_describe(r)[0] for r in runners_of(request) if r.loaded]
-    return JSONResponse({"models": [{**card, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
-                                    for card in cards]})
+    """The loaded models, each with the time it unloads if it stays idle."""
+    models = []
+    for r in runners_of(request):
+        if not r.loaded:
+            continue
+        expires = r.pool.expires_at(r.name) if r.pool is not None else None
+        card = _describe(r)[0]
+        models.append({**card, "expires_at": _iso(expires) if expires is not None else FOREVER,
+                       "size_vram": 0, "context_length": r.n_ctx})
+    return JSONResponse({"models": models})
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 async def show_model(request: Request):
+    """The model's card: its capabilities found by trying them (completion;
+    tools when its template renders tools; insert when it has FIM tokens;
+    embedding), a Go template carrying Ollama's markers, the sampling defaults."""
     body = await read_json(request)
     runner = pick_runner(request, _model(body))
     await runner.ready()
     card, info = _describe(runner)
     engine = runner.engine
+    capabilities = await anyio.to_thread.run_sync(lambda: engine.capabilities)
     return JSONResponse({
         "modelfile": f"# served by edgespec\nFROM {engine.model_path}\n",
         "parameters": "\n".join(f"{k:<30} {v}" for k, v in DEFAULTS.items()),
-        "template": engine.chat_template or "{{ .Prompt }}",
-        "details": card["details"], "model_info": info, "capabilities": ["completion"],
-        "modified_at": card["modified_at"]})
+        "template": _go_template(engine, capabilities),
+        "details": card["details"], "model_info": {**info, f"{info['general.architecture']}.context_length":
+                                                   runner.n_ctx},
+        "capabilities": list(capabilities), "modified_at": card["modified_at"]})
+
+
+def _go_template(engine, capabilities) -> str:
+    """Ollama's ``template`` (a Go template) for a model whose chats are
+    rendered here by its own Jinja template: the branches Ollama-aware
+    clients look for (``.Suffix`` where the model fills in the middle,
+    ``.Tools`` where its template renders tools, ``.Messages``), and the
+    Jinja template itself in a comment."""
+    out = []
+    if "insert" in capabilities:
+        b = engine.backend
+        pre, suf, mid = (b.token_text(t) for t in b.fim_tokens)
+        out.append(f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}\n{{{{- else }}}}")
+    tools = "{{- if .Tools }}{{ .Tools }}{{ end }}" if "tools" in capabilities else ""
+    out.append(f"{{{{- if .Messages }}}}{tools}{{{{- range .Messages }}}}{{{{ .Role }}}}: {{{{ .Content }}}}\n"
+               "{{ end }}{{- else }}{{ .Prompt }}{{ end }}")
+    if "insert" in capabilities:
+        out.append("{{- end }}")
+    jinja = (engine.chat_template or "").replace("*/", "* /")
+    if jinja:
+        out.append(f"{{{{- /* edgespec renders chats with the model's own Jinja template:\n{jinja}\n*/ -}}}}")
+    return "\n".join(out)
 
 
 # -- endpoints: generation ------------------------------------------------------------------
 
-def _options(body: dict, n_ctx: int) -> dict:
-    """Engine.stream's keyword arguments from a request's ``options`` (and ``stop``)."""
+def _options(body: dict, runner) -> dict:
+    """Engine.stream's keyword arguments from a request's ``options`` (see
+    the module docstring: every option is applied, or refused naming it)."""
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise _bad("options must be an object")
+    engine = runner.engine
     out = dict(DEFAULTS)
     for key, value in opts.items():
-        if key in LOADING_OPTIONS or value is None:
+        if value is None or key in INERT:
             continue
-        if key in NEUTRAL:
-            if value != NEUTRAL[key]:
-                raise _bad(f"option {key} is not supported (only {NEUTRAL[key]})")
+        if key in WHOLE or key in DEFAULTS:
+            if not (is_int(value) if key in WHOLE else is_number(value)):
+                raise _bad(f"option {key} must be {'an integer' if key in WHOLE else 'a number'}, got {show(value)}")
+        if key in FIXED:
+            if value != FIXED[key]:
+                raise _bad(f"option {key} is not supported (only {json.dumps(FIXED[key])})")
+        elif key in SERVER:
+            have, auto, flag = SERVER[key]
+            if value not in (have(engine), auto):
+                raise _bad(f"option {key} is the server's setting"
+                           + (f" (edgespec serve {flag})" if flag else "") + f": {have(engine)} here, "
+                           f"not {show(value)}")
         elif key in DEFAULTS or key == "seed":
-            ok = is_int(value) if key in ("top_k", "repeat_last_n", "seed") else is_number(value)
-            if not ok:
-                raise _bad(f"option {key} must be a number, got {show(value)}")
             out[key] = value
         elif key == "num_predict":
-            if not is_int(value) or value == 0 or value < -2:
+            if value == 0 or value < -2:
                 raise _bad(f"option num_predict must be an integer > 0, -1 or -2, got {show(value)}")
             out["max_tokens"] = value
+        elif key == "num_ctx":
+            out["n_ctx"] = value
         elif key == "stop":
             if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
                 raise _bad("option stop must be a list of non-empty strings")
             out["stop"] = value
+        else:
+            raise _bad(f"option {show(key)} is not an option this server knows (docs/server.md lists them)")
+    n_ctx = out.get("n_ctx") or runner.n_ctx
     if out.get("max_tokens", -1) < 0:   # -1: until the end of text or the context; -2: fill the context
         out["max_tokens"] = n_ctx
     if out["temperature"] < 1e-6:
@@ -200,7 +268,20 @@ def _options(body: dict, n_ctx: int) -> dict:
         SamplingParams(**{k: out[k] for k in (*DEFAULTS, "seed") if k in out})
     except InvalidArgumentError as e:
         raise _bad(f"options: {e}")
+    out.update(_logprobs(body))
     return out
+
+
+def _logprobs(body: dict) -> dict:
+    """``logprobs`` (a boolean) and ``top_logprobs`` (0-20), as Ollama's."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise _bad("logprobs must be a boolean")
+    if top is not None and not (is_int(top) and 0 <= top <= 20):
+        raise _bad("top_logprobs must be an integer in [0, 20]")
+    if top and not lp:
+        raise _bad("top_logprobs needs logprobs: true")
+    return {"logprobs": top or 0} if lp else {}
 
 
 def _format(body: dict) -> dict:
@@ -222,10 +303,11 @@ def _check_served(body: dict) -> None:
     if body.get("images") not in (None, []):
         raise _bad("images are not supported: the models this server runs read text only")
     for field in UNSERVED:
-        if body.get(field) not in (None, "", [], {}):
+        if body.get(field) not in (None, "", [], {}, 0):
             raise _bad(f"{field} is not supported by this server")
-    if body.get("think") is True:
-        raise _bad("think is not supported by this server")
+    for field, value in ONLY.items():
+        if body.get(field) not in (None, value):
+            raise _bad(f"{field} is not supported by this server (only {json.dumps(value)})")
 
 
 def _stream_flag(body: dict) -> bool:
@@ -249,18 +331,19 @@ async def generate(request: Request):
     runner = pick_runner(request, model)
     _check_served(body)
     stream = _stream_flag(body)
-    await runner.ready()
+    keep_alive = _keep_alive(body, runner)
     prompt, system = _text(body.get("prompt"), "prompt"), _text(body.get("system"), "system")
     suffix = _text(body.get("suffix"), "suffix")
+    if not prompt and not suffix:   # Ollama's "load the model" (or, with keep_alive 0, unload it)
+        return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
+                             "done_reason": await _load(runner, keep_alive)})
+    await runner.ready()
     if body.get("tools") not in (None, []):
         raise _bad("tools are for /api/chat")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw must be a boolean")
-    opts = {**_options(body, runner.n_ctx), **_format(body)}
-    if not prompt and not suffix:   # Ollama's "load the model": it is loaded
-        return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
-                             "done_reason": "load"})
+    opts = {**_options(body, runner), **_format(body)}
     if suffix:
         c = Completion(prompt=prompt, suffix=suffix)
     elif raw:   # the prompt as the model reads it: special-token text is those tokens (as Ollama's)
@@ -270,7 +353,7 @@ async def generate(request: Request):
     else:
         c = Completion(messages=([{"role": "system", "content": system}] if system else [])
                        + [{"role": "user", "content": prompt}])
-    c.options = opts
+    c.options, c.keep_alive = opts, keep_alive
     return await _answer(request, runner, c, model, stream, chat=False)
 
 
@@ -280,12 +363,16 @@ async def chat(request: Request):
     runner = pick_runner(request, model)
     _check_served(body)
     stream = _stream_flag(body)
-    await runner.ready()
+    keep_alive = _keep_alive(body, runner)
     messages = body.get("messages")
     if messages is None:
         messages = []
     if not isinstance(messages, list):
         raise _bad("messages must be a list of {role, content} objects")
+    if not messages:   # Ollama's "load the model" (or, with keep_alive 0, unload it)
+        return JSONResponse({"model": model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                             "done": True, "done_reason": await _load(runner, keep_alive)})
+    await runner.ready()
     msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
@@ -296,13 +383,45 @@ async def chat(request: Request):
         if m.get("tool_calls") not in (None, []):
             msg["tool_calls"] = _calls_in(m, i)
         msgs.append(msg)
-    opts = {**_options(body, runner.n_ctx), **_format(body), **_tools(body)}
-    if not msgs:   # Ollama's "load the model": it is loaded
-        return JSONResponse({"model": model, "created_at": _now(),
-                             "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    opts = {**_options(body, runner), **_format(body), **_tools(body)}
     c = Completion(messages=msgs)
-    c.options = opts
+    c.options, c.keep_alive = opts, keep_alive
     return await _answer(request, runner, c, model, stream, chat=True)
+
+
+def _keep_alive(body: dict, runner) -> float | None:
+    """``keep_alive``: seconds (a number) or a Go duration ("5m", "1h30m",
+    "-1"); None when absent (the server's). A server over one Engine it does
+    not own cannot unload it: 0 is refused there."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    seconds = None
+    if is_number(value):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"(-)?((?:\d+(?:\.\d+)?(?:h|m|s|ms))+|\d+(?:\.\d+)?)", value.strip())
+        if match:
+            units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+            parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)?", match.group(2))
+            seconds = sum(float(n) * units[u or "s"] for n, u in parts) * (-1 if match.group(1) else 1)
+    if seconds is None:
+        raise _bad(f'keep_alive must be seconds or a duration such as "5m" or "-1", got {show(value)}')
+    if seconds == 0 and runner.pool is None:
+        raise _bad("keep_alive 0 unloads a model, and this server serves one Engine it cannot unload")
+    return seconds
+
+
+async def _load(runner, keep_alive: float | None) -> str:
+    """Ollama's request without a prompt: the model loaded (kept for
+    ``keep_alive``), or unloaded with keep_alive 0; the done_reason."""
+    if keep_alive == 0:
+        await anyio.to_thread.run_sync(runner.pool.expire, runner.name, 0)
+        return "unload"
+    await runner.ready()
+    if runner.pool is not None:
+        runner.pool.expire(runner.name, keep_alive)
+    return "load"
 
 
 def _calls_in(m: dict, i: int) -> list[dict]:
@@ -364,6 +483,8 @@ async def _answer(request: Request, runner, c: Completion, model: str, stream: b
     if job.client_gone:
         raise ClientGone()
     obj = piece_obj(text)
+    if job.result.logprobs is not None:
+        obj["logprobs"] = fields.chat_logprobs(runner.engine, job.result.logprobs)["content"]
     parsed = job.result.parsed   # the engine's split of the reply into text and calls
     if parsed is not None:
         if parsed.tool_calls:
@@ -393,12 +514,22 @@ def _line(obj: dict) -> bytes:
 async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCallStream | None):
     """NDJSON lines: the pieces (with tools: never text that may start a tool
     call), then the calls in one message line, then the final object."""
+    want_logprobs = job.completion.options.get("logprobs") is not None
+    sent = 0   # logprobs entries sent
+
+    def with_logprobs(obj: dict) -> dict:
+        nonlocal sent
+        if want_logprobs and len(job.logprobs) > sent:
+            obj["logprobs"] = fields.chat_logprobs(job.runner.engine, job.logprobs[sent:])["content"]
+            sent = len(obj["logprobs"]) + sent
+        return obj
+
     try:
         try:
             async for piece in job.pieces():
                 text = calls.push(piece) if calls else piece
-                if text:
-                    yield _line(piece_obj(text))
+                if text or (want_logprobs and len(job.logprobs) > sent):
+                    yield _line(with_logprobs(piece_obj(text)))
         except ApiError as e:
             yield _line(e.body(OLLAMA))
             return
@@ -419,7 +550,7 @@ async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCa
                 yield _line(line)
             elif parsed.warning:
                 final["warning"] = parsed.warning
-        yield _line(_final(request, job, final))
+        yield _line(_final(request, job, with_logprobs(final)))
     finally:
         job.close()
 
@@ -496,15 +627,28 @@ async def pull(request: Request):
 # -- endpoints: embeddings ----------------------------------------------------------------
 
 async def embed(request: Request):
-    """``input``: a string or a list of strings; unit-length vectors, as Ollama's."""
+    """``input``: a string or a list of strings; unit-length vectors, as
+    Ollama's. ``truncate`` (default true, as Ollama's): an input longer than
+    the context is cut to it (false: refused); ``dimensions``: the first so
+    many of each vector, at unit length again."""
     body = await read_json(request)
     model = _model(body)
     runner = pick_runner(request, model)
     inputs = body.get("input")
     if not (isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(t, str) for t in inputs))):
         raise _bad("input must be a string or a list of strings")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _bad("truncate must be a boolean")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and not (is_int(dimensions) and dimensions > 0):
+        raise _bad(f"dimensions must be an integer > 0, got {show(dimensions)}")
+    if body.get("options") not in (None, {}):
+        raise _bad(f"options do not apply to embeddings here (got {', '.join(map(str, body['options']))[:80]})")
+    keep_alive = _keep_alive(body, runner)
     t0 = time.perf_counter()
-    vectors, n_tokens = await anyio.to_thread.run_sync(runner.embed, inputs)
+    vectors, n_tokens = await anyio.to_thread.run_sync(
+        lambda: runner.embed(inputs, truncate=truncate, dimensions=dimensions, keep_alive=keep_alive))
     note(request, f"{len(vectors)} embeddings, {n_tokens} tokens")
     return JSONResponse({"model": model, "embeddings": vectors.tolist(),
                          "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,

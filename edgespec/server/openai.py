@@ -225,7 +225,8 @@ async def get_model(request: Request):
 async def embeddings(request: Request):
     """One vector per input (a string, a list of strings, a list of token ids
     or of such lists): the model's hidden states pooled as its metadata says
-    (mean by default), unit length."""
+    (mean by default), unit length; ``dimensions``: the first so many of each,
+    at unit length again (as OpenAI shortens its text-embedding-3 vectors)."""
     body = await read_json(request)
     runner = pick_runner(request, model_field(body))
     if "input" not in body:
@@ -234,10 +235,9 @@ async def embeddings(request: Request):
     if fmt not in ("float", "base64"):
         raise bad("encoding_format", f"encoding_format must be float or base64, got {show(fmt)}")
     dimensions = body.get("dimensions")
-    vectors, n_tokens = await anyio.to_thread.run_sync(runner.embed, body["input"])
-    if dimensions is not None and not (is_int(dimensions) and dimensions == vectors.shape[1]):
-        raise bad("dimensions", f"this model's embeddings have {vectors.shape[1]} dimensions; "
-                  f"got {show(dimensions)}")
+    if dimensions is not None and not (is_int(dimensions) and dimensions > 0):
+        raise bad("dimensions", f"dimensions must be an integer > 0, got {show(dimensions)}")
+    vectors, n_tokens = await anyio.to_thread.run_sync(lambda: runner.embed(body["input"], dimensions=dimensions))
     if fmt == "base64":   # little-endian float32, as OpenAI's clients decode it
         data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
     else:
