@@ -18,6 +18,8 @@ least recently used one), so N conversations keep their prefixes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import threading
 import time
@@ -45,12 +47,14 @@ from .onnx import resolve_model
 from .planner import Planner
 from .results import GenerationStats, Result, SpecStats, Step
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from .files import write_atomic
 from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
 # GGUF <arch>.pooling_type (llama.cpp's enum) -> how embed() pools token states;
 # absent or 0 (none): the mean.
 POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
+SLOT_MAGIC = b"edgespec-slot 1\n"   # a saved slot's first line; a JSON header line, then the state
 
 
 
@@ -316,6 +320,64 @@ class Engine:
         with self._reading():
             return [asdict(s) for s in self.backend.slot_stats()]
 
+    # -- saved slots ------------------------------------------------------------
+
+    def save_slot(self, slot: int, path: os.PathLike | str) -> dict:
+        """Write slot ``slot``'s KV cache (its tokens and state) to ``path``,
+        whole or not at all, between generations. The file names the model,
+        backend and context it was made for (``restore_slot`` checks them).
+        Returns {"tokens", "bytes"}."""
+        with self._exclusive():
+            tokens, n_ctx, state = self.backend.slot_state(slot)
+        head = json.dumps({"model": self._model_identity(), "backend": self.backend.name, "n_ctx": n_ctx,
+                           "tokens": tokens, "state_bytes": len(state)}).encode()
+        data = SLOT_MAGIC + head + b"\n" + state
+        write_atomic(path, data)
+        return {"tokens": len(tokens), "bytes": len(data)}
+
+    def restore_slot(self, slot: int, path: os.PathLike | str) -> dict:
+        """Make slot ``slot`` hold what ``save_slot`` wrote to ``path``; a file
+        made for another model, backend or context size is refused
+        (InvalidArgumentError saying which), and the slot left as it was.
+        Returns {"tokens", "bytes"}."""
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise InvalidArgumentError(f"cannot read the slot file {Path(path).name}: {e.strerror or e}") from None
+        end = data.find(b"\n", len(SLOT_MAGIC))
+        try:
+            if not data.startswith(SLOT_MAGIC) or end < 0:
+                raise ValueError
+            head = json.loads(data[len(SLOT_MAGIC):end])
+            tokens, state = head["tokens"], data[end + 1:]
+            if len(state) != head["state_bytes"] or not all(_is_token(t) for t in tokens):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise InvalidArgumentError(f"{Path(path).name} is not a slot file edgespec wrote (or it is cut short)") \
+                from None
+        with self._exclusive():
+            have = {"model": self._model_identity(), "backend": self.backend.name,
+                    "n_ctx": self.backend.slot_sizes()[slot] if 0 <= slot < self.backend.n_slots else None}
+            for key, what in (("model", "model"), ("backend", "backend"), ("n_ctx", "context size")):
+                if head.get(key) != have[key]:
+                    raise InvalidArgumentError(f"{Path(path).name} was saved for {what} {head.get(key)}; slot "
+                                               f"{slot} has {have[key]}")
+            self.backend.restore_slot(slot, tokens, state)
+        return {"tokens": len(tokens), "bytes": len(data)}
+
+    def erase_slot(self, slot: int) -> int:
+        """Empty slot ``slot``'s KV cache; returns the tokens it held."""
+        with self._exclusive():
+            return self.backend.erase_slot(slot)
+
+    def _model_identity(self) -> str:
+        """The model file, as a slot file names it: its name, size and the
+        sha256 of its first MiB (its header and metadata)."""
+        path = Path(self.model_path)
+        with open(path, "rb") as f:
+            head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+        return f"{path.name} ({path.stat().st_size} bytes, {head})"
+
     # -- sharing between threads --------------------------------------------
 
     def _take(self, gen: Generation | None, blocking: bool = True) -> None:
@@ -434,6 +496,8 @@ class Engine:
             return self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens`` (InvalidArgumentError for an id outside the vocabulary)."""
+        tokens = self._known_tokens(tokens, "tokens")
         with self._reading():
             return b"".join(self.backend.piece(t) for t in tokens).decode("utf-8", "replace")
 

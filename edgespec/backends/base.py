@@ -188,6 +188,16 @@ class Backend(Closing, ABC):
         first (``_check_kv_memory``); a failure leaves every context as it was."""
         raise InvalidArgumentError(f"the {self.name} backend keeps one KV cache of {self.n_ctx} tokens")
 
+    def _state(self) -> bytes:
+        """The selected slot's KV cache (its record's cells) as the backend's own bytes."""
+        raise UnsupportedModelError(f"the {self.name} backend cannot save a KV cache")
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        """Replace the selected slot's KV cache with ``_state``'s bytes of
+        ``n_tokens`` cells; InvalidArgumentError (the cache emptied) when they
+        do not fit it."""
+        raise UnsupportedModelError(f"the {self.name} backend cannot restore a KV cache")
+
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         """One batch on the embeddings context: ``fresh``, each piece is a
         sequence from position 0 in an emptied cache; otherwise the one piece
@@ -428,6 +438,39 @@ class Backend(Closing, ABC):
         self._sizes[i] = size if size != self.n_ctx else None
         self.slot = i
         self._cells = self._records[i]
+
+    def slot_state(self, i: int) -> tuple[list[int], int, bytes]:
+        """Slot i's tokens, context size and KV cache state (the backend's own
+        bytes), to restore later with ``restore_slot``."""
+        self.use_slot(i, self._sizes[i])
+        self._settle()
+        return list(self._cells), self.context, self._state()
+
+    def restore_slot(self, i: int, tokens: Sequence[int], state: bytes) -> None:
+        """Make slot i hold ``tokens`` from a state ``slot_state`` gave (of
+        this model, in a context of slot i's size); on a refusal the slot is
+        left empty."""
+        self.use_slot(i, self._sizes[i])
+        self._settle()
+        self._check_tokens(tokens)
+        self._cells.clear()
+        try:
+            self._set_state(state, len(tokens))
+        except BaseException:
+            self._resync()
+            raise
+        self._cells.extend(tokens)
+
+    def erase_slot(self, i: int) -> int:
+        """Empty slot i's cache; returns the tokens it held."""
+        self.use_slot(i, self._sizes[i])
+        n = self.n_past
+        self.clear()
+        return n
+
+    def slot_sizes(self) -> list[int]:
+        """Each slot's context size."""
+        return [size or self.n_ctx for size in self._sizes]
 
     def slot_stats(self) -> list[SlotStats]:
         """A snapshot of every slot's counters."""

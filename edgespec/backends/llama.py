@@ -15,7 +15,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from ..config import DEFAULT_BATCH
-from ..errors import BackendError, ModelFormatError
+from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from ..models.gguf import GGUFFile
 from . import default_threads
 from .base import EMBED_SEQS, Backend, context_size
@@ -175,6 +175,22 @@ class LlamaBackend(VocabMixin, Backend):
                 lc.llama_free(old)
         self._ctx = self._contexts[i]
         self._mem = lc.llama_get_memory(self._ctx)
+
+    def _state(self) -> bytes:
+        n = lc.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * n)()
+        if lc.llama_state_seq_get_data(self._ctx, buf, n, 0) != n:
+            raise BackendError("llama.cpp could not copy the KV cache's state")
+        return bytes(buf)
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        lc.llama_memory_seq_rm(self._mem, -1, 0, -1)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(state), 0) == 0:
+            raise InvalidArgumentError("llama.cpp refused the saved KV cache state (another model or context)")
+        if lc.llama_memory_seq_pos_max(self._mem, 0) + 1 != n_tokens:
+            lc.llama_memory_seq_rm(self._mem, -1, 0, -1)
+            raise InvalidArgumentError(f"the saved KV cache state does not hold its {n_tokens} tokens")
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         if self._embed_ctx is None:

@@ -163,6 +163,16 @@ class NativeContext(Owned):
     def truncate(self, n_keep: int) -> None:
         check(lib.es_context_truncate(self._ptr, n_keep), f"truncate to {n_keep} tokens")
 
+    def state(self) -> bytes:
+        """The KV cache's cells as es_context_state_get writes them."""
+        buf = ffi.new("char[]", max(lib.es_context_state_size(self._ptr), 1))
+        check(lib.es_context_state_get(self._ptr, buf, len(buf)), "es_context_state_get")
+        return ffi.buffer(buf, lib.es_context_state_size(self._ptr))[:]
+
+    def set_state(self, state: bytes, n_past: int) -> None:
+        check(lib.es_context_state_set(self._ptr, ffi.from_buffer(state), len(state), n_past),
+              f"a saved state of {n_past} cells")
+
 
 class NativeBackend(VocabMixin, Backend):
     """One es_model; an es_context per KV-cache slot (made on first use) and
@@ -242,6 +252,12 @@ class NativeBackend(VocabMixin, Backend):
             if old is not None:   # another size: made again
                 old.close()
         self._ctx = self._contexts[i]
+
+    def _state(self) -> bytes:
+        return self._ctx.state()
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        self._ctx.set_state(state, n_tokens)
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         if self._embed_ctx is None:

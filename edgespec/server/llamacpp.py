@@ -4,7 +4,12 @@ with ``input_prefix``, ``input_suffix``, ``input_extra`` files and
 ``prompt``, the text typed after the prefix) and ``POST /completion``, both
 streamed as server-sent events with ``"stream": true``; the answers are
 llama-server's (``content``, ``stop``, ``tokens_predicted``, ``timings``,
-... filtered by ``response_fields``).
+... filtered by ``response_fields``). The utility endpoints: ``POST
+/tokenize`` and ``/detokenize``, ``POST /apply-template`` (the chat as the
+model reads it), ``GET /props``, ``GET /slots`` and ``POST
+/slots/{id}?action=save|restore|erase`` (a slot's KV cache to and from a
+file under ``$EDGESPEC_HOME/slots/<model>/``; a file made for another
+model, backend or context size is refused, saying which).
 
 Fields are llama-server's, with its defaults (temperature 0.8, top_k 40,
 top_p 0.95, min_p 0.05, n_predict -1 = as much as fits; n_predict 0
@@ -23,6 +28,7 @@ unless they are at their neutral value. Refusals are in OpenAI's shape
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import anyio
@@ -30,7 +36,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import fields
+from .. import __version__
+from ..errors import EdgespecError, InvalidArgumentError
+from ..models import registry
+from . import fields, openai
 from .errors import ApiError, bad, is_int, is_number, show
 from .request import Stream, endpoint, note, pick_runner, read_json
 from .runner import ClientGone, Completion, Job
@@ -49,8 +58,7 @@ NEUTRAL = {"typical_p": 1.0, "xtc_probability": 0.0, "dry_multiplier": 0.0, "mir
 # Accepted and without effect on the answer (see the module docstring).
 NO_EFFECT = ("cache_prompt", "t_max_prompt_ms")
 # llama-server's names of neutral sampler types (samplers may list them if their option is neutral).
-NEUTRAL_SAMPLERS = {"typ_p": "typical_p", "typical_p": "typical_p", "xtc": "xtc_probability",
-                    "dry": "dry_multiplier", "top_n_sigma": "top_n_sigma"}
+NEUTRAL_SAMPLERS = ("typ_p", "typical_p", "xtc", "dry", "top_n_sigma")
 FIM_BATCH = 2048   # llama-server's default batch, which its /infill prompt layout is cut to
 
 
@@ -58,6 +66,12 @@ def routes() -> list[Route]:
     return [
         Route("/infill", endpoint(infill), methods=["POST"]),
         Route("/completion", endpoint(completion), methods=["POST"]),
+        Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+        Route("/apply-template", endpoint(apply_template), methods=["POST"]),
+        Route("/props", endpoint(props), methods=["GET"]),
+        Route("/slots", endpoint(slots), methods=["GET"]),
+        Route("/slots/{id_slot}", endpoint(slot_action), methods=["POST"]),
     ]
 
 
@@ -387,3 +401,167 @@ async def _events(request: Request, job: Job, limits: Limits, paths, warm_only: 
         yield _event(_picked(final, paths))
     finally:
         job.close()
+
+
+# -- utility endpoints -------------------------------------------------------------------
+
+async def tokenize(request: Request):
+    """``content`` (text, or a list of texts and token ids) -> ``tokens``
+    (with ``with_pieces``: {id, piece}, a piece that is no whole UTF-8 text as
+    its bytes); ``add_special`` (default false), ``parse_special`` (default
+    true), as llama-server."""
+    body = await read_json(request)
+    runner = pick_runner(request, _model(body))
+    content = body.get("content")
+    if content is None:
+        return JSONResponse({"tokens": []})
+    parts = [content] if isinstance(content, str) else content
+    if not (isinstance(parts, list) and all(isinstance(p, str) or is_int(p) for p in parts)):
+        raise bad("content", "content must be a string or a list of strings and token ids")
+    flags = {}
+    for name, default in (("add_special", False), ("parse_special", True), ("with_pieces", False)):
+        flags[name] = body.get(name, default)
+        if not isinstance(flags[name], bool):
+            raise bad(name, f"{name} must be a boolean")
+    await runner.ready()
+    engine = runner.engine
+    tokens = []
+    try:
+        for k, part in enumerate(parts):
+            if isinstance(part, str):
+                tokens += engine.tokenize(part, add_special=flags["add_special"] and k == 0,
+                                          parse_special=flags["parse_special"])
+            elif 0 <= part < engine.backend.n_vocab:
+                tokens.append(part)
+            else:
+                raise InvalidArgumentError(f"token id {part} is outside the vocabulary [0, {engine.backend.n_vocab})")
+    except InvalidArgumentError as e:
+        raise bad("content", str(e)) from None
+    if not flags["with_pieces"]:
+        return JSONResponse({"tokens": tokens})
+    pieces = []
+    for t in tokens:
+        raw = engine.backend.piece(t) or engine.backend.token_text(t).encode()   # a control token: its text
+        try:
+            piece = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return JSONResponse({"tokens": pieces})
+
+
+async def detokenize(request: Request):
+    """``tokens`` -> ``content``."""
+    body = await read_json(request)
+    runner = pick_runner(request, _model(body))
+    tokens = body.get("tokens", [])
+    if not (isinstance(tokens, list) and all(is_int(t) for t in tokens)):
+        raise bad("tokens", "tokens must be a list of token ids")
+    await runner.ready()
+    engine = runner.engine
+    try:
+        return JSONResponse({"content": engine.detokenize(tokens)})
+    except InvalidArgumentError as e:
+        raise bad("tokens", str(e)) from None
+
+
+async def apply_template(request: Request):
+    """An OpenAI chat request's ``messages`` (and ``tools``) -> ``prompt``,
+    the text the model reads for it."""
+    body = await read_json(request)
+    runner = pick_runner(request, _model(body))
+    messages = openai.messages(body)
+    tools = fields.engine_options({k: body[k] for k in ("tools", "tool_choice") if k in body}, True).get("tools")
+    await runner.ready()
+    engine = runner.engine
+    try:
+        prompt = await anyio.to_thread.run_sync(lambda: engine.render_chat(messages, tools=tools))
+    except InvalidArgumentError as e:
+        raise bad("messages", str(e)) from None
+    return JSONResponse({"prompt": prompt})
+
+
+async def props(request: Request):
+    """llama-server's description of the model and its settings."""
+    runner = pick_runner(request, request.query_params.get("model"))
+    await runner.ready()
+    engine = runner.engine
+    b = engine.backend
+    capabilities = await anyio.to_thread.run_sync(lambda: engine.capabilities)
+    params = {**DEFAULTS, "n_predict": -1, "seed": -1, "stop": [], "samplers": list(SAMPLERS)[:-1],
+              "speculative": engine.drafter != "none", "drafter": engine.drafter}
+    return JSONResponse({
+        "default_generation_settings": {"params": params, "n_ctx": runner.n_ctx},
+        "total_slots": b.n_slots, "model_alias": runner.name, "model_path": str(engine.model_path),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
+        "chat_template": engine.chat_template or "",
+        "chat_template_caps": {"supports_tools": "tools" in capabilities, "supports_system_role": True},
+        "bos_token": b.token_text(b.bos_token), "eos_token": b.token_text(b.eos_token),
+        "build_info": f"edgespec {__version__} ({b.name} backend)", "is_sleeping": False,
+        "capabilities": list(capabilities)})
+
+
+async def slots(request: Request):
+    """Each KV-cache slot: its context size, the tokens it holds, whether a
+    generation runs in it now."""
+    runner = pick_runner(request, request.query_params.get("model"))
+    await runner.ready()
+    engine = runner.engine
+    busy = runner.lock.locked()
+    sizes = engine.backend.slot_sizes()
+    return JSONResponse([{"id": s["slot"], "id_task": -1, "n_ctx": sizes[s["slot"]],
+                          "speculative": engine.drafter != "none",
+                          "is_processing": busy and engine.backend.slot == s["slot"],
+                          "n_prompt_tokens": s["tokens"], "n_prompt_tokens_cache": s["reused"],
+                          "uses": s["uses"], "prefix_hits": s["prefix_hits"]}
+                         for s in engine.slot_stats()])
+
+
+SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+async def slot_action(request: Request):
+    """``?action=save`` / ``restore`` (``{"filename": name}``, a plain file
+    name under the slots folder) or ``erase``, as llama-server's."""
+    runner = pick_runner(request, request.query_params.get("model"))
+    try:
+        slot = int(request.path_params["id_slot"])
+    except ValueError:
+        raise bad("id_slot", f"invalid slot ID {show(request.path_params['id_slot'])}") from None
+    action = request.query_params.get("action")
+    if action not in ("save", "restore", "erase"):
+        raise bad("action", f"action must be save, restore or erase, got {show(action)}")
+    body = await read_json(request) if action != "erase" else {}
+    await runner.ready()
+    engine = runner.engine
+    if not 0 <= slot < engine.backend.n_slots:
+        raise bad("id_slot", f"invalid slot ID {slot}: this model has slots 0 to {engine.backend.n_slots - 1}")
+    if action == "erase":
+        n = await anyio.to_thread.run_sync(engine.erase_slot, slot)
+        return JSONResponse({"id_slot": slot, "n_erased": n})
+    name = body.get("filename")
+    if not (isinstance(name, str) and SLOT_FILE.fullmatch(name)):
+        raise bad("filename", "filename must be a plain file name (letters, digits, . _ -), no folders")
+    folder = registry.home() / "slots" / runner.name
+    t0 = time.perf_counter()
+    try:
+        if action == "save":
+            folder.mkdir(parents=True, exist_ok=True)
+            done = await anyio.to_thread.run_sync(engine.save_slot, slot, folder / name)
+        else:
+            if not (folder / name).is_file():
+                raise ApiError(404, f"no saved slot named {name}", param="filename", code="not_found")
+            done = await anyio.to_thread.run_sync(engine.restore_slot, slot, folder / name)
+    except InvalidArgumentError as e:
+        raise bad("filename", str(e)) from None
+    except OSError as e:
+        raise ApiError(500, f"cannot write {name}: {e.strerror or e}", type="server_error") from None
+    except EdgespecError as e:   # a backend that cannot save its cache
+        raise ApiError(501, str(e), type="not_supported_error") from None
+    ms = 1000 * (time.perf_counter() - t0)
+    if action == "save":
+        return JSONResponse({"id_slot": slot, "filename": name, "n_saved": done["tokens"], "n_written": done["bytes"],
+                             "timings": {"save_ms": ms}})
+    return JSONResponse({"id_slot": slot, "filename": name, "n_restored": done["tokens"], "n_read": done["bytes"],
+                         "timings": {"restore_ms": ms}})
