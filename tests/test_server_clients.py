@@ -221,6 +221,26 @@ def test_logit_bias_on_chat_completions(fim):
     assert e.value.body["param"] == "logit_bias"
 
 
+@pytest.mark.parametrize("field, value", [("audio", {"voice": "alloy", "format": "mp3"}), ("modalities", ["audio"]),
+                                          ("prediction", {"type": "content", "content": "x"}), ("store", True),
+                                          ("functions", [{"name": "f"}]), ("reasoning_effort", "high")])
+def test_openai_fields_the_server_cannot_honour_are_refused(fim, field, value):
+    server, _ = fim
+    status, _, data = request(server, "POST", "/v1/chat/completions",
+                              {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert status == 400 and json.loads(data)["error"]["param"] == field
+
+
+def test_openai_fields_that_say_nothing_about_the_answer_are_taken(fim):
+    server, engine = fim
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "user": "u1", "metadata": {"k": "v"}, "service_tier": "auto", "store": False, "modalities": ["text"],
+            "prompt_cache_key": "abc", "safety_identifier": "s"}
+    status, _, data = request(server, "POST", "/v1/chat/completions", body)
+    want = engine.generate(messages=body["messages"], max_tokens=3, temperature=0).text
+    assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == want
+
+
 # -- llama-server's utility endpoints ---------------------------------------------------------
 
 def test_tokenize_detokenize_apply_template(fim):

@@ -12,7 +12,12 @@ Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
 omitted (OpenAI's default; send 0 for greedy, reproducible output),
 ``max_tokens`` (or its newer name ``max_completion_tokens``; both with different
 values are a 400) is 256, capped at the room the prompt leaves in the context.
-``n`` must be 1; unknown fields are ignored, as OpenAI's clients send extras.
+``n`` must be 1. OpenAI fields this server cannot honour (audio, prediction,
+web_search_options, the deprecated functions, reasoning_effort, verbosity,
+store: true, modalities other than text) are a 400 naming them; user,
+metadata, service_tier, prompt_cache_key and safety_identifier say nothing
+about the answer and are taken; fields OpenAI does not define are ignored,
+as OpenAI's clients send extras (docs/server.md lists them all).
 Ranges are OpenAI's: temperature in [0, 2] (below 1e-6 is greedy), top_p in
 [0, 1] (0 keeps the most likely token only), at most 16 stop strings.
 Structured output, tools, logprobs, penalties, top_k and min_p: fields.py.
@@ -171,8 +176,21 @@ def suffix(body: dict) -> str | None:
     return value
 
 
-def _refuse_unserved(body: dict) -> None:
-    """Completion fields this server cannot honour: a 400 rather than ignoring them."""
+# OpenAI fields with no meaning here, at the value that asks for nothing: any other is a 400.
+UNSERVED = {"audio": None, "prediction": None, "web_search_options": None, "functions": None,
+            "function_call": None, "reasoning_effort": None, "verbosity": None, "store": False}
+
+
+def _refuse_unserved(body: dict, chat: bool) -> None:
+    """Fields this server cannot honour: a 400 rather than ignoring them."""
+    for name, off in UNSERVED.items():
+        if body.get(name, off) not in (off, None):
+            raise bad(name, f"{name} is not supported by this server" + (" (use tools)" if "function" in name else ""))
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]):
+        raise bad("modalities", "only text output is supported (modalities: [\"text\"])")
+    if chat:
+        return
     if body.get("echo") is True:
         raise bad("echo", "echo is not supported")
     best_of = body.get("best_of")
@@ -190,10 +208,10 @@ def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad("stream_options", "stream_options must be an object")
+    _refuse_unserved(body, chat)
     if chat:
         c = Completion(messages=messages(body))
     else:
-        _refuse_unserved(body)
         # as llama-server: a prompt's special-token text is those tokens (editors send FIM prompts so)
         c = Completion(prompt=prompt(body), suffix=suffix(body), parse_special=True)
     c.options = opts
