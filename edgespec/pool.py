@@ -143,9 +143,24 @@ class EnginePool:
                     for e in self._entries.values()]
 
     def add(self, name: str) -> None:
-        """Serve ``name`` too if it is a built-in model and pulling is on (it is
-        pulled on first use); else ModelNotFoundError naming the served ones."""
+        """Serve ``name`` too if it is a local model's name (registry.add_local)
+        or a built-in model and pulling is on (it is pulled on first use);
+        else ModelNotFoundError naming the served ones."""
         self._entry(name)
+
+    def forget(self, name: str) -> None:
+        """Stop serving ``name`` (unloaded first); EngineBusyError while a
+        request holds it."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return
+            if entry.leases:
+                raise EngineBusyError(f"model '{name}' is serving a request; try again when it ends")
+            del self._entries[name]
+            engine, entry.engine = entry.engine, None
+        if engine is not None:
+            engine.close()
 
     def loaded(self, name: str) -> bool:
         with self._lock:
@@ -170,6 +185,8 @@ class EnginePool:
             if self._closed:
                 raise EngineBusyError("the pool is closed")
             entry = self._entries.get(name)
+            if entry is None and name in registry.local_models():
+                entry = self._entries[name] = _Entry(name, name)
             if entry is None and self.pull and name in registry.builtin_models():
                 entry = self._entries[name] = _Entry(name, name)
             if entry is None:

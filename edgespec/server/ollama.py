@@ -2,18 +2,27 @@
 ``GET /api/version``, ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``,
 ``POST /api/generate`` and ``POST /api/chat`` (NDJSON streaming by default,
 ``"stream": false`` for one object), ``POST /api/pull`` (built-in names, NDJSON
-progress), ``POST /api/embed`` (and the older ``/api/embeddings``). Refusals
+progress), ``POST /api/create`` (a name for a GGUF file on this machine),
+``POST /api/copy``, ``DELETE /api/delete``, ``POST /api/embed`` (and the
+older ``/api/embeddings``). Refusals
 are Ollama's ``{"error": message}``. /api/tags lists the served models whose
 files are on this machine, /api/ps the loaded ones.
 
 Names: the served model is listed as ``NAME:latest``; ``NAME`` is accepted
 too. Sampling ``options`` default to Ollama's (temperature 0.8, top_k 40,
 top_p 0.9, repeat_penalty 1.1 over the last 64 tokens, num_predict -1 = as
-much as fits); options about loading (num_ctx, num_thread, num_gpu, ...) are
-the server's to decide and ignored, as are unknown ones (as Ollama does);
-sampling options the engine does not have are a 400 naming them unless they
-are at their neutral value. ``format`` ("json" or a JSON schema) constrains
-the output through the grammar engine. ``tools`` (on /api/chat) go through
+much as fits). Every option is applied or refused with a 400 naming it:
+``num_ctx`` runs the request in a KV-cache slot of that context (refused
+before anything is allocated when memory or the budget cannot hold it); the
+server's own settings (num_thread, num_batch, num_gpu) may be named at their
+value; options whose one value here is what the server does (mirostat 0,
+typical_p 1, use_mmap true, ...) are taken at it; mirostat_tau, mirostat_eta
+and num_keep tune only what the server never does and are taken (see
+docs/server.md). ``keep_alive`` (seconds or "5m"; 0 unloads, a negative
+value keeps the model loaded) sets when an idle model unloads; /api/ps shows
+that time. ``logprobs`` / ``top_logprobs`` as Ollama's. ``format`` ("json"
+or a JSON schema) constrains the output through the grammar engine.
+``tools`` (on /api/chat) go through
 the model's chat template as on the OpenAI path; the calls the model makes
 come back as ``message.tool_calls`` (arguments as objects, as Ollama sends
 them; streamed in one line once the reply ends), and ``tool`` messages and an
@@ -21,8 +30,10 @@ assistant's ``tool_calls`` are accepted. ``suffix`` on /api/generate asks for
 the text between ``prompt`` and it (fill-in-the-middle, as editors send for
 code completion) from the model's own FIM tokens; the chat template, ``system``
 and ``raw`` play no part then, and a model without FIM tokens is refused.
-``images`` (these models read text only), ``template`` and ``context`` are
-refused with a 400 naming the field.
+``raw`` prompts read special-token text as those tokens, as Ollama's do.
+``images`` (these models read text only), ``template``, ``context``, think,
+shift and truncate (on generations) are refused with a 400 naming the field.
+/api/embed takes ``truncate`` (default true) and ``dimensions``.
 Durations are nanoseconds; the final object also carries ``edgespec``
 (drafter, tokens/s, estimated_speedup, speculative stats).
 """
@@ -92,6 +103,9 @@ def routes() -> list[Route]:
         Route("/api/generate", ollama(generate), methods=["POST"]),
         Route("/api/chat", ollama(chat), methods=["POST"]),
         Route("/api/pull", ollama(pull), methods=["POST"]),
+        Route("/api/create", ollama(create), methods=["POST"]),
+        Route("/api/copy", ollama(copy), methods=["POST"]),
+        Route("/api/delete", ollama(delete), methods=["DELETE"]),
         Route("/api/embed", ollama(embed), methods=["POST"]),
         Route("/api/embeddings", ollama(embeddings_legacy), methods=["POST"]),
     ]
@@ -606,7 +620,7 @@ async def pull(request: Request):
         yield _line({"status": "pulling manifest"})
         try:
             async for done in progress():
-                yield _line({"status": f"pulling {entry.sha256[:12]}", "digest": digest,
+                yield _line({"status": f"pulling {name} ({entry.size / 1e6:.1f} MB)", "digest": digest,
                              "total": entry.size, "completed": done})
         except EdgespecError as e:
             yield _line({"error": str(e)})
@@ -622,6 +636,114 @@ async def pull(request: Request):
     except EdgespecError as e:
         raise ApiError(500, str(e), type="server_error")
     return JSONResponse({"status": "success"})
+
+
+# -- endpoints: create, copy, delete ------------------------------------------------------
+
+# What a create request may carry besides its source: a 400 naming any of these (edgespec
+# serves a GGUF as it is: no quantizing, adapters, Go templates, default prompts or parameters).
+CREATE_UNSERVED = ("quantize", "adapters", "template", "system", "parameters", "messages", "license")
+
+
+def _create_source(body: dict) -> Path:
+    """The GGUF file a create request names: ``from`` (a path, or a model
+    this server has), ``files`` (one .gguf, by path or by the sha256 of a
+    model file it has), or a Modelfile's ``FROM``."""
+    given = [k for k in ("from", "files", "modelfile") if body.get(k) not in (None, "", {})]
+    if len(given) != 1:
+        raise _bad("create needs exactly one of from, files or modelfile (FROM /path/to/model.gguf)")
+    value = body[given[0]]
+    if given[0] == "modelfile":
+        if not isinstance(value, str):
+            raise _bad("modelfile must be a string")
+        froms = []
+        for line in value.splitlines():
+            word, _, rest = line.strip().partition(" ")
+            if not word or word.startswith("#"):
+                continue
+            if word.upper() != "FROM":
+                raise _bad(f"modelfile: {word.upper()} is not supported by this server (only FROM a GGUF file)")
+            froms.append(rest.strip())
+        if len(froms) != 1:
+            raise _bad("modelfile needs one FROM line")
+        value = froms[0]
+    elif given[0] == "files":
+        if not (isinstance(value, dict) and len(value) == 1 and all(isinstance(v, str) for v in value.values())):
+            raise _bad('files must name one GGUF file: {"model.gguf": "/path/to/model.gguf" or "sha256:<digest>"}')
+        (value,) = value.values()
+        if value.startswith("sha256:"):
+            known = [registry.cached_path(e) for e in registry.builtin_models().values()
+                     if e.sha256 == value[7:].lower() and registry.cached_path(e).is_file()]
+            if not known:
+                raise _bad(f"no model file with {value[:80]} is on this server (it takes no uploads: give the "
+                           "file's path)")
+            return known[0]
+    if not isinstance(value, str):
+        raise _bad(f"{given[0]} must be a path to a GGUF file")
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    try:
+        return registry.resolve(value.removesuffix(":latest"), pull_missing=False)
+    except EdgespecError:
+        raise _bad(f"{given[0]}: no GGUF file at {value[:200]} and no model of that name here") from None
+
+
+async def create(request: Request):
+    """Serve a GGUF file on this machine under a name (Ollama's create; the
+    file stays where it is)."""
+    body = await read_json(request)
+    name = _model(body).removesuffix(":latest")
+    stream = _stream_flag(body)
+    for field in CREATE_UNSERVED:
+        if body.get(field) not in (None, "", [], {}):
+            raise _bad(f"{field} is not supported by create here (a GGUF file is served as it is)")
+    source = _create_source(body)
+    try:
+        path = await anyio.to_thread.run_sync(registry.add_local, name, source)
+    except EdgespecError as e:   # a bad name, a file that is not a model
+        raise _bad(str(e)) from None
+    runners_of(request).get(name)   # served from now on (by a pool)
+    note(request, f"created {name} from {path}")
+    if stream:
+        async def lines():
+            for status in (f"using {path}", "writing manifest", "success"):
+                yield _line({"status": status})
+        return Stream(lines(), NDJSON)
+    return JSONResponse({"status": "success"})
+
+
+async def copy(request: Request):
+    """Another name for a model this server has (its file is not copied)."""
+    body = await read_json(request)
+    source, destination = body.get("source"), body.get("destination")
+    if not (isinstance(source, str) and source and isinstance(destination, str) and destination):
+        raise _bad("copy needs source and destination model names")
+    try:
+        path = registry.resolve(source.removesuffix(":latest"), pull_missing=False)
+    except EdgespecError:
+        raise ApiError(404, f"model {show(source)} does not exist here") from None
+    try:
+        await anyio.to_thread.run_sync(registry.add_local, destination.removesuffix(":latest"), path)
+    except EdgespecError as e:
+        raise _bad(str(e)) from None
+    runners_of(request).get(destination)
+    return JSONResponse({})
+
+
+async def delete(request: Request):
+    """Forget a model: a created name is dropped (its file stays where it
+    is); a built-in model's cached copy is deleted. Never a file outside the
+    edgespec cache; 404 for an unknown name."""
+    body = await read_json(request)
+    name = _model(body).removesuffix(":latest")
+    cached = name in registry.builtin_models() and registry.cached_path(registry.builtin_model(name)).is_file()
+    if name not in registry.local_models() and not cached:
+        raise ApiError(404, f"model {show(name)} does not exist here (or was not made by create or pull)")
+    runners_of(request).remove(name)
+    await anyio.to_thread.run_sync(registry.remove, name)
+    note(request, f"deleted {name}")
+    return JSONResponse({})
 
 
 # -- endpoints: embeddings ----------------------------------------------------------------

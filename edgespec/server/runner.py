@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from ..errors import (ContextOverflowError, EdgespecError, InvalidArgumentError, ModelFetchError,
-                      ModelNotFoundError)
+from ..errors import (ContextOverflowError, EdgespecError, EngineBusyError, InvalidArgumentError,
+                      ModelFetchError, ModelNotFoundError)
 from ..pool import EnginePool, PoolFullError
 from .errors import ApiError, server_error
 
@@ -432,6 +432,22 @@ class Runners:
             served = ", ".join(self._runners)
         raise ApiError(404, f"model {model[:80]!r} does not exist; this server has {served}",
                        param="model", code="model_not_found")
+
+    def remove(self, name: str) -> None:
+        """Stop serving ``name`` (a pool's model, unloaded first); 409 while a
+        request holds it, 400 for the default model."""
+        with self._lock:
+            runner = self._runners.get(name)
+            if runner is None:
+                return
+            if runner is self.default:
+                raise ApiError(400, f"model {name!r} is this server's default model; it stays served",
+                               param="model")
+            try:
+                self.pool.forget(name)
+            except EngineBusyError as e:
+                raise ApiError(409, str(e), param="model") from None
+            del self._runners[name]
 
     def set_stopping(self) -> None:
         for r in self:
