@@ -31,7 +31,7 @@ from .runner import Runners
 # Browser pages that may call the API by default: any port on this machine.
 LOCAL_ORIGINS = r"http://(localhost|127\.0\.0\.1)(:\d+)?"
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
-              "chat.css": "text/css; charset=utf-8"}
+              "markdown.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8"}
 
 
 # -- the Host header (DNS rebinding) ------------------------------------------------------
