@@ -23,6 +23,8 @@ ended (None: never; a request may ask for its own, as Ollama's keep_alive:
 """
 from __future__ import annotations
 
+import math
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -40,6 +42,22 @@ from .models import registry
 from .models.gguf import GGUFFile
 
 BUDGET_SHARE = 0.8   # the default budget: this share of the memory available when the pool starts
+_DURATION = re.compile(r"(-)?((?:\d+(?:\.\d+)?(?:h|ms|m|s))+|\d+(?:\.\d+)?)")
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "": 1.0}
+
+
+def keep_alive_seconds(value) -> float:
+    """A keep_alive as Ollama takes it: seconds (a number or its text) or a Go
+    duration ("5m", "1h30m", "-1"); negative: forever. InvalidArgumentError
+    for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise InvalidArgumentError(f'keep_alive must be seconds or a duration such as "5m" or "-1", '
+                                   f"got {str(value)[:40]!r}")
+    total = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)?", match.group(2)))
+    return -total if match.group(1) else total
 
 
 class PoolFullError(EngineBusyError):

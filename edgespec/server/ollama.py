@@ -58,6 +58,7 @@ from ..chat import tools as chat_tools
 from ..errors import EdgespecError, GrammarError, InvalidArgumentError
 from ..grammar import Grammar
 from ..models import registry
+from ..pool import keep_alive_seconds
 from ..progress import Progress
 from ..sampling import SamplingParams
 from . import fields
@@ -82,7 +83,6 @@ INERT = ("mirostat_tau", "mirostat_eta", "num_keep")
 SERVER = {"num_thread": (lambda e: e.backend.threads, 0, "--threads"),
           "num_batch": (lambda e: e.backend.n_batch, None, None),
           "num_gpu": (lambda e: e.config.gpu_layers, -1, "--gpu-layers")}
-KEEP_ALIVE_S = 300            # Ollama's default: a model unloads after 5 idle minutes
 UNSERVED = ("template", "context", "width", "height", "steps")   # a 400 naming them unless empty
 # Fields this server serves only at one value (what it does): think off (no reasoning models),
 # no context shifting (a full context ends the generation), no prompt truncation (a 400 instead).
@@ -410,17 +410,10 @@ def _keep_alive(body: dict, runner) -> float | None:
     value = body.get("keep_alive")
     if value is None:
         return None
-    seconds = None
-    if is_number(value):
-        seconds = float(value)
-    elif isinstance(value, str):
-        match = re.fullmatch(r"(-)?((?:\d+(?:\.\d+)?(?:h|m|s|ms))+|\d+(?:\.\d+)?)", value.strip())
-        if match:
-            units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
-            parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)?", match.group(2))
-            seconds = sum(float(n) * units[u or "s"] for n, u in parts) * (-1 if match.group(1) else 1)
-    if seconds is None:
-        raise _bad(f'keep_alive must be seconds or a duration such as "5m" or "-1", got {show(value)}')
+    try:
+        seconds = keep_alive_seconds(value)
+    except InvalidArgumentError as e:
+        raise _bad(str(e)) from None
     if seconds == 0 and runner.pool is None:
         raise _bad("keep_alive 0 unloads a model, and this server serves one Engine it cannot unload")
     return seconds
