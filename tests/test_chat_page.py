@@ -58,22 +58,14 @@ def server(tiny_llama_path):
 
 def test_chat_page_streams_an_answer_with_stats(server, tmp_path):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     with server.engine_lock:
         ref = server.engine.generate(messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS,
                                      temperature=0.0)
     driver = browser()
     try:
-        wait = WebDriverWait(driver, 60)
-        driver.get(server.url + "/")
-        wait.until(lambda d: d.find_element(By.ID, "model").get_attribute("value") == "tiny")
-        for field, value in (("temperature", "0"), ("max-tokens", str(MAX_TOKENS))):
-            box = driver.find_element(By.ID, field)
-            box.clear()
-            box.send_keys(value)
-        driver.find_element(By.ID, "prompt").send_keys(QUESTION)
-        driver.find_element(By.ID, "send").click()
+        wait = _page(driver, server)
+        _ask(driver, wait, QUESTION)
         answer = "document.querySelector('.message.assistant .content')"
         wait.until(lambda d: d.execute_script(f"return {answer} && {answer}.dataset.text.length > 0"))
         stats = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".message.assistant .stats"))[0].text

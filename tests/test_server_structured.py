@@ -235,14 +235,12 @@ def test_bounded_schema_caps_digits_and_closes_objects():
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path):
+    from test_server_platform import start, stop
+
     with Engine(str(smollm2_path), threads=2, n_ctx=1024, drafter="auto") as e:
-        server = make_server(e, port=0, quiet=True, model_name="smollm2")
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
+        server, thread = start(e)
         yield server
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+        stop(server, thread)
 
 
 @pytest.mark.parametrize("prompt", ["Make up an order.", "Order 7781 for customer 42: two items."])
@@ -262,7 +260,7 @@ def test_the_sdk_s_parse_ends_with_a_valid_object(smollm2_server, prompt):
 
     client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     # without the digit caps this model writes order_id digits until max_tokens (parse() then raises)
-    r = client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": prompt}],
+    r = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": prompt}],
                                       response_format=Order, temperature=0, max_tokens=400)
     assert r.choices[0].finish_reason == "stop"
     order = r.choices[0].message.parsed
@@ -275,7 +273,7 @@ def test_a_required_tool_call_on_the_smallest_model_returns_a_parsed_call(smollm
     weather = [{"type": "function", "function": {
         "name": "get_weather", "description": "Current weather of a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}],
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        tools=weather, tool_choice="required", temperature=0, max_tokens=100)
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"

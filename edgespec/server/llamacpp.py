@@ -41,7 +41,7 @@ from ..errors import EdgespecError, InvalidArgumentError
 from ..models import registry
 from . import fields, openai
 from .errors import ApiError, bad, is_int, is_number, show
-from .request import Stream, endpoint, note, pick_runner, read_json
+from .request import Stream, endpoint, note, pick_runner, read_json, stream_pieces
 from .runner import ClientGone, Completion, Job
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
@@ -375,26 +375,20 @@ async def _events(request: Request, job: Job, limits: Limits, paths, warm_only: 
     (stop: true); a failure is an error event."""
     n = 0
     try:
-        try:
-            async for piece in job.pieces():
-                if warm_only or limits.stopped:
-                    continue
-                text = limits.push(piece)
-                if limits.stopped:
-                    job.close()
-                n += 1
-                if text:
-                    yield _event(_picked({"index": 0, "content": text, "tokens": [], "stop": False,
-                                          "id_slot": -1, "tokens_predicted": n,
-                                          "tokens_evaluated": 0}, paths))
-        except ApiError as e:
-            yield _event({"error": e.body()["error"]})
-            return
+        async for piece in stream_pieces(request, job):
+            if isinstance(piece, ApiError):
+                yield _event({"error": piece.body()["error"]})
+                return
+            if warm_only or limits.stopped:
+                continue
+            text = limits.push(piece)
+            if limits.stopped:
+                job.close()
+            n += 1
+            if text:
+                yield _event(_picked({"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1,
+                                      "tokens_predicted": n, "tokens_evaluated": 0}, paths))
         if job.client_gone:
-            note(request, "client disconnected")
-            return
-        if job.cut:
-            yield _event({"error": job.cut_error().body()["error"]})
             return
         tail = "" if warm_only else limits.finish()
         final = _final(request, job, tail, limits, warm_only, return_tokens)

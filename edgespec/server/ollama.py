@@ -62,7 +62,7 @@ from ..pool import keep_alive_seconds
 from ..progress import Progress
 from ..sampling import SamplingParams
 from . import fields
-from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -532,19 +532,14 @@ async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCa
         return obj
 
     try:
-        try:
-            async for piece in job.pieces():
-                text = calls.push(piece) if calls else piece
-                if text or (want_logprobs and len(job.logprobs) > sent):
-                    yield _line(with_logprobs(piece_obj(text)))
-        except ApiError as e:
-            yield _line(e.body(OLLAMA))
-            return
+        async for piece in stream_pieces(request, job):
+            if isinstance(piece, ApiError):
+                yield _line(piece.body(OLLAMA))
+                return
+            text = calls.push(piece) if calls else piece
+            if text or (want_logprobs and len(job.logprobs) > sent):
+                yield _line(with_logprobs(piece_obj(text)))
         if job.client_gone:
-            note(request, "client disconnected")
-            return
-        if job.cut:
-            yield _line(job.cut_error().body(OLLAMA))
             return
         final = piece_obj("")
         if calls:

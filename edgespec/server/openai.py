@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from ..chat import tools as chat_tools
 from . import fields
-from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import ApiError, bad, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -361,20 +361,15 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
     try:
         if chat:
             yield _event(chunk({"role": "assistant", "content": ""}))
-        try:
-            async for piece in job.pieces():
-                text = calls.push(piece) if calls else piece
-                lps = new_logprobs()
-                if text or lps:
-                    yield _event(chunk({"content": text} if chat else text, logprobs=lps))
-        except ApiError as e:
-            yield _event({"error": e.body()["error"]})
-            return
+        async for piece in stream_pieces(request, job):
+            if isinstance(piece, ApiError):
+                yield _event({"error": piece.body()["error"]})
+                return
+            text = calls.push(piece) if calls else piece
+            lps = new_logprobs()
+            if text or lps:
+                yield _event(chunk({"content": text} if chat else text, logprobs=lps))
         if job.client_gone:
-            note(request, "client disconnected")
-            return
-        if job.cut:
-            yield _event({"error": job.cut_error().body()["error"]})
             return
         usage, extra = extras(request, job)
         finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
