@@ -539,14 +539,20 @@ class Engine:
             with self._reading():
                 if self.backend.fim_tokens is not None:
                     found.append("insert")
-                if self.backend.embeds:
-                    try:
-                        self.pooling
-                        found.append("embedding")
-                    except UnsupportedModelError:
-                        pass
+                if self._serves_embeddings():
+                    found.append("embedding")
             self._capabilities = tuple(found)
         return self._capabilities
+
+    def _serves_embeddings(self) -> bool:
+        """Whether ``embed`` works for this model: a backend with hidden states
+        and a pooling it can use (a reranker's is not)."""
+        if not self.backend.embeds:
+            return False
+        try:
+            return self.pooling in POOLING.values()
+        except UnsupportedModelError:
+            return False
 
     def render_chat(self, messages: Sequence[dict], template: str | None = None,
                     tools: list[dict] | None = None) -> str:

@@ -55,8 +55,6 @@ NEUTRAL = {"typical_p": 1.0, "xtc_probability": 0.0, "dry_multiplier": 0.0, "mir
            "dynatemp_range": 0.0, "n_probs": 0, "min_keep": 0, "n_keep": 0, "n_discard": 0, "n_cmpl": 1, "n": 1,
            "id_slot": -1, "timings_per_token": False, "post_sampling_probs": False, "return_progress": False,
            "lora": []}
-# Accepted and without effect on the answer (see the module docstring).
-NO_EFFECT = ("cache_prompt", "t_max_prompt_ms")
 # llama-server's names of neutral sampler types (samplers may list them if their option is neutral).
 NEUTRAL_SAMPLERS = ("typ_p", "typical_p", "xtc", "dry", "top_n_sigma")
 FIM_BATCH = 2048   # llama-server's default batch, which its /infill prompt layout is cut to
@@ -274,9 +272,8 @@ async def infill(request: Request):
     def tokens():
         try:
             return engine.fill_in_middle_tokens(prefix, suffix, extra=extra, middle=middle, keep=keep)
-        except Exception as e:   # InvalidArgumentError: no FIM tokens, text that is not UTF-8
-            raise ApiError(400, f"infill is not supported here: {e}" if "fill-in-the-middle" in str(e)
-                           else str(e), param="input_prefix") from None
+        except InvalidArgumentError as e:   # a model without FIM tokens, text that is not UTF-8
+            raise ApiError(400, str(e), param="input_prefix") from None
 
     c = Completion(prompt=await anyio.to_thread.run_sync(tokens))
     c.options = opts
@@ -311,7 +308,7 @@ def _model(body: dict):
 async def _answer(request: Request, runner, c: Completion, body: dict, stream: bool):
     limits = Limits(body)
     paths = _response_fields(body)
-    warm_only = body.get("n_predict") == 0
+    warm_only = body.get("n_predict", body.get("max_tokens")) == 0
     return_tokens = body.get("return_tokens") is True
     job = await runner.start(c, request)
     if stream:
