@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,7 +74,7 @@ WHOLE = ("top_k", "repeat_last_n", "seed", "num_predict", "num_ctx")   # options
 # Options whose one value here is what this server does anyway: taken at it, refused otherwise.
 FIXED = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": True, "use_mmap": True,
          "use_mlock": False, "numa": False, "low_vram": False, "vocab_only": False, "f16_kv": True,
-         "logits_all": False, "main_gpu": 0}
+         "logits_all": False, "embedding_only": False, "main_gpu": 0}
 # Options that tune only what this server never does (mirostat, which is off; shifting a full
 # context, which ends the generation instead): taken, changing nothing.
 INERT = ("mirostat_tau", "mirostat_eta", "num_keep")
