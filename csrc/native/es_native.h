@@ -259,6 +259,18 @@ const float * es_context_embeddings(const es_context * ctx);
 // Keeps the first n_keep cells of the KV cache (rollback); n_keep in [0, n_past].
 int es_context_truncate(es_context * ctx, int32_t n_keep);
 
+// The KV cache's state, to save a conversation and restore it later into a
+// context of the same model (any n_ctx that holds it): the keys, values and
+// positions of its n_past cells. es_context_state_size: the bytes
+// es_context_state_get writes (ES_ERR_INVALID_ARG when cap is smaller, or
+// on an embeddings context). es_context_state_set replaces the cache with
+// such a state of n_past cells; ES_ERR_INVALID_ARG when size is not n_past
+// cells' for this model, n_past exceeds n_ctx or a position is impossible
+// (the cache is then unchanged).
+size_t es_context_state_size(const es_context * ctx);
+int    es_context_state_get(es_context * ctx, void * buf, size_t cap);
+int    es_context_state_set(es_context * ctx, const void * buf, size_t size, int32_t n_past);
+
 /* ---- expert cache (expert_cache.c) ---------------------------------------- */
 
 // Counters of a model's expert cache since load (or the last reset).

@@ -600,6 +600,55 @@ int es_context_truncate(es_context * c, int32_t n_keep) {
     return ES_OK;
 }
 
+/* ---- the KV cache's state: save and restore a slot ------------------------ */
+
+// The state of n cells: per layer and KV head, the n keys then the n values
+// (head_dim F16 each), then the n cells' positions (int32).
+static size_t state_bytes(const es_model * m, int32_t n) {
+    return (size_t) n * ((size_t) 2 * m->n_layer * m->n_head_kv * m->head_dim * sizeof(uint16_t) + sizeof(int32_t));
+}
+
+size_t es_context_state_size(const es_context * c) {
+    return c ? state_bytes(c->model, c->n_past) : 0;
+}
+
+// Copies (or, with set, fills) the n_past cells' rows of every (layer, head)
+// block of the cache, whose row stride is n_ctx cells.
+static void state_copy(es_context * c, uint8_t * buf, int32_t n, bool set) {
+    const es_model * m = c->model;
+    const size_t row = (size_t) m->head_dim * sizeof(uint16_t), block = (size_t) n * row;
+    for (int pass = 0; pass < 2; pass++) {
+        uint16_t * cache = pass == 0 ? c->k_cache : c->v_cache;
+        for (int64_t b = 0; b < (int64_t) m->n_layer * m->n_head_kv; b++) {
+            uint8_t * at = (uint8_t *) (cache + (size_t) b * c->n_ctx * m->head_dim);
+            if (set) memcpy(at, buf, block);
+            else memcpy(buf, at, block);
+            buf += block;
+        }
+    }
+    if (set) memcpy(c->cell_pos, buf, (size_t) n * sizeof(int32_t));
+    else memcpy(buf, c->cell_pos, (size_t) n * sizeof(int32_t));
+}
+
+int es_context_state_get(es_context * c, void * buf, size_t cap) {
+    if (!c || !buf || cap < es_context_state_size(c) || c->embeddings) return ES_ERR_INVALID_ARG;
+    state_copy(c, buf, c->n_past, false);
+    return ES_OK;
+}
+
+int es_context_state_set(es_context * c, const void * buf, size_t size, int32_t n_past) {
+    if (!c || !buf || c->embeddings || n_past < 0 || n_past > c->n_ctx || size != state_bytes(c->model, n_past))
+        return ES_ERR_INVALID_ARG;
+    for (int32_t i = 0; i < n_past; i++) {   // a cell's position is at most its index (a chain: equal)
+        int32_t pos;
+        memcpy(&pos, (const uint8_t *) buf + size - (size_t) (n_past - i) * sizeof(int32_t), sizeof pos);
+        if (pos < 0 || pos > i) return ES_ERR_INVALID_ARG;
+    }
+    state_copy(c, (uint8_t *) buf, n_past, true);
+    c->n_past = n_past;
+    return ES_OK;
+}
+
 /* ---- blocks: norms, residuals --------------------------------------------- */
 
 // As ggml_rms_norm: the sum of squares in double, then a float scale; the

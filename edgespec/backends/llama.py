@@ -15,7 +15,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from ..config import DEFAULT_BATCH
-from ..errors import BackendError, ModelFormatError
+from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from ..models.gguf import GGUFFile
 from .base import Backend, EMBED_SEQS, context_size, default_threads
 from .vocab import Vocab, VocabMixin, init_llama, model_params
@@ -60,6 +60,8 @@ def check_loadable(path: Path) -> None:
 
 class LlamaBackend(VocabMixin, Backend):
     name = "llama"
+    resizable = True
+    embeds = True
     # llama.cpp objects, freed by close() in reverse order
     _model = _ctx = _batch = _embed_ctx = _embed_batch = None
     _contexts: list = []
@@ -80,6 +82,7 @@ class LlamaBackend(VocabMixin, Backend):
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
         self.threads = threads or default_threads()
         self._swa_full = swa_full
+        self.ctx_extend = ctx_extend
         try:
             n_ctx = context_size(n_ctx, self.n_ctx_train, extend=ctx_extend)
             self._check_kv_memory(n_ctx)
@@ -181,12 +184,31 @@ class LlamaBackend(VocabMixin, Backend):
             lc.llama_memory_seq_rm(self._mem, s, -1, -1)
         self._n_tree_seqs = 1
 
-    def _select_slot(self, i: int) -> None:
-        if self._contexts[i] is None:
-            self._check_kv_memory(self.n_ctx)
-            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch, self.n_seq)
+    def _select_slot(self, i: int, n_ctx: int) -> None:
+        old = self._contexts[i]
+        if old is None or (self._sizes[i] or self.n_ctx) != n_ctx:
+            self._check_kv_memory(n_ctx)
+            self._contexts[i] = self._new_context(n_ctx, self.n_batch, self.n_seq)
+            if old is not None:   # another size: made again
+                lc.llama_free(old)
         self._ctx = self._contexts[i]
         self._mem = lc.llama_get_memory(self._ctx)
+
+    def _state(self) -> bytes:
+        n = lc.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * n)()
+        if lc.llama_state_seq_get_data(self._ctx, buf, n, 0) != n:
+            raise BackendError("llama.cpp could not copy the KV cache's state")
+        return bytes(buf)
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        lc.llama_memory_seq_rm(self._mem, -1, 0, -1)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(state), 0) == 0:
+            raise InvalidArgumentError("llama.cpp refused the saved KV cache state (another model or context)")
+        if lc.llama_memory_seq_pos_max(self._mem, 0) + 1 != n_tokens:
+            lc.llama_memory_seq_rm(self._mem, -1, 0, -1)
+            raise InvalidArgumentError(f"the saved KV cache state does not hold its {n_tokens} tokens")
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         if self._embed_ctx is None:

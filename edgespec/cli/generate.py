@@ -76,6 +76,8 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to PROMPT as one user message."),
     suffix: str = typer.Option(None, "--suffix", help="Fill in the middle: generate the text between PROMPT and "
                                "SUFFIX, from the model's FIM tokens (code models such as qwen2.5-coder-1.5b)."),
+    raw: bool = typer.Option(False, "--raw", help="Read special-token text in PROMPT (<|fim_prefix|>, <|im_start|>) as "
+                             "those tokens, as llama-server and Ollama's raw mode do (default: plain text)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (last line of stdout) instead of streaming."),
 ):
     """Generate text from PROMPT (or, with --suffix, between PROMPT and SUFFIX)."""
@@ -86,8 +88,11 @@ def generate(
         utf8_text(suffix, "--suffix")
         if chat:
             raise InvalidArgumentError("--suffix (fill-in-the-middle) and --chat do not go together")
+    if raw and (chat or suffix is not None):
+        raise InvalidArgumentError("--raw is for a plain prompt, not with --chat or --suffix")
     with Engine(config=engine) as e:
-        pieces = e.stream(prompt, suffix=suffix, max_tokens=max_tokens, chat=chat, **sampling.kwargs())
+        pieces = e.stream(prompt, suffix=suffix, max_tokens=max_tokens, chat=chat, parse_special=raw,
+                          **sampling.kwargs())
         if as_json:
             for _ in pieces:
                 pass
