@@ -2,7 +2,8 @@
  * bench_kernels.c — es_matvec speed per weight type, the run-time chosen
  * kernels against the portable scalar ones, measured side by side.
  *
- *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/native/kernels/quants.c csrc/native/gguf.c csrc/base.c -lm -o /tmp/bench_kernels
+ *   cmake -S . -B build && cmake --build build -j2   (the kernel files need their ISA flags)
+ *   cc -O3 -Icsrc benchmarks/bench_kernels.c -Lbuild -ledgespec -Wl,-rpath,$PWD/build -lm -ldl -o /tmp/bench_kernels
  *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
  *
  * One thread. Measured with the scalar kernels (es_kernels_select), then with

@@ -131,8 +131,11 @@ int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
 // finite or beyond half precision's range.
 int es_quantize_row(int32_t type, const float * src, void * dst, int64_t n);
 
-// The kernel set the dot products run on, for the whole process: "avx2",
-// "neon" or "scalar" ("auto": the best this CPU runs; the default).
+// The kernel set the dot products run on, for the whole process: "avx512"
+// (AVX-512 VNNI), "avx2", "neon" or "scalar" ("auto": the best this CPU
+// runs; the default). For the quantized weight types every set gives
+// bit-identical results (one per-token arithmetic); for F32/F16/BF16 each
+// set sums in its own order.
 // ES_ERR_UNSUPPORTED: a set this CPU (or build) lacks; ES_ERR_INVALID_ARG: an
 // unknown name. Not to be called while any es_decode runs.
 int          es_kernels_select(const char * name);

@@ -4,8 +4,9 @@
  * public: es_native.h).
  *
  *   gguf.c            GGUF v2/v3 reader: mmap, strict validation, tensor and key lookup
- *   kernels/quants.c  weight types: row sizes, dequantization, dot products
- *                     (scalar, AVX2, NEON; es_kernels_select picks the set)
+ *   kernels/          weight types (quants.c: row sizes, dequantization) and the
+ *                     dot products, one file per kernel set (scalar, AVX2,
+ *                     AVX-512, NEON; dispatch.c picks one: es_kernels_select)
  *   threadpool.c      a small pool of spinning workers for one parallel loop at a time
  *   moe.c             experts: binding, the per-expert access path, routing and
  *                     the MoE feed-forward block
@@ -23,7 +24,7 @@
 
 #include <string.h>
 
-/* ---- weight types and kernels (quants.c) --------------------------------- */
+/* ---- weight types and kernels (kernels/) ----------------------------------- */
 
 // IEEE binary16 <-> binary32, exact and table-free (inline: KV cache and
 // attention use them per element). es_f32_to_half rounds to nearest even,
@@ -80,15 +81,15 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
 
 // y[r - r0] = dot(row r of w, xq) for r in [r0, r1). w: rows of n elements,
 // es_type_row_bytes(type, n) apart; xq from es_quantize_act. Each dot
-// reduces in a fixed order, whatever r0, r1 or the thread running it.
+// reduces in a fixed order, whatever r0, r1 or the thread running it (the
+// quantized types: kernels/kernels.h's per-token arithmetic).
 void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
                int64_t r0, int64_t r1, float * y);
 // es_matvec for n_tok activation rows at once (a verification batch): row t
 // of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
 // (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
-// unpack each weight block once for several tokens (AVX2 and NEON: the
-// quantized types, up to eight tokens at a time, over blocks of rows kept in
-// cache).
+// unpack each weight block once for several tokens (the quantized types, up
+// to eight tokens at a time, over blocks of rows kept in cache).
 void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
                int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
 // acc[i] += e * v[i] for n binary16 values v (attention's weighted sum of

@@ -1,0 +1,243 @@
+/*
+ * scalar.c — the portable reference kernels: every weight type's dot
+ * product in plain C, one token at a time. Every platform has this set; the
+ * others are held against it (csrc/tests/test_quants.c).
+ */
+#include "kernels.h"
+
+static float dot_f32_scalar(int64_t n, const void * w, const void * a) {
+    const float * x = w, * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+// F16 and BF16 weights against activations of the same type; products and
+// sums in F32, as ggml_vec_dot_f16 / _bf16.
+static float dot_f16_scalar(int64_t n, const void * w, const void * a) {
+    const es_half * x = w, * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += half_to_f32(x[i]) * half_to_f32(y[i]);
+    return sum;
+}
+
+static float dot_bf16_scalar(int64_t n, const void * w, const void * a) {
+    const uint16_t * x = w, * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(y[i]);
+    return sum;
+}
+
+static void axpy_f16_scalar(int64_t n, float e, const uint16_t * v, float * acc) {
+    for (int64_t i = 0; i < n; i++) acc[i] += e * half_to_f32(v[i]);
+}
+
+static float dot_q4_0_scalar(int64_t n, const void * w, const void * a) {
+    const block_q4_0 * x = w;
+    const block_q8_0 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += ((x[i].qs[j] & 0xF) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK / 2];
+        sum = fmaf(half_to_f32(x[i].d) * half_to_f32(y[i].d), (float) sumi, sum);
+    }
+    return sum;
+}
+
+static float dot_q4_1_scalar(int64_t n, const void * w, const void * a) {
+    const block_q4_1 * x = w;
+    const block_q8_1 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += (x[i].qs[j] & 0xF) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK / 2];
+        // sum((q d + m) y_d y_q) = d y_d sum(q y_q) + m s
+        sum = fmaf(half_to_f32(x[i].d) * half_to_f32(y[i].d), (float) sumi, sum);
+        sum = fmaf(half_to_f32(x[i].m), half_to_f32(y[i].s), sum);
+    }
+    return sum;
+}
+
+static float dot_q5_0_scalar(int64_t n, const void * w, const void * a) {
+    const block_q5_0 * x = w;
+    const block_q8_0 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += (((x[i].qs[j] & 0xF) | q5_high(qh, j)) - 16) * y[i].qs[j] +
+                    (((x[i].qs[j] >> 4) | q5_high(qh, j + 16)) - 16) * y[i].qs[j + QK / 2];
+        sum = fmaf(half_to_f32(x[i].d) * half_to_f32(y[i].d), (float) sumi, sum);
+    }
+    return sum;
+}
+
+static float dot_q5_1_scalar(int64_t n, const void * w, const void * a) {
+    const block_q5_1 * x = w;
+    const block_q8_1 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        uint32_t qh;
+        memcpy(&qh, x[i].qh, 4);
+        int sumi = 0;
+        for (int j = 0; j < QK / 2; j++)
+            sumi += ((x[i].qs[j] & 0xF) | q5_high(qh, j)) * y[i].qs[j] +
+                    ((x[i].qs[j] >> 4) | q5_high(qh, j + 16)) * y[i].qs[j + QK / 2];
+        sum = fmaf(half_to_f32(x[i].d) * half_to_f32(y[i].d), (float) sumi, sum);
+        sum = fmaf(half_to_f32(x[i].m), half_to_f32(y[i].s), sum);
+    }
+    return sum;
+}
+
+static float dot_q8_0_scalar(int64_t n, const void * w, const void * a) {
+    const block_q8_0 * x = w;
+    const block_q8_0 * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK; j++) sumi += x[i].qs[j] * y[i].qs[j];
+        sum = fmaf(half_to_f32(x[i].d) * half_to_f32(y[i].d), (float) sumi, sum);
+    }
+    return sum;
+}
+
+static float dot_q4_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q4_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            uint8_t sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, x[i].scales, &sc1, &m1);
+            scale_min_k4(2 * j + 1, x[i].scales, &sc2, &m2);
+            int s1 = 0, s2 = 0;
+            for (int l = 0; l < 32; l++) {
+                s1 += (q[l] & 0xF) * q8[l];
+                s2 += (q[l] >> 4) * q8[l + 32];
+            }
+            sumi += sc1 * s1 + sc2 * s2;
+            summ += m1 * (y[i].bsums[4 * j] + y[i].bsums[4 * j + 1]) +
+                    m2 * (y[i].bsums[4 * j + 2] + y[i].bsums[4 * j + 3]);
+        }
+        sum = k_step(sum, half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, summ);
+    }
+    return sum;
+}
+
+static float dot_q5_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q5_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * q  = x[i].qs;
+        const int8_t *  q8 = y[i].qs;
+        int sumi = 0, summ = 0;
+        for (int j = 0; j < 4; j++, q += 32, q8 += 64) {
+            uint8_t sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, x[i].scales, &sc1, &m1);
+            scale_min_k4(2 * j + 1, x[i].scales, &sc2, &m2);
+            int s1 = 0, s2 = 0;
+            for (int l = 0; l < 32; l++) {
+                s1 += ((q[l] & 0xF) | (((x[i].qh[l] >> (2 * j)) & 1) << 4)) * q8[l];
+                s2 += ((q[l] >> 4) | (((x[i].qh[l] >> (2 * j + 1)) & 1) << 4)) * q8[l + 32];
+            }
+            sumi += sc1 * s1 + sc2 * s2;
+            summ += m1 * (y[i].bsums[4 * j] + y[i].bsums[4 * j + 1]) +
+                    m2 * (y[i].bsums[4 * j + 2] + y[i].bsums[4 * j + 3]);
+        }
+        sum = k_step(sum, half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, summ);
+    }
+    return sum;
+}
+
+static float dot_q6_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q6_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int sumi = 0;
+        int8_t q[128];
+        for (int h = 0; h < 2; h++) {
+            q6_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+            const int8_t * q8 = y[i].qs + 128 * h;
+            for (int g = 0; g < 8; g++) {  // groups of 16 sharing a scale
+                int s = 0;
+                for (int e = 16 * g; e < 16 * g + 16; e++) s += q[e] * q8[e];
+                sumi += x[i].scales[8 * h + g] * s;
+            }
+        }
+        sum = fmaf(half_to_f32(x[i].d) * y[i].d, (float) sumi, sum);
+    }
+    return sum;
+}
+
+// Q2_K / Q3_K: per sub-block j the exact sum S_j of q y; Q2_K's mins come
+// from the activation's group sums (d y_d sum sc S - dmin y_d sum m bsum),
+// Q3_K's offset of 4 too (sum s (S - 4 bsum)).
+static float dot_q2_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q2_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    uint8_t q[32];
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int sumi = 0, summ = 0;
+        for (int k = 0; k < 8; k++) {
+            k16_chunk(x[i].qs, NULL, k, q);
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * k + h;
+                int s = 0;
+                for (int l = 0; l < 16; l++) s += q[16 * h + l] * y[i].qs[16 * j + l];
+                sumi += (x[i].scales[j] & 0xF) * s;
+                summ += (x[i].scales[j] >> 4) * y[i].bsums[j];
+            }
+        }
+        sum = k_step(sum, half_to_f32(x[i].d), half_to_f32(x[i].dmin), y[i].d, sumi, summ);
+    }
+    return sum;
+}
+
+static float dot_q3_K_scalar(int64_t n, const void * w, const void * a) {
+    const block_q3_K * x = w;
+    const block_q8_K * y = a;
+    float sum = 0.0f;
+    uint8_t q[32];
+    int8_t sc[16];
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        unpack_scales_q3_K(x[i].scales, sc);
+        int sumi = 0;
+        for (int k = 0; k < 8; k++) {
+            k16_chunk(x[i].qs, x[i].hmask, k, q);
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * k + h;
+                int s = 0;
+                for (int l = 0; l < 16; l++) s += q[16 * h + l] * y[i].qs[16 * j + l];
+                sumi += sc[j] * (s - 4 * y[i].bsums[j]);
+            }
+        }
+        sum = fmaf(half_to_f32(x[i].d) * y[i].d, (float) sumi, sum);
+    }
+    return sum;
+}
+
+static const es_kernel_set KERNELS_SCALAR = {
+    .name = "scalar",
+    .dot = {
+        [ES_TYPE_F32] = dot_f32_scalar, [ES_TYPE_F16] = dot_f16_scalar,
+        [ES_TYPE_BF16] = dot_bf16_scalar, [ES_TYPE_Q4_0] = dot_q4_0_scalar,
+        [ES_TYPE_Q4_1] = dot_q4_1_scalar, [ES_TYPE_Q5_0] = dot_q5_0_scalar,
+        [ES_TYPE_Q5_1] = dot_q5_1_scalar, [ES_TYPE_Q8_0] = dot_q8_0_scalar,
+        [ES_TYPE_Q4_K] = dot_q4_K_scalar, [ES_TYPE_Q5_K] = dot_q5_K_scalar,
+        [ES_TYPE_Q6_K] = dot_q6_K_scalar, [ES_TYPE_Q2_K] = dot_q2_K_scalar,
+        [ES_TYPE_Q3_K] = dot_q3_K_scalar,
+    },
+    .axpy_f16 = axpy_f16_scalar,
+};
+
+const es_kernel_set * es__kernels_scalar(void) { return &KERNELS_SCALAR; }
