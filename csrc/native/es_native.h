@@ -190,6 +190,15 @@ typedef struct es_model_params {
                                   // loaded early (adapted to the hit rate); 0: none; default 3
     const char * expert_sidecar;  // low-precision copies (es_expert_sidecar_*); NULL: none;
                                   // required by BALANCED and FAST; read at load only
+    // Most bytes the repacked weights (repack) may take; <= 0: the memory the
+    // system says is available at load (Linux: MemAvailable); default 0.
+    int64_t repack_max_bytes;
+    // Weight matrices rewritten at load, once, into the engine's own memory in
+    // groups of 8 rows interleaved block by block (the tile kernels' layout;
+    // about the matrices' size again, the GGUF untouched), for the types that
+    // have such a layout: a batch of k tokens then costs far less than k
+    // single tokens. Results are bit-identical either way. Default true.
+    bool repack;
 } es_model_params;
 
 es_model_params es_model_default_params(void);
@@ -198,7 +207,9 @@ es_model_params es_model_default_params(void);
 // failure *out stays NULL and err is as for es_gguf_open. ES_ERR_IO,
 // ES_ERR_FORMAT: as es_gguf_open, refused by es_gguf_validate (below), or
 // tensors and keys the architecture needs missing or misshapen; ES_ERR_UNSUPPORTED: an architecture or weight
-// type this build lacks; ES_ERR_INVALID_ARG: a NULL path or out, a bad params field.
+// type this build lacks; ES_ERR_INVALID_ARG: a NULL path or out, a bad params field;
+// ES_ERR_NO_MEMORY: the repacked weights would not fit repack_max_bytes (err
+// gives both sizes; nothing was allocated for them), or memory ran out.
 int  es_model_load(const char * path, const es_model_params * params, es_model ** out,
                    char * err, size_t err_cap);
 void es_model_free(es_model * model);

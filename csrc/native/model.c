@@ -298,11 +298,71 @@ static int check_hparams(const es_model * m, char * err, size_t err_cap) {
     return ES_OK;
 }
 
+/* ---- repacked weights ------------------------------------------------------ */
+
+// Bytes the system says a new allocation can take (Linux: MemAvailable,
+// which counts reclaimable page cache, the mapped model's pages among them);
+// -1 where it does not say.
+static int64_t available_memory(void) {
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (!f) return -1;
+    char line[128];
+    long long kb = -1;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+    }
+    fclose(f);
+    return kb >= 0 ? (int64_t) kb * 1024 : -1;
+}
+
+// Every matrix es__matmul multiplies by (the token embedding's rows are
+// read one at a time; a tied output is its own es_weight over the same data).
+static bool is_matmul_weight(const es_model * m, const es_weight * w) {
+    return w != &m->tok_embd && w->n_out > 1;
+}
+
+// Repacks the model's matrices into one allocation (m->packed), once the
+// total is known to fit the budget; a type without a repacked layout, or a
+// remainder of rows, stays in the mapping only.
+static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t err_cap) {
+    const int32_t cap = 3 + WEIGHTS_PER_LAYER * m->n_layer;
+    const es_weight ** ws = malloc((size_t) cap * sizeof *ws);
+    if (!ws) return ES_ERR_NO_MEMORY;
+    const int32_t nw = model_weights(m, ws, cap);
+    size_t total = 0;
+    for (int32_t j = 0; j < nw; j++) {
+        if (is_matmul_weight(m, ws[j])) total += es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out);
+    }
+    const int64_t budget = max_bytes > 0 ? max_bytes : available_memory();
+    int rc = ES_OK;
+    if (total > 0 && budget >= 0 && (double) total > (double) budget) {
+        set_err(err, err_cap, "repacking the weights needs %.1f MiB and %.1f MiB %s (repacking off: "
+                "es_model_params.repack = false, EDGESPEC_REPACK=0)", (double) total / 1048576.0,
+                (double) budget / 1048576.0, max_bytes > 0 ? "are allowed" : "are available");
+        rc = ES_ERR_NO_MEMORY;
+    } else if (total > 0) {
+        void * packed = NULL;
+        rc = posix_memalign(&packed, 64, total) == 0 ? ES_OK : ES_ERR_NO_MEMORY;
+        m->packed = packed;
+        size_t at = 0;
+        for (int32_t j = 0; j < nw && rc == ES_OK; j++) {
+            es_weight * w = (es_weight *) ws[j];  // m's own, as model_weights lists them
+            const size_t bytes = is_matmul_weight(m, w) ? es_repack_bytes(w->type, w->n_in, w->n_out) : 0;
+            if (bytes == 0) continue;
+            es_repack(w->type, w->data, w->n_in, w->n_out, (uint8_t *) m->packed + at);
+            w->packed = (uint8_t *) m->packed + at;
+            at += bytes;
+        }
+    }
+    free(ws);
+    return rc;
+}
+
 es_model_params es_model_default_params(void) {
     return (es_model_params) {
         .experts = ES_EXPERTS_MAPPED, .expert_cache_bytes = 0,
         .expert_precision = ES_PRECISION_EXACT, .expert_policy = ES_POLICY_ADAPTIVE,
-        .prefetch_depth = 3, .expert_sidecar = NULL,
+        .prefetch_depth = 3, .expert_sidecar = NULL, .repack_max_bytes = 0, .repack = true,
     };
 }
 
@@ -357,6 +417,7 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     if (rc == ES_OK) rc = m->arch->load(m, err, err_cap);
     if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
+    if (rc == ES_OK && p.repack) rc = repack_weights(m, p.repack_max_bytes, err, err_cap);
     if (rc == ES_OK && m->experts && p.expert_cache_bytes > 0) {
         rc = es_expert_cache_init(m->gguf, path, m->experts, &p, &m->expert_cache, err, err_cap);
         if (rc == ES_OK) {
@@ -376,6 +437,7 @@ void es_model_free(es_model * m) {
     if (!m) return;
     es_expert_cache_free(m->expert_cache);
     es_experts_free(m->experts);
+    free(m->packed);
     free(m->layers);
     es_gguf_close(m->gguf);
     free(m);
@@ -588,7 +650,7 @@ static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
             base += w->n_out;
             if (r0 >= r1) continue;
             // Rows outer, tokens inner: each weight row is read once for the batch.
-            es_matmat(w->type, w->data, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
+            es_matmat(w->type, w->data, w->packed, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
                       job->y[i] + r0, (size_t) w->n_out);
         }
     }

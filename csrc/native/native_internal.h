@@ -85,13 +85,23 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
 // quantized types: kernels/kernels.h's per-token arithmetic).
 void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
                int64_t r0, int64_t r1, float * y);
-// es_matvec for n_tok activation rows at once (a verification batch): row t
-// of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
-// (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
-// unpack each weight block once for several tokens (the quantized types, up
-// to eight tokens at a time, over blocks of rows kept in cache).
-void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
-               int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
+// es_matvec for n_tok activation rows at once (a verification batch, a
+// prefill chunk): row t of xq at xq + t * xq_stride bytes, its results
+// y[t * y_stride + r - r0] (floats). Bit for bit n_tok es_matvec calls,
+// faster where the kernels unpack each weight block once for several
+// tokens, and fastest over packed (w's es_repack copy, or NULL: none), whose
+// tile kernels also share each activation load between 8 rows.
+void es_matmat(int32_t type, const void * w, const void * packed, const void * xq, size_t xq_stride,
+               int32_t n_tok, int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
+
+// Repacking (kernels/repack.c): rows in groups of 8, interleaved block by
+// block for the tile kernels. Bytes of the copy of n_rows rows of n elements
+// of type: its whole groups of 8 (a remainder of rows stays unpacked); 0
+// for a type without a repacked layout or fewer than 8 rows.
+size_t es_repack_bytes(int32_t type, int64_t n, int64_t n_rows);
+// Writes that copy of rows (n_rows rows, es_type_row_bytes(type, n) apart)
+// to dst (es_repack_bytes(type, n, n_rows) bytes).
+void   es_repack(int32_t type, const void * rows, int64_t n, int64_t n_rows, void * dst);
 // acc[i] += e * v[i] for n binary16 values v (attention's weighted sum of
 // V rows): the same arithmetic on every call within one kernel set.
 void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc);
@@ -243,10 +253,12 @@ const char * es_expert_cache_error(es_expert_cache * c);  // "" when none
 // es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
 // Norm and bias vectors are one F32 row. data NULL: the model has no such tensor.
 typedef struct es_weight {
-    const void * data;   // inside the GGUF mapping
-    int32_t      type;   // enum es_type
-    int64_t      n_in;   // elements per row
-    int64_t      n_out;  // rows
+    const void * data;    // inside the GGUF mapping
+    const void * packed;  // its whole groups of 8 rows repacked (es_repack), in the model's
+                          // memory; NULL: none (repacking off, a type without a layout)
+    int32_t      type;    // enum es_type
+    int64_t      n_in;    // elements per row
+    int64_t      n_out;   // rows
 } es_weight;
 
 // RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
@@ -300,6 +312,7 @@ struct es_model {
     es_layer   * layers;                  // (n_layer), owned
     es_experts * experts;                 // owned; NULL for a dense model
     es_expert_cache * expert_cache;       // owned; NULL: experts served as params.experts says
+    void       * packed;                  // owned: every es_weight's packed copy; NULL: none
 };
 
 // One architecture, found by general.architecture in es__archs.

@@ -493,11 +493,11 @@ static void run_matvecs(mv_results * out, bool check_ref) {
             }
             for (int nt = 1; nt <= NT; nt++) {
                 memset(got, 0, sizeof(got));
-                es_matmat(type, w, xs, ab, nt, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
+                es_matmat(type, w, NULL, xs, ab, nt, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
                 if (memcmp(got, want, (size_t) nt * sizeof(want[0])) != 0) fprintf(stderr, "%s nt=%d: batched differs\n", es_type_name(type), nt);
                 CHECK(memcmp(got, want, (size_t) nt * sizeof(want[0])) == 0);
                 memset(got, 0, sizeof(got));
-                es_matmat(type, w, xs, ab, nt, MV_N, 5, 11, &got[0][0], MV_ROWS);
+                es_matmat(type, w, NULL, xs, ab, nt, MV_N, 5, 11, &got[0][0], MV_ROWS);
                 int bad = 0;
                 for (int t = 0; t < nt; t++) bad += memcmp(got[t], &want[t][5], 6 * sizeof(float)) != 0;
                 CHECK(bad == 0);
@@ -549,6 +549,59 @@ static void test_matvec(void) {
     free(scalar);
 }
 
+// Repacked weights (es_repack): es_matmat over the copy equals es_matvec
+// over the rows bit for bit in every set, for 1..17 tokens (several tiles
+// of tokens and every remainder) and row ranges that start or end inside a
+// group, hold no whole group, or hold all of them; rows outside whole
+// groups (and past the last) come from the unpacked rows.
+static void test_repacked(void) {
+    enum { ROWS = 29, NT = 17 };  // three groups of 8 and five rows more
+    static const int64_t ranges[][2] = {{0, ROWS}, {3, 27}, {8, 16}, {9, 15}, {16, ROWS}, {0, 8}, {27, 28}};
+    static float want[NT][ROWS], got[NT][ROWS];
+    int32_t n_layouts = 0;
+    for (int ti = 0; ti < (int) N_WT; ti++) {
+        const int32_t type = WEIGHT_TYPES[ti], act = es_act_type(type);
+        const size_t pb = es_repack_bytes(type, MV_N, ROWS);
+        if (pb == 0) continue;
+        n_layouts++;
+        CHECK(pb == 3 * es_repack_bytes(type, MV_N, 8) && es_repack_bytes(type, MV_N, 7) == 0);
+        CHECK(es_repack_bytes(type, MV_N + es_type_block(type) / 2, ROWS) == 0 || es_type_block(type) < 256);
+        const size_t rb = es_type_row_bytes(type, MV_N), ab = es_type_row_bytes(act, MV_N);
+        uint8_t * w = malloc(rb * ROWS), * packed = malloc(pb), * xs = malloc(ab * NT);
+        random_rows(type, w, rb * ROWS);
+        es_repack(type, w, MV_N, ROWS, packed);
+        float x[MV_N];
+        for (int t = 0; t < NT; t++) {
+            for (int i = 0; i < MV_N; i++) x[i] = 2.f * next_float() * (float) (t + 1);
+            es_quantize_act(type, x, xs + t * ab, MV_N);
+        }
+        for (int32_t k = 0; es_kernels_available(k); k++) {
+            CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
+            for (int t = 0; t < NT; t++) es_matvec(type, w, xs + t * ab, MV_N, 0, ROWS, want[t]);
+            for (size_t q = 0; q < N_ELEMS(ranges); q++) {
+                const int64_t r0 = ranges[q][0], r1 = ranges[q][1];
+                for (int nt = 1; nt <= NT; nt++) {
+                    memset(got, 0, sizeof got);
+                    es_matmat(type, w, packed, xs, ab, nt, MV_N, r0, r1, &got[0][0], ROWS);
+                    int bad = 0;
+                    for (int t = 0; t < nt; t++)
+                        bad += memcmp(got[t], &want[t][r0], (size_t) (r1 - r0) * sizeof(float)) != 0;
+                    if (bad)
+                        fprintf(stderr, "%s %s rows [%d, %d) nt=%d: repacked differs\n", es_type_name(type),
+                                es_kernels_name(), (int) r0, (int) r1, nt);
+                    CHECK(bad == 0);
+                }
+            }
+        }
+        free(xs);
+        free(packed);
+        free(w);
+    }
+    CHECK(n_layouts > 0);
+    CHECK(es_repack_bytes(ES_TYPE_F32, MV_N, ROWS) == 0 && es_repack_bytes(ES_TYPE_Q4_K, 0, ROWS) == 0);
+    CHECK(es_kernels_select("auto") == ES_OK);
+}
+
 // The largest integer sums a block can have: every quant at its maximum
 // (all bits set) against activations that all round to -128 or +127 (a
 // constant row). Integer partial sums that wrap in some kernel's 16-bit
@@ -576,7 +629,7 @@ static void test_extreme_sums(void) {
                 CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
                 for (int nt = 1; nt <= 9; nt++) {  // one row repeated: every batched kernel
                     float ys[9];
-                    es_matmat(type, w, xq, 0, nt, MV_N, 0, 1, ys, 1);
+                    es_matmat(type, w, NULL, xq, 0, nt, MV_N, 0, 1, ys, 1);
                     got[sign] = ys[nt - 1];
                     if (memcmp(&got[sign], &want[sign], sizeof(float)) != 0)
                         fprintf(stderr, "%s %s nt=%d: %.9g vs %.9g\n", es_type_name(type),
@@ -663,6 +716,7 @@ static void test_kernel_selection(void) {
 int main(void) {
     test_kernel_selection();
     test_matvec();
+    test_repacked();
     test_extreme_sums();
     test_type_table();
     test_half_conversion();

@@ -215,6 +215,39 @@ static inline __m256i hm_q3_K(const block_q3_K * x) { return load256(x->hmask); 
 EACH_NT2(DOT_K16, avx2, q2_K) NT_TABLE_SET(q2_K, avx2)
 EACH_NT2(DOT_K16, avx2, q3_K) NT_TABLE_SET(q3_K, avx2)
 
+/* ---- tile kernels ------------------------------------------------------------ */
+
+// A sub-block's groups summed in int16 by maddubs (pairs of u8 x s8) and
+// adds (Q4_K: 16 terms of at most 15 * 127 per lane), then one madd by the
+// rows' scales as int16 pairs. Four tokens fill the 16 registers (per
+// token: the sub-block's int16 sums, the super-block's int32 sums, the
+// float accumulator).
+#define avx2_TILE_T 4
+#define EACH_TILE_T_avx2(M, SET, TYPE) M(SET, TYPE, 1) M(SET, TYPE, 2) M(SET, TYPE, 3) M(SET, TYPE, 4)
+
+static ALWAYS_INLINE __m256i avx2_sb_step(__m256i acc, __m256i w, __m256i y) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, y));
+}
+static ALWAYS_INLINE __m256i avx2_sb_scales(const uint8_t sc[8]) {  // (sc_r, sc_r) per row
+    const __m128i v = _mm_loadl_epi64((const __m128i *) sc);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+static ALWAYS_INLINE __m256i avx2_sb_scale(__m256i acc, __m256i s) { return _mm256_madd_epi16(acc, s); }
+static ALWAYS_INLINE __m256i avx2_mins(__m256i summ, __m256i m16, __m256i bp) {
+    return _mm256_add_epi32(summ, _mm256_madd_epi16(m16, bp));
+}
+
+static ALWAYS_INLINE __m256i avx2_sb_scales_s8(const int8_t sc[8]) {  // (sc_r, sc_r) per row
+    const __m128i v = _mm_loadl_epi64((const __m128i *) sc);
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+}
+#define avx2_Q6_STAGE 2
+
+K4_TILE(avx2)
+TILE_KERNEL(avx2, q4_K, block_q4_Kx8)
+Q6_TILE(avx2)
+TILE_KERNEL(avx2, q6_K, block_q6_Kx8)
+
 /* ---- the set ---------------------------------------------------------------- */
 
 static es_kernel_set KERNELS_AVX2 = {
@@ -224,6 +257,7 @@ static es_kernel_set KERNELS_AVX2 = {
         QUANTIZED_KERNELS(dot, avx2),
     },
     .dotn = {QUANTIZED_KERNELS(dotn, avx2)},
+    .tile = {[ES_TYPE_Q4_K] = avx2_tile_q4_K, [ES_TYPE_Q6_K] = avx2_tile_q6_K},
     .axpy_f16 = axpy_f16_avx2,
 };
 

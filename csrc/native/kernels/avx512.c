@@ -75,6 +75,37 @@ static inline void avx512_q6_token(__m256i sumi[2], const q6_half_v * q, const q
 
 UNPACKED_KERNELS(avx512)
 
+/* ---- tile kernels ------------------------------------------------------------ */
+
+// One vpdpbusd per four elements of the 8 rows per token, into int32
+// lanes; one vpmulld by the rows' scales per sub-block. Eight tokens fit
+// the 32 registers (per token: the sub-block's sums, the super-block's, the
+// float accumulator).
+#define avx512_TILE_T 8
+#define EACH_TILE_T_avx512(M, SET, TYPE) M(SET, TYPE, 1) M(SET, TYPE, 2) M(SET, TYPE, 3) M(SET, TYPE, 4) \
+                                         M(SET, TYPE, 5) M(SET, TYPE, 6) M(SET, TYPE, 7) M(SET, TYPE, 8)
+
+static ALWAYS_INLINE __m256i avx512_sb_step(__m256i acc, __m256i w, __m256i y) {
+    return _mm256_dpbusd_epi32(acc, w, y);
+}
+static ALWAYS_INLINE __m256i avx512_sb_scales(const uint8_t sc[8]) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) sc));
+}
+static ALWAYS_INLINE __m256i avx512_sb_scale(__m256i acc, __m256i s) { return _mm256_mullo_epi32(acc, s); }
+static ALWAYS_INLINE __m256i avx512_mins(__m256i summ, __m256i m16, __m256i bp) {
+    return _mm256_dpwssd_epi32(summ, m16, bp);
+}
+
+static ALWAYS_INLINE __m256i avx512_sb_scales_s8(const int8_t sc[8]) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) sc));
+}
+#define avx512_Q6_STAGE 4
+
+K4_TILE(avx512)
+TILE_KERNEL(avx512, q4_K, block_q4_Kx8)
+Q6_TILE(avx512)
+TILE_KERNEL(avx512, q6_K, block_q6_Kx8)
+
 /* ---- the set ---------------------------------------------------------------- */
 
 static es_kernel_set KERNELS_AVX512;
@@ -99,6 +130,8 @@ const es_kernel_set * es__kernels_avx512(void) {
     for (size_t t = 0; t < sizeof dot / sizeof dot[0]; t++) {
         if (dot[t]) KERNELS_AVX512.dot[t] = dot[t], KERNELS_AVX512.dotn[t] = dotn[t];
     }
+    KERNELS_AVX512.tile[ES_TYPE_Q4_K] = avx512_tile_q4_K;
+    KERNELS_AVX512.tile[ES_TYPE_Q6_K] = avx512_tile_q6_K;
     return &KERNELS_AVX512;
 }
 

@@ -86,22 +86,24 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t
 
 void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc) { kernels()->axpy_f16(n, e, v, acc); }
 
-// Weight bytes es_matmat walks for one group of up to MAX_NT tokens before
-// the next group: a group's activations stay in L1 while the block's rows
-// stream by, from the last-level cache after the first group (a thread's
-// share of it on current x86 and Arm parts). Measured on qwen2.5-coder-1.5b
-// and smollm2-135m prefill (AVX2, 2 threads): blocks of 128 KB, whose rows
-// stay in L2 but make every row re-read the activations from L2, ran
-// 10-25% slower than blocks of 1-4 MB.
+// Weight bytes es_matmat walks for one group of tokens before the next
+// group: a group's activations stay in L1 while the block's rows stream by,
+// from the last-level cache after the first group (a thread's share of it
+// on current x86 and Arm parts). Measured on qwen2.5-coder-1.5b and
+// smollm2-135m prefill (AVX2, 2 threads): blocks of 128 KB, whose rows stay
+// in L2 but make every row re-read the activations from L2, ran 10-25%
+// slower than blocks of 1-4 MB.
 #define ROW_BLOCK_BYTES (2 * 1024 * 1024)
+// Tokens a tile kernel takes in one call.
+#define TILE_TOKENS 16
 
-void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok, int64_t n,
-               int64_t r0, int64_t r1, float * y, size_t y_stride) {
+// Rows [r0, r1) of the unpacked weight, y's column 0 being row r0.
+static void matmat_rows(const es_kernel_set * k, int32_t type, const void * w, const void * xq,
+                        size_t xq_stride, int32_t n_tok, int64_t n, int64_t r0, int64_t r1, float * y,
+                        size_t y_stride) {
     const size_t row_bytes = es_type_row_bytes(type, n);
-    const es_kernel_set * k = kernels();
-    const vec_dot_fn    dot  = type >= 0 && type < N_TYPES ? k->dot[type] : NULL;
-    const vec_dotn_fn * dotn = type >= 0 && type < N_TYPES ? k->dotn[type] : NULL;
-    if (!dot || row_bytes == 0) return;
+    const vec_dot_fn    dot  = k->dot[type];
+    const vec_dotn_fn * dotn = k->dotn[type];
     // A tiled product: a block of rows is read from memory once and reused,
     // from the cache, by every group of up to MAX_NT tokens (each weight
     // block unpacked once per group); a decode-sized batch is one group.
@@ -129,3 +131,38 @@ void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, 
     }
 }
 
+// Groups [g0, g1) of the repacked weight, y's column 0 being row 8 g0: the
+// same blocking, in whole groups, with tokens TILE_TOKENS at a time.
+static void matmat_groups(tile_fn tile, int32_t type, const void * packed, const void * xq,
+                          size_t xq_stride, int32_t n_tok, int64_t n, int64_t g0, int64_t g1, float * y,
+                          size_t y_stride) {
+    const size_t gb = es_repack_bytes(type, n, ES_GROUP_ROWS);
+    const int64_t block = gb >= ROW_BLOCK_BYTES ? 1 : (int64_t) (ROW_BLOCK_BYTES / gb);
+    for (int64_t gs = g0; gs < g1; gs += block) {
+        const int64_t ge = gs + block < g1 ? gs + block : g1;
+        for (int32_t t = 0; t < n_tok; t += TILE_TOKENS) {
+            const int32_t nt = n_tok - t < TILE_TOKENS ? n_tok - t : TILE_TOKENS;
+            tile(n, (const uint8_t *) packed + (size_t) gs * gb, ge - gs,
+                 (const uint8_t *) xq + (size_t) t * xq_stride, xq_stride, nt,
+                 y + (size_t) t * y_stride + (size_t) (ES_GROUP_ROWS * (gs - g0)), y_stride);
+        }
+    }
+}
+
+void es_matmat(int32_t type, const void * w, const void * packed, const void * xq, size_t xq_stride,
+               int32_t n_tok, int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride) {
+    const es_kernel_set * k = kernels();
+    if (type < 0 || type >= N_TYPES || !k->dot[type] || es_type_row_bytes(type, n) == 0 || r0 >= r1) return;
+    const tile_fn tile = packed ? k->tile[type] : NULL;
+    // The whole groups of 8 inside [r0, r1) from the repacked copy (which
+    // has every whole group of the weight), the rows around them unpacked.
+    const int64_t g0 = (r0 + ES_GROUP_ROWS - 1) / ES_GROUP_ROWS, g1 = r1 / ES_GROUP_ROWS;
+    if (!tile || g0 >= g1) {
+        matmat_rows(k, type, w, xq, xq_stride, n_tok, n, r0, r1, y, y_stride);
+        return;
+    }
+    const int64_t p0 = ES_GROUP_ROWS * g0, p1 = ES_GROUP_ROWS * g1;
+    matmat_rows(k, type, w, xq, xq_stride, n_tok, n, r0, p0, y, y_stride);
+    matmat_groups(tile, type, packed, xq, xq_stride, n_tok, n, g0, g1, y + (p0 - r0), y_stride);
+    matmat_rows(k, type, w, xq, xq_stride, n_tok, n, p1, r1, y + (p1 - r0), y_stride);
+}

@@ -9,6 +9,7 @@
  *   avx2.c      AVX2 + FMA + F16C (compiled with -mavx2 -mfma -mf16c)
  *   avx512.c    AVX-512 VNNI on 256-bit vectors (adds -mavx512{f,bw,vl,vnni})
  *   neon.c      aarch64 NEON (baseline there; the dot-product extension when built with it)
+ *   repack.c    weights repacked at load for the tile kernels (layouts below)
  *   dispatch.c  the sets this CPU runs, es_kernels_select, es_matvec / es_matmat
  */
 #ifndef ES_KERNELS_H
@@ -79,6 +80,36 @@ _Static_assert(sizeof(block_q5_K) == 176, "q5_K layout");
 _Static_assert(sizeof(block_q6_K) == 210, "q6_K layout");
 _Static_assert(sizeof(block_q8_K) == 292, "q8_K layout");
 
+
+/* ---- repacked layouts (repack.c writes them, the tile kernels read them) -- */
+
+// A weight's rows in groups of ES_GROUP_ROWS, block by block: block i of a
+// group holds block i of each of its rows, interleaved so that one 32-byte
+// load gives four consecutive elements of each of the 8 rows (one int32
+// lane per row: a broadcast of four activation bytes serves all 8 rows),
+// with the K-quants' 6-bit scales and mins unpacked to bytes. A group's
+// blocks follow one another; groups follow one another.
+#define ES_GROUP_ROWS 8
+
+typedef struct {
+    es_half d[8], dmin[8];   // per row
+    uint8_t scales[8][8];    // [sub-block j][row]
+    uint8_t mins[4][8][2];   // [k][row]: the mins of sub-blocks 2k and 2k + 1
+    uint8_t qs[4][8][8][4];  // [chunk c][g][row]: the row's qs[32 c + 4 g .. + 3]: low
+                             // nibbles sub-block 2c, high 2c + 1, elements 4g .. 4g + 3
+} block_q4_Kx8;
+_Static_assert(sizeof(block_q4_Kx8) == 1184, "q4_Kx8 layout");
+
+// Q6_K: element 128 h + 32 k + l (quarter k, lane l) takes the low (k < 2)
+// or high nibble of ql[64 h + 32 (k & 1) + l] and bits 2k, 2k+1 of
+// qh[32 h + l]; its scale is sub-block 8 h + 2 k + l / 16.
+typedef struct {
+    es_half d[8];
+    int8_t  scales[16][8];     // [sub-block j][row]
+    uint8_t ql[2][2][8][8][4]; // [h][k & 1][g][row]: the row's ql[64 h + 32 (k & 1) + 4 g .. + 3]
+    uint8_t qh[2][8][8][4];    // [h][g][row]: the row's qh[32 h + 4 g .. + 3]
+} block_q6_Kx8;
+_Static_assert(sizeof(block_q6_Kx8) == 8 * sizeof(block_q6_K), "q6_Kx8 layout");
 
 /* ---- scalar helpers ------------------------------------------------------ */
 
@@ -221,10 +252,18 @@ typedef void (*vec_dotn_fn)(int64_t n, const void * w, const void * a, size_t a_
 
 #define N_TYPES (ES_TYPE_BF16 + 1)  // dot tables cover ids 0..BF16
 
+// The tile kernels: n_groups groups of 8 rows of a repacked weight (wp: the
+// first group; es_repack_bytes(type, n, 8) apart) times nt >= 1 tokens
+// (activation rows a_stride bytes apart), into y[t * y_stride + 8 g + r].
+// Each (row, token) value is bit for bit what vec_dot_fn gives.
+typedef void (*tile_fn)(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
+                        int32_t nt, float * y, size_t y_stride);
+
 typedef struct es_kernel_set {
     const char * name;
     vec_dot_fn   dot[N_TYPES];          // NULL: not a weight type
     const vec_dotn_fn * dotn[N_TYPES];  // [nt - 1], nt = 1..MAX_NT; NULL: es_matmat calls dot per token
+    tile_fn      tile[N_TYPES];         // repacked weights; NULL: the set reads the unpacked rows
     void (*axpy_f16)(int64_t n, float e, const uint16_t * v, float * acc);
 } es_kernel_set;
 

@@ -1,7 +1,8 @@
 /*
  * scalar.c — the portable reference kernels: every weight type's dot
- * product in plain C, one token at a time. Every platform has this set; the
- * others are held against it (csrc/tests/test_quants.c).
+ * product in plain C, one token at a time, and the tile kernels over the
+ * repacked layouts. Every platform has this set; the others are held
+ * against it (csrc/tests/test_quants.c).
  */
 #include "kernels.h"
 
@@ -226,6 +227,66 @@ static float dot_q3_K_scalar(int64_t n, const void * w, const void * a) {
     return sum;
 }
 
+/* ---- repacked weights (the reference for every set's tile kernels) -------- */
+
+// Each (row, token) the way dot_q4_K_scalar computes it, from the layout of
+// kernels.h: the integer sums are the same sums, in another order.
+static void tile_q4_K_scalar(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
+                             int32_t nt, float * y, size_t y_stride) {
+    const int64_t nb = n / QK_K;
+    for (int64_t g = 0; g < n_groups; g++) {
+        const block_q4_Kx8 * x = (const block_q4_Kx8 *) wp + g * nb;
+        for (int32_t t = 0; t < nt; t++) {
+            const block_q8_K * yb = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);
+            for (int r = 0; r < ES_GROUP_ROWS; r++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < nb; i++) {
+                    int sumi = 0, summ = 0;
+                    for (int c = 0; c < 4; c++) {
+                        int lo = 0, hi = 0;
+                        for (int k = 0; k < 32; k++) {
+                            const uint8_t q = x[i].qs[c][k / 4][r][k % 4];
+                            lo += (q & 0xF) * yb[i].qs[64 * c + k];
+                            hi += (q >> 4) * yb[i].qs[64 * c + 32 + k];
+                        }
+                        sumi += x[i].scales[2 * c][r] * lo + x[i].scales[2 * c + 1][r] * hi;
+                    }
+                    for (int j = 0; j < 8; j++)
+                        summ += x[i].mins[j / 2][r][j % 2] * (yb[i].bsums[2 * j] + yb[i].bsums[2 * j + 1]);
+                    acc = k_step(acc, half_to_f32(x[i].d[r]), half_to_f32(x[i].dmin[r]), yb[i].d, sumi, summ);
+                }
+                y[(size_t) t * y_stride + (size_t) (ES_GROUP_ROWS * g + r)] = acc;
+            }
+        }
+    }
+}
+
+// Each (row, token) the way dot_q6_K_scalar computes it.
+static void tile_q6_K_scalar(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
+                             int32_t nt, float * y, size_t y_stride) {
+    const int64_t nb = n / QK_K;
+    for (int64_t g = 0; g < n_groups; g++) {
+        const block_q6_Kx8 * x = (const block_q6_Kx8 *) wp + g * nb;
+        for (int32_t t = 0; t < nt; t++) {
+            const block_q8_K * yb = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);
+            for (int r = 0; r < ES_GROUP_ROWS; r++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < nb; i++) {
+                    int sumi = 0;
+                    for (int e = 0; e < QK_K; e++) {  // e = 128 h + 32 k + 4 g + b
+                        const int h = e / 128, k = (e / 32) % 4, g = (e / 4) % 8, b = e % 4;
+                        const int lo = (x[i].ql[h][k & 1][g][r][b] >> (4 * (k / 2))) & 0xF;
+                        const int hi = (x[i].qh[h][g][r][b] >> (2 * k)) & 3;
+                        sumi += x[i].scales[e / 16][r] * ((lo | (hi << 4)) - 32) * yb[i].qs[e];
+                    }
+                    acc = fmaf(half_to_f32(x[i].d[r]) * yb[i].d, (float) sumi, acc);
+                }
+                y[(size_t) t * y_stride + (size_t) (ES_GROUP_ROWS * g + r)] = acc;
+            }
+        }
+    }
+}
+
 static const es_kernel_set KERNELS_SCALAR = {
     .name = "scalar",
     .dot = {
@@ -237,6 +298,7 @@ static const es_kernel_set KERNELS_SCALAR = {
         [ES_TYPE_Q6_K] = dot_q6_K_scalar, [ES_TYPE_Q2_K] = dot_q2_K_scalar,
         [ES_TYPE_Q3_K] = dot_q3_K_scalar,
     },
+    .tile = {[ES_TYPE_Q4_K] = tile_q4_K_scalar, [ES_TYPE_Q6_K] = tile_q6_K_scalar},
     .axpy_f16 = axpy_f16_scalar,
 };
 

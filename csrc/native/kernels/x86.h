@@ -278,4 +278,192 @@ typedef struct { __m256i s[4]; } q6_scales;
     EACH_NT2(DOT_K4, SET, q5_K) NT_TABLE_SET(q5_K, SET)                                       \
     EACH_NT2(DOT_Q6K, SET, q6_K) NT_TABLE_SET(q6_K, SET)
 
+/* ---- tile kernels over the repacked layouts -------------------------------- */
+
+// A tile is one group of 8 rows times T tokens (T <= the set's TILE_T,
+// a compile-time constant once the body is inlined into its T-specific
+// function): per super-block, for each sub-block, the set's integer step
+// (SET##_sb_step: four elements of all 8 rows against one broadcast of
+// four activation bytes, one int32 lane per row) over its 8 groups of four,
+// then its scale (SET##_sb_scale, once per sub-block); the mins from the
+// activation's group sums (SET##_mins); then kernels.h's float steps with
+// each lane one row's accumulator. A weight vector serves T tokens, an
+// activation broadcast 8 rows.
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static ALWAYS_INLINE __m256i bcast4(const int8_t * p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// The per-token float steps of a super-block for 8 rows at once.
+static ALWAYS_INLINE __m256 k_step8(__m256 acc, __m256 d, __m256 dmin, float yd, __m256i sumi, __m256i summ) {
+    const __m256 ydv = _mm256_set1_ps(yd);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, ydv), _mm256_cvtepi32_ps(sumi), acc);
+    return _mm256_fnmadd_ps(_mm256_mul_ps(dmin, ydv), _mm256_cvtepi32_ps(summ), acc);
+}
+
+// Q4_K / Q5_K mins: sum over sub-blocks of min * (its two group sums), per
+// row: m16[k] holds rows' (m_2k, m_2k+1) as int16 pairs.
+static ALWAYS_INLINE __m128i pair_sums(const int16_t * bsums) {
+    const __m256i b = load256(bsums);
+    return _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+#define K4_TILE(SET)                                                                            \
+    static ALWAYS_INLINE void SET##_tile_q4_K_body(int64_t nb, const block_q4_Kx8 * x,          \
+                                                   const block_q8_K * const * y, float * out,  \
+                                                   size_t out_stride, const int T) {           \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                            \
+        __m256 acc[SET##_TILE_T];                                                             \
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();                             \
+        for (int64_t i = 0; i < nb; i++) {                                                    \
+            const block_q4_Kx8 * b = x + i;                                                   \
+            __m256i sumi[SET##_TILE_T];                                                       \
+            for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();                     \
+            /* Chunk c: sub-blocks 2c (low nibbles) and 2c + 1 (high) side by side, 2 T      \
+               independent chains of integer steps to cover their latency. */                 \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                             \
+                __m256i lo[SET##_TILE_T], hi[SET##_TILE_T];                                   \
+                for (int t = 0; t < T; t++) lo[t] = hi[t] = _mm256_setzero_si256();           \
+                _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                         \
+                    const __m256i raw = load256(b->qs[c][g]);                                 \
+                    const __m256i wl = _mm256_and_si256(raw, m4);                             \
+                    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);       \
+                    for (int t = 0; t < T; t++) {                                             \
+                        lo[t] = SET##_sb_step(lo[t], wl, bcast4(y[t][i].qs + 64 * c + 4 * g)); \
+                        hi[t] = SET##_sb_step(hi[t], wh, bcast4(y[t][i].qs + 64 * c + 32 + 4 * g)); \
+                    }                                                                         \
+                }                                                                             \
+                const __m256i sl = SET##_sb_scales(b->scales[2 * c]);                         \
+                const __m256i sh = SET##_sb_scales(b->scales[2 * c + 1]);                     \
+                for (int t = 0; t < T; t++)                                                   \
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(SET##_sb_scale(lo[t], sl), \
+                                                                         SET##_sb_scale(hi[t], sh))); \
+            }                                                                                 \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));        \
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->dmin));  \
+            __m256i m16[4];                                                                   \
+            for (int k = 0; k < 4; k++) m16[k] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *) b->mins[k])); \
+            for (int t = 0; t < T; t++) {                                                     \
+                const __m128i bp = pair_sums(y[t][i].bsums);                                  \
+                __m256i summ = _mm256_setzero_si256();                                        \
+                summ = SET##_mins(summ, m16[0], _mm256_broadcastd_epi32(bp));                 \
+                summ = SET##_mins(summ, m16[1], _mm256_broadcastd_epi32(_mm_srli_si128(bp, 4))); \
+                summ = SET##_mins(summ, m16[2], _mm256_broadcastd_epi32(_mm_srli_si128(bp, 8))); \
+                summ = SET##_mins(summ, m16[3], _mm256_broadcastd_epi32(_mm_srli_si128(bp, 12))); \
+                acc[t] = k_step8(acc[t], d, dmin, y[t][i].d, sumi[t], summ);                  \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < T; t++) _mm256_storeu_ps(out + (size_t) t * out_stride, acc[t]);  \
+    }
+
+// Q6_K: quarter k of half h is sub-blocks 8h + 2k (groups 0..3) and
+// 8h + 2k + 1 (groups 4..7) of 16 elements; its values 0..63 take the
+// nibble of ql and two bits of qh moved to bits 4..5 (left shifts of at
+// most 4 and a right one of 2 within 16-bit lanes keep each byte's own
+// bits). A sub-block's groups are scaled in stages of SET##_Q6_STAGE
+// (AVX2's int16 sums hold two groups of 63 * 127 terms). The offset of 32
+// comes off the exact sum as 32 * sum of scale times group sum (scales as
+// int16 pairs of sub-blocks 2m, 2m + 1 against the pair of group sums).
+static ALWAYS_INLINE __m256i q6_high_bits(__m256i qh, int k) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (k) {
+    case 0:  return _mm256_and_si256(_mm256_slli_epi16(qh, 4), m);
+    case 1:  return _mm256_and_si256(_mm256_slli_epi16(qh, 2), m);
+    case 2:  return _mm256_and_si256(qh, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(qh, 2), m);
+    }
+}
+
+// Group g of quarter k of half h, values 0..63 for the 8 rows.
+static ALWAYS_INLINE __m256i q6_weights(const block_q6_Kx8 * b, int h, int k, int g, __m256i m4) {
+    const __m256i lq = load256(b->ql[h][k & 1][g]);
+    const __m256i lo = _mm256_and_si256(k < 2 ? lq : _mm256_srli_epi16(lq, 4), m4);
+    return _mm256_or_si256(lo, q6_high_bits(load256(b->qh[h][g]), k));
+}
+
+#define Q6_TILE(SET)                                                                            \
+    static ALWAYS_INLINE void SET##_tile_q6_K_body(int64_t nb, const block_q6_Kx8 * x,          \
+                                                   const block_q8_K * const * y, float * out,  \
+                                                   size_t out_stride, const int T) {           \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                            \
+        __m256 acc[SET##_TILE_T];                                                             \
+        for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();                             \
+        for (int64_t i = 0; i < nb; i++) {                                                    \
+            const block_q6_Kx8 * b = x + i;                                                   \
+            __m256i sumi[SET##_TILE_T];                                                       \
+            for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();                     \
+            /* Quarter q = 4 h + k: sub-blocks 2q (groups 0..3) and 2q + 1 (4..7) side by    \
+               side, in stages of SET##_Q6_STAGE groups. */                                   \
+            _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++) {                             \
+                const int h = q / 4, k = q % 4;                                               \
+                const __m256i sa = SET##_sb_scales_s8(b->scales[2 * q]);                      \
+                const __m256i sz = SET##_sb_scales_s8(b->scales[2 * q + 1]);                  \
+                _Pragma("GCC unroll 4") for (int g0 = 0; g0 < 4; g0 += SET##_Q6_STAGE) {      \
+                    __m256i ea[SET##_TILE_T], ez[SET##_TILE_T];                               \
+                    for (int t = 0; t < T; t++) ea[t] = ez[t] = _mm256_setzero_si256();       \
+                    _Pragma("GCC unroll 4") for (int g = g0; g < g0 + SET##_Q6_STAGE; g++) {  \
+                        const __m256i wa = q6_weights(b, h, k, g, m4), wz = q6_weights(b, h, k, g + 4, m4); \
+                        for (int t = 0; t < T; t++) {                                         \
+                            ea[t] = SET##_sb_step(ea[t], wa, bcast4(y[t][i].qs + 32 * q + 4 * g)); \
+                            ez[t] = SET##_sb_step(ez[t], wz, bcast4(y[t][i].qs + 32 * q + 16 + 4 * g)); \
+                        }                                                                     \
+                    }                                                                         \
+                    for (int t = 0; t < T; t++)                                               \
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(SET##_sb_scale(ea[t], sa), \
+                                                                             SET##_sb_scale(ez[t], sz))); \
+                }                                                                             \
+            }                                                                                 \
+            __m256i sp[8];  /* rows' (scale 2m, scale 2m + 1) as int16 pairs */               \
+            for (int m = 0; m < 8; m++) {                                                     \
+                const __m128i pair = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) b->scales[2 * m]), \
+                                                       _mm_loadl_epi64((const __m128i *) b->scales[2 * m + 1])); \
+                sp[m] = _mm256_cvtepi8_epi16(pair);                                           \
+            }                                                                                 \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));        \
+            for (int t = 0; t < T; t++) {                                                     \
+                __m256i off = _mm256_setzero_si256();                                         \
+                for (int m = 0; m < 8; m++) {                                                 \
+                    int32_t bs;                                                               \
+                    memcpy(&bs, y[t][i].bsums + 2 * m, 4);                                    \
+                    off = SET##_mins(off, sp[m], _mm256_set1_epi32(bs));                      \
+                }                                                                             \
+                const __m256i exact = _mm256_sub_epi32(sumi[t], _mm256_slli_epi32(off, 5));   \
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(y[t][i].d)),          \
+                                         _mm256_cvtepi32_ps(exact), acc[t]);                  \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < T; t++) _mm256_storeu_ps(out + (size_t) t * out_stride, acc[t]);  \
+    }
+
+// A type's tile_fn from its body: groups in turn, each with its tokens in
+// tiles of TILE_T (and the remainder), the body specialized for each T.
+#define TILE_T_FN(SET, TYPE, T)                                                                 \
+    static void SET##_tile_##TYPE##_##T(int64_t nb, const void * x, const block_q8_K * const * y, \
+                                        float * out, size_t out_stride) {                       \
+        SET##_tile_##TYPE##_body(nb, x, y, out, out_stride, T);                                 \
+    }
+#define TILE_KERNEL(SET, TYPE, BLOCK)                                                           \
+    EACH_TILE_T_##SET(TILE_T_FN, SET, TYPE)                                                     \
+    static void SET##_tile_##TYPE(int64_t n, const void * wp, int64_t n_groups, const void * a,  \
+                                  size_t a_stride, int32_t nt, float * y, size_t y_stride) {    \
+        static void (*const by_t[SET##_TILE_T])(int64_t, const void *, const block_q8_K * const *, \
+                                                float *, size_t) = {                            \
+            EACH_TILE_T_##SET(TILE_T_NAME, SET, TYPE)};                                         \
+        const int64_t nb = n / QK_K;                                                            \
+        for (int64_t g = 0; g < n_groups; g++) {                                                \
+            const BLOCK * x = (const BLOCK *) wp + g * nb;                                      \
+            for (int32_t t0 = 0; t0 < nt; t0 += SET##_TILE_T) {                                 \
+                const int32_t tn = nt - t0 < SET##_TILE_T ? nt - t0 : SET##_TILE_T;             \
+                const block_q8_K * yt[SET##_TILE_T];                                            \
+                for (int32_t t = 0; t < tn; t++)                                                \
+                    yt[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) (t0 + t) * a_stride); \
+                by_t[tn - 1](nb, x, yt, y + (size_t) t0 * y_stride + (size_t) (ES_GROUP_ROWS * g), y_stride); \
+            }                                                                                   \
+        }                                                                                       \
+    }
+#define TILE_T_NAME(SET, TYPE, T) SET##_tile_##TYPE##_##T,
+
 #endif  // ES_X86_H
