@@ -607,18 +607,23 @@ static void test_repacked(void) {
 // constant row). Integer partial sums that wrap in some kernel's 16-bit
 // stage would show here as a result other than the scalar kernels'.
 static void test_extreme_sums(void) {
-    static float x[MV_N], want[2], got[2];
+    enum { ROWS = 8 };  // one group of the repacked layouts, every row the same
+    static float x[MV_N], want[2];
     for (int t = 0; t < (int) N_WT; t++) {
         const int32_t type = WEIGHT_TYPES[t];
         if (type == ES_TYPE_F32 || type == ES_TYPE_F16 || type == ES_TYPE_BF16) continue;
         const size_t rb = es_type_row_bytes(type, MV_N), bb = es_type_row_bytes(type, es_type_block(type));
-        uint8_t * w = malloc(rb);
+        uint8_t * w = malloc(rb * ROWS);
         memset(w, 0xFF, rb);
         for (size_t b = 0; b < rb / bb; b++) {  // scales 1.0 (and mins 1.0)
             uint8_t * p = w + b * bb;
             put_half(p + half_at(type), 0x3C00);
             if (has_min(type)) put_half(p + half_at(type) + 2, 0x3C00);
         }
+        for (int r = 1; r < ROWS; r++) memcpy(w + r * rb, w, rb);
+        const size_t pb = es_repack_bytes(type, MV_N, ROWS);
+        uint8_t * packed = pb ? malloc(pb) : NULL;
+        if (packed) es_repack(type, w, MV_N, ROWS, packed);
         uint8_t * xq = malloc(es_type_row_bytes(es_act_type(type), MV_N));
         for (int sign = 0; sign < 2; sign++) {
             for (int i = 0; i < MV_N; i++) x[i] = sign ? -0.75f : 0.75f;
@@ -627,19 +632,24 @@ static void test_extreme_sums(void) {
             es_matvec(type, w, xq, MV_N, 0, 1, &want[sign]);
             for (int32_t k = 0; es_kernels_available(k); k++) {
                 CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
-                for (int nt = 1; nt <= 9; nt++) {  // one row repeated: every batched kernel
-                    float ys[9];
-                    es_matmat(type, w, NULL, xq, 0, nt, MV_N, 0, 1, ys, 1);
-                    got[sign] = ys[nt - 1];
-                    if (memcmp(&got[sign], &want[sign], sizeof(float)) != 0)
-                        fprintf(stderr, "%s %s nt=%d: %.9g vs %.9g\n", es_type_name(type),
-                                es_kernels_available(k), nt, got[sign], want[sign]);
-                    CHECK(memcmp(&got[sign], &want[sign], sizeof(float)) == 0);
+                for (int nt = 1; nt <= 9; nt++) {  // one activation row repeated: every batched kernel
+                    for (int how = 0; how < (packed ? 2 : 1); how++) {  // rows as they are, repacked
+                        float ys[9][ROWS];
+                        es_matmat(type, w, how ? packed : NULL, xq, 0, nt, MV_N, 0, ROWS, &ys[0][0], ROWS);
+                        int bad = 0;
+                        for (int j = 0; j < nt; j++)
+                            for (int r = 0; r < ROWS; r++) bad += memcmp(&ys[j][r], &want[sign], sizeof(float)) != 0;
+                        if (bad)
+                            fprintf(stderr, "%s %s nt=%d%s: %.9g vs %.9g\n", es_type_name(type),
+                                    es_kernels_available(k), nt, how ? " repacked" : "", ys[nt - 1][ROWS - 1], want[sign]);
+                        CHECK(bad == 0);
+                    }
                 }
             }
         }
         CHECK(want[0] != 0.0f);
         free(xq);
+        free(packed);
         free(w);
     }
     CHECK(es_kernels_select("auto") == ES_OK);

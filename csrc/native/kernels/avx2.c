@@ -241,12 +241,23 @@ static ALWAYS_INLINE __m256i avx2_sb_scales_s8(const int8_t sc[8]) {  // (sc_r, 
     const __m128i v = _mm_loadl_epi64((const __m128i *) sc);
     return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
 }
+static ALWAYS_INLINE __m256i avx2_sb_widen(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 #define avx2_Q6_STAGE 2
 
-K4_TILE(avx2)
+#define avx2_K4_STAGE_q4_K 8
+#define avx2_K4_STAGE_q5_K 4
+
+K4_TILE(avx2, q4_K)
 TILE_KERNEL(avx2, q4_K, block_q4_Kx8)
+K4_TILE(avx2, q5_K)
+TILE_KERNEL(avx2, q5_K, block_q5_Kx8)
 Q6_TILE(avx2)
 TILE_KERNEL(avx2, q6_K, block_q6_Kx8)
+// Q8_0 has none: its values plus 128 would overflow maddubs' int16 pairs.
+Q32_TILE(avx2, q4_0)
+Q32_TILE(avx2, q4_1)
+Q32_TILE(avx2, q5_0)
+Q32_TILE(avx2, q5_1)
 
 /* ---- the set ---------------------------------------------------------------- */
 
@@ -257,7 +268,11 @@ static es_kernel_set KERNELS_AVX2 = {
         QUANTIZED_KERNELS(dot, avx2),
     },
     .dotn = {QUANTIZED_KERNELS(dotn, avx2)},
-    .tile = {[ES_TYPE_Q4_K] = avx2_tile_q4_K, [ES_TYPE_Q6_K] = avx2_tile_q6_K},
+    .tile = {
+        [ES_TYPE_Q4_0] = avx2_tile_q4_0, [ES_TYPE_Q4_1] = avx2_tile_q4_1,
+        [ES_TYPE_Q5_0] = avx2_tile_q5_0, [ES_TYPE_Q5_1] = avx2_tile_q5_1,
+        [ES_TYPE_Q4_K] = avx2_tile_q4_K, [ES_TYPE_Q5_K] = avx2_tile_q5_K, [ES_TYPE_Q6_K] = avx2_tile_q6_K,
+    },
     .axpy_f16 = axpy_f16_avx2,
 };
 

@@ -99,12 +99,23 @@ static ALWAYS_INLINE __m256i avx512_mins(__m256i summ, __m256i m16, __m256i bp) 
 static ALWAYS_INLINE __m256i avx512_sb_scales_s8(const int8_t sc[8]) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) sc));
 }
+static ALWAYS_INLINE __m256i avx512_sb_widen(__m256i acc) { return acc; }
 #define avx512_Q6_STAGE 4
 
-K4_TILE(avx512)
+#define avx512_K4_STAGE_q4_K 8
+#define avx512_K4_STAGE_q5_K 8
+
+K4_TILE(avx512, q4_K)
 TILE_KERNEL(avx512, q4_K, block_q4_Kx8)
+K4_TILE(avx512, q5_K)
+TILE_KERNEL(avx512, q5_K, block_q5_Kx8)
 Q6_TILE(avx512)
 TILE_KERNEL(avx512, q6_K, block_q6_Kx8)
+Q32_TILE(avx512, q4_0)
+Q32_TILE(avx512, q4_1)
+Q32_TILE(avx512, q5_0)
+Q32_TILE(avx512, q5_1)
+Q32_TILE(avx512, q8_0)
 
 /* ---- the set ---------------------------------------------------------------- */
 
@@ -115,23 +126,18 @@ const es_kernel_set * es__kernels_avx512(void) {
     if (!avx2) return NULL;
     KERNELS_AVX512 = *avx2;
     KERNELS_AVX512.name = "avx512";
-    static const vec_dot_fn dot[] = {
-        [ES_TYPE_Q4_0] = dot_q4_0_avx512, [ES_TYPE_Q4_1] = dot_q4_1_avx512,
-        [ES_TYPE_Q5_0] = dot_q5_0_avx512, [ES_TYPE_Q5_1] = dot_q5_1_avx512,
-        [ES_TYPE_Q8_0] = dot_q8_0_avx512, [ES_TYPE_Q4_K] = dot_q4_K_avx512,
-        [ES_TYPE_Q5_K] = dot_q5_K_avx512, [ES_TYPE_Q6_K] = dot_q6_K_avx512,
+    // This set's own kernels; the rest (float types, Q2_K, Q3_K) are the AVX2 set's.
+#define OWN(T, ID) {ID, dot_##T##_avx512, dotn_##T##_avx512, avx512_tile_##T}
+    static const struct { int32_t type; vec_dot_fn dot; const vec_dotn_fn * dotn; tile_fn tile; } own[] = {
+        OWN(q4_0, ES_TYPE_Q4_0), OWN(q4_1, ES_TYPE_Q4_1), OWN(q5_0, ES_TYPE_Q5_0), OWN(q5_1, ES_TYPE_Q5_1),
+        OWN(q8_0, ES_TYPE_Q8_0), OWN(q4_K, ES_TYPE_Q4_K), OWN(q5_K, ES_TYPE_Q5_K), OWN(q6_K, ES_TYPE_Q6_K),
     };
-    static const vec_dotn_fn * const dotn[] = {
-        [ES_TYPE_Q4_0] = dotn_q4_0_avx512, [ES_TYPE_Q4_1] = dotn_q4_1_avx512,
-        [ES_TYPE_Q5_0] = dotn_q5_0_avx512, [ES_TYPE_Q5_1] = dotn_q5_1_avx512,
-        [ES_TYPE_Q8_0] = dotn_q8_0_avx512, [ES_TYPE_Q4_K] = dotn_q4_K_avx512,
-        [ES_TYPE_Q5_K] = dotn_q5_K_avx512, [ES_TYPE_Q6_K] = dotn_q6_K_avx512,
-    };
-    for (size_t t = 0; t < sizeof dot / sizeof dot[0]; t++) {
-        if (dot[t]) KERNELS_AVX512.dot[t] = dot[t], KERNELS_AVX512.dotn[t] = dotn[t];
+#undef OWN
+    for (size_t i = 0; i < sizeof own / sizeof own[0]; i++) {
+        KERNELS_AVX512.dot[own[i].type] = own[i].dot;
+        KERNELS_AVX512.dotn[own[i].type] = own[i].dotn;
+        KERNELS_AVX512.tile[own[i].type] = own[i].tile;
     }
-    KERNELS_AVX512.tile[ES_TYPE_Q4_K] = avx512_tile_q4_K;
-    KERNELS_AVX512.tile[ES_TYPE_Q6_K] = avx512_tile_q6_K;
     return &KERNELS_AVX512;
 }
 

@@ -100,6 +100,29 @@ typedef struct {
 } block_q4_Kx8;
 _Static_assert(sizeof(block_q4_Kx8) == 1184, "q4_Kx8 layout");
 
+// Q5_K: Q4_K's layout, then the fifth bits.
+typedef struct {
+    block_q4_Kx8 k4;
+    uint8_t      qh[8][8][4];  // [g][row]: the row's qh[4 g .. + 3]: bit 2c (2c + 1) the
+                               // fifth bit of sub-block 2c (2c + 1)
+} block_q5_Kx8;
+_Static_assert(sizeof(block_q5_Kx8) == 1440, "q5_Kx8 layout");
+
+// The 32-element quants: qs[g][row] holds the row's four bytes 4g .. 4g + 3:
+// Q4 / Q5 nibbles (low: elements 4g .. 4g + 3, high: 16 + 4g .. 16 + 4g + 3),
+// Q8_0 values plus 128 (so all are u8: x = (qs - 128) d). qh[row] is the
+// row's 32 fifth bits (bit j: element j), as in the GGUF.
+typedef struct { es_half d[8]; uint8_t qs[4][8][4]; } block_q4_0x8;
+typedef struct { es_half d[8], m[8]; uint8_t qs[4][8][4]; } block_q4_1x8;
+typedef struct { es_half d[8]; uint8_t qh[8][4]; uint8_t qs[4][8][4]; } block_q5_0x8;
+typedef struct { es_half d[8], m[8]; uint8_t qh[8][4]; uint8_t qs[4][8][4]; } block_q5_1x8;
+typedef struct { es_half d[8]; uint8_t qs[8][8][4]; } block_q8_0x8;
+_Static_assert(sizeof(block_q4_0x8) == 8 * sizeof(block_q4_0), "q4_0x8 layout");
+_Static_assert(sizeof(block_q4_1x8) == 8 * sizeof(block_q4_1), "q4_1x8 layout");
+_Static_assert(sizeof(block_q5_0x8) == 8 * sizeof(block_q5_0), "q5_0x8 layout");
+_Static_assert(sizeof(block_q5_1x8) == 8 * sizeof(block_q5_1), "q5_1x8 layout");
+_Static_assert(sizeof(block_q8_0x8) == 8 * sizeof(block_q8_0), "q8_0x8 layout");
+
 // Q6_K: element 128 h + 32 k + l (quarter k, lane l) takes the low (k < 2)
 // or high nibble of ql[64 h + 32 (k & 1) + l] and bits 2k, 2k+1 of
 // qh[32 h + l]; its scale is sub-block 8 h + 2 k + l / 16.

@@ -229,36 +229,109 @@ static float dot_q3_K_scalar(int64_t n, const void * w, const void * a) {
 
 /* ---- repacked weights (the reference for every set's tile kernels) -------- */
 
-// Each (row, token) the way dot_q4_K_scalar computes it, from the layout of
-// kernels.h: the integer sums are the same sums, in another order.
-static void tile_q4_K_scalar(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
-                             int32_t nt, float * y, size_t y_stride) {
-    const int64_t nb = n / QK_K;
+// The 32-element quants, each (row, token) the way their dot_*_scalar
+// compute it. Element e's value in the packed block, from its nibble (or
+// byte) and fifth bit; the activation's min term for Q4_1 / Q5_1.
+static int q32_value(int32_t type, const uint8_t * blk, int r, int e) {
+    const int g = (e % 16) / 4, b = e % 4;
+    switch (type) {
+    case ES_TYPE_Q8_0: return ((const block_q8_0x8 *) blk)->qs[e / 4][r][b] - 128;
+    case ES_TYPE_Q4_0: return ((((const block_q4_0x8 *) blk)->qs[g][r][b] >> (e / 16 * 4)) & 0xF) - 8;
+    case ES_TYPE_Q4_1: return (((const block_q4_1x8 *) blk)->qs[g][r][b] >> (e / 16 * 4)) & 0xF;
+    case ES_TYPE_Q5_0: {
+        const block_q5_0x8 * x = (const block_q5_0x8 *) blk;
+        return (((x->qs[g][r][b] >> (e / 16 * 4)) & 0xF) | (((x->qh[r][e / 8] >> (e % 8)) & 1) << 4)) - 16;
+    }
+    default: {  // Q5_1
+        const block_q5_1x8 * x = (const block_q5_1x8 *) blk;
+        return ((x->qs[g][r][b] >> (e / 16 * 4)) & 0xF) | (((x->qh[r][e / 8] >> (e % 8)) & 1) << 4);
+    }
+    }
+}
+
+static void tile_q32_scalar(int32_t type, int64_t n, const void * wp, int64_t n_groups, const void * a,
+                            size_t a_stride, int32_t nt, float * y, size_t y_stride) {
+    const int64_t nb = n / QK;
+    const size_t bsize = es_repack_bytes(type, QK, ES_GROUP_ROWS);
+    const bool with_min = type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1;
     for (int64_t g = 0; g < n_groups; g++) {
-        const block_q4_Kx8 * x = (const block_q4_Kx8 *) wp + g * nb;
         for (int32_t t = 0; t < nt; t++) {
-            const block_q8_K * yb = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);
+            const uint8_t * yt = (const uint8_t *) a + (size_t) t * a_stride;
             for (int r = 0; r < ES_GROUP_ROWS; r++) {
                 float acc = 0.0f;
                 for (int64_t i = 0; i < nb; i++) {
-                    int sumi = 0, summ = 0;
-                    for (int c = 0; c < 4; c++) {
-                        int lo = 0, hi = 0;
-                        for (int k = 0; k < 32; k++) {
-                            const uint8_t q = x[i].qs[c][k / 4][r][k % 4];
-                            lo += (q & 0xF) * yb[i].qs[64 * c + k];
-                            hi += (q >> 4) * yb[i].qs[64 * c + 32 + k];
-                        }
-                        sumi += x[i].scales[2 * c][r] * lo + x[i].scales[2 * c + 1][r] * hi;
-                    }
-                    for (int j = 0; j < 8; j++)
-                        summ += x[i].mins[j / 2][r][j % 2] * (yb[i].bsums[2 * j] + yb[i].bsums[2 * j + 1]);
-                    acc = k_step(acc, half_to_f32(x[i].d[r]), half_to_f32(x[i].dmin[r]), yb[i].d, sumi, summ);
+                    const uint8_t * blk = (const uint8_t *) wp + (size_t) (g * nb + i) * bsize;
+                    // d (then m) lead every layout; Q8_0 / Q8_1 activations alike
+                    const es_half * dm = (const es_half *) blk;
+                    const block_q8_1 * y1 = (const block_q8_1 *) yt + i;
+                    const block_q8_0 * y0 = (const block_q8_0 *) yt + i;
+                    const int8_t * q8 = with_min ? y1->qs : y0->qs;
+                    int sumi = 0;
+                    for (int e = 0; e < QK; e++) sumi += q32_value(type, blk, r, e) * q8[e];
+                    acc = fmaf(half_to_f32(dm[r]) * half_to_f32(with_min ? y1->d : y0->d), (float) sumi, acc);
+                    if (with_min) acc = fmaf(half_to_f32(dm[8 + r]), half_to_f32(y1->s), acc);
                 }
                 y[(size_t) t * y_stride + (size_t) (ES_GROUP_ROWS * g + r)] = acc;
             }
         }
     }
+}
+
+#define TILE32_SCALAR(T, TYPE)                                                                  \
+    static void tile_##T##_scalar(int64_t n, const void * wp, int64_t n_groups, const void * a, \
+                                  size_t a_stride, int32_t nt, float * y, size_t y_stride) {   \
+        tile_q32_scalar(TYPE, n, wp, n_groups, a, a_stride, nt, y, y_stride);                  \
+    }
+TILE32_SCALAR(q4_0, ES_TYPE_Q4_0)
+TILE32_SCALAR(q4_1, ES_TYPE_Q4_1)
+TILE32_SCALAR(q5_0, ES_TYPE_Q5_0)
+TILE32_SCALAR(q5_1, ES_TYPE_Q5_1)
+TILE32_SCALAR(q8_0, ES_TYPE_Q8_0)
+
+// Each (row, token) the way dot_q4_K_scalar / dot_q5_K_scalar compute it,
+// from the layout of kernels.h (bsize: the type's block bytes; Q5_K's fifth
+// bits after the Q4_K part): the integer sums are the same sums, in another order.
+static void tile_k4_scalar(int64_t n, const void * wp, size_t bsize, bool q5, int64_t n_groups, const void * a,
+                           size_t a_stride, int32_t nt, float * y, size_t y_stride) {
+    const int64_t nb = n / QK_K;
+    for (int64_t g = 0; g < n_groups; g++) {
+        for (int32_t t = 0; t < nt; t++) {
+            const block_q8_K * yb = (const block_q8_K *) ((const uint8_t *) a + (size_t) t * a_stride);
+            for (int r = 0; r < ES_GROUP_ROWS; r++) {
+                float acc = 0.0f;
+                for (int64_t i = 0; i < nb; i++) {
+                    const uint8_t * blk = (const uint8_t *) wp + (size_t) (g * nb + i) * bsize;
+                    const block_q4_Kx8 * x = (const block_q4_Kx8 *) blk;
+                    const block_q5_Kx8 * x5 = (const block_q5_Kx8 *) blk;
+                    int sumi = 0, summ = 0;
+                    for (int c = 0; c < 4; c++) {
+                        int lo = 0, hi = 0;
+                        for (int k = 0; k < 32; k++) {
+                            const uint8_t q = x->qs[c][k / 4][r][k % 4];
+                            const uint8_t h = q5 ? x5->qh[k / 4][r][k % 4] : 0;
+                            lo += ((q & 0xF) | (((h >> (2 * c)) & 1) << 4)) * yb[i].qs[64 * c + k];
+                            hi += ((q >> 4) | (((h >> (2 * c + 1)) & 1) << 4)) * yb[i].qs[64 * c + 32 + k];
+                        }
+                        sumi += x->scales[2 * c][r] * lo + x->scales[2 * c + 1][r] * hi;
+                    }
+                    for (int j = 0; j < 8; j++)
+                        summ += x->mins[j / 2][r][j % 2] * (yb[i].bsums[2 * j] + yb[i].bsums[2 * j + 1]);
+                    acc = k_step(acc, half_to_f32(x->d[r]), half_to_f32(x->dmin[r]), yb[i].d, sumi, summ);
+                }
+                y[(size_t) t * y_stride + (size_t) (ES_GROUP_ROWS * g + r)] = acc;
+            }
+        }
+    }
+}
+
+static void tile_q4_K_scalar(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
+                             int32_t nt, float * y, size_t y_stride) {
+    tile_k4_scalar(n, wp, sizeof(block_q4_Kx8), false, n_groups, a, a_stride, nt, y, y_stride);
+}
+
+static void tile_q5_K_scalar(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
+                             int32_t nt, float * y, size_t y_stride) {
+    tile_k4_scalar(n, wp, sizeof(block_q5_Kx8), true, n_groups, a, a_stride, nt, y, y_stride);
 }
 
 // Each (row, token) the way dot_q6_K_scalar computes it.
@@ -298,7 +371,12 @@ static const es_kernel_set KERNELS_SCALAR = {
         [ES_TYPE_Q6_K] = dot_q6_K_scalar, [ES_TYPE_Q2_K] = dot_q2_K_scalar,
         [ES_TYPE_Q3_K] = dot_q3_K_scalar,
     },
-    .tile = {[ES_TYPE_Q4_K] = tile_q4_K_scalar, [ES_TYPE_Q6_K] = tile_q6_K_scalar},
+    .tile = {
+        [ES_TYPE_Q4_0] = tile_q4_0_scalar, [ES_TYPE_Q4_1] = tile_q4_1_scalar,
+        [ES_TYPE_Q5_0] = tile_q5_0_scalar, [ES_TYPE_Q5_1] = tile_q5_1_scalar,
+        [ES_TYPE_Q8_0] = tile_q8_0_scalar, [ES_TYPE_Q4_K] = tile_q4_K_scalar,
+        [ES_TYPE_Q5_K] = tile_q5_K_scalar, [ES_TYPE_Q6_K] = tile_q6_K_scalar,
+    },
     .axpy_f16 = axpy_f16_scalar,
 };
 

@@ -311,36 +311,56 @@ static ALWAYS_INLINE __m128i pair_sums(const int16_t * bsums) {
     return _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 
-#define K4_TILE(SET)                                                                            \
-    static ALWAYS_INLINE void SET##_tile_q4_K_body(int64_t nb, const block_q4_Kx8 * x,          \
-                                                   const block_q8_K * const * y, float * out,  \
-                                                   size_t out_stride, const int T) {           \
+// Q4_K / Q5_K: chunk c's sub-blocks 2c (low nibbles) and 2c + 1 (high)
+// side by side, 2 T independent chains of integer steps, scaled in stages
+// of SET##_K4_STAGE_##TYPE groups (AVX2's int16 sums hold 16 terms of Q4_K,
+// 8 of Q5_K). Q5_K's fifth bits: bit b of each qh byte moved to bit 4 (a
+// shift of at most 4 within 16-bit lanes keeps each byte's own bit).
+static ALWAYS_INLINE __m256i bit_to_4(__m256i v, int b) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(b <= 4 ? _mm256_slli_epi16(v, 4 - b) : _mm256_srli_epi16(v, b - 4), m);
+}
+#define K4_PART_q4_K(b) (b)
+#define K4_PART_q5_K(b) (&(b)->k4)
+#define K4_FIFTH_q4_K(b, c, g, wl, wh) (void) 0
+#define K4_FIFTH_q5_K(b, c, g, wl, wh)                                                          \
+    do {                                                                                        \
+        const __m256i qh = load256((b)->qh[g]);                                                 \
+        wl = _mm256_or_si256(wl, bit_to_4(qh, 2 * (c)));                                        \
+        wh = _mm256_or_si256(wh, bit_to_4(qh, 2 * (c) + 1));                                    \
+    } while (0)
+
+#define K4_TILE(SET, TYPE)                                                                      \
+    static ALWAYS_INLINE void SET##_tile_##TYPE##_body(int64_t nb, const block_##TYPE##x8 * x,  \
+                                                       const block_q8_K * const * y, float * out, \
+                                                       size_t out_stride, const int T) {       \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                            \
         __m256 acc[SET##_TILE_T];                                                             \
         for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();                             \
         for (int64_t i = 0; i < nb; i++) {                                                    \
-            const block_q4_Kx8 * b = x + i;                                                   \
+            const block_q4_Kx8 * b = K4_PART_##TYPE(x + i);                                   \
             __m256i sumi[SET##_TILE_T];                                                       \
             for (int t = 0; t < T; t++) sumi[t] = _mm256_setzero_si256();                     \
-            /* Chunk c: sub-blocks 2c (low nibbles) and 2c + 1 (high) side by side, 2 T      \
-               independent chains of integer steps to cover their latency. */                 \
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                             \
-                __m256i lo[SET##_TILE_T], hi[SET##_TILE_T];                                   \
-                for (int t = 0; t < T; t++) lo[t] = hi[t] = _mm256_setzero_si256();           \
-                _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                         \
-                    const __m256i raw = load256(b->qs[c][g]);                                 \
-                    const __m256i wl = _mm256_and_si256(raw, m4);                             \
-                    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);       \
-                    for (int t = 0; t < T; t++) {                                             \
-                        lo[t] = SET##_sb_step(lo[t], wl, bcast4(y[t][i].qs + 64 * c + 4 * g)); \
-                        hi[t] = SET##_sb_step(hi[t], wh, bcast4(y[t][i].qs + 64 * c + 32 + 4 * g)); \
-                    }                                                                         \
-                }                                                                             \
                 const __m256i sl = SET##_sb_scales(b->scales[2 * c]);                         \
                 const __m256i sh = SET##_sb_scales(b->scales[2 * c + 1]);                     \
-                for (int t = 0; t < T; t++)                                                   \
-                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(SET##_sb_scale(lo[t], sl), \
-                                                                         SET##_sb_scale(hi[t], sh))); \
+                _Pragma("GCC unroll 8") for (int g0 = 0; g0 < 8; g0 += SET##_K4_STAGE_##TYPE) { \
+                    __m256i lo[SET##_TILE_T], hi[SET##_TILE_T];                               \
+                    for (int t = 0; t < T; t++) lo[t] = hi[t] = _mm256_setzero_si256();       \
+                    _Pragma("GCC unroll 8") for (int g = g0; g < g0 + SET##_K4_STAGE_##TYPE; g++) { \
+                        const __m256i raw = load256(b->qs[c][g]);                             \
+                        __m256i wl = _mm256_and_si256(raw, m4);                               \
+                        __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);         \
+                        K4_FIFTH_##TYPE(x + i, c, g, wl, wh);                                 \
+                        for (int t = 0; t < T; t++) {                                         \
+                            lo[t] = SET##_sb_step(lo[t], wl, bcast4(y[t][i].qs + 64 * c + 4 * g)); \
+                            hi[t] = SET##_sb_step(hi[t], wh, bcast4(y[t][i].qs + 64 * c + 32 + 4 * g)); \
+                        }                                                                     \
+                    }                                                                         \
+                    for (int t = 0; t < T; t++)                                               \
+                        sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(SET##_sb_scale(lo[t], sl), \
+                                                                             SET##_sb_scale(hi[t], sh))); \
+                }                                                                             \
             }                                                                                 \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));        \
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->dmin));  \
@@ -436,6 +456,134 @@ static ALWAYS_INLINE __m256i q6_weights(const block_q6_Kx8 * b, int h, int k, in
             }                                                                                 \
         }                                                                                     \
         for (int t = 0; t < T; t++) _mm256_storeu_ps(out + (size_t) t * out_stride, acc[t]);  \
+    }
+
+// The 32-element quants: per block, four groups of the 8 rows' elements
+// 0..15 (lo) and 16..31 (hi) side by side, both chains widened to int32
+// (SET##_sb_widen) and added to the block's offset: the activation block's
+// exact sum times -8 (Q4_0), -16 (Q5_0) or -128 (Q8_0, stored plus 128), so
+// the unsigned weights give the signed types' exact sums. Per token and
+// block the offset and the activation's d (and Q8_1's s) are prepared once
+// per call for Q32_CHUNK blocks at a time, for all the groups.
+#define Q32_CHUNK 64
+typedef struct { int32_t off; float dy, sy; } q32_prep;
+
+#define Q32_OFFSET_q4_0 8
+#define Q32_OFFSET_q5_0 16
+#define Q32_OFFSET_q8_0 128
+#define Q32_OFFSET_q4_1 0
+#define Q32_OFFSET_q5_1 0
+#define Q32_S_q4_0(yb) 0.0f
+#define Q32_S_q5_0(yb) 0.0f
+#define Q32_S_q8_0(yb) 0.0f
+#define Q32_S_q4_1(yb) h2f((yb)->s)
+#define Q32_S_q5_1(yb) h2f((yb)->s)
+// The min step of Q4_1 / Q5_1 (m_x s_y per row), or none.
+#define Q32_MIN_q4_0(acc, b, sy) (acc)
+#define Q32_MIN_q5_0(acc, b, sy) (acc)
+#define Q32_MIN_q8_0(acc, b, sy) (acc)
+#define Q32_MIN_q4_1(acc, b, sy) _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (b)->m)), _mm256_set1_ps(sy), acc)
+#define Q32_MIN_q5_1(acc, b, sy) Q32_MIN_q4_1(acc, b, sy)
+
+// Sum of 32 signed bytes, exact.
+static ALWAYS_INLINE int32_t sum_i8x32(const int8_t * p) {
+    const __m256i u = _mm256_xor_si256(load256(p), _mm256_set1_epi8((char) 0x80));  // q + 128
+    const __m256i s = _mm256_sad_epu8(u, _mm256_setzero_si256());
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return (int32_t) (_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128;
+}
+
+// Group g's weights, elements 4g .. 4g + 3 (lo) and 16 + 4g .. (hi), as u8.
+static ALWAYS_INLINE void q32_nibbles(const uint8_t qs[8][4], __m256i * lo, __m256i * hi) {
+    const __m256i raw = load256(qs), m4 = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(raw, m4), *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+}
+// Fifth bits of the rows' elements 4g + b .. (bits 4g + b of each row's
+// 32-bit qh, byte g / 2 (+ 2 for hi)) moved to bit 4 of byte b.
+static ALWAYS_INLINE __m256i q5_fifth(__m256i qh, int byte, int g) {
+    const __m256i lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                           0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i rep = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lanes, _mm256_set1_epi8((char) byte)));
+    const __m256i bits = _mm256_set1_epi32(g % 2 ? (int) 0x80402010 : 0x08040201);  // byte b: bit b (+ 4)
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bits), bits), _mm256_set1_epi8(0x10));
+}
+#define Q32_UNPACK_q4_0(b, g, lo, hi) q32_nibbles((b)->qs[g], &lo, &hi)
+#define Q32_UNPACK_q4_1(b, g, lo, hi) q32_nibbles((b)->qs[g], &lo, &hi)
+#define Q32_UNPACK_q5_0(b, g, lo, hi)                                                           \
+    do {                                                                                        \
+        const __m256i qh = load256((b)->qh);                                                    \
+        q32_nibbles((b)->qs[g], &lo, &hi);                                                      \
+        lo = _mm256_or_si256(lo, q5_fifth(qh, (g) / 2, g));                                     \
+        hi = _mm256_or_si256(hi, q5_fifth(qh, 2 + (g) / 2, g));                                 \
+    } while (0)
+#define Q32_UNPACK_q5_1(b, g, lo, hi) Q32_UNPACK_q5_0(b, g, lo, hi)
+#define Q32_UNPACK_q8_0(b, g, lo, hi) (lo = load256((b)->qs[g]), hi = load256((b)->qs[(g) + 4]))
+
+#define Q32_TILE(SET, TYPE)                                                                     \
+    static ALWAYS_INLINE void SET##_tile_##TYPE##_body(int64_t i0, int64_t i1, const block_##TYPE##x8 * x, \
+                                                       const DOT32_ACT_##TYPE * const * y,      \
+                                                       const q32_prep (*prep)[Q32_CHUNK], float * out, \
+                                                       size_t out_stride, const int T) {       \
+        __m256 acc[SET##_TILE_T];                                                             \
+        for (int t = 0; t < T; t++)                                                           \
+            acc[t] = i0 ? _mm256_loadu_ps(out + (size_t) t * out_stride) : _mm256_setzero_ps(); \
+        for (int64_t i = i0; i < i1; i++) {                                                   \
+            const block_##TYPE##x8 * b = x + i;                                               \
+            __m256i lo[SET##_TILE_T], hi[SET##_TILE_T];                                       \
+            for (int t = 0; t < T; t++) lo[t] = hi[t] = _mm256_setzero_si256();               \
+            _Pragma("GCC unroll 4") for (int g = 0; g < 4; g++) {                             \
+                __m256i wl, wh;                                                               \
+                Q32_UNPACK_##TYPE(b, g, wl, wh);                                              \
+                for (int t = 0; t < T; t++) {                                                 \
+                    lo[t] = SET##_sb_step(lo[t], wl, bcast4(y[t][i].qs + 4 * g));             \
+                    hi[t] = SET##_sb_step(hi[t], wh, bcast4(y[t][i].qs + 16 + 4 * g));        \
+                }                                                                             \
+            }                                                                                 \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));        \
+            for (int t = 0; t < T; t++) {                                                     \
+                const q32_prep * p = &prep[t][i - i0];                                        \
+                const __m256i sumi = _mm256_add_epi32(_mm256_set1_epi32(p->off),              \
+                                                      _mm256_add_epi32(SET##_sb_widen(lo[t]), SET##_sb_widen(hi[t]))); \
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(p->dy)), _mm256_cvtepi32_ps(sumi), acc[t]); \
+                acc[t] = Q32_MIN_##TYPE(acc[t], b, p->sy);                                    \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < T; t++) _mm256_storeu_ps(out + (size_t) t * out_stride, acc[t]);  \
+    }                                                                                         \
+    EACH_TILE_T_##SET(Q32_T_FN, SET, TYPE)                                                    \
+    static void SET##_tile_##TYPE(int64_t n, const void * wp, int64_t n_groups, const void * a, \
+                                  size_t a_stride, int32_t nt, float * y, size_t y_stride) {   \
+        static void (*const by_t[SET##_TILE_T])(int64_t, int64_t, const block_##TYPE##x8 *,   \
+                                                const DOT32_ACT_##TYPE * const *,              \
+                                                const q32_prep (*)[Q32_CHUNK], float *, size_t) = { \
+            EACH_TILE_T_##SET(TILE_T_NAME, SET, TYPE)};                                       \
+        const int64_t nb = n / QK;                                                            \
+        q32_prep prep[SET##_TILE_T][Q32_CHUNK];                                               \
+        for (int32_t t0 = 0; t0 < nt; t0 += SET##_TILE_T) {                                   \
+            const int32_t tn = nt - t0 < SET##_TILE_T ? nt - t0 : SET##_TILE_T;               \
+            const DOT32_ACT_##TYPE * yt[SET##_TILE_T];                                        \
+            for (int32_t t = 0; t < tn; t++)                                                  \
+                yt[t] = (const DOT32_ACT_##TYPE *) ((const uint8_t *) a + (size_t) (t0 + t) * a_stride); \
+            for (int64_t i0 = 0; i0 < nb; i0 += Q32_CHUNK) {                                  \
+                const int64_t i1 = i0 + Q32_CHUNK < nb ? i0 + Q32_CHUNK : nb;                 \
+                for (int32_t t = 0; t < tn; t++)                                              \
+                    for (int64_t i = i0; i < i1; i++) {                                       \
+                        const DOT32_ACT_##TYPE * yb = yt[t] + i;                              \
+                        prep[t][i - i0] = (q32_prep) {                                        \
+                            .off = Q32_OFFSET_##TYPE ? -Q32_OFFSET_##TYPE * sum_i8x32(yb->qs) : 0, \
+                            .dy = h2f(yb->d), .sy = Q32_S_##TYPE(yb)};                         \
+                    }                                                                         \
+                for (int64_t g = 0; g < n_groups; g++)                                        \
+                    by_t[tn - 1](i0, i1, (const block_##TYPE##x8 *) wp + g * nb, yt, prep,    \
+                                 y + (size_t) t0 * y_stride + (size_t) (ES_GROUP_ROWS * g), y_stride); \
+            }                                                                                 \
+        }                                                                                     \
+    }
+#define Q32_T_FN(SET, TYPE, T)                                                                  \
+    static void SET##_tile_##TYPE##_##T(int64_t i0, int64_t i1, const block_##TYPE##x8 * x,    \
+                                        const DOT32_ACT_##TYPE * const * y,                     \
+                                        const q32_prep (*prep)[Q32_CHUNK], float * out, size_t out_stride) { \
+        SET##_tile_##TYPE##_body(i0, i1, x, y, prep, out, out_stride, T);                       \
     }
 
 // A type's tile_fn from its body: groups in turn, each with its tokens in
