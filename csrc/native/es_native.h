@@ -300,7 +300,7 @@ const char * es_model_expert_error(const es_model * model);
 uint64_t es_sidecar_checksum(const void * data, size_t n);
 
 /* ========================================================================
- * Memory bandwidth (bandwidth.c)
+ * Memory bandwidth and int8 peak (bandwidth.c)
  *
  * The read bandwidth a decode step can draw on: threads of the engine's pool
  * stream through a buffer far larger than the last-level cache, each its own
@@ -320,6 +320,23 @@ es_bandwidth_params es_bandwidth_default_params(void);
 // wall time (params NULL: the defaults). ES_ERR_NO_MEMORY: the buffer or the
 // pool could not be made; ES_ERR_INVALID_ARG: bytes_per_s NULL.
 int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_s);
+
+// The other ceiling, of a batch of many tokens: int8 multiply-accumulates
+// per second, each thread of the pool running the kernel set in use's
+// tightest loop of its integer step (avx512: vpdpbusd, avx2: vpmaddubsw,
+// neon: sdot or smlal, scalar: int multiply-adds) on independent registers.
+typedef struct es_int8_peak_params {
+    int32_t n_threads;   // <= 0: one per online CPU; default 0
+    int32_t n_passes;    // timed passes, the fastest kept; <= 0: 5; default 5
+    int64_t iterations;  // of the loop per thread and pass; <= 0: 2^20; default 2^20
+} es_int8_peak_params;
+
+es_int8_peak_params es_int8_peak_default_params(void);
+
+// *macs_per_s: all threads' multiply-accumulates over the fastest pass's
+// wall time (params NULL: the defaults). ES_ERR_NO_MEMORY: the pool could not
+// be made; ES_ERR_INVALID_ARG: macs_per_s NULL.
+int es_measure_int8_peak(const es_int8_peak_params * params, double * macs_per_s);
 
 /* ========================================================================
  * GGUF validation (validate.c)

@@ -145,3 +145,39 @@ def bandwidth(threads: int, *, remeasure: bool = False) -> float:
     return cached_measurement(BANDWIDTH_FILE, f"{_cpuinfo()[0]}:{threads}", "bytes_per_s",
                               lambda: measure_bandwidth(threads),
                               lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure)
+
+
+# ---------------------------------------------------------------------------
+# int8 peak
+# ---------------------------------------------------------------------------
+
+INT8_PEAK_FILE = "int8-peak.json"
+
+
+def measure_int8_peak(threads: int) -> float:
+    """int8 multiply-accumulates per second with ``threads`` threads, each in
+    the kernel set in use's tightest loop of its integer step (the C core's
+    es_measure_int8_peak), the fastest of five passes."""
+    from ..capi import check, ffi, lib
+
+    params = ffi.new("es_int8_peak_params *", lib.es_int8_peak_default_params())
+    params.n_threads = threads
+    out = ffi.new("double *")
+    check(lib.es_measure_int8_peak(params, out), "es_measure_int8_peak")
+    return out[0]
+
+
+def int8_peak(threads: int, *, remeasure: bool = False) -> tuple[float, str]:
+    """(int8 MACs/s, kernel set) of this machine with ``threads`` threads and
+    the kernel set EDGESPEC_KERNELS names (else the best): cached as
+    ``bandwidth`` is."""
+    from ..backends.native import select_kernels
+    from ..capi import ffi, lib
+    from ..planner import cached_measurement
+
+    select_kernels()
+    kernels = ffi.string(lib.es_kernels_name()).decode()
+    peak = cached_measurement(INT8_PEAK_FILE, f"{_cpuinfo()[0]}:{threads}:{kernels}", "macs_per_s",
+                              lambda: measure_int8_peak(threads),
+                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure)
+    return peak, kernels

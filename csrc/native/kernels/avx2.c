@@ -259,6 +259,25 @@ Q32_TILE(avx2, q4_1)
 Q32_TILE(avx2, q5_0)
 Q32_TILE(avx2, q5_1)
 
+// The int8 peak: vpmaddubsw (32 multiply-accumulates, pairs summed into
+// int16) and the int16 add the tile kernels follow it with, on 8
+// independent accumulators.
+static int64_t int8_loop_avx2(int64_t iterations, int32_t * sink) {
+    __m256i acc[8], w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(4), y = _mm256_set1_epi8(5);
+    for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < iterations; i++) {
+        for (int k = 0; k < 8; k += 2) {  // two distinct products: none computed once for all
+            acc[k] = _mm256_add_epi16(acc[k], _mm256_maddubs_epi16(w0, y));
+            acc[k + 1] = _mm256_add_epi16(acc[k + 1], _mm256_maddubs_epi16(w1, y));
+            __asm__ volatile("" : "+x"(w0), "+x"(w1));  // operands of every step's own
+        }
+    }
+    __m256i s = acc[0];
+    for (int k = 1; k < 8; k++) s = _mm256_add_epi16(s, acc[k]);
+    *sink = hsum_i32x8(s);
+    return iterations * 8 * 32;
+}
+
 /* ---- the set ---------------------------------------------------------------- */
 
 static es_kernel_set KERNELS_AVX2 = {
@@ -274,6 +293,7 @@ static es_kernel_set KERNELS_AVX2 = {
         [ES_TYPE_Q4_K] = avx2_tile_q4_K, [ES_TYPE_Q5_K] = avx2_tile_q5_K, [ES_TYPE_Q6_K] = avx2_tile_q6_K,
     },
     .axpy_f16 = axpy_f16_avx2,
+    .int8_loop = int8_loop_avx2,
 };
 
 const es_kernel_set * es__kernels_avx2(void) {

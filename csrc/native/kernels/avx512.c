@@ -117,6 +117,21 @@ Q32_TILE(avx512, q5_0)
 Q32_TILE(avx512, q5_1)
 Q32_TILE(avx512, q8_0)
 
+// The int8 peak: vpdpbusd on 12 independent accumulators (its latency
+// times its two pipes), 32 multiply-accumulates each.
+static int64_t int8_loop_avx512(int64_t iterations, int32_t * sink) {
+    __m256i acc[12], w = _mm256_set1_epi8(3), y = _mm256_set1_epi8(5);
+    for (int k = 0; k < 12; k++) acc[k] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < iterations; i++) {
+        for (int k = 0; k < 12; k++) acc[k] = _mm256_dpbusd_epi32(acc[k], w, y);
+        __asm__ volatile("" : "+x"(w), "+x"(y));  // operands of every iteration's own
+    }
+    __m256i s = acc[0];
+    for (int k = 1; k < 12; k++) s = _mm256_add_epi32(s, acc[k]);
+    *sink = hsum_i32x8(s);
+    return iterations * 12 * 32;
+}
+
 /* ---- the set ---------------------------------------------------------------- */
 
 static es_kernel_set KERNELS_AVX512;
@@ -126,6 +141,7 @@ const es_kernel_set * es__kernels_avx512(void) {
     if (!avx2) return NULL;
     KERNELS_AVX512 = *avx2;
     KERNELS_AVX512.name = "avx512";
+    KERNELS_AVX512.int8_loop = int8_loop_avx512;
     // This set's own kernels; the rest (float types, Q2_K, Q3_K) are the AVX2 set's.
 #define OWN(T, ID) {ID, dot_##T##_avx512, dotn_##T##_avx512, avx512_tile_##T}
     static const struct { int32_t type; vec_dot_fn dot; const vec_dotn_fn * dotn; tile_fn tile; } own[] = {

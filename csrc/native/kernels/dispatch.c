@@ -86,6 +86,8 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t
 
 void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc) { kernels()->axpy_f16(n, e, v, acc); }
 
+int64_t es_int8_loop(int64_t iterations, int32_t * sink) { return kernels()->int8_loop(iterations, sink); }
+
 // Weight bytes es_matmat walks for one group of tokens before the next
 // group: a group's activations stay in L1 while the block's rows stream by,
 // from the last-level cache after the first group (a thread's share of it

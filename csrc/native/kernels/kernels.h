@@ -288,6 +288,10 @@ typedef struct es_kernel_set {
     const vec_dotn_fn * dotn[N_TYPES];  // [nt - 1], nt = 1..MAX_NT; NULL: es_matmat calls dot per token
     tile_fn      tile[N_TYPES];         // repacked weights; NULL: the set reads the unpacked rows
     void (*axpy_f16)(int64_t n, float e, const uint16_t * v, float * acc);
+    // The set's integer step in its tightest loop, iterations times over
+    // independent registers; returns the int8 multiply-accumulates done
+    // (the result goes to *sink, so nothing is optimized away).
+    int64_t (*int8_loop)(int64_t iterations, int32_t * sink);
 } es_kernel_set;
 
 // A set's kernels for every quantized type: P##_<type>_##SET (dot: one

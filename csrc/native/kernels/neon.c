@@ -312,6 +312,36 @@ static inline n8 k16_chunk_neon(const uint8_t * qs, const uint8_t * hmask, int k
 EACH_NT(DOT_K16_NEON_NT, q2_K) NT_TABLE_NEON(q2_K)
 EACH_NT(DOT_K16_NEON_NT, q3_K) NT_TABLE_NEON(q3_K)
 
+// The int8 peak: sdot (16 multiply-accumulates into int32) with the
+// dot-product extension, else smlal (8 into int16), on 8 independent
+// accumulators.
+static int64_t int8_loop_neon(int64_t iterations, int32_t * sink) {
+    int8x16_t w = vdupq_n_s8(3), y = vdupq_n_s8(5);
+#if defined(__ARM_FEATURE_DOTPROD)
+    int32x4_t acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = vdupq_n_s32(0);
+    for (int64_t i = 0; i < iterations; i++) {
+        for (int k = 0; k < 8; k++) acc[k] = vdotq_s32(acc[k], w, y);
+        __asm__ volatile("" : "+w"(w), "+w"(y));  // operands of every iteration's own
+    }
+    int32x4_t s = acc[0];
+    for (int k = 1; k < 8; k++) s = vaddq_s32(s, acc[k]);
+    *sink = vaddvq_s32(s);
+    return iterations * 8 * 16;
+#else
+    int16x8_t acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = vdupq_n_s16(0);
+    for (int64_t i = 0; i < iterations; i++) {
+        for (int k = 0; k < 8; k++) acc[k] = vmlal_s8(acc[k], vget_low_s8(w), vget_low_s8(y));
+        __asm__ volatile("" : "+w"(w), "+w"(y));
+    }
+    int16x8_t s = acc[0];
+    for (int k = 1; k < 8; k++) s = vaddq_s16(s, acc[k]);
+    *sink = vaddvq_s16(s);
+    return iterations * 8 * 8;
+#endif
+}
+
 /* ---- the set ---------------------------------------------------------------- */
 
 static es_kernel_set KERNELS_NEON = {
@@ -321,6 +351,7 @@ static es_kernel_set KERNELS_NEON = {
         QUANTIZED_KERNELS(dot, neon),
     },
     .dotn = {QUANTIZED_KERNELS(dotn, neon)},
+    .int8_loop = int8_loop_neon,
 };
 
 const es_kernel_set * es__kernels_neon(void) {

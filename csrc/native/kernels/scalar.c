@@ -360,6 +360,22 @@ static void tile_q6_K_scalar(int64_t n, const void * wp, int64_t n_groups, const
     }
 }
 
+// The int8 peak of plain C: 8 independent int multiply-adds of int8 operands.
+static int64_t int8_loop_scalar(int64_t iterations, int32_t * sink) {
+    int32_t acc[8] = {0}, w0 = 3, w1 = 4;
+    for (int64_t i = 0; i < iterations; i++) {
+        for (int k = 0; k < 8; k += 2) {
+            acc[k] += (int8_t) w0 * (int8_t) 5;
+            acc[k + 1] += (int8_t) w1 * (int8_t) 7;
+            __asm__ volatile("" : "+r"(w0), "+r"(w1));  // operands of every step's own
+        }
+    }
+    int32_t s = 0;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    *sink = s;
+    return iterations * 8;
+}
+
 static const es_kernel_set KERNELS_SCALAR = {
     .name = "scalar",
     .dot = {
@@ -378,6 +394,7 @@ static const es_kernel_set KERNELS_SCALAR = {
         [ES_TYPE_Q5_K] = tile_q5_K_scalar, [ES_TYPE_Q6_K] = tile_q6_K_scalar,
     },
     .axpy_f16 = axpy_f16_scalar,
+    .int8_loop = int8_loop_scalar,
 };
 
 const es_kernel_set * es__kernels_scalar(void) { return &KERNELS_SCALAR; }
