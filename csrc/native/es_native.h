@@ -195,9 +195,10 @@ typedef struct es_model_params {
     int64_t repack_max_bytes;
     // Weight matrices rewritten at load, once, into the engine's own memory in
     // groups of 8 rows interleaved block by block (the tile kernels' layout;
-    // about the matrices' size again, the GGUF untouched), for the types that
-    // have such a layout: a batch of k tokens then costs far less than k
-    // single tokens. Results are bit-identical either way. Default true.
+    // about the matrices' size again, the GGUF untouched), for the types the
+    // kernel set in use (es_kernels_select) has tile kernels for: a batch of k
+    // tokens then costs far less than k single tokens. Results are
+    // bit-identical either way. Default true.
     bool repack;
 } es_model_params;
 

@@ -316,9 +316,11 @@ static int64_t available_memory(void) {
 }
 
 // Every matrix es__matmul multiplies by (the token embedding's rows are
-// read one at a time; a tied output is its own es_weight over the same data).
-static bool is_matmul_weight(const es_model * m, const es_weight * w) {
-    return w != &m->tok_embd && w->n_out > 1;
+// read one at a time; a tied output is its own es_weight over the same data)
+// whose type the kernel set in use has tile kernels for: a set without them
+// (NEON; AVX2 for Q8_0) would only hold the copy.
+static bool repacks(const es_model * m, const es_weight * w) {
+    return w != &m->tok_embd && w->n_out > 1 && es_kernels_tile(w->type);
 }
 
 // Repacks the model's matrices into one allocation (m->packed), once the
@@ -331,7 +333,7 @@ static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t er
     const int32_t nw = model_weights(m, ws, cap);
     size_t total = 0;
     for (int32_t j = 0; j < nw; j++) {
-        if (is_matmul_weight(m, ws[j])) total += es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out);
+        if (repacks(m, ws[j])) total += es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out);
     }
     const int64_t budget = max_bytes > 0 ? max_bytes : available_memory();
     int rc = ES_OK;
@@ -347,7 +349,7 @@ static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t er
         size_t at = 0;
         for (int32_t j = 0; j < nw && rc == ES_OK; j++) {
             es_weight * w = (es_weight *) ws[j];  // m's own, as model_weights lists them
-            const size_t bytes = is_matmul_weight(m, w) ? es_repack_bytes(w->type, w->n_in, w->n_out) : 0;
+            const size_t bytes = repacks(m, w) ? es_repack_bytes(w->type, w->n_in, w->n_out) : 0;
             if (bytes == 0) continue;
             es_repack(w->type, w->data, w->n_in, w->n_out, (uint8_t *) m->packed + at);
             w->packed = (uint8_t *) m->packed + at;

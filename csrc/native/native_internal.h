@@ -102,6 +102,9 @@ size_t es_repack_bytes(int32_t type, int64_t n, int64_t n_rows);
 // Writes that copy of rows (n_rows rows, es_type_row_bytes(type, n) apart)
 // to dst (es_repack_bytes(type, n, n_rows) bytes).
 void   es_repack(int32_t type, const void * rows, int64_t n, int64_t n_rows, void * dst);
+// Whether the kernel set in use has tile kernels for type (without, es_matmat
+// reads the unpacked rows even where it is given a repacked copy).
+bool   es_kernels_tile(int32_t type);
 // The kernel set in use's integer step in its tightest loop (the int8 peak,
 // es_measure_int8_peak): the multiply-accumulates done; *sink its result.
 int64_t es_int8_loop(int64_t iterations, int32_t * sink);

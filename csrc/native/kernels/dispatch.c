@@ -88,6 +88,8 @@ void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc) { kernels(
 
 int64_t es_int8_loop(int64_t iterations, int32_t * sink) { return kernels()->int8_loop(iterations, sink); }
 
+bool es_kernels_tile(int32_t type) { return type >= 0 && type < N_TYPES && kernels()->tile[type]; }
+
 // Weight bytes es_matmat walks for one group of tokens before the next
 // group: a group's activations stay in L1 while the block's rows stream by,
 // from the last-level cache after the first group (a thread's share of it

@@ -124,6 +124,16 @@ static inline w8 unpack_q5_1(const block_q5_1 * x) {
 #define DOT32_MIN_q4_1(acc, x, y, i) fmaf(h2f((x)[i].m), h2f((y)[i].s), acc)
 #define DOT32_MIN_q5_1(acc, x, y, i) fmaf(h2f((x)[i].m), h2f((y)[i].s), acc)
 
+// Two blocks' exact sums (of 8 int32 lanes each) with one reduction.
+static inline void hsum2_i32x8(__m256i a, __m256i b, int32_t * sa, int32_t * sb) {
+    const __m256i h = _mm256_hadd_epi32(a, b);  // a01 a23 b01 b23 | a45 a67 b45 b67
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    r = _mm_hadd_epi32(r, r);                   // a b a b
+    *sa = _mm_cvtsi128_si32(r), *sb = _mm_extract_epi32(r, 1);
+}
+
+// Blocks two at a time, their sums reduced together; each token's float
+// steps block by block in order.
 #define DOT32(SET, T, NT)                                                                     \
     static void dot_##T##_##SET##_##NT(int64_t n, const void * w, const void * a,             \
                                        size_t a_stride, float * out) {                      \
@@ -134,10 +144,24 @@ static inline w8 unpack_q5_1(const block_q5_1 * x) {
             y[t] = (const DOT32_ACT_##T *) ((const uint8_t *) a + (size_t) t * a_stride);   \
             acc[t] = 0.0f;                                                                  \
         }                                                                                   \
-        for (int64_t i = 0; i < n / QK; i++) {                                              \
+        const int64_t nb = n / QK;                                                          \
+        int64_t i = 0;                                                                      \
+        for (; i + 1 < nb; i += 2) {                                                        \
+            const w8 q0 = unpack_##T(x + i), q1 = unpack_##T(x + i + 1);                    \
+            const float d0 = h2f(x[i].d), d1 = h2f(x[i + 1].d);                             \
+            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
+                int32_t s0, s1;                                                             \
+                hsum2_i32x8(DOT32_PROD_##T(SET, q0, y[t][i].qs), DOT32_PROD_##T(SET, q1, y[t][i + 1].qs), &s0, &s1); \
+                acc[t] = fmaf(d0 * h2f(y[t][i].d), (float) s0, acc[t]);                     \
+                acc[t] = DOT32_MIN_##T(acc[t], x, y[t], i);                                 \
+                acc[t] = fmaf(d1 * h2f(y[t][i + 1].d), (float) s1, acc[t]);                 \
+                acc[t] = DOT32_MIN_##T(acc[t], x, y[t], i + 1);                             \
+            }                                                                               \
+        }                                                                                   \
+        if (i < nb) {                                                                       \
             const w8 q = unpack_##T(x + i);                                                 \
             const float d = h2f(x[i].d);                                                    \
-            _Pragma("GCC unroll 8") for (int t = 0; t < NT; t++) {                          \
+            for (int t = 0; t < NT; t++) {                                                  \
                 const int32_t s = hsum_i32x8(DOT32_PROD_##T(SET, q, y[t][i].qs));           \
                 acc[t] = fmaf(d * h2f(y[t][i].d), (float) s, acc[t]);                       \
                 acc[t] = DOT32_MIN_##T(acc[t], x, y[t], i);                                 \
