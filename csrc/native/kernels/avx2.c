@@ -225,8 +225,8 @@ EACH_NT2(DOT_K16, avx2, q3_K) NT_TABLE_SET(q3_K, avx2)
 #define avx2_TILE_T 4
 #define EACH_TILE_T_avx2(M, SET, TYPE) M(SET, TYPE, 1) M(SET, TYPE, 2) M(SET, TYPE, 3) M(SET, TYPE, 4)
 
-static ALWAYS_INLINE __m256i avx2_sb_step(__m256i acc, __m256i w, __m256i y) {
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, y));
+static ALWAYS_INLINE __m256i avx2_sb_step(__m256i acc, __m256i w, const int8_t * p) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, bcast4(p)));
 }
 static ALWAYS_INLINE __m256i avx2_sb_scales(const uint8_t sc[8]) {  // (sc_r, sc_r) per row
     const __m128i v = _mm_loadl_epi64((const __m128i *) sc);

@@ -85,8 +85,12 @@ UNPACKED_KERNELS(avx512)
 #define EACH_TILE_T_avx512(M, SET, TYPE) M(SET, TYPE, 1) M(SET, TYPE, 2) M(SET, TYPE, 3) M(SET, TYPE, 4) \
                                          M(SET, TYPE, 5) M(SET, TYPE, 6) M(SET, TYPE, 7) M(SET, TYPE, 8)
 
-static ALWAYS_INLINE __m256i avx512_sb_step(__m256i acc, __m256i w, __m256i y) {
-    return _mm256_dpbusd_epi32(acc, w, y);
+// The broadcast of the activation bytes folded into vpdpbusd's memory
+// operand ({1to8}): compilers emit a separate vpbroadcastd, which takes a
+// vector pipe on Zen 4 (measured: 4.9 against 6.9 vpdpbusd per ns).
+static ALWAYS_INLINE __m256i avx512_sb_step(__m256i acc, __m256i w, const int8_t * p) {
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *) p));
+    return acc;
 }
 static ALWAYS_INLINE __m256i avx512_sb_scales(const uint8_t sc[8]) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) sc));

@@ -307,8 +307,8 @@ typedef struct { __m256i s[4]; } q6_scales;
 // A tile is one group of 8 rows times T tokens (T <= the set's TILE_T,
 // a compile-time constant once the body is inlined into its T-specific
 // function): per super-block, for each sub-block, the set's integer step
-// (SET##_sb_step: four elements of all 8 rows against one broadcast of
-// four activation bytes, one int32 lane per row) over its 8 groups of four,
+// (SET##_sb_step: four elements of all 8 rows against one broadcast of the
+// four activation bytes at p, one int32 lane per row) over its 8 groups of four,
 // then its scale (SET##_sb_scale, once per sub-block); the mins from the
 // activation's group sums (SET##_mins); then kernels.h's float steps with
 // each lane one row's accumulator. A weight vector serves T tokens, an
@@ -392,8 +392,8 @@ static ALWAYS_INLINE __m256i bit_to_4(__m256i v, int b) {
                         __m256i wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);         \
                         K4_FIFTH_##TYPE(x + i, c, g, wl, wh);                                 \
                         for (int t = 0; t < T; t++) {                                         \
-                            lo[t] = SET##_sb_step(lo[t], wl, bcast4(y[t][i].qs + 64 * c + 4 * g)); \
-                            hi[t] = SET##_sb_step(hi[t], wh, bcast4(y[t][i].qs + 64 * c + 32 + 4 * g)); \
+                            lo[t] = SET##_sb_step(lo[t], wl, y[t][i].qs + 64 * c + 4 * g);        \
+                            hi[t] = SET##_sb_step(hi[t], wh, y[t][i].qs + 64 * c + 32 + 4 * g);        \
                         }                                                                     \
                     }                                                                         \
                     for (int t = 0; t < T; t++)                                               \
@@ -467,8 +467,8 @@ static ALWAYS_INLINE __m256i q6_weights(const block_q6_Kx8 * b, int h, int k, in
                     _Pragma("GCC unroll 4") for (int g = g0; g < g0 + SET##_Q6_STAGE; g++) {  \
                         const __m256i wa = q6_weights(b, h, k, g, m4), wz = q6_weights(b, h, k, g + 4, m4); \
                         for (int t = 0; t < T; t++) {                                         \
-                            ea[t] = SET##_sb_step(ea[t], wa, bcast4(y[t][i].qs + 32 * q + 4 * g)); \
-                            ez[t] = SET##_sb_step(ez[t], wz, bcast4(y[t][i].qs + 32 * q + 16 + 4 * g)); \
+                            ea[t] = SET##_sb_step(ea[t], wa, y[t][i].qs + 32 * q + 4 * g);        \
+                            ez[t] = SET##_sb_step(ez[t], wz, y[t][i].qs + 32 * q + 16 + 4 * g);        \
                         }                                                                     \
                     }                                                                         \
                     for (int t = 0; t < T; t++)                                               \
@@ -576,8 +576,8 @@ static ALWAYS_INLINE __m256i q5_fifth(__m256i qh, int byte, int g) {
                 __m256i wl, wh;                                                               \
                 Q32_UNPACK_##TYPE(b, g, wl, wh);                                              \
                 for (int t = 0; t < T; t++) {                                                 \
-                    lo[t] = SET##_sb_step(lo[t], wl, bcast4(y[t][i].qs + 4 * g));             \
-                    hi[t] = SET##_sb_step(hi[t], wh, bcast4(y[t][i].qs + 16 + 4 * g));        \
+                    lo[t] = SET##_sb_step(lo[t], wl, y[t][i].qs + 4 * g);                    \
+                    hi[t] = SET##_sb_step(hi[t], wh, y[t][i].qs + 16 + 4 * g);               \
                 }                                                                             \
             }                                                                                 \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));        \
