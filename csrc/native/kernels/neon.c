@@ -12,6 +12,7 @@
 #if defined(__ARM_NEON) && defined(__aarch64__)
 
 #include <arm_neon.h>
+#include <stddef.h>
 
 // sum of x[k] * y[k] over 16 signed bytes, as 4 int32 lanes.
 static inline int32x4_t dot_s8x16(int8x16_t x, int8x16_t y) {
@@ -312,6 +313,283 @@ static inline n8 k16_chunk_neon(const uint8_t * qs, const uint8_t * hmask, int k
 EACH_NT(DOT_K16_NEON_NT, q2_K) NT_TABLE_NEON(q2_K)
 EACH_NT(DOT_K16_NEON_NT, q3_K) NT_TABLE_NEON(q3_K)
 
+/* ---- tile kernels (the dot-product extension) --------------------------------- */
+
+#if defined(__ARM_FEATURE_DOTPROD)
+
+// As on x86 (x86.h): a tile is one group of 8 rows (two int32x4: rows 0-3,
+// 4-7) times T tokens. sdot by element takes four activation bytes from a
+// lane of a loaded vector for all four rows of a half, so one load of 16
+// activation bytes serves four groups; sdot multiplies signed bytes, so the
+// signed types need no offset. Each row's float steps are kernels.h's.
+#define NEON_TILE_T 4
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+typedef struct { int32x4_t a, b; } i32x8;  // rows 0-3, 4-7
+
+static ALWAYS_INLINE i32x8 zero8(void) { return (i32x8) {vdupq_n_s32(0), vdupq_n_s32(0)}; }
+
+// The four groups of 16 activation bytes y (lanes 0..3) against the rows'
+// weights w[g] (two halves each), into acc.
+#define DOT4_LANES(acc, w, y)                                                                   \
+    do {                                                                                        \
+        acc.a = vdotq_laneq_s32(acc.a, (w)[0][0], y, 0), acc.b = vdotq_laneq_s32(acc.b, (w)[0][1], y, 0); \
+        acc.a = vdotq_laneq_s32(acc.a, (w)[1][0], y, 1), acc.b = vdotq_laneq_s32(acc.b, (w)[1][1], y, 1); \
+        acc.a = vdotq_laneq_s32(acc.a, (w)[2][0], y, 2), acc.b = vdotq_laneq_s32(acc.b, (w)[2][1], y, 2); \
+        acc.a = vdotq_laneq_s32(acc.a, (w)[3][0], y, 3), acc.b = vdotq_laneq_s32(acc.b, (w)[3][1], y, 3); \
+    } while (0)
+
+static ALWAYS_INLINE i32x8 scale8(i32x8 sum, i32x8 acc, const int8_t sc[8], bool is_signed) {
+    const int16x8_t s16 = is_signed ? vmovl_s8(vld1_s8(sc)) : vreinterpretq_s16_u16(vmovl_u8(vld1_u8((const uint8_t *) sc)));
+    return (i32x8) {vmlaq_s32(sum.a, acc.a, vmovl_s16(vget_low_s16(s16))),
+                    vmlaq_s32(sum.b, acc.b, vmovl_high_s16(s16))};
+}
+
+// fma(d yd, sumi, acc), then with mins fma(-(dmin yd), summ, acc), per row.
+static ALWAYS_INLINE void k_step8_neon(float32x4_t acc[2], const es_half d[8], const es_half * dmin, float yd,
+                                       i32x8 sumi, i32x8 summ) {
+    const float16x8_t dh = vreinterpretq_f16_u16(vld1q_u16(d));
+    acc[0] = vfmaq_f32(acc[0], vmulq_n_f32(vcvt_f32_f16(vget_low_f16(dh)), yd), vcvtq_f32_s32(sumi.a));
+    acc[1] = vfmaq_f32(acc[1], vmulq_n_f32(vcvt_high_f32_f16(dh), yd), vcvtq_f32_s32(sumi.b));
+    if (dmin) {
+        const float16x8_t mh = vreinterpretq_f16_u16(vld1q_u16(dmin));
+        acc[0] = vfmsq_f32(acc[0], vmulq_n_f32(vcvt_f32_f16(vget_low_f16(mh)), yd), vcvtq_f32_s32(summ.a));
+        acc[1] = vfmsq_f32(acc[1], vmulq_n_f32(vcvt_high_f32_f16(mh), yd), vcvtq_f32_s32(summ.b));
+    }
+}
+
+// Each row's 32 fifth bits (qh[r], 8 rows) as 0x10 in the bytes of elements
+// 4g .. 4g + 3 (+ 16 for hi), each row's four bytes in its int32 lane.
+static ALWAYS_INLINE int8x16_t fifth_bits(uint8x16_t qh, int byte, int g) {
+    static const uint8_t pick[4][16] = {
+        {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12}, {1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13},
+        {2, 2, 2, 2, 6, 6, 6, 6, 10, 10, 10, 10, 14, 14, 14, 14}, {3, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11, 15, 15, 15, 15},
+    };
+    static const uint8_t bits[2][16] = {{1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8},
+                                        {16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128}};
+    const uint8x16_t rep = vqtbl1q_u8(qh, vld1q_u8(pick[byte]));
+    return vreinterpretq_s8_u8(vandq_u8(vtstq_u8(rep, vld1q_u8(bits[g % 2])), vdupq_n_u8(0x10)));
+}
+
+// Q4_K / Q5_K (q5: the fifth bits after the Q4_K part).
+static ALWAYS_INLINE void tile_k4_neon_body(int64_t nb, const uint8_t * x, size_t bsize, bool q5,
+                                            const block_q8_K * const * y, float * out, size_t os, const int T) {
+    float32x4_t acc[NEON_TILE_T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    for (int64_t i = 0; i < nb; i++) {
+        const block_q4_Kx8 * b = (const block_q4_Kx8 *) (x + (size_t) i * bsize);
+        const block_q5_Kx8 * b5 = (const block_q5_Kx8 *) b;
+        i32x8 sumi[NEON_TILE_T];
+        for (int t = 0; t < T; t++) sumi[t] = zero8();
+        for (int c = 0; c < 4; c++) {
+            i32x8 lo[NEON_TILE_T], hi[NEON_TILE_T];
+            for (int t = 0; t < T; t++) lo[t] = hi[t] = zero8();
+            for (int g4 = 0; g4 < 8; g4 += 4) {
+                int8x16_t wl[4][2], wh[4][2];
+                for (int l = 0; l < 4; l++)
+                    for (int h = 0; h < 2; h++) {
+                        const uint8x16_t raw = vld1q_u8(b->qs[c][g4 + l][4 * h]);
+                        wl[l][h] = vreinterpretq_s8_u8(vandq_u8(raw, m4));
+                        wh[l][h] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+                        if (q5) {  // bit 2c (2c + 1) of each qh byte to bit 4
+                            const uint8x16_t qh = vld1q_u8(b5->qh[g4 + l][4 * h]);
+                            const uint8x16_t m = vdupq_n_u8(0x10);
+                            wl[l][h] = vorrq_s8(wl[l][h], vreinterpretq_s8_u8(vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t) (4 - 2 * c))), m)));
+                            wh[l][h] = vorrq_s8(wh[l][h], vreinterpretq_s8_u8(vandq_u8(vshlq_u8(qh, vdupq_n_s8((int8_t) (3 - 2 * c))), m)));
+                        }
+                    }
+                for (int t = 0; t < T; t++) {
+                    const int8x16_t yl = vld1q_s8(y[t][i].qs + 64 * c + 4 * g4);
+                    const int8x16_t yh = vld1q_s8(y[t][i].qs + 64 * c + 32 + 4 * g4);
+                    DOT4_LANES(lo[t], wl, yl);
+                    DOT4_LANES(hi[t], wh, yh);
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                sumi[t] = scale8(sumi[t], lo[t], (const int8_t *) b->scales[2 * c], false);
+                sumi[t] = scale8(sumi[t], hi[t], (const int8_t *) b->scales[2 * c + 1], false);
+            }
+        }
+        int16x8_t m16[8];  // sub-block j's min for the 8 rows
+        for (int k = 0; k < 4; k++) {
+            const uint8x8x2_t mm = vld2_u8(b->mins[k][0]);
+            m16[2 * k] = vreinterpretq_s16_u16(vmovl_u8(mm.val[0]));
+            m16[2 * k + 1] = vreinterpretq_s16_u16(vmovl_u8(mm.val[1]));
+        }
+        for (int t = 0; t < T; t++) {
+            i32x8 summ = zero8();
+            for (int j = 0; j < 8; j++) {
+                const int16_t bp = (int16_t) (y[t][i].bsums[2 * j] + y[t][i].bsums[2 * j + 1]);
+                summ.a = vmlal_n_s16(summ.a, vget_low_s16(m16[j]), bp);
+                summ.b = vmlal_high_n_s16(summ.b, m16[j], bp);
+            }
+            k_step8_neon(acc[t], b->d, b->dmin, y[t][i].d, sumi[t], summ);
+        }
+    }
+    for (int t = 0; t < T; t++) vst1q_f32(out + (size_t) t * os, acc[t][0]), vst1q_f32(out + (size_t) t * os + 4, acc[t][1]);
+}
+
+// Q6_K: quarter q = 4h + k, sub-blocks 2q (groups 0..3) and 2q + 1 (4..7);
+// values q - 32 as signed bytes.
+static ALWAYS_INLINE void tile_q6_K_neon_body(int64_t nb, const uint8_t * x, size_t bsize, bool q5,
+                                              const block_q8_K * const * y, float * out, size_t os, const int T) {
+    (void) bsize, (void) q5;
+    float32x4_t acc[NEON_TILE_T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), m2 = vdupq_n_u8(3);
+    for (int64_t i = 0; i < nb; i++) {
+        const block_q6_Kx8 * b = (const block_q6_Kx8 *) x + i;
+        i32x8 sumi[NEON_TILE_T];
+        for (int t = 0; t < T; t++) sumi[t] = zero8();
+        for (int q = 0; q < 8; q++) {
+            const int h = q / 4, k = q % 4;
+            for (int half = 0; half < 2; half++) {  // sub-block 2q + half: groups 4 half .. + 3
+                int8x16_t w[4][2];
+                for (int l = 0; l < 4; l++)
+                    for (int r = 0; r < 2; r++) {
+                        const int g = 4 * half + l;
+                        const uint8x16_t lq = vld1q_u8(b->ql[h][k & 1][g][4 * r]), hq = vld1q_u8(b->qh[h][g][4 * r]);
+                        const uint8x16_t lo = vandq_u8(k < 2 ? lq : vshrq_n_u8(lq, 4), m4);
+                        const uint8x16_t hi = vshlq_n_u8(vandq_u8(vshlq_u8(hq, vdupq_n_s8((int8_t) (-2 * k))), m2), 4);
+                        w[l][r] = vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(lo, hi)), vdupq_n_s8(32));
+                    }
+                for (int t = 0; t < T; t++) {
+                    i32x8 e = zero8();
+                    DOT4_LANES(e, w, vld1q_s8(y[t][i].qs + 32 * q + 16 * half));
+                    sumi[t] = scale8(sumi[t], e, b->scales[2 * q + half], true);
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) k_step8_neon(acc[t], b->d, NULL, y[t][i].d, sumi[t], zero8());
+    }
+    for (int t = 0; t < T; t++) vst1q_f32(out + (size_t) t * os, acc[t][0]), vst1q_f32(out + (size_t) t * os + 4, acc[t][1]);
+}
+
+// The 32-element quants: per block four groups, elements 4g (lo) and 16 + 4g
+// (hi) as signed values (Q8_0's stored plus 128 back to q), against one load
+// of the activation's 16 lo and 16 hi bytes.
+static ALWAYS_INLINE void q32_weights_neon(int32_t type, const uint8_t * blk, int g, int8x16_t wl[2], int8x16_t wh[2]) {
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    for (int r = 0; r < 2; r++) {
+        if (type == ES_TYPE_Q8_0) {
+            const block_q8_0x8 * b = (const block_q8_0x8 *) blk;
+            wl[r] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(b->qs[g][4 * r]), vdupq_n_u8(0x80)));
+            wh[r] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(b->qs[g + 4][4 * r]), vdupq_n_u8(0x80)));
+            continue;
+        }
+        const size_t qs_at = type == ES_TYPE_Q4_0 ? offsetof(block_q4_0x8, qs) : type == ES_TYPE_Q4_1 ? offsetof(block_q4_1x8, qs)
+                           : type == ES_TYPE_Q5_0 ? offsetof(block_q5_0x8, qs) : offsetof(block_q5_1x8, qs);
+        const uint8x16_t raw = vld1q_u8(blk + qs_at + 32 * g + 16 * r);
+        uint8x16_t lo = vandq_u8(raw, m4), hi = vshrq_n_u8(raw, 4);
+        if (type == ES_TYPE_Q5_0 || type == ES_TYPE_Q5_1) {
+            const size_t qh_at = type == ES_TYPE_Q5_0 ? offsetof(block_q5_0x8, qh) : offsetof(block_q5_1x8, qh);
+            const uint8x16_t qh = vld1q_u8(blk + qh_at + 16 * r);
+            lo = vorrq_u8(lo, vreinterpretq_u8_s8(fifth_bits(qh, g / 2, g)));
+            hi = vorrq_u8(hi, vreinterpretq_u8_s8(fifth_bits(qh, 2 + g / 2, g)));
+        }
+        const int8_t off = type == ES_TYPE_Q4_0 ? 8 : type == ES_TYPE_Q5_0 ? 16 : 0;
+        wl[r] = vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(off));
+        wh[r] = vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(off));
+    }
+}
+
+static ALWAYS_INLINE void tile_q32_neon_body(int32_t type, int64_t nb, const uint8_t * x, size_t bsize,
+                                             const uint8_t * const * y, size_t ybytes, float * out, size_t os,
+                                             const int T) {
+    const bool with_min = type == ES_TYPE_Q4_1 || type == ES_TYPE_Q5_1;
+    float32x4_t acc[NEON_TILE_T][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t * blk = x + (size_t) i * bsize;
+        int8x16_t wl[4][2], wh[4][2];
+        for (int g = 0; g < 4; g++) q32_weights_neon(type, blk, g, wl[g], wh[g]);
+        for (int t = 0; t < T; t++) {
+            const uint8_t * yb = y[t] + (size_t) i * ybytes;  // d (then s), then the 32 qs
+            const int8_t * q8 = (const int8_t *) yb + (with_min ? 4 : 2);
+            i32x8 s = zero8();
+            DOT4_LANES(s, wl, vld1q_s8(q8));
+            DOT4_LANES(s, wh, vld1q_s8(q8 + 16));
+            es_half yd, ys;
+            memcpy(&yd, yb, 2), memcpy(&ys, yb + 2, 2);
+            k_step8_neon(acc[t], (const es_half *) blk, NULL, half_to_f32(yd), s, zero8());
+            if (with_min) {  // fma(m, s_y, acc) per row
+                const float16x8_t mh = vreinterpretq_f16_u16(vld1q_u16((const uint16_t *) blk + 8));
+                acc[t][0] = vfmaq_n_f32(acc[t][0], vcvt_f32_f16(vget_low_f16(mh)), half_to_f32(ys));
+                acc[t][1] = vfmaq_n_f32(acc[t][1], vcvt_high_f32_f16(mh), half_to_f32(ys));
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) vst1q_f32(out + (size_t) t * os, acc[t][0]), vst1q_f32(out + (size_t) t * os + 4, acc[t][1]);
+}
+
+// A type's tile_fn: groups in turn, tokens NEON_TILE_T at a time, the body
+// specialized for each T.
+#define NEON_K_TILE(NAME, BODY, BLOCK, Q5)                                                      \
+    static void NAME##_t(int64_t nb, const uint8_t * x, const block_q8_K * const * y, float * out, size_t os, int T) { \
+        switch (T) {                                                                            \
+        case 1: BODY(nb, x, sizeof(BLOCK), Q5, y, out, os, 1); break;                           \
+        case 2: BODY(nb, x, sizeof(BLOCK), Q5, y, out, os, 2); break;                           \
+        case 3: BODY(nb, x, sizeof(BLOCK), Q5, y, out, os, 3); break;                           \
+        default: BODY(nb, x, sizeof(BLOCK), Q5, y, out, os, 4); break;                          \
+        }                                                                                       \
+    }                                                                                           \
+    static void NAME(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride, \
+                     int32_t nt, float * y, size_t y_stride) {                                  \
+        const int64_t nb = n / QK_K;                                                            \
+        for (int64_t g = 0; g < n_groups; g++)                                                  \
+            for (int32_t t0 = 0; t0 < nt; t0 += NEON_TILE_T) {                                  \
+                const int32_t tn = nt - t0 < NEON_TILE_T ? nt - t0 : NEON_TILE_T;               \
+                const block_q8_K * yt[NEON_TILE_T];                                             \
+                for (int32_t t = 0; t < tn; t++)                                                \
+                    yt[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) (t0 + t) * a_stride); \
+                NAME##_t(nb, (const uint8_t *) wp + (size_t) (g * nb) * sizeof(BLOCK), yt,     \
+                         y + (size_t) t0 * y_stride + (size_t) (ES_GROUP_ROWS * g), y_stride, tn); \
+            }                                                                                   \
+    }
+NEON_K_TILE(tile_q4_K_neon, tile_k4_neon_body, block_q4_Kx8, false)
+NEON_K_TILE(tile_q5_K_neon, tile_k4_neon_body, block_q5_Kx8, true)
+NEON_K_TILE(tile_q6_K_neon, tile_q6_K_neon_body, block_q6_Kx8, false)
+
+#define NEON_Q32_TILE(T_, TYPE)                                                                 \
+    static void tile_##T_##_neon_t(int64_t nb, const uint8_t * x, const uint8_t * const * y, float * out, size_t os, int T) { \
+        const size_t bsize = sizeof(block_##T_##x8), ybytes = sizeof(DOT32_ACT_##T_);           \
+        switch (T) {                                                                            \
+        case 1: tile_q32_neon_body(TYPE, nb, x, bsize, y, ybytes, out, os, 1); break;           \
+        case 2: tile_q32_neon_body(TYPE, nb, x, bsize, y, ybytes, out, os, 2); break;           \
+        case 3: tile_q32_neon_body(TYPE, nb, x, bsize, y, ybytes, out, os, 3); break;           \
+        default: tile_q32_neon_body(TYPE, nb, x, bsize, y, ybytes, out, os, 4); break;          \
+        }                                                                                       \
+    }                                                                                           \
+    static void tile_##T_##_neon(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride, \
+                                 int32_t nt, float * y, size_t y_stride) {                      \
+        const int64_t nb = n / QK;                                                              \
+        for (int64_t g = 0; g < n_groups; g++)                                                  \
+            for (int32_t t0 = 0; t0 < nt; t0 += NEON_TILE_T) {                                  \
+                const int32_t tn = nt - t0 < NEON_TILE_T ? nt - t0 : NEON_TILE_T;               \
+                const uint8_t * yt[NEON_TILE_T];                                                \
+                for (int32_t t = 0; t < tn; t++) yt[t] = (const uint8_t *) a + (size_t) (t0 + t) * a_stride; \
+                tile_##T_##_neon_t(nb, (const uint8_t *) wp + (size_t) (g * nb) * sizeof(block_##T_##x8), yt, \
+                                   y + (size_t) t0 * y_stride + (size_t) (ES_GROUP_ROWS * g), y_stride, tn); \
+            }                                                                                   \
+    }
+NEON_Q32_TILE(q4_0, ES_TYPE_Q4_0)
+NEON_Q32_TILE(q4_1, ES_TYPE_Q4_1)
+NEON_Q32_TILE(q5_0, ES_TYPE_Q5_0)
+NEON_Q32_TILE(q5_1, ES_TYPE_Q5_1)
+NEON_Q32_TILE(q8_0, ES_TYPE_Q8_0)
+
+#define NEON_TILES                                                                              \
+    .tile = {                                                                                   \
+        [ES_TYPE_Q4_0] = tile_q4_0_neon, [ES_TYPE_Q4_1] = tile_q4_1_neon,                       \
+        [ES_TYPE_Q5_0] = tile_q5_0_neon, [ES_TYPE_Q5_1] = tile_q5_1_neon,                       \
+        [ES_TYPE_Q8_0] = tile_q8_0_neon, [ES_TYPE_Q4_K] = tile_q4_K_neon,                       \
+        [ES_TYPE_Q5_K] = tile_q5_K_neon, [ES_TYPE_Q6_K] = tile_q6_K_neon,                       \
+    },
+#else
+#define NEON_TILES  // without the dot-product extension: the unpacked kernels only
+#endif  // __ARM_FEATURE_DOTPROD
+
 // The int8 peak: sdot (16 multiply-accumulates into int32) with the
 // dot-product extension, else smlal (8 into int16), on 8 independent
 // accumulators.
@@ -351,6 +629,7 @@ static es_kernel_set KERNELS_NEON = {
         QUANTIZED_KERNELS(dot, neon),
     },
     .dotn = {QUANTIZED_KERNELS(dotn, neon)},
+    NEON_TILES
     .int8_loop = int8_loop_neon,
 };
 
