@@ -94,10 +94,12 @@ void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
 void es_matmat(int32_t type, const void * w, const void * packed, const void * xq, size_t xq_stride,
                int32_t n_tok, int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
 
-// Repacking (kernels/repack.c): rows in groups of 8, interleaved block by
-// block for the tile kernels. Bytes of the copy of n_rows rows of n elements
-// of type: its whole groups of 8 (a remainder of rows stays unpacked); 0
-// for a type without a repacked layout or fewer than 8 rows.
+// Repacking (kernels/repack.c): rows in groups of ES_GROUP_ROWS, interleaved
+// block by block for the tile kernels.
+#define ES_GROUP_ROWS 8
+// Bytes of the copy of n_rows rows of n elements of type: its whole groups
+// (a remainder of rows stays unpacked); 0 for a type without a repacked
+// layout or fewer than ES_GROUP_ROWS rows.
 size_t es_repack_bytes(int32_t type, int64_t n, int64_t n_rows);
 // Writes that copy of rows (n_rows rows, es_type_row_bytes(type, n) apart)
 // to dst (es_repack_bytes(type, n, n_rows) bytes).
@@ -234,6 +236,10 @@ int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32
 
 // Byte offset of tensor t's data in g's file.
 int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t);
+// The whole pages of [p, p + n) of g's mapping leave this process's resident
+// memory (they stay in the page cache and come back from it when read
+// again); nothing where the file was read into memory instead of mapped.
+void es_gguf_release(const es_gguf * g, const void * p, size_t n);
 
 // A budgeted cache of expert weights read from the model file at `path`
 // (and its low-precision sidecar, p->expert_sidecar) with pread on an I/O

@@ -88,8 +88,8 @@ _Static_assert(sizeof(block_q8_K) == 292, "q8_K layout");
 // load gives four consecutive elements of each of the 8 rows (one int32
 // lane per row: a broadcast of four activation bytes serves all 8 rows),
 // with the K-quants' 6-bit scales and mins unpacked to bytes. A group's
-// blocks follow one another; groups follow one another.
-#define ES_GROUP_ROWS 8
+// blocks follow one another; groups follow one another (ES_GROUP_ROWS:
+// native_internal.h).
 
 typedef struct {
     es_half d[8], dmin[8];   // per row
