@@ -549,6 +549,13 @@ static size_t widest_act_row(const es_model * m) {
     return row;
 }
 
+// Matmul outputs start on a cache line: threads write whole lines of 16
+// rows (es__matmul's chunks), none shared with another thread.
+static void * alloc_lines(size_t bytes) {
+    void * p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 1) == 0 ? p : NULL;
+}
+
 int es_context_init(es_model * m, const es_context_params * params, es_context ** out) {
     if (!m || !out) return ES_ERR_INVALID_ARG;
     *out = NULL;
@@ -587,15 +594,15 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     c->cell_pos = calloc((size_t) n_ctx, sizeof *c->cell_pos);
     c->pos      = malloc(B * sizeof *c->pos);
     c->sees     = malloc(B * B);
-    c->x        = malloc(B * D * sizeof *c->x);
-    c->xn       = malloc(B * D * sizeof *c->xn);
-    c->q        = malloc(B * (size_t) m->n_head * HD * sizeof *c->q);
-    c->k        = malloc(B * (size_t) m->n_head_kv * HD * sizeof *c->k);
-    c->v        = malloc(B * (size_t) m->n_head_kv * HD * sizeof *c->v);
-    c->att      = malloc(B * (size_t) m->n_head * HD * sizeof *c->att);
-    c->ff_gate  = malloc(B * ff * sizeof *c->ff_gate);
-    c->ff_up    = malloc(B * ff * sizeof *c->ff_up);
-    c->out      = malloc(B * D * sizeof *c->out);
+    c->x        = alloc_lines(B * D * sizeof *c->x);
+    c->xn       = alloc_lines(B * D * sizeof *c->xn);
+    c->q        = alloc_lines(B * (size_t) m->n_head * HD * sizeof *c->q);
+    c->k        = alloc_lines(B * (size_t) m->n_head_kv * HD * sizeof *c->k);
+    c->v        = alloc_lines(B * (size_t) m->n_head_kv * HD * sizeof *c->v);
+    c->att      = alloc_lines(B * (size_t) m->n_head * HD * sizeof *c->att);
+    c->ff_gate  = alloc_lines(B * ff * sizeof *c->ff_gate);
+    c->ff_up    = alloc_lines(B * ff * sizeof *c->ff_up);
+    c->out      = alloc_lines(B * D * sizeof *c->out);
     c->act      = malloc(3 * B * (c->act_row ? c->act_row : 1));
     c->scratch  = malloc((size_t) n_threads * ((size_t) n_ctx + 3 * HD) * sizeof *c->scratch);
     if (!c->act_row || !c->k_cache || !c->v_cache || !c->cell_pos || !c->pos || !c->sees ||
@@ -975,7 +982,7 @@ static int plan_batch(es_context * ctx, const int32_t * parents, int32_t n) {
 static int reserve_logits(es_context * ctx, int32_t rows) {
     const size_t need = (size_t) rows * (size_t) ctx->model->n_vocab;
     if (need <= ctx->logits_cap) return ES_OK;
-    float * l = malloc(need * sizeof *l);
+    float * l = alloc_lines(need * sizeof *l);
     if (!l) return ES_ERR_NO_MEMORY;
     free(ctx->logits);
     ctx->logits = l;
