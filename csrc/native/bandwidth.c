@@ -67,17 +67,22 @@ es_bandwidth_params es_bandwidth_default_params(void) {
     return (es_bandwidth_params) { .n_bytes = DEFAULT_BYTES, .n_threads = 0, .n_passes = DEFAULT_PASSES };
 }
 
+// A pool of n_threads (<= 0: one per online CPU) for a measurement.
+static int measure_pool(int32_t n_threads, es_pool ** pool) {
+    if (n_threads <= 0) {
+        const long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
+    }
+    return es_pool_init(n_threads, pool);
+}
+
 int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_s) {
     if (!bytes_per_s) return ES_ERR_INVALID_ARG;
     const es_bandwidth_params p = params ? *params : es_bandwidth_default_params();
-    int32_t nth = p.n_threads;
-    if (nth <= 0) {
-        const long n = sysconf(_SC_NPROCESSORS_ONLN);
-        nth = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
-    }
     es_pool * pool = NULL;
-    int rc = es_pool_init(nth, &pool);
+    int rc = measure_pool(p.n_threads, &pool);
     if (rc != ES_OK) return rc;
+    const int32_t nth = es_pool_size(pool);
     const int64_t unit = 8 * LANE * (int64_t) nth;
     int64_t n_bytes = p.n_bytes > 0 ? p.n_bytes : DEFAULT_BYTES;
     n_bytes = (n_bytes + unit - 1) / unit * unit;
@@ -129,14 +134,10 @@ es_int8_peak_params es_int8_peak_default_params(void) {
 int es_measure_int8_peak(const es_int8_peak_params * params, double * macs_per_s) {
     if (!macs_per_s) return ES_ERR_INVALID_ARG;
     const es_int8_peak_params p = params ? *params : es_int8_peak_default_params();
-    int32_t nth = p.n_threads;
-    if (nth <= 0) {
-        const long n = sysconf(_SC_NPROCESSORS_ONLN);
-        nth = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
-    }
     es_pool * pool = NULL;
-    int rc = es_pool_init(nth, &pool);
+    int rc = measure_pool(p.n_threads, &pool);
     if (rc != ES_OK) return rc;
+    const int32_t nth = es_pool_size(pool);
     peak_job job = { .iterations = p.iterations > 0 ? p.iterations : 1 << 20,
                      .macs = calloc((size_t) nth * 8, sizeof(int64_t)),
                      .sinks = calloc((size_t) nth * 16, sizeof(int32_t)) };
