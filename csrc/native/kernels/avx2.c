@@ -217,47 +217,86 @@ EACH_NT2(DOT_K16, avx2, q3_K) NT_TABLE_SET(q3_K, avx2)
 
 /* ---- tile kernels ------------------------------------------------------------ */
 
-// A sub-block's groups summed in int16 by maddubs (pairs of u8 x s8) and
-// adds (Q4_K: 16 terms of at most 15 * 127 per lane), then one madd by the
-// rows' scales as int16 pairs. Four tokens fill the 16 registers (per
-// token: the sub-block's int16 sums, the super-block's int32 sums, the
-// float accumulator).
-#define avx2_TILE_T 4
-#define EACH_TILE_T_avx2(M, SET, TYPE) M(SET, TYPE, 1) M(SET, TYPE, 2) M(SET, TYPE, 3) M(SET, TYPE, 4)
+// One group of 8 rows per vector. A sub-block's groups summed in int16 by
+// maddubs (pairs of u8 x s8) and adds (Q4_K: 16 terms of at most 15 * 127
+// per lane, Q5_K 8, Q6_K 4), then one madd by the rows' scales as int16
+// pairs. Four tokens fill the 16 registers (per token: the sub-block's int16
+// sums, the super-block's int32 sums, the float accumulator). Q8_0 has no
+// tile kernel: its values plus 128 would overflow maddubs' int16 pairs.
+typedef __m256i vi;
+typedef __m256  vf;
+#define VGROUPS 1
+#define TILE_T 4
+#define EACH_TILE_T(M, TYPE) M(TYPE, 1) M(TYPE, 2) M(TYPE, 3) M(TYPE, 4)
+#define K4_STAGE_q4_K 8
+#define K4_STAGE_q5_K 4
+#define Q6_STAGE 2
 
-static ALWAYS_INLINE __m256i avx2_sb_step(__m256i acc, __m256i w, const int8_t * p) {
-    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, bcast4(p)));
+static inline vi vi_load(const void * p, size_t gs) { (void) gs; return load256(p); }
+static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
+static inline vi vi_set8(char c) { return _mm256_set1_epi8(c); }
+static inline vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
+static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+static inline vi vi_sub(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+static inline vi vi_sll16(vi v, int n) { return _mm256_slli_epi16(v, n); }
+static inline vi vi_srl16(vi v, int n) { return _mm256_srli_epi16(v, n); }
+static inline vi vi_sll32(vi v, int n) { return _mm256_slli_epi32(v, n); }
+static inline vi vi_bcast32(const void * p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
-static ALWAYS_INLINE __m256i avx2_sb_scales(const uint8_t sc[8]) {  // (sc_r, sc_r) per row
-    const __m128i v = _mm_loadl_epi64((const __m128i *) sc);
+static inline vi sb_step(vi acc, vi w, const int8_t * p) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, vi_bcast32(p))); }
+static inline vi sb_scale(vi acc, vi s) { return _mm256_madd_epi16(acc, s); }
+static inline vi sb_widen(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+static inline vi scales_u8(const uint8_t * p, size_t gs) {  // (sc_r, sc_r) per row
+    (void) gs;
+    const __m128i v = _mm_loadl_epi64((const __m128i *) p);
     return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
 }
-static ALWAYS_INLINE __m256i avx2_sb_scale(__m256i acc, __m256i s) { return _mm256_madd_epi16(acc, s); }
-static ALWAYS_INLINE __m256i avx2_mins(__m256i summ, __m256i m16, __m256i bp) {
-    return _mm256_add_epi32(summ, _mm256_madd_epi16(m16, bp));
-}
-
-static ALWAYS_INLINE __m256i avx2_sb_scales_s8(const int8_t sc[8]) {  // (sc_r, sc_r) per row
-    const __m128i v = _mm_loadl_epi64((const __m128i *) sc);
+static inline vi scales_s8(const int8_t * p, size_t gs) {
+    (void) gs;
+    const __m128i v = _mm_loadl_epi64((const __m128i *) p);
     return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
 }
-static ALWAYS_INLINE __m256i avx2_sb_widen(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
-#define avx2_Q6_STAGE 2
+static inline vi mins16(const uint8_t * p, size_t gs) { (void) gs; return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *) p)); }
+static inline vi pairs16(const int8_t * a, const int8_t * b, size_t gs) {
+    (void) gs;
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) a), _mm_loadl_epi64((const __m128i *) b)));
+}
+static inline vi mins_step(vi acc, vi m16, const void * p) { return _mm256_add_epi32(acc, _mm256_madd_epi16(m16, vi_bcast32(p))); }
+static inline vi q5_fifth(vi qh, int byte, int g) {  // byte `byte` of each row's qh in all its lane's bytes, tested
+    const vi lanes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                      0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    const vi rep = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lanes, _mm256_set1_epi8((char) byte)));
+    const vi bits = _mm256_set1_epi32(g % 2 ? (int) 0x80402010 : 0x08040201);  // byte b: bit b (+ 4)
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bits), bits), _mm256_set1_epi8(0x10));
+}
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_halves(const es_half * p, size_t gs) { (void) gs; return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)); }
+static inline vf vf_load(const float * p, int rows) { (void) rows; return _mm256_loadu_ps(p); }
+static inline void vf_store(float * p, vf v, int rows) { (void) rows; _mm256_storeu_ps(p, v); }
+static inline vf vf_fma(vf acc, vf d, float yd, vi sumi) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(yd)), _mm256_cvtepi32_ps(sumi), acc);
+}
+static inline vf vf_fnma(vf acc, vf d, float yd, vi summ) {
+    return _mm256_fnmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(yd)), _mm256_cvtepi32_ps(summ), acc);
+}
+static inline vf vf_fma_bcast(vf acc, vf m, float s) { return _mm256_fmadd_ps(m, _mm256_set1_ps(s), acc); }
 
-#define avx2_K4_STAGE_q4_K 8
-#define avx2_K4_STAGE_q5_K 4
+#include "x86_tiles.h"
 
-K4_TILE(avx2, q4_K)
-TILE_KERNEL(avx2, q4_K, block_q4_Kx8)
-K4_TILE(avx2, q5_K)
-TILE_KERNEL(avx2, q5_K, block_q5_Kx8)
-Q6_TILE(avx2)
-TILE_KERNEL(avx2, q6_K, block_q6_Kx8)
-// Q8_0 has none: its values plus 128 would overflow maddubs' int16 pairs.
-Q32_TILE(avx2, q4_0)
-Q32_TILE(avx2, q4_1)
-Q32_TILE(avx2, q5_0)
-Q32_TILE(avx2, q5_1)
+K4_TILE(q4_K)
+TILE_KERNEL(q4_K, block_q4_Kx8)
+K4_TILE(q5_K)
+TILE_KERNEL(q5_K, block_q5_Kx8)
+Q6_TILE()
+TILE_KERNEL(q6_K, block_q6_Kx8)
+Q32_TILE(q4_0)
+Q32_TILE(q4_1)
+Q32_TILE(q5_0)
+Q32_TILE(q5_1)
 
 // The int8 peak: vpmaddubsw (32 multiply-accumulates, pairs summed into
 // int16) and the int16 add the tile kernels follow it with, on 8
@@ -288,9 +327,9 @@ static es_kernel_set KERNELS_AVX2 = {
     },
     .dotn = {QUANTIZED_KERNELS(dotn, avx2)},
     .tile = {
-        [ES_TYPE_Q4_0] = avx2_tile_q4_0, [ES_TYPE_Q4_1] = avx2_tile_q4_1,
-        [ES_TYPE_Q5_0] = avx2_tile_q5_0, [ES_TYPE_Q5_1] = avx2_tile_q5_1,
-        [ES_TYPE_Q4_K] = avx2_tile_q4_K, [ES_TYPE_Q5_K] = avx2_tile_q5_K, [ES_TYPE_Q6_K] = avx2_tile_q6_K,
+        [ES_TYPE_Q4_0] = tile_q4_0, [ES_TYPE_Q4_1] = tile_q4_1, [ES_TYPE_Q5_0] = tile_q5_0,
+        [ES_TYPE_Q5_1] = tile_q5_1, [ES_TYPE_Q4_K] = tile_q4_K, [ES_TYPE_Q5_K] = tile_q5_K,
+        [ES_TYPE_Q6_K] = tile_q6_K,
     },
     .axpy_f16 = axpy_f16_avx2,
     .int8_loop = int8_loop_avx2,

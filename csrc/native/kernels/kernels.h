@@ -5,7 +5,8 @@
  *
  *   quants.c    type table, dequantization, activation and Q2_K/Q3_K quantization
  *   scalar.c    the portable reference kernels (every platform)
- *   x86.h       templates the two x86 sets share
+ *   x86.h       what the two x86 sets share: unpacking, the unpacked kernels' templates
+ *   x86_tiles.h the tile kernels' templates, over each set's vector primitives
  *   avx2.c      AVX2 + FMA + F16C (compiled with -mavx2 -mfma -mf16c)
  *   avx512.c    AVX-512 VNNI on 256-bit vectors (adds -mavx512{f,bw,vl,vnni})
  *   neon.c      aarch64 NEON (baseline there; the dot-product extension when built with it)
