@@ -12,6 +12,16 @@ Measured, interleaved round by round so that machine drift cancels:
   between text events (median, p90).
 
     python benchmarks/bench_server.py --model smollm2-135m --threads 2 --rounds 5
+
+With ``--clients N``, several users at once instead (issue 30): N greedy
+clients streaming different prompts at the same moment against the same N
+requests served one after another, on the current server, interleaved round
+by round: aggregate tokens/s of each way, their ratio, and each client's
+time to its first token; beside them the ceiling that batching the N
+streams' steps together could reach on this machine (N / the measured cost
+of an N-token batch in units of a one-token step, edgespec.costs).
+
+    python benchmarks/bench_server.py --model qwen2.5-coder-0.5b --clients 4 --rounds 3
 """
 from __future__ import annotations
 
@@ -86,7 +96,7 @@ def stream_times(server, tokens: int) -> tuple[float, list[float]]:
     sock = socket.create_connection(server.server_address[:2], timeout=120)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     t0 = time.perf_counter()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     arrivals, buf = [], b""
     while True:
@@ -110,6 +120,81 @@ def stream_times(server, tokens: int) -> tuple[float, list[float]]:
     raise RuntimeError("the stream ended without [DONE]")
 
 
+CLIENT_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):", "def quicksort(items):",
+                  "def is_prime(n):", "def merge(a, b):", "class Queue:", "def gcd(a, b):", "def flatten(xs):")
+
+
+def stream_client(server, prompt: str, tokens: int, t0: float, out: dict) -> None:
+    """One client: a streamed greedy completion; ``out`` gets its first-token
+    time (from ``t0``) and its token count (from the final usage)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    for line in resp:
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk["choices"] and chunk["choices"][0]["text"] and "first_s" not in out:
+            out["first_s"] = time.perf_counter() - t0
+        if chunk.get("usage"):
+            out["tokens"] = chunk["usage"]["completion_tokens"]
+    conn.close()
+
+
+def concurrency(args) -> None:
+    """N clients at once against the same requests one after another (see the module docstring)."""
+    from edgespec.server import make_server
+
+    prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(args.clients)]
+    rows = {"serial": [], "concurrent": []}
+    with Engine(args.model, threads=args.threads, n_ctx=1024, drafter=args.drafter, slots=args.clients) as engine:
+        costs = engine.batch_costs()
+        server, thread = start(make_server, engine)
+        try:
+            for p in prompts:   # warm-up: pages, every prompt's prefix in some slot
+                stream_client(server, p, 4, time.perf_counter(), {})
+            for _ in range(args.rounds):
+                for way in ("serial", "concurrent"):
+                    outs = [{} for _ in prompts]
+                    t0 = time.perf_counter()
+                    if way == "serial":
+                        for p, o in zip(prompts, outs):
+                            stream_client(server, p, args.tokens, t0, o)
+                    else:
+                        threads = [threading.Thread(target=stream_client, args=(server, p, args.tokens, t0, o))
+                                   for p, o in zip(prompts, outs)]
+                        for t in threads:
+                            t.start()
+                        for t in threads:
+                            t.join()
+                    wall = time.perf_counter() - t0
+                    rows[way].append({"tokens_per_s": sum(o["tokens"] for o in outs) / wall,
+                                      "first_s": [o["first_s"] for o in outs]})
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(10)
+    n = args.clients
+    ceiling = n / costs[min(n, len(costs) - 1)]
+    ratios = [c["tokens_per_s"] / s["tokens_per_s"] for s, c in zip(rows["serial"], rows["concurrent"])]
+    print(f"model {args.model}, {args.threads} threads, drafter {args.drafter}, {n} clients x {args.tokens} tokens, "
+          f"{args.rounds} rounds (medians)")
+    for way, rs in rows.items():
+        firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(n)]
+        print(f"  {way:<10} {statistics.median(r['tokens_per_s'] for r in rs):7.1f} tok/s aggregate; "
+              f"first token per client (s): {', '.join(f'{f:.2f}' for f in firsts)}")
+    print(f"  concurrent / serial: {statistics.median(ratios):.2f}x "
+          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"  ceiling of batching {n} streams' steps: {ceiling:.2f}x "
+          f"(an {n}-token batch costs {costs[min(n, len(costs) - 1)]:.2f} one-token steps here)")
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "threads": args.threads, "clients": n,
+                                         "tokens": args.tokens, "rounds": rows, "ratios": ratios,
+                                         "batch_costs": costs, "ceiling": ceiling}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -119,7 +204,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
     ap.add_argument("--baseline", default=None, help="git revision of the old edgespec/server.py")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    ap.add_argument("--clients", type=int, default=0, help="several users at once: this many concurrent clients "
+                    "against the same requests one after another (see above)")
+    ap.add_argument("--drafter", default="none", help="with --clients: the engine's drafter (default none)")
     args = ap.parse_args()
+    if args.clients:
+        return concurrency(args)
 
     from edgespec.server import make_server as asgi_make_server
 

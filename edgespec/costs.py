@@ -5,6 +5,10 @@
   file, backend and thread count (``batch_costs``).
 * The cost of a draft model beside its target (``draft_cost``): one drafted
   token, and one context token it must catch up on, in one-token target steps.
+* The read bandwidth of a number of threads (``bandwidth``): the memory
+  roofline's numerator, and what the default chat model is chosen by; and
+  the int8 peak of the native kernels in use (``int8_peak``): the compute
+  roofline's.
 
 Both are measured when an Engine loads (never inside a generation), logged
 once as a notice on the ``edgespec`` logger, and kept in
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import random
 import time
 from dataclasses import dataclass
@@ -215,3 +220,85 @@ def draft_cost(target, draft, *, remeasure: bool = False) -> DraftCost:
         remeasure=remeasure,
         notice=f"the cost of draft model {Path(draft.path).name} beside {Path(target.path).name}")
     return DraftCost(*value)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says a new allocation can take, where it says."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+BANDWIDTH_FILE = "bandwidth.json"
+
+
+def measure_bandwidth(threads: int, *, n_bytes: int = 512 << 20, passes: int = 5) -> float:
+    """Read bandwidth in bytes/s with ``threads`` threads streaming a buffer of
+    ``n_bytes`` (far larger than any last-level cache), the fastest of
+    ``passes`` (the C core's es_measure_bandwidth)."""
+    from .capi import check, ffi, lib
+
+    params = ffi.new("es_bandwidth_params *", lib.es_bandwidth_default_params())
+    params.n_bytes, params.n_threads, params.n_passes = n_bytes, threads, passes
+    out = ffi.new("double *")
+    check(lib.es_measure_bandwidth(params, out), "es_measure_bandwidth")
+    return out[0]
+
+
+def bandwidth(threads: int, *, remeasure: bool = False) -> float:
+    """This machine's read bandwidth with ``threads`` threads, in bytes/s,
+    cached like the cost curves (see cached_measurement)."""
+    return cached_measurement(BANDWIDTH_FILE, f"{cpu_name()}:{threads}", "bytes_per_s",
+                              lambda: measure_bandwidth(threads),
+                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,
+                              notice=f"the read bandwidth of {threads} threads")
+
+
+INT8_PEAK_FILE = "int8-peak.json"
+
+
+def measure_int8_peak(threads: int) -> float:
+    """int8 multiply-accumulates per second with ``threads`` threads, each in
+    the kernel set in use's tightest loop of its integer step (the C core's
+    es_measure_int8_peak), the fastest of five passes."""
+    from .capi import check, ffi, lib
+
+    params = ffi.new("es_int8_peak_params *", lib.es_int8_peak_default_params())
+    params.n_threads = threads
+    out = ffi.new("double *")
+    check(lib.es_measure_int8_peak(params, out), "es_measure_int8_peak")
+    return out[0]
+
+
+def int8_peak(threads: int, *, remeasure: bool = False) -> tuple[float, str]:
+    """(int8 MACs/s, kernel set) of this machine with ``threads`` threads and
+    the kernel set EDGESPEC_KERNELS names (else the best): cached as
+    ``bandwidth`` is."""
+    from .backends.native import select_kernels
+    from .capi import ffi, lib
+
+    select_kernels()
+    kernels = ffi.string(lib.es_kernels_name()).decode()
+    peak = cached_measurement(INT8_PEAK_FILE, f"{cpu_name()}:{threads}:{kernels}", "macs_per_s",
+                              lambda: measure_int8_peak(threads),
+                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,
+                              notice=f"the int8 peak of {threads} threads ({kernels} kernels)")
+    return peak, kernels

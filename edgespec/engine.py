@@ -18,6 +18,8 @@ least recently used one), so N conversations keep their prefixes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import threading
 import time
@@ -45,12 +47,14 @@ from .onnx import resolve_model
 from .planner import Planner
 from .results import GenerationStats, Result, SpecStats, Step
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from .files import write_atomic
 from .text import TextStream, utf8_text
 
 TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
 # GGUF <arch>.pooling_type (llama.cpp's enum) -> how embed() pools token states;
 # absent or 0 (none): the mean.
 POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
+SLOT_MAGIC = b"edgespec-slot 1\n"   # a saved slot's first line; a JSON header line, then the state
 
 
 
@@ -75,6 +79,7 @@ class _Request:
     tool_style: str = ""              # chat_tools.style_of the template
     logprobs: int | None = None       # None: off; k: each token's logprob and the top k
     text: str | None = None           # what the request is about, for routing (None: its tokens say)
+    n_ctx: int | None = None          # the context it runs in (None: the backend's)
 
 
 @dataclass
@@ -267,6 +272,7 @@ class Engine:
         self._planner: Planner | None = None
         self.last_result: Result | None = None
         self._chat_template: str | None = None
+        self._capabilities: tuple[str, ...] | None = None
         self._llg_tokenizer = None  # the grammar engine's view of the vocabulary, built on first use
         # Sharing between threads: _busy is held by the running generation;
         # _state guards the fields below it and lets close() wait for readers.
@@ -313,6 +319,64 @@ class Engine:
         it, those with a reused prefix, prompt tokens reused in all."""
         with self._reading():
             return [asdict(s) for s in self.backend.slot_stats()]
+
+    # -- saved slots ------------------------------------------------------------
+
+    def save_slot(self, slot: int, path: os.PathLike | str) -> dict:
+        """Write slot ``slot``'s KV cache (its tokens and state) to ``path``,
+        whole or not at all, between generations. The file names the model,
+        backend and context it was made for (``restore_slot`` checks them).
+        Returns {"tokens", "bytes"}."""
+        with self._exclusive():
+            tokens, n_ctx, state = self.backend.slot_state(slot)
+        head = json.dumps({"model": self._model_identity(), "backend": self.backend.name, "n_ctx": n_ctx,
+                           "tokens": tokens, "state_bytes": len(state)}).encode()
+        data = SLOT_MAGIC + head + b"\n" + state
+        write_atomic(path, data)
+        return {"tokens": len(tokens), "bytes": len(data)}
+
+    def restore_slot(self, slot: int, path: os.PathLike | str) -> dict:
+        """Make slot ``slot`` hold what ``save_slot`` wrote to ``path``; a file
+        made for another model, backend or context size is refused
+        (InvalidArgumentError saying which), and the slot left as it was.
+        Returns {"tokens", "bytes"}."""
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise InvalidArgumentError(f"cannot read the slot file {Path(path).name}: {e.strerror or e}") from None
+        end = data.find(b"\n", len(SLOT_MAGIC))
+        try:
+            if not data.startswith(SLOT_MAGIC) or end < 0:
+                raise ValueError
+            head = json.loads(data[len(SLOT_MAGIC):end])
+            tokens, state = head["tokens"], data[end + 1:]
+            if len(state) != head["state_bytes"] or not all(_is_token(t) for t in tokens):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise InvalidArgumentError(f"{Path(path).name} is not a slot file edgespec wrote (or it is cut short)") \
+                from None
+        with self._exclusive():
+            have = {"model": self._model_identity(), "backend": self.backend.name,
+                    "n_ctx": self.backend.slot_sizes()[slot] if 0 <= slot < self.backend.n_slots else None}
+            for key, what in (("model", "model"), ("backend", "backend"), ("n_ctx", "context size")):
+                if head.get(key) != have[key]:
+                    raise InvalidArgumentError(f"{Path(path).name} was saved for {what} {head.get(key)}; slot "
+                                               f"{slot} has {have[key]}")
+            self.backend.restore_slot(slot, tokens, state)
+        return {"tokens": len(tokens), "bytes": len(data)}
+
+    def erase_slot(self, slot: int) -> int:
+        """Empty slot ``slot``'s KV cache; returns the tokens it held."""
+        with self._exclusive():
+            return self.backend.erase_slot(slot)
+
+    def _model_identity(self) -> str:
+        """The model file, as a slot file names it: its name, size and the
+        sha256 of its first MiB (its header and metadata)."""
+        path = Path(self.model_path)
+        with open(path, "rb") as f:
+            head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+        return f"{path.name} ({path.stat().st_size} bytes, {head})"
 
     # -- sharing between threads --------------------------------------------
 
@@ -427,11 +491,13 @@ class Engine:
                 self._readers -= 1
                 self._state.notify_all()
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         with self._reading():
-            return self.backend.tokenize(text, add_special=add_special)
+            return self.backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens`` (InvalidArgumentError for an id outside the vocabulary)."""
+        tokens = self._known_tokens(tokens, "tokens")
         with self._reading():
             return b"".join(self.backend.piece(t) for t in tokens).decode("utf-8", "replace")
 
@@ -445,6 +511,7 @@ class Engine:
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
         self._chat_template = template
+        self._capabilities = None
 
     def _template(self, template: str | None = None) -> str:
         template = template or self.chat_template
@@ -453,56 +520,118 @@ class Engine:
                                        "pass a template file or use plain prompts")
         return template
 
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What the model does, in Ollama's words: ``completion`` (it
+        generates), ``tools`` (its chat template renders the tools it is
+        given), ``insert`` (it has fill-in-the-middle tokens), ``embedding``
+        (``embed`` serves it). Found once, by trying."""
+        if self._capabilities is None:
+            found = ["completion"]
+            template = self.chat_template
+            probe = {"type": "function", "function": {"name": "edgespec_probe_tool", "parameters": {"type": "object"}}}
+            try:
+                if template and "edgespec_probe_tool" in chat_templates.render(
+                        template, [{"role": "user", "content": "x"}], tools=[probe]):
+                    found.append("tools")
+            except InvalidArgumentError:   # a template that refuses the probe renders no tools
+                pass
+            with self._reading():
+                if self.backend.fim_tokens is not None:
+                    found.append("insert")
+                if self._serves_embeddings():
+                    found.append("embedding")
+            self._capabilities = tuple(found)
+        return self._capabilities
+
+    def _serves_embeddings(self) -> bool:
+        """Whether ``embed`` works for this model: a backend with hidden states
+        and a pooling it can use (a reranker's is not)."""
+        if not self.backend.embeds:
+            return False
+        try:
+            return self.pooling in POOLING.values()
+        except UnsupportedModelError:
+            return False
+
     def render_chat(self, messages: Sequence[dict], template: str | None = None,
                     tools: list[dict] | None = None) -> str:
         """The chat as the model reads it; OpenAI ``tools`` go through the
         template when it takes them, else into a system note (chat/tools.py)."""
+        return "".join(text for text, _ in self._chat_pieces(messages, template, tools))
+
+    def _chat_pieces(self, messages: Sequence[dict], template: str | None = None,
+                     tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+        """The rendered chat as ``(text, is_content)`` pieces: a message whose
+        text holds a special token's text (``<|im_end|>``) is a piece of its
+        own, tokenized as plain text (chat_templates.render_pieces)."""
         template = self._template(template)
         b = self.backend
         with self._reading():
             bos, eos = b.token_text(b.bos_token), b.token_text(b.eos_token)
+            special = b.special_pattern
         messages = chat_templates.validate_messages(messages)
         style = chat_tools.style_of(template)
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             messages = chat_tools.prepare_messages(messages, tools, style)
-        return chat_templates.render(template, messages, bos_token=bos, eos_token=eos,
-                                     tools=tools if style == "tags" else None)
+        literal = [i for i, m in enumerate(messages) if special is not None and special.search(m["content"])]
+        return chat_templates.render_pieces(template, messages, literal, bos_token=bos, eos_token=eos,
+                                            tools=tools if style == "tags" else None)
 
     def prompt_tokens(self, prompt: str | Sequence[int] | None = None,
                       messages: Sequence[dict] | None = None, tools: list[dict] | None = None,
-                      suffix: str | None = None) -> list[int]:
+                      suffix: str | None = None, parse_special: bool = False) -> list[int]:
         """The tokens a generation of ``prompt`` (or of a reply to ``messages``,
         with ``tools``) evaluates: the text, or the chat rendered through its
         template, tokenized; a list of token ids as it is; with ``suffix``, the
-        fill-in-the-middle prompt of ``prompt`` and ``suffix``. Thread-safe; it
-        does not wait for a running generation."""
+        fill-in-the-middle prompt of ``prompt`` and ``suffix``. A chat's
+        template text is parsed for special tokens, its messages' text never
+        is; a text prompt's is with ``parse_special`` (``<|fim_prefix|>`` becomes
+        that token, as llama-server and Ollama's raw mode tokenize prompts).
+        Thread-safe; it does not wait for a running generation."""
         if suffix is not None:
             return self.fill_in_middle_tokens(prompt or "", suffix)
         if isinstance(prompt, (list, tuple)) and prompt and all(_is_token(t) for t in prompt):
             return self._known_tokens(prompt, "prompt")
         if messages is not None:
-            text = utf8_text(self.render_chat(messages, tools=tools), "the chat")
+            pieces = self._chat_pieces(messages, tools=tools)
+            utf8_text("".join(text for text, _ in pieces), "the chat")
             with self._reading():
-                tokens = self.backend.tokenize(text, parse_special=True)
-                bos = self.backend.bos_token
-            if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos:
-                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
-            return tokens
+                return self._one_bos([t for k, (text, content) in enumerate(pieces)
+                                      for t in self.backend.tokenize(text, add_special=k == 0,
+                                                                     parse_special=not content)])
         if not isinstance(prompt, str):
             raise InvalidArgumentError(f"prompt must be a str, not {type(prompt).__name__}")
         if not prompt:
             raise InvalidArgumentError("prompt is empty")
         utf8_text(prompt, "prompt")
         with self._reading():
-            return self.backend.tokenize(prompt)
+            tokens = self.backend.tokenize(prompt, parse_special=parse_special)
+            return self._one_bos(tokens) if parse_special else tokens
 
-    def fill_in_middle_tokens(self, prefix: str, suffix: str) -> list[int]:
+    def _one_bos(self, tokens: list[int]) -> list[int]:
+        """``tokens`` less a second BOS: text that starts with the BOS token's
+        own text, after the one the tokenizer adds (as llama.cpp warns of)."""
+        bos = self.backend.bos_token
+        return tokens[1:] if len(tokens) > 1 and tokens[0] == bos and tokens[1] == bos else tokens
+
+    def fill_in_middle_tokens(self, prefix: str, suffix: str, *, extra: Sequence[tuple[str, str]] | None = None,
+                              middle: str = "", keep: tuple[int, int, int] | None = None) -> list[int]:
         """The prompt that asks the model for the text between ``prefix`` and
         ``suffix``, from its own fill-in-the-middle tokens in prefix-suffix-middle
         order: [BOS] <fim_prefix> prefix <fim_suffix> suffix <fim_middle>. The
         texts are tokenized as plain text (special-token names in them stay text).
-        Raises InvalidArgumentError when the model has no such tokens."""
-        for name, text in (("prompt", prefix), ("suffix", suffix)):
+        Raises InvalidArgumentError when the model has no such tokens.
+
+        With ``extra`` (a list, maybe empty), llama-server's /infill layout:
+        the files ``(name, text)`` go first, in the repository-level form
+        (``<|repo_name|>myproject``, then ``<|file_sep|>name`` + text each,
+        and ``<|file_sep|>filename`` before the prefix) where the model has
+        those tokens, else each after a ``--- snippet ---`` line; ``middle`` (the text typed so far
+        after the prefix, its special-token text parsed) follows the prefix.
+        ``keep``: the most tokens kept of the prefix's end, the suffix's
+        start and the extra files' end."""
+        for name, text in (("prompt", prefix), ("suffix", suffix), ("middle", middle)):
             if not isinstance(text, str):
                 raise InvalidArgumentError(f"{name} must be a str, not {type(text).__name__}")
             utf8_text(text, name)
@@ -515,8 +644,32 @@ class Engine:
                     "between a prompt and a suffix (code models such as qwen2.5-coder-1.5b can)")
             pre, suf, mid = fim
             head = [b.bos_token] if b.adds_bos else []
-            return (head + [pre] + b.tokenize(prefix, add_special=False)
-                    + [suf] + b.tokenize(suffix, add_special=False) + [mid])
+            before = b.tokenize(prefix, add_special=False)
+            after = b.tokenize(suffix, add_special=False)
+            files = self._fim_files(extra) if extra is not None else []
+            typed = b.tokenize(middle, add_special=False, parse_special=True) if middle else []
+        if keep is not None:
+            before, after, files = before[len(before) - min(keep[0], len(before)):], after[:keep[1]], \
+                files[len(files) - min(keep[2], len(files)):]
+        return files + head + [pre] + before + typed + [suf] + after + [mid]
+
+    def _fim_files(self, extra: Sequence[tuple[str, str]]) -> list[int]:
+        """llama-server's repository-level context of ``extra`` files (see
+        fill_in_middle_tokens); under ``_reading``."""
+        b = self.backend
+        rep, sep = b.fim_repo_tokens
+        out = [rep] + b.tokenize("myproject\n", add_special=False) if rep is not None else []
+        for name, text in extra:
+            utf8_text(name, "a file name")
+            utf8_text(text, "a file's text")
+            if sep is not None:
+                out += [sep] + b.tokenize(name + "\n", add_special=False)
+            else:
+                out += b.tokenize("\n\n--- snippet ---\n\n", add_special=False)
+            out += b.tokenize(text, add_special=False)
+        if sep is not None:
+            out += [sep] + b.tokenize("filename\n", add_special=False)
+        return out
 
     def _known_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
         """``tokens`` as a list, each checked to be in the vocabulary."""
@@ -528,10 +681,12 @@ class Engine:
 
     # -- embeddings ---------------------------------------------------------------
 
-    def embedding_inputs(self, inputs) -> list[list[int]]:
+    def embedding_inputs(self, inputs, *, truncate: bool = False) -> list[list[int]]:
         """The token sequences ``embed`` evaluates for ``inputs``: a string, a
         list of strings, a list of token ids or a list of such lists (OpenAI's
-        ``input``). Thread-safe; it does not wait for a running generation."""
+        ``input``); with ``truncate``, one longer than the context is cut to
+        its first n_ctx tokens (Ollama's default) instead of refused.
+        Thread-safe; it does not wait for a running generation."""
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and _is_token(inputs[0])):
             inputs = [inputs]
         if not isinstance(inputs, (list, tuple)) or not inputs:
@@ -550,6 +705,8 @@ class Engine:
                 raise InvalidArgumentError(f"input {i} must be a non-empty string or list of token ids")
             if not tokens:
                 raise InvalidArgumentError(f"input {i} has no tokens")
+            if truncate:
+                tokens = tokens[:self.backend.n_ctx]
             if len(tokens) > self.backend.n_ctx:
                 raise ContextOverflowError(f"input {i} is {len(tokens)} tokens but the context holds "
                                            f"{self.backend.n_ctx}")
@@ -571,10 +728,12 @@ class Engine:
                                         "one embeddings can use (mean, cls, last)")
         return kind
 
-    def embed(self, inputs, *, normalize: bool = True) -> np.ndarray:
+    def embed(self, inputs, *, normalize: bool = True, dimensions: int | None = None) -> np.ndarray:
         """One vector per input (see ``embedding_inputs``): ``(n, n_embd)``
         float32, the model's hidden states after its final norm pooled as
-        ``pooling`` says, scaled to unit length unless ``normalize`` is False.
+        ``pooling`` says, scaled to unit length unless ``normalize`` is False;
+        ``dimensions``: only the first so many of each (``(n, dimensions)``,
+        scaled after the cut, as OpenAI's and Ollama's ``dimensions``).
         The inputs are evaluated apart from every generation's KV cache, in
         shared batches, between generations (never interleaved with one)."""
         sequences = self.embedding_inputs(inputs)
@@ -587,6 +746,12 @@ class Engine:
             vectors = np.stack([s[-1] for s in states])
         else:
             vectors = np.stack([s.mean(axis=0, dtype=np.float64) for s in states]).astype(np.float32)
+        if dimensions is not None:
+            _whole("dimensions", dimensions, 1)
+            if dimensions > vectors.shape[1]:
+                raise InvalidArgumentError(f"dimensions must be at most {vectors.shape[1]} for this model, "
+                                           f"got {dimensions}")
+            vectors = np.ascontiguousarray(vectors[:, :dimensions])
         if normalize:
             norms = np.linalg.norm(vectors, axis=1, keepdims=True)
             vectors = vectors / np.where(norms > 0, norms, 1)
@@ -602,8 +767,13 @@ class Engine:
 
         Options: max_tokens (256), temperature (0 = greedy), top_k, top_p,
         min_p, repeat_penalty, presence_penalty, frequency_penalty,
-        repeat_last_n (the penalties' window), seed (random when None), stop
-        (strings), chat (wrap ``prompt`` as one user message), drafter (this
+        repeat_last_n (the penalties' window), logit_bias ({token: bias},
+        added to the logits; -inf bans), n_ctx (the context to run in, when
+        not the engine's: a KV-cache slot of that size, made if none is;
+        Ollama's num_ctx), seed (random when None), stop
+        (strings), chat (wrap ``prompt`` as one user message), parse_special
+        (special-token text in a text prompt becomes those tokens, as in
+        llama-server's and Ollama's raw prompts; see prompt_tokens), drafter (this
         call's drafter instead of the engine's: none, ngram, recycle, cache,
         model, auto), blocking (False: raise EngineBusyError rather than wait
         for another thread's generation).
@@ -639,7 +809,7 @@ class Engine:
                  chat: bool = False, seed: int | None = None, drafter: str | None = None,
                  json_schema=None, grammar: Grammar | str | None = None,
                  tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-                 **sampling) -> _Request:
+                 parse_special: bool = False, n_ctx: int | None = None, **sampling) -> _Request:
         """A request checked whole, before anything runs: every option, the
         grammar or tool call it implies, the prompt's tokens against the
         context. InvalidArgumentError (or ContextOverflowError) naming what is wrong."""
@@ -653,6 +823,11 @@ class Engine:
             raise InvalidArgumentError(f"unknown generation option{'s' if len(unknown) > 1 else ''} "
                                        f"{', '.join(map(repr, unknown))}"[:300])
         params = SamplingParams(seed=seed, **sampling)
+        try:
+            self._known_tokens([t for t, _ in params.logit_bias], "logit_bias")
+        except InvalidArgumentError as e:
+            e.option = "logit_bias"   # the request field a server names
+            raise
         if suffix is not None and (chat or messages is not None):
             raise InvalidArgumentError("suffix (fill-in-the-middle) is for plain prompts, not chats")
         if chat and messages is None:
@@ -689,15 +864,21 @@ class Engine:
                 if grammar is not None:
                     raise InvalidArgumentError("a required tool call cannot be combined with json_schema or grammar")
                 grammar = Grammar.from_text(chat_tools.call_grammar(tools, choice, style, *self._tool_tags(style)))
-        tokens = self.prompt_tokens(prompt, messages, tools, suffix)
+        if not isinstance(parse_special, bool):
+            raise InvalidArgumentError(f"parse_special must be true or false, got {parse_special!r}"[:200])
+        tokens = self.prompt_tokens(prompt, messages, tools, suffix, parse_special)
         if not tokens:
             raise InvalidArgumentError("the prompt has no tokens (the tokenizer drops every character of it)")
-        n_ctx = self.backend.n_ctx
-        if len(tokens) >= n_ctx:
-            raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {n_ctx} "
+        if n_ctx is not None:
+            _whole("n_ctx", n_ctx, 1)
+            with self._reading():
+                n_ctx = self.backend.check_context(n_ctx)
+        room = n_ctx or self.backend.n_ctx
+        if len(tokens) >= room:
+            raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {room} "
                                        "(raise n_ctx or shorten the prompt)")
         return _Request(tokens, params, max_tokens, stop, name, grammar, tools, style, logprobs,
-                        _routing_text(prompt, messages, suffix))
+                        _routing_text(prompt, messages, suffix), n_ctx)
 
     def _tool_tags(self, style: str) -> tuple[int | None, int | None]:
         """The vocabulary's own <tool_call> / </tool_call> tokens, if it has them."""
@@ -716,7 +897,8 @@ class Engine:
 
     def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
                may_skip: bool, max_tokens: int, cancel: threading.Event,
-               constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Step]:
+               constraint: Constraint | None = None, logprobs: int | None = None,
+               n_ctx: int | None = None) -> Iterator[Step]:
         """The speculative loop as a step generator: the first step evaluates
         the prompt (reusing the cache's common prefix) and samples one token;
         every later step evaluates the last token plus a draft (possibly
@@ -726,7 +908,7 @@ class Engine:
         every logits row is verified inside its mask."""
         backend, planner = self.backend, self._planner
         t0 = time.perf_counter()
-        kept = backend.reuse_prefix(prompt_tokens)
+        kept = backend.reuse_prefix(prompt_tokens, n_ctx)
         logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
         masks = constraint.masks(Draft())[1] if constraint else None
         new = sampler.verify(logits, [], masks_addr=masks)
@@ -736,11 +918,11 @@ class Engine:
         produced = len(new)
         yield Step(new, time.perf_counter() - t0, cached=kept,
                    logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
-        while len(context) < backend.n_ctx and not cancel.is_set():
+        while len(context) < backend.context and not cancel.is_set():
             # Tokens of the text not in the cache yet: the root (the last one),
             # preceded by a tree step's accepted path.
             pending = context[backend.n_past:]
-            room = min(max_tokens - produced - 1, backend.n_ctx - len(context) - 1,
+            room = min(max_tokens - produced - 1, backend.context - len(context) - 1,
                        backend.n_batch - len(pending))
             draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
                                     backend.exact_trees) if drafters and room > 0 else Draft())
@@ -798,7 +980,7 @@ class Engine:
                 d.begin(prompt, request.sampling)
                 d.constrain(constraint)
             steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
-                                request.max_tokens, outcome.cancel, constraint, request.logprobs)
+                                request.max_tokens, outcome.cancel, constraint, request.logprobs, request.n_ctx)
             try:
                 for step in steps:
                     if t_decode is None:

@@ -25,6 +25,51 @@ from .errors import GrammarError
 from .sampling import mask_words
 
 
+MAX_DIGITS = 16             # digits of an integer or a number's integer part, as llama.cpp's grammars allow
+NUMBER_STEP = 1e-10         # a number's fraction: at most 10 digits (llguidance's finest multipleOf)
+_LIMIT = 10 ** MAX_DIGITS - 1
+# Where a schema holds subschemas: keys holding one, and keys holding a list or a map of them.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def bounded_schema(schema):
+    """``schema`` made to end, as llama.cpp's JSON-schema grammars do: an
+    integer without bounds gets +-(10**16 - 1) (16 digits), a number the same
+    and at most 10 fraction digits, and an object that lists ``properties``
+    without saying ``additionalProperties`` admits no others (llama.cpp's
+    convention; an explicit true or schema is kept). Without these a model
+    can write digits or keys until max_tokens. A new schema; the argument is
+    not changed."""
+    if isinstance(schema, list):
+        return [bounded_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = bounded_schema(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = bounded_schema(out[key])
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: bounded_schema(v) for k, v in out[key].items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "integer" in kinds or "number" in kinds:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -_LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = _LIMIT
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _llg():
     try:
         import llguidance
@@ -45,8 +90,9 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: dict | str | bool, *, source: str = "json_schema") -> "Grammar":
-        """A JSON schema (a dict, or its JSON text). Objects admit only the listed
-        properties unless the schema says ``additionalProperties``."""
+        """A JSON schema (a dict, or its JSON text), made to end (``bounded_schema``:
+        digits capped, objects admit only the listed properties unless the
+        schema says ``additionalProperties``)."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -57,7 +103,7 @@ class Grammar:
         llg = _llg()
         try:
             spec = llg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults={"whitespace_flexible": False, "coerce_one_of": True})
+                json.dumps(bounded_schema(schema)), defaults={"whitespace_flexible": False, "coerce_one_of": True})
         except (ValueError, TypeError) as e:
             raise GrammarError(f"JSON schema: {e}") from None
         return cls._checked(spec, source, "JSON schema")

@@ -39,7 +39,8 @@ from typing import Sequence
 from .costs import MAX_BATCH, DraftCost, plausible
 from .drafters import Draft, Drafter
 
-EMA = 0.9                 # weight kept by old acceptance evidence at each update
+DECAY = 0.95              # weight kept by old acceptance counts at each update (about 20 steps' memory)
+PRIOR_STRENGTH = 2.0      # observations' worth of evidence a drafter's guessed acceptance counts as
 PRIOR_ALPHA = 0.5         # acceptance assumed before any evidence
 EXPLORE_EVERY = 96        # plain steps between one-token probes of drafts the planner had dropped
 WINDOW = 9                # recent timings kept per quantity: decisions read their median
@@ -145,21 +146,28 @@ class CostCurve:
 
 @dataclass
 class Acceptance:
-    """Per-depth acceptance of one kind of draft, exponentially weighted."""
+    """Per-depth acceptance of one kind of draft: alpha[d], the chance that the
+    token at depth d is accepted given that depth d - 1 was, estimated from
+    counts (hits over trials at that depth, both decayed by DECAY per update
+    so the estimate follows a text that changes) and the prior, which counts
+    as PRIOR_STRENGTH observations: one rejection of a hopeful new key stops
+    it, a run of acceptances makes it bold."""
 
     prior: float = PRIOR_ALPHA
-    alpha: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=lambda: [0.0] * MAX_BATCH)
+    trials: list[float] = field(default_factory=lambda: [0.0] * MAX_BATCH)
     seen: int = 0   # depths with evidence: deeper ones are taken to be like the deepest of them
 
-    def __post_init__(self):
-        self.alpha = self.alpha or [self.prior] * MAX_BATCH
+    @property
+    def alpha(self) -> list[float]:
+        return [(self.prior * PRIOR_STRENGTH + h) / (PRIOR_STRENGTH + t) for h, t in zip(self.hits, self.trials)]
 
     def update(self, depth: int, n_accepted: int) -> None:
         """A draft reaching ``depth`` had its first ``n_accepted`` levels accepted."""
         reached = min(depth, n_accepted + 1)
         for d in range(reached):
-            hit = 1.0 if d < n_accepted else 0.0
-            self.alpha[d] = EMA * self.alpha[d] + (1 - EMA) * hit
+            self.trials[d] = DECAY * self.trials[d] + 1.0
+            self.hits[d] = DECAY * self.hits[d] + (1.0 if d < n_accepted else 0.0)
         self.seen = max(self.seen, reached)
 
     def expected(self, depth: int) -> list[float]:
@@ -167,9 +175,10 @@ class Acceptance:
         draft cut at depth d, for d = 0..depth. A depth never drafted yet
         borrows the acceptance of the deepest one seen, so that drafts that
         have only ever been short can grow."""
+        alpha = self.alpha
         e, run = [1.0], 1.0
         for d in range(min(depth, MAX_BATCH - 1)):
-            run *= self.alpha[d] if d < self.seen or not self.seen else self.alpha[self.seen - 1]
+            run *= alpha[d] if d < self.seen or not self.seen else alpha[self.seen - 1]
             e.append(e[-1] + run)
         return e
 

@@ -16,10 +16,17 @@ model alone is over it, the load is refused with PoolFullError (a server
 answers 503) rather than waiting. A name the pool does not serve is a built-in model the pool adds (and
 pulls on first use) when ``pull`` is on; otherwise ModelNotFoundError names
 the available ones.
+
+A model left idle unloads ``keep_alive`` seconds after its last request
+ended (None: never; a request may ask for its own, as Ollama's keep_alive:
+0 unloads it as soon as it is idle, a negative value keeps it loaded).
 """
 from __future__ import annotations
 
+import math
+import re
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +42,22 @@ from .models import registry
 from .models.gguf import GGUFFile
 
 BUDGET_SHARE = 0.8   # the default budget: this share of the memory available when the pool starts
+_DURATION = re.compile(r"(-)?((?:\d+(?:\.\d+)?(?:h|ms|m|s))+|\d+(?:\.\d+)?)")
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "": 1.0}
+
+
+def keep_alive_seconds(value) -> float:
+    """A keep_alive as Ollama takes it: seconds (a number or its text) or a Go
+    duration ("5m", "1h30m", "-1"); negative: forever. InvalidArgumentError
+    for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise InvalidArgumentError(f'keep_alive must be seconds or a duration such as "5m" or "-1", '
+                                   f"got {str(value)[:40]!r}")
+    total = sum(float(n) * _UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)?", match.group(2)))
+    return -total if match.group(1) else total
 
 
 class PoolFullError(EngineBusyError):
@@ -83,6 +106,8 @@ class _Entry:
     bytes: int = 0             # the estimate it was admitted with (0 while not loaded)
     leases: int = 0            # requests holding it
     last_used: int = 0         # the pool's clock at its latest lease
+    expires: float | None = None   # time.time() it unloads at once idle (None: never)
+    keep_alive: float | None = None   # what the latest request asked for (None: the pool's)
     loading: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -95,7 +120,7 @@ class EnginePool:
     keywords over it) is every Engine's (its model aside)."""
 
     def __init__(self, refs: Sequence[str], config: EngineConfig | None = None, *,
-                 max_loaded_bytes: int | None = None, pull: bool = True,
+                 max_loaded_bytes: int | None = None, pull: bool = True, keep_alive: float | None = None,
                  opener: Callable[..., Engine] = Engine, **options):
         if not refs:
             raise InvalidArgumentError("the pool needs at least one model")
@@ -115,9 +140,12 @@ class EnginePool:
         self.config = config.but(**options) if config is not None and options else config or EngineConfig.of(**options)
         # contexts per model: a slot each, and the embeddings context
         self._contexts = self.config.slots + 1
+        self.keep_alive = None if keep_alive is None or keep_alive < 0 else float(keep_alive)
         self._lock = threading.Lock()
         self._clock = 0
         self._closed = False
+        self._expiry = threading.Condition(self._lock)   # wakes the reaper when an expiry changes
+        self._reaper: threading.Thread | None = None
 
     # -- names ----------------------------------------------------------------
 
@@ -133,9 +161,24 @@ class EnginePool:
                     for e in self._entries.values()]
 
     def add(self, name: str) -> None:
-        """Serve ``name`` too if it is a built-in model and pulling is on (it is
-        pulled on first use); else ModelNotFoundError naming the served ones."""
+        """Serve ``name`` too if it is a local model's name (registry.add_local)
+        or a built-in model and pulling is on (it is pulled on first use);
+        else ModelNotFoundError naming the served ones."""
         self._entry(name)
+
+    def forget(self, name: str) -> None:
+        """Stop serving ``name`` (unloaded first); EngineBusyError while a
+        request holds it."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return
+            if entry.leases:
+                raise EngineBusyError(f"model '{name}' is serving a request; try again when it ends")
+            del self._entries[name]
+            engine, entry.engine = entry.engine, None
+        if engine is not None:
+            engine.close()
 
     def loaded(self, name: str) -> bool:
         with self._lock:
@@ -160,6 +203,8 @@ class EnginePool:
             if self._closed:
                 raise EngineBusyError("the pool is closed")
             entry = self._entries.get(name)
+            if entry is None and name in registry.local_models():
+                entry = self._entries[name] = _Entry(name, name)
             if entry is None and self.pull and name in registry.builtin_models():
                 entry = self._entries[name] = _Entry(name, name)
             if entry is None:
@@ -170,14 +215,97 @@ class EnginePool:
     # -- leases -----------------------------------------------------------------
 
     @contextmanager
-    def engine(self, name: str | None = None) -> Iterator[Engine]:
-        """Hold the Engine of ``name`` (loading it first if needed) for a request."""
+    def engine(self, name: str | None = None, keep_alive: float | None = None, *,
+               use: bool = True) -> Iterator[Engine]:
+        """Hold the Engine of ``name`` (loading it first if needed) for a
+        request; ``keep_alive``: seconds it stays loaded once idle (None: the
+        pool's; < 0: forever; 0: unloaded as soon as it is idle). ``use``
+        False: a look at the model (its metadata), which does not put its
+        expiry off."""
         entry = self._lease(name)
         try:
             yield entry.engine
         finally:
+            self._release(entry, keep_alive, use)
+
+    def _release(self, entry: _Entry, keep_alive: float | None, use: bool = True) -> None:
+        with self._lock:
+            entry.leases -= 1
+            if keep_alive is not None:
+                entry.keep_alive = keep_alive
+            ka = self.keep_alive if entry.keep_alive is None else entry.keep_alive
+            if use or entry.expires is None:   # a look leaves a running clock alone
+                entry.expires = None if ka is None or ka < 0 else time.time() + ka
+            if entry.expires is not None:
+                self._start_reaper()
+                self._expiry.notify_all()
+        self._unload_expired()
+
+    def expire(self, name: str, keep_alive: float) -> bool:
+        """Set ``name``'s keep_alive now, as a request that loads nothing does
+        (Ollama's ``{"model": ..., "keep_alive": 0}`` unloads); returns whether
+        it is unloaded now."""
+        entry = self._entry(name)
+        with self._lock:
+            entry.leases += 1
+        self._release(entry, keep_alive)
+        return not self.loaded(name)
+
+    def expires_at(self, name: str) -> float | None:
+        """When ``name`` unloads if it stays idle (time.time(); None: never)."""
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry.expires if entry is not None else None
+
+    def _unload_expired(self) -> None:
+        """Unload every idle model whose time has come."""
+        now = time.time()
+        with self._lock:
+            due = [e for e in self._entries.values()
+                   if e.engine is not None and not e.leases and e.expires is not None and e.expires <= now]
+            engines = []
+            for e in due:
+                engines.append(e.engine)
+                e.engine, e.bytes, e.expires, e.keep_alive = None, 0, None, None
+        for engine in engines:
+            engine.close()
+
+    def _start_reaper(self) -> None:
+        """Under the lock: the thread that unloads idle models when they expire."""
+        if self._reaper is None and not self._closed:
+            self._reaper = threading.Thread(target=self._reap, name="edgespec-pool-expiry", daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        while True:
             with self._lock:
-                entry.leases -= 1
+                if self._closed:
+                    return
+                times = [e.expires for e in self._entries.values()
+                         if e.engine is not None and not e.leases and e.expires is not None]
+                wait = min(times) - time.time() if times else None
+                if wait is None or wait > 0:
+                    self._expiry.wait(wait)
+                    continue
+            self._unload_expired()
+
+    def context_fits(self, name: str, n_ctx: int) -> None:
+        """Refuse (PoolFullError naming the sizes) a request for a context of
+        ``n_ctx`` tokens that the memory budget cannot hold: the model loaded
+        with one of its slots at that size instead of the default."""
+        entry = self._entry(name)
+        if self.budget is None or entry.engine is None:
+            return
+        path = Path(entry.engine.model_path)
+        if path.is_dir():
+            return
+        extra = model_bytes(path, n_ctx, 1) - model_bytes(path, self.config.n_ctx, 1)
+        with self._lock:
+            used = sum(e.bytes for e in self._entries.values())
+        if extra > 0 and used + extra > self.budget:
+            raise PoolFullError(f"a context of {n_ctx} tokens needs {_size(extra)} more for its KV cache; "
+                                f"the loaded models hold {_size(used)} of the memory budget of "
+                                f"{_size(self.budget)} (--max-loaded-bytes)")
 
     def _lease(self, name: str | None) -> _Entry:
         entry = self._entry(name)
@@ -259,6 +387,7 @@ class EnginePool:
         """Close every engine (running generations are cancelled and waited for)."""
         with self._lock:
             self._closed = True
+            self._expiry.notify_all()
             engines = [e.engine for e in self._entries.values() if e.engine is not None]
             for e in self._entries.values():
                 e.engine, e.bytes = None, 0

@@ -22,6 +22,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence of a recent token
     repeat_last_n: int = 64   # the window the three penalties see
     seed: int = 0
+    # (token, bias) pairs added to the logits before the penalties (a dict is
+    # taken too); -inf bans a token
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
@@ -52,6 +55,7 @@ class SamplingParams:
             raise InvalidArgumentError(f"repeat_last_n must be in [0, 2**31), got {self.repeat_last_n}")
         if not 0 <= self.seed < 2**64:
             raise InvalidArgumentError(f"seed must be in [0, 2**64), got {self.seed}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +65,26 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any of the penalties is on (they read the recent-token window)."""
         return self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token, bias) pairs, each checked: a token id
+    >= 0 (the vocabulary's end is the sampler's to check), a bias that is a
+    finite 32-bit float or -inf."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = sorted((t, b) for t, b in items)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("logit_bias must map token ids to numbers") from None
+    for t, b in pairs:
+        _require("a logit_bias token id", t, (int,))
+        _require(f"logit_bias[{t}]", b, (int, float))
+        if t < 0 or not (math.isfinite(_f32(b)) or b == -math.inf):
+            raise InvalidArgumentError(f"logit_bias: token {t} with bias {b} (a token id >= 0 and a finite "
+                                       "bias, or -inf to ban it)"[:200])
+    if len({t for t, _ in pairs}) < len(pairs):
+        raise InvalidArgumentError("logit_bias names a token twice")
+    return tuple((int(t), float(b)) for t, b in pairs)
 
 
 FLT_MIN, FLT_MAX = 1.1754944e-38, 3.4028235e38   # the smallest normal and the largest 32-bit float
@@ -97,6 +121,10 @@ class Sampler(Owned):
         out = ffi.new("es_sampler **")
         check(lib.es_sampler_init(ffi.addressof(c), n_vocab, out), "es_sampler_init")
         self._ptr = out[0]
+        if params.logit_bias:
+            ids, bias = zip(*params.logit_bias)
+            check(lib.es_sampler_set_bias(self._ptr, ffi.new("es_token[]", ids), ffi.new("float[]", bias), len(ids)),
+                  "es_sampler_set_bias")
         self._tok = ffi.new("es_token *")
         self.params = params
         self.n_vocab = n_vocab

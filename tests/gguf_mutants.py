@@ -1,7 +1,7 @@
 """Mutated GGUF files, and the verdict of edgespec's CLI on each.
 
     with Workbench(model_path, workdir) as bench:          # one padded working copy
-        for mutant in mutants(bench.layout, seed, n):      # seeded, reproducible
+        for mutant in mutants(model_path, seed, n):        # seeded, reproducible
             with bench.applied(mutant) as path:            # the copy, mutated in place
                 ...                                        # run it; restored on exit
     runs = probe(model_path, workdir, seed, n)             # the same, through the CLI
@@ -17,8 +17,9 @@ afterwards. A cut file is written apart (its data is cut off anyway).
 
 ``probe`` runs every mutant through ``edgespec models info`` and ``edgespec
 generate`` on the native and the llama backend, each command in a worker
-process (tests/gguf_mutants.py run as a script: the CLI's ``main`` on each
-line it reads), which the supervisor replaces when it dies or hangs. A
+process (tests/gguf_mutants.py run as a script: the CLI's application on
+each line it reads, as ``edgespec.cli.main`` runs it), which the supervisor
+replaces when it dies or hangs. A
 ``Run`` holds the three exit statuses; ``problems`` lists what must never
 happen: an exit status other than 0 or 2 (an abort, a crash, a traceback), a
 hang, or verdicts that disagree (``models info`` accepting a file that a
@@ -702,10 +703,8 @@ def _worker(reply_fd: int) -> None:
     import io
     import traceback
 
-    import typer  # noqa: F401
-
     from edgespec.cli import app
-    from edgespec.cli import bench, chat, drafter, generate, models, moe, onnx, serve  # noqa: F401
+    from edgespec.cli import bench, chat, drafter, generate, models, moe, onnx, serve  # noqa: F401  (as main)
     from edgespec.errors import EdgespecError
 
     replies = os.fdopen(reply_fd, "w")

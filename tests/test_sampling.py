@@ -126,6 +126,42 @@ def test_greedy_with_penalty_matches_reference():
                 history.append(t)
 
 
+def test_logit_bias_is_added_before_the_penalties():
+    rng = np.random.default_rng(3)
+    row = as_row(rng.normal(0, 2, VOCAB))
+    top = int(np.argmax(row))
+    banned = SamplingParams(logit_bias={top: -math.inf})
+    with Sampler(banned, VOCAB) as s:
+        assert s.sample(row.ctypes.data) == int(np.argsort(-row)[1])
+    lifted = int(np.argmin(row))
+    with Sampler(SamplingParams(logit_bias={lifted: 100.0}), VOCAB) as s:
+        assert s.sample(row.ctypes.data) == lifted
+    # sampled: the kept set is the reference's of the biased row
+    p = SamplingParams(temperature=0.8, top_k=40, repeat_penalty=1.3, logit_bias=[(5, 3.0), (top, -2.0)])
+    biased = row.copy()
+    biased[5] += 3.0
+    biased[top] -= 2.0
+    with Sampler(p, VOCAB) as s:
+        for t in (5, top, 7):
+            s.accept(t)
+        np.testing.assert_allclose(s.probs(row.ctypes.data), reference_probs(biased, p, [5, top, 7]),
+                                   rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias, match", [
+    ({-1: 1.0}, "token id >= 0"), ({3: math.nan}, "finite"), ({3: math.inf}, "finite"),
+    ({3: "x"}, "must be a number"), ("abc", "map token ids"), ([(1, 2.0), (1, 3.0)], "twice"),
+])
+def test_logit_bias_is_checked(bias, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_by_the_c_sampler():
+    with pytest.raises(InvalidArgumentError):
+        Sampler(SamplingParams(logit_bias={VOCAB: 1.0}), VOCAB)
+
+
 # ---------------------------------------------------------------------------
 # The kept set against the numpy reference
 # ---------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def test_client_disconnect_stops_generation(server, client):
     host, port = server.server_address[:2]
     body = json.dumps({"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 128, "temperature": 0, "stream": True})
     sock = socket.create_connection((host, port), timeout=300)
-    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
     data = b""
     while data.count(b"\n\n") < 2:   # two events (the headers end in \r\n\r\n)
@@ -278,7 +278,7 @@ def _send(server, body: dict | bytes, path="/v1/completions", headers: str = "")
     """A raw socket that has sent one POST request (headers and body)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     sock = socket.create_connection(server.server_address[:2], timeout=60)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n{headers}"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
@@ -354,7 +354,7 @@ def _status_body(data: bytes) -> tuple[int, dict]:
 
 def test_oversized_body_refused_unread(server):
     """A 10 MB chat message is refused from the headers (413), the body never read."""
-    data, closed = _headers_only(server, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    data, closed = _headers_only(server, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                                          f"Content-Length: {10 * 1024 * 1024}\r\n\r\n")
     status, body = _status_body(data)
     assert status == 413 and body["error"]["code"] == "request_too_large"
@@ -460,7 +460,7 @@ def test_range_edges_are_served(server):
 # -- hardening: HTTP framing and the API key --------------------------------------------
 
 def _post_head(length_headers: str, extra: str = "") -> str:
-    return f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{extra}{length_headers}\r\n"
+    return f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n{extra}{length_headers}\r\n"
 
 
 def test_request_framing(server):

@@ -66,6 +66,22 @@ def test_a_foreign_host_is_refused_in_the_apis_shape(engine, path, shape):
         stop(server, thread)
 
 
+def test_a_foreign_host_announcing_a_body_is_refused_unread(engine):
+    import socket
+
+    server, thread = start(engine)
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: evil.example\r\n"
+                         b"Content-Length: 10485760\r\n\r\n")
+            data = b""
+            while more := sock.recv(65536):   # the answer, then the server closes
+                data += more
+        assert data.startswith(b"HTTP/1.1 403") and b"connection: close" in data.lower()
+    finally:
+        stop(server, thread)
+
+
 def test_hosts_answered_by_address_bound():
     assert allowed_hosts("127.0.0.1") == {"127.0.0.1", "localhost", "::1"}
     assert allowed_hosts("::1", ("Box.Local",)) == {"127.0.0.1", "localhost", "::1", "box.local"}

@@ -118,10 +118,19 @@ def test_embeddings_over_plain_http(served):
     assert np.allclose(body["embeddings"][0], v, atol=1e-6)
     status, _, data = post(server, "/api/embeddings", {"model": "alpha", "prompt": "a b c"})
     assert status == 200 and np.allclose(json.loads(data)["embedding"], v, atol=1e-6)
+    # dimensions: the first so many, at unit length again (OpenAI's and Ollama's)
+    with pool.engine("alpha") as engine:
+        whole = engine.embed(["a b c"], normalize=False)[0]
+    short = whole[:3] / np.linalg.norm(whole[:3])
+    for path, body, key in (("/v1/embeddings", {"input": "a b c"}, lambda b: b["data"][0]["embedding"]),
+                            ("/api/embed", {"input": "a b c"}, lambda b: b["embeddings"][0])):
+        status, _, data = post(server, path, {"model": "alpha", "dimensions": 3, **body})
+        assert status == 200 and np.allclose(key(json.loads(data)), short, atol=1e-6)
     for bad, param in (({"model": "alpha"}, "input"), ({"model": "alpha", "input": ""}, "input"),
                        ({"model": "alpha", "input": [[1, 2, 10**7]]}, "input"),
                        ({"model": "alpha", "input": "x", "encoding_format": "int8"}, "encoding_format"),
-                       ({"model": "alpha", "input": "x", "dimensions": 3}, "dimensions"),
+                       ({"model": "alpha", "input": "x", "dimensions": 10 ** 6}, "dimensions"),
+                       ({"model": "alpha", "input": "x", "dimensions": 0}, "dimensions"),
                        ({"model": "alpha", "input": "word " * 300}, "input")):
         status, _, data = post(server, "/v1/embeddings", bad)
         assert status == 400 and json.loads(data)["error"]["param"] == param, data

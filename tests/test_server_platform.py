@@ -171,11 +171,16 @@ def test_ollama_chat_refusals(server):
                             ([{"role": "user", "content": 5}], "messages[0].content")):
         status, _, data = post(server, "/api/chat", {"model": MODEL, "messages": messages})
         assert status == 400 and words in json.loads(data)["error"]
-    # options about loading are the server's to decide: ignored
-    status, _, data = post(server, "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                 "options": {"num_ctx": 8192, "num_thread": 64, "num_predict": 1},
-                                                 "stream": False})
+    # the server's own settings may be named at their value; any other is refused, naming it
+    x = [{"role": "user", "content": "x"}]
+    threads = server.engine.backend.threads
+    status, _, data = post(server, "/api/chat", {"model": MODEL, "messages": x, "stream": False,
+                                                 "options": {"num_thread": threads, "num_gpu": -1, "num_predict": 1}})
     assert status == 200 and json.loads(data)["eval_count"] <= 1
+    for options, words in (({"num_thread": threads + 7}, "num_thread"), ({"num_ctx": 10 ** 7}, "context of 10000000"),
+                           ({"use_mmap": False}, "use_mmap"), ({"num_gpux": 1}, "num_gpux")):
+        status, _, data = post(server, "/api/chat", {"model": MODEL, "messages": x, "options": options})
+        assert status == 400 and words in json.loads(data)["error"], data
 
 
 WEATHER = [{"type": "function", "function": {

@@ -212,3 +212,69 @@ def test_ollama_format(server):
             assert isinstance(value, dict)
             if fmt == schema:
                 jsonschema.validate(value, schema)
+
+
+# -- structured output that ends (smollm2-135m, the smallest built-in model) -------------------
+
+def test_bounded_schema_caps_digits_and_closes_objects():
+    from edgespec.grammar import bounded_schema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": ["number", "null"]},
+                                               "free": {"type": "object", "additionalProperties": True,
+                                                        "properties": {"a": {"type": "integer", "minimum": 0}}},
+                                               "list": {"type": "array", "items": {"type": "object",
+                                                                                  "properties": {}}}}}
+    out = bounded_schema(schema)
+    assert out["additionalProperties"] is False and "additionalProperties" not in schema   # a copy
+    assert out["properties"]["n"] == {"type": "integer", "minimum": -(10 ** 16 - 1), "maximum": 10 ** 16 - 1}
+    assert out["properties"]["x"]["multipleOf"] == 1e-10 and out["properties"]["x"]["maximum"] == 10 ** 16 - 1
+    free = out["properties"]["free"]
+    assert free["additionalProperties"] is True and free["properties"]["a"]["minimum"] == 0
+    assert out["properties"]["list"]["items"]["additionalProperties"] is False
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path):
+    from test_server_platform import start, stop
+
+    with Engine(str(smollm2_path), threads=2, n_ctx=1024, drafter="auto") as e:
+        server, thread = start(e)
+        yield server
+        stop(server, thread)
+
+
+@pytest.mark.parametrize("prompt", ["Make up an order.", "Order 7781 for customer 42: two items."])
+def test_the_sdk_s_parse_ends_with_a_valid_object(smollm2_server, prompt):
+    from pydantic import BaseModel
+
+    class Item(BaseModel):
+        sku: int
+        quantity: int
+
+    class Order(BaseModel):
+        order_id: int
+        customer_id: int
+        total_cents: int
+        first_item: Item
+        second_item: Item
+
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    # without the digit caps this model writes order_id digits until max_tokens (parse() then raises)
+    r = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                      response_format=Order, temperature=0, max_tokens=400)
+    assert r.choices[0].finish_reason == "stop"
+    order = r.choices[0].message.parsed
+    assert isinstance(order, Order) and isinstance(order.second_item, Item)
+    assert all(abs(v) < 10 ** 16 for v in (order.order_id, order.customer_id, order.total_cents))
+
+
+def test_a_required_tool_call_on_the_smallest_model_returns_a_parsed_call(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    weather = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=weather, tool_choice="required", temperature=0, max_tokens=100)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}   # no keys beside the listed ones

@@ -64,6 +64,9 @@ typedef struct checker {
     int64_t  n_expert, n_ff_exp;
     int64_t  n_head[MAX_LAYERS], n_head_kv[MAX_LAYERS], n_ff[MAX_LAYERS];
     int64_t  n_expert_used[MAX_LAYERS];
+    // Bytes with a token (bit b of [b / 8]): "<0xXX>" (upper-case hex, as
+    // llama.cpp spells it), and the byte itself as a one-byte token.
+    uint8_t  byte_hex[32], byte_plain[32];
 } checker;
 
 static int fail(checker * c, const char * fmt, ...) {
@@ -318,9 +321,12 @@ static int check_hparams(checker * c) {
         rc = fail(c, "%s.rope.scaling.type is not one of none, linear, yarn, longrope", c->arch);
     }
 
-    // Sliding-window layers (gemma3): a period, or a flag per layer.
-    int64_t swa[MAX_LAYERS];
+    // Sliding-window layers (gemma3): a period, or a flag per layer; the window.
+    int64_t swa[MAX_LAYERS], window = 0, vocab_size = 0;
     TRY(key_per_layer(c, "attention.sliding_window_pattern", false, 0, INT32_MAX, swa));
+    TRY(key_int(c, arch_key(c, "attention.sliding_window", key), false, 0, INT32_MAX, &window));
+    // Read by llama.cpp as a u32 when present (the vocabulary gives the count).
+    TRY(key_int(c, arch_key(c, "vocab_size", key), false, 1, MAX_VOCAB, &vocab_size));
 
     // Norm epsilon, RoPE frequencies, soft-capping.
     TRY(key_float(c, "attention.layer_norm_rms_epsilon", known, false));
@@ -328,6 +334,7 @@ static int check_hparams(checker * c) {
     TRY(key_float(c, "rope.freq_base", false, false));
     TRY(key_float(c, "rope.freq_base_swa", false, false));
     TRY(key_float(c, "rope.scaling.factor", false, true));
+    TRY(key_float(c, "rope.scale_linear", false, false));
     TRY(key_float(c, "final_logit_softcapping", false, true));
     TRY(key_float(c, "attn_logit_softcapping", false, true));
 
@@ -387,6 +394,14 @@ static uint64_t hash_bytes(const uint8_t * s, uint64_t n) {
     return h;
 }
 
+// The byte of a token "<0xXX>" with upper-case hex digits; -1 for any other.
+static int32_t byte_value(const uint8_t * s, uint64_t len) {
+    static const char hex[] = "0123456789ABCDEF";
+    if (len != 6 || memcmp(s, "<0x", 3) || s[5] != '>') return -1;
+    const char * hi = memchr(hex, s[3], 16), * lo = memchr(hex, s[4], 16);
+    return hi && lo ? (int32_t) ((hi - hex) * 16 + (lo - hex)) : -1;
+}
+
 // A token as llama.cpp stores it: a C string, cut at its first NUL byte.
 static uint64_t stored_len(const uint8_t * s, uint64_t len) {
     const uint8_t * nul = memchr(s, 0, (size_t) len);
@@ -421,6 +436,9 @@ static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
         const uint8_t * s = p + 8;
         const uint64_t len = stored_len(s, full);
         p = s + full;
+        int32_t b = byte_value(s, len);
+        if (b >= 0) c->byte_hex[b >> 3] |= (uint8_t) (1u << (b & 7));
+        if (len == 1) c->byte_plain[s[0] >> 3] |= (uint8_t) (1u << (s[0] & 7));
         if (len == 0) {
             rc = full ? fail(c, "tokenizer.ggml.tokens: token %llu '%s' is empty up to its NUL byte "
                              "(where llama.cpp cuts it)", (unsigned long long) i,
@@ -520,6 +538,24 @@ static int check_special_ids(checker * c) {
     return ES_OK;
 }
 
+// A tokenizer that falls back to byte tokens for text its vocabulary lacks
+// (llama.cpp's "llama" (SPM) and "t5" (UGM): "<0xXX>", else the byte itself;
+// "plamo2": "<0xXX>") looks each up unchecked and aborts on a missing one:
+// every byte needs its token.
+static int check_byte_tokens(checker * c, const char * model) {
+    const bool spm = model && (!strcmp(model, "llama") || !strcmp(model, "t5"));
+    if (!spm && !(model && !strcmp(model, "plamo2"))) return ES_OK;
+    for (int b = 0; b < 256; b++) {
+        const bool hex = c->byte_hex[b >> 3] >> (b & 7) & 1, plain = c->byte_plain[b >> 3] >> (b & 7) & 1;
+        if (!hex && !(spm && plain)) {
+            return fail(c, "tokenizer.ggml.tokens: no token <0x%02X>%s, which the '%s' tokenizer falls "
+                        "back to (llama.cpp aborts on a byte without its token)", b,
+                        spm ? " nor the byte itself" : "", model);
+        }
+    }
+    return ES_OK;
+}
+
 static int check_vocab(checker * c) {
     const char * model = es_gguf_get_str(c->g, "tokenizer.ggml.model");
     uint64_t n;
@@ -537,6 +573,7 @@ static int check_vocab(checker * c) {
         return fail(c, "tokenizer.ggml.tokens is missing (the file has no vocabulary)");
     }
     int rc = check_tokens(c, tokens, n);
+    if (rc == ES_OK) rc = check_byte_tokens(c, model);
     if (rc != ES_OK) return rc;
 
     const void * types, * scores;

@@ -56,6 +56,14 @@ void es_sampler_free(es_sampler * smpl);
 // Forgets the penalty history and reseeds the RNG with params.seed.
 void es_sampler_reset(es_sampler * smpl);
 
+// Adds bias[i] to the logit of token ids[i] in every row, before the
+// penalties (OpenAI's and llama.cpp's logit_bias; -INFINITY bans a token),
+// for sampling and verification alike. The arrays are copied; a later call
+// replaces them, n = 0 clears them. ES_ERR_INVALID_ARG for an id outside
+// [0, n_vocab) or a NaN or +inf bias (the sampler is then unchanged);
+// ES_ERR_NO_MEMORY.
+int  es_sampler_set_bias(es_sampler * smpl, const es_token * ids, const float * bias, int32_t n);
+
 // Records a token that became part of the text (prompt or generated), for
 // the repetition penalty. Tokens outside [0, n_vocab) are ignored.
 void es_sampler_accept(es_sampler * smpl, es_token token);

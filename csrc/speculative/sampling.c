@@ -91,12 +91,38 @@ int es_sampler_init(const es_sampler_params * params, int32_t n_vocab, es_sample
 
 void es_sampler_free(es_sampler * s) {
     if (!s) return;
+    free(s->bias);
+    free(s->bias_ids);
     free(s->history_undo);
     free(s->history);
     free(s->cand_p);
     free(s->cand);
     free(s->work);
     free(s);
+}
+
+int es_sampler_set_bias(es_sampler * s, const es_token * ids, const float * bias, int32_t n) {
+    if (!s || n < 0 || (n > 0 && (!ids || !bias))) return ES_ERR_INVALID_ARG;
+    for (int32_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= s->n_vocab || bias[i] != bias[i] || bias[i] == INFINITY) return ES_ERR_INVALID_ARG;
+    }
+    es_token * new_ids = n ? malloc(sizeof(es_token) * (size_t) n) : NULL;
+    float * new_bias = n ? malloc(sizeof(float) * (size_t) n) : NULL;
+    if (n && (!new_ids || !new_bias)) {
+        free(new_ids);
+        free(new_bias);
+        return ES_ERR_NO_MEMORY;
+    }
+    if (n) {
+        memcpy(new_ids, ids, sizeof(es_token) * (size_t) n);
+        memcpy(new_bias, bias, sizeof(float) * (size_t) n);
+    }
+    free(s->bias_ids);
+    free(s->bias);
+    s->bias_ids = new_ids;
+    s->bias = new_bias;
+    s->n_bias = n;
+    return ES_OK;
 }
 
 void es_sampler_reset(es_sampler * s) {
@@ -121,13 +147,17 @@ static bool penalties_off(const es_sampler_params * p) {
     return p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f;
 }
 
-// Returns logits with the penalties applied: the row itself when they are off
-// (no copy), else a penalized copy in s->work. Each distinct recent token t,
-// seen c times in the window: its logit is divided (if positive) or
+// Returns logits with the bias and the penalties applied: the row itself when
+// both are off (no copy), else a copy in s->work. The biases are added first
+// (as llama.cpp's logit-bias sampler comes first); then each distinct recent
+// token t, seen c times in the window: its logit is divided (if positive) or
 // multiplied by repeat_penalty, then loses presence_penalty + c * frequency_penalty.
-static const float * penalized(es_sampler * s, const float * logits) {
-    if (penalties_off(&s->params) || s->n_history == 0) return logits;
+static const float * adjusted(es_sampler * s, const float * logits) {
+    const bool penalize = !penalties_off(&s->params) && s->n_history > 0;
+    if (!penalize && s->n_bias == 0) return logits;
     memcpy(s->work, logits, sizeof(float) * (size_t) s->n_vocab);
+    for (int32_t i = 0; i < s->n_bias; i++) s->work[s->bias_ids[i]] += s->bias[i];
+    if (!penalize) return s->work;
     const float pen = s->params.repeat_penalty;
     for (int32_t i = 0; i < s->n_history; i++) {
         const es_token t = s->history[i];
@@ -136,7 +166,7 @@ static const float * penalized(es_sampler * s, const float * logits) {
         if (seen) continue;
         int32_t c = 1;
         for (int32_t j = i + 1; j < s->n_history; j++) c += s->history[j] == t;
-        float v = logits[t];
+        float v = s->work[t];
         v = v > 0.0f ? v / pen : v * pen;
         s->work[t] = v - s->params.presence_penalty - (float) c * s->params.frequency_penalty;
     }
@@ -228,7 +258,7 @@ static int32_t select_top_k(es_sampler * s, int32_t n, int32_t k) {
 }
 
 int es__kept_set(es_sampler * s, const float * logits, const uint32_t * mask, int32_t * n_kept) {
-    const float * x = penalized(s, logits);
+    const float * x = adjusted(s, logits);
     const int32_t V = s->n_vocab;
 
     if (s->params.temperature <= 0.0f) {
@@ -328,7 +358,7 @@ int es_sampler_sample(es_sampler * s, const float * logits, const uint32_t * mas
     if (!s || !logits || !out) return ES_ERR_INVALID_ARG;
     if (s->params.temperature <= 0.0f) {
         // Fast path: no kept-set bookkeeping for argmax.
-        const es_token best = argmax(penalized(s, logits), mask, s->n_vocab);
+        const es_token best = argmax(adjusted(s, logits), mask, s->n_vocab);
         if (best < 0) return ES_ERR_EMPTY;
         *out = best;
         return ES_OK;

@@ -11,7 +11,10 @@ struct es_sampler {
     es_sampler_params params;
     int32_t    n_vocab;
     uint64_t   rng[4];        // xoshiro256** state
-    float    * work;          // (n_vocab) penalized copy of a logits row
+    float    * work;          // (n_vocab) biased and penalized copy of a logits row
+    es_token * bias_ids;      // (n_bias) tokens whose logits get a bias (es_sampler_set_bias)
+    float    * bias;          // (n_bias) their biases
+    int32_t    n_bias;
     es_token * cand;          // (n_vocab) candidate token ids of the kept set
     float    * cand_p;        // (n_vocab) their scaled logits, then probabilities
     es_token * history;       // (repeat_last_n) ring of recent tokens

@@ -385,6 +385,12 @@ static void test_hparams(void) {
     standard(&m, "gemma3", false);
     set_i32(&m, "gemma3.attention.sliding_window", 8);   // a key the validator reads nothing else of
     REFUSED(&m, "metadata key gemma3.attention.sliding_window is a i32; llama.cpp reads it as u32");
+    standard(&m, "gemma3", false);
+    set_str(&m, "gemma3.attention.sliding_window", "8");
+    REFUSED(&m, "metadata key gemma3.attention.sliding_window is not an integer");
+    standard(&m, "llama", false);
+    set_u32(&m, "llama.vocab_size", 0);
+    REFUSED(&m, "metadata key llama.vocab_size = 0 is out of range");
     const uint32_t f32_bits[N_LAYER] = {0, 0};
     standard(&m, "llama", false);
     set_arr4(&m, "llama.attention.head_count", GV_F32, f32_bits, N_LAYER);
@@ -516,6 +522,16 @@ static void test_hparams(void) {
     REFUSED(&m, "general.architecture is missing or not a string");
 }
 
+// A model of no known architecture (no tensors asked for) with an SPM vocabulary of n tokens.
+static void spm_model(model * m, const char * const * tokens, int n) {
+    memset(m, 0, sizeof *m);
+    set_str(m, "general.architecture", "phi3");
+    set_u32(m, "phi3.block_count", 1);
+    set_u32(m, "phi3.embedding_length", N_EMBD);
+    set_str(m, "tokenizer.ggml.model", "llama");
+    set_strs(m, "tokenizer.ggml.tokens", tokens, n);
+}
+
 static void test_vocab(void) {
     model m;
     // Two identical tokens (one changed byte: "bc" -> "ab").
@@ -557,6 +573,26 @@ static void test_vocab(void) {
     standard(&m, "llama", false);
     set_strs_n(&m, "tokenizer.ggml.tokens", dup, lens, N_VOCAB);
     VALID(&m);
+    // An SPM ("llama") vocabulary needs a token for every byte, "<0xXX>" or
+    // the byte itself: llama.cpp's byte fallback aborts on a missing one.
+    standard(&m, "llama", false);
+    set_str(&m, "tokenizer.ggml.model", "llama");
+    REFUSED(&m, "no token <0x00> nor the byte itself, which the 'llama' tokenizer falls back to");
+    char bytes_text[256][7];
+    const char * spm[3 + 256];
+    spm[0] = "<unk>", spm[1] = "<s>", spm[2] = "</s>";
+    for (int b = 0; b < 256; b++) {
+        snprintf(bytes_text[b], sizeof bytes_text[b], "<0x%02X>", b);
+        spm[3 + b] = bytes_text[b];
+    }
+    spm_model(&m, spm, 3 + 256);
+    VALID(&m);
+    snprintf(bytes_text[0x41], sizeof bytes_text[0x41], "A");   // the byte itself will do
+    spm_model(&m, spm, 3 + 256);
+    VALID(&m);
+    snprintf(bytes_text[0x41], sizeof bytes_text[0x41], "<0x4a>");   // lower case: not llama.cpp's spelling
+    spm_model(&m, spm, 3 + 256);
+    REFUSED(&m, "no token <0x41> nor the byte itself");
     // A model that says it has no vocabulary: llama.cpp aborts on its first token.
     standard(&m, "llama", false);
     set_str(&m, "tokenizer.ggml.model", "none");

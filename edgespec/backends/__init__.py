@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import BACKENDS  # noqa: F401  (re-exported: one list, the config's)
 from ..errors import InvalidArgumentError
-from .base import Backend, Interrupted  # noqa: F401  (the contract, re-exported)
+from .base import Backend, Interrupted, default_threads  # noqa: F401  (the contract, re-exported)
 
 # Architectures the native engine decodes at least as fast as llama.cpp
 # (benchmarks/bench_native.py speed, 2 threads, native / llama.cpp: llama
@@ -22,13 +22,6 @@ from .base import Backend, Interrupted  # noqa: F401  (the contract, re-exported
 # backend, and its bit-exact speculation is what users get unasked.
 # Mixture-of-experts files (qwen3moe, llama with experts) stay on llama.cpp.
 NATIVE_DEFAULT_ARCHS = ("llama", "qwen2", "gemma3")
-
-
-def default_threads() -> int:
-    """Physical cores are what matters for decoding; on SMT machines with many
-    logical CPUs use half of them."""
-    n = os.cpu_count() or 1
-    return n if n <= 4 else n // 2
 
 
 def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
@@ -69,19 +62,16 @@ def resolve_model(name: str, ref: str) -> Path:
 
 
 def check_model(ref: str) -> Path:
-    """The file of ``ref``, checked as every backend checks it before reading
+    """The file of ``ref``, checked as the backends check it before reading
     weights, so that `edgespec models info` gives the verdict `generate`
     would: the GGUF validated (registry.model_path_checked), then read by
-    llama.cpp without its tensors (hyperparameters and vocabulary: both
-    backends take the tokenizer from it), its tokenizer tried on a text of
-    letters, digits, punctuation and a non-ASCII letter. ModelFormatError
-    otherwise."""
+    llama.cpp without its tensors' data (llama.check_loadable: the native
+    backend takes its tokenizer from llama.cpp too). ModelFormatError otherwise."""
     from ..models import registry
-    from .vocab import Vocab
+    from .llama import check_loadable
 
     path = registry.model_path_checked(ref)
-    with Vocab.load(path) as vocab:
-        vocab.tokenize("Hello, world: 42 caf\u00e9!")
+    check_loadable(path)
     return path
 
 

@@ -37,13 +37,16 @@ The rules, the same on every backend:
 
 Slots. A backend opened with ``slots=N`` keeps N KV caches over one loaded
 model (a context each, made when first used), each with its own record.
+A slot's context holds ``n_ctx`` tokens unless a generation asks for
+another size (``reuse_prefix(tokens, n_ctx)``: Ollama's ``num_ctx``): it
+then runs in a slot of that size, one made again at it if none is.
 ``reuse_prefix`` picks the slot a generation runs in: the one sharing the
 longest prefix with its tokens, if taking it discards little of what that
 slot holds (a tenth while an empty slot remains, half once none does: a
 shared system prompt must not take over another conversation's slot), else
 an empty slot, else the least recently used; every other call works on the
-selected slot. A backend supplies ``_select_slot(i)``
-for N > 1.
+selected slot. A backend supplies ``_select_slot(i, n_ctx)``
+for N > 1 or another size.
 
 Embeddings. ``hidden_states(sequences)`` evaluates token sequences on an
 embeddings context of their own (no slot's cache changes) and returns every
@@ -54,6 +57,7 @@ to the cache (a long sequence in chunks).
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +67,19 @@ import numpy as np
 
 from ..capi import Closing
 from ..config import DEFAULT_CTX, MAX_CTX, MAX_SLOTS, MIN_CTX
+from ..costs import available_memory  # noqa: F401  (re-exported: what the pool reads)
 from ..models.gguf import GGUFFile
 from ..errors import (ContextOverflowError, EngineClosedError, InvalidArgumentError,
                       UnsupportedModelError)
 
 EMBED_SEQS = 16       # sequences in one embeddings batch
+
+
+def default_threads() -> int:
+    """Physical cores are what matters for decoding; on SMT machines with many
+    logical CPUs use half of them."""
+    n = os.cpu_count() or 1
+    return n if n <= 4 else n // 2
 
 
 def context_size(requested: int | None, limit: int, *, extend: bool | None = False,
@@ -83,18 +95,6 @@ def context_size(requested: int | None, limit: int, *, extend: bool | None = Fal
         hint = "" if extend is None else " (ctx_extend / --ctx-extend allows it, at the model's risk)"
         raise InvalidArgumentError(f"a context of {requested} tokens exceeds {limit_name} of {limit}{hint}")
     return requested
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the kernel says a new allocation can take, where it says."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:
@@ -155,6 +155,9 @@ class Backend(Closing, ABC):
     n_batch: int
     threads: int
     exact_trees = True  # a draft tree's rows equal those of its nodes' paths evaluated as chains
+    resizable = False   # a slot's context may be made at another size (_select_slot)
+    embeds = False      # hidden_states works (_hidden)
+    ctx_extend = False  # contexts beyond the training context are allowed
     _closed = False   # class defaults: close() works on a half-made backend too
     _tree_cells = 0   # cells of an evaluated draft tree, after the record
 
@@ -166,6 +169,7 @@ class Backend(Closing, ABC):
         self._records: list[list[int]] = [[] for _ in range(slots)]
         self._stats = [SlotStats(i) for i in range(slots)]
         self._last_used = [0] * slots   # LRU clock value of each slot's last generation
+        self._sizes: list[int | None] = [None] * slots   # a slot's context size; None: n_ctx
         self._clock = 0
         self.slot = 0
         self._cells = self._records[0]
@@ -185,9 +189,22 @@ class Backend(Closing, ABC):
     def _close(self) -> None:
         """Free the backend's objects; safe on a half-made backend."""
 
-    def _select_slot(self, i: int) -> None:
-        """Make slot i's context (on first use) the one evaluated and truncated."""
-        raise InvalidArgumentError(f"the {self.name} backend has one KV-cache slot")
+    def _select_slot(self, i: int, n_ctx: int) -> None:
+        """Make slot i's context the one evaluated and truncated, holding
+        ``n_ctx`` tokens: made on first use, made again (empty) when it holds
+        another size (``_sizes[i]`` says which it holds). The memory check
+        first (``_check_kv_memory``); a failure leaves every context as it was."""
+        raise InvalidArgumentError(f"the {self.name} backend keeps one KV cache of {self.n_ctx} tokens")
+
+    def _state(self) -> bytes:
+        """The selected slot's KV cache (its record's cells) as the backend's own bytes."""
+        raise UnsupportedModelError(f"the {self.name} backend cannot save a KV cache")
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        """Replace the selected slot's KV cache with ``_state``'s bytes of
+        ``n_tokens`` cells; InvalidArgumentError (the cache emptied) when they
+        do not fit it."""
+        raise UnsupportedModelError(f"the {self.name} backend cannot restore a KV cache")
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         """One batch on the embeddings context: ``fresh``, each piece is a
@@ -222,6 +239,24 @@ class Backend(Closing, ABC):
     def n_past(self) -> int:
         """Tokens the KV cache holds."""
         return len(self._cells)
+
+    @property
+    def context(self) -> int:
+        """Tokens the selected slot's context holds: n_ctx unless a generation
+        asked for another size."""
+        return self._sizes[self.slot] or self.n_ctx
+
+    def check_context(self, n_ctx: int) -> int:
+        """A context size a generation may ask for, checked as opening does
+        (the training context, memory for its KV cache); InvalidArgumentError
+        naming the sizes otherwise."""
+        n_ctx = context_size(n_ctx, self.n_ctx_train, extend=self.ctx_extend)
+        if n_ctx != self.n_ctx:
+            if not self.resizable:
+                raise InvalidArgumentError(f"the {self.name} backend keeps one KV cache of {self.n_ctx} tokens; "
+                                           f"a context of {n_ctx} needs the model opened with that context")
+            self._check_kv_memory(n_ctx)
+        return n_ctx
 
     @property
     def cached_tokens(self) -> list[int]:
@@ -275,8 +310,8 @@ class Backend(Closing, ABC):
         self._check_tokens(tokens)
         self._settle()
         start = len(self._cells)
-        if start + n > self.n_ctx:
-            raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.n_ctx}")
+        if start + n > self.context:
+            raise ContextOverflowError(f"{start + n} tokens do not fit the context of {self.context}")
         # The last chunk holds every wanted row: it starts at the last multiple
         # of n_batch, or earlier at the first wanted row.
         last = min((n - 1) // self.n_batch * self.n_batch, first_row)
@@ -315,9 +350,9 @@ class Backend(Closing, ABC):
         self._check_tokens(pending + tokens)
         self._settle()
         start = len(self._cells)
-        if k + n > self.n_batch or start + k + max(depths, default=0) > self.n_ctx:
+        if k + n > self.n_batch or start + k + max(depths, default=0) > self.context:
             raise ContextOverflowError(f"a draft tree of {n} nodes after {k} pending tokens does not fit "
-                                       f"the batch of {self.n_batch} or the context of {self.n_ctx}")
+                                       f"the batch of {self.n_batch} or the context of {self.context}")
         root = k - 1
         batch_parents = list(range(-1, k - 1)) + [root if p < 0 else k + p for p in parents]
         positions = list(range(start, start + k)) + [start + root + d for d in depths]
@@ -352,14 +387,15 @@ class Backend(Closing, ABC):
             raise
         del self._cells[n_keep:]
 
-    def reuse_prefix(self, tokens: Sequence[int]) -> int:
-        """Select the slot for a generation of ``tokens`` (see the module
-        docstring) and keep the longest prefix its cache shares with them,
-        short of their last token (which is always evaluated again: its row
-        gives the next token). Returns how many tokens are kept; the caller
-        decodes ``tokens[kept:]``."""
+    def reuse_prefix(self, tokens: Sequence[int], n_ctx: int | None = None) -> int:
+        """Select the slot for a generation of ``tokens`` in a context of
+        ``n_ctx`` tokens (None: the backend's; see the module docstring) and
+        keep the longest prefix its cache shares with them, short of their
+        last token (which is always evaluated again: its row gives the next
+        token). Returns how many tokens are kept; the caller decodes
+        ``tokens[kept:]``."""
         self._check_open()
-        self.use_slot(self.choose_slot(tokens))
+        self.use_slot(self.choose_slot(tokens, n_ctx), n_ctx)
         keep = common_prefix(self._cells, tokens, len(tokens) - 1)
         self.truncate(keep)
         self._clock += 1
@@ -370,33 +406,79 @@ class Backend(Closing, ABC):
         stats.reused += keep
         return keep
 
-    def choose_slot(self, tokens: Sequence[int]) -> int:
-        """The slot a generation of ``tokens`` would run in (see the module docstring)."""
+    def choose_slot(self, tokens: Sequence[int], n_ctx: int | None = None) -> int:
+        """The slot a generation of ``tokens`` would run in (see the module
+        docstring): among the slots of its context size, else an empty one
+        (made again at that size), else the least recently used."""
+        size = n_ctx or self.n_ctx
         if self.n_slots == 1:
             return 0
         limit = len(tokens) - 1
-        empty = [i for i, record in enumerate(self._records) if not record]
+        fits = [i for i in range(self.n_slots) if (self._sizes[i] or self.n_ctx) == size]
+        empty = [i for i in fits if not self._records[i]]
         # The largest share of a slot's tokens a match may discard.
         share = 0.1 if empty else 0.5
-        matches = [(n, self._last_used[i], i) for i, record in enumerate(self._records)
-                   if (n := common_prefix(record, tokens, limit)) > 0 and len(record) - n <= share * len(record)]
+        matches = [(n, self._last_used[i], i) for i in fits
+                   if (n := common_prefix(self._records[i], tokens, limit)) > 0
+                   and len(self._records[i]) - n <= share * len(self._records[i])]
         if matches:
             return max(matches)[2]
+        empty = empty or [i for i, record in enumerate(self._records) if not record]
         if empty:
             return empty[0]
         return min(range(self.n_slots), key=lambda i: self._last_used[i])
 
-    def use_slot(self, i: int) -> None:
-        """Select slot i: later calls evaluate into and truncate its cache."""
+    def use_slot(self, i: int, n_ctx: int | None = None) -> None:
+        """Select slot i, its context holding ``n_ctx`` tokens (None: n_ctx;
+        one of another size is emptied and made again): later calls evaluate
+        into and truncate its cache."""
         self._check_open()
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_slots:
             raise InvalidArgumentError(f"slot {i!r} is outside [0, {self.n_slots})")
-        if i == self.slot:
+        size = n_ctx or self.n_ctx
+        resize = (self._sizes[i] or self.n_ctx) != size
+        if i == self.slot and not resize:
             return
         self._settle()
-        self._select_slot(i)
+        self._select_slot(i, size)
+        if resize:
+            self._records[i].clear()
+        self._sizes[i] = size if size != self.n_ctx else None
         self.slot = i
         self._cells = self._records[i]
+
+    def slot_state(self, i: int) -> tuple[list[int], int, bytes]:
+        """Slot i's tokens, context size and KV cache state (the backend's own
+        bytes), to restore later with ``restore_slot``."""
+        self.use_slot(i, self._sizes[i])
+        self._settle()
+        return list(self._cells), self.context, self._state()
+
+    def restore_slot(self, i: int, tokens: Sequence[int], state: bytes) -> None:
+        """Make slot i hold ``tokens`` from a state ``slot_state`` gave (of
+        this model, in a context of slot i's size); on a refusal the slot is
+        left empty."""
+        self.use_slot(i, self._sizes[i])
+        self._settle()
+        self._check_tokens(tokens)
+        self._cells.clear()
+        try:
+            self._set_state(state, len(tokens))
+        except BaseException:
+            self._resync()
+            raise
+        self._cells.extend(tokens)
+
+    def erase_slot(self, i: int) -> int:
+        """Empty slot i's cache; returns the tokens it held."""
+        self.use_slot(i, self._sizes[i])
+        n = self.n_past
+        self.clear()
+        return n
+
+    def slot_sizes(self) -> list[int]:
+        """Each slot's context size."""
+        return [size or self.n_ctx for size in self._sizes]
 
     def slot_stats(self) -> list[SlotStats]:
         """A snapshot of every slot's counters."""
@@ -411,7 +493,7 @@ class Backend(Closing, ABC):
         """Empty every slot's cache; slot 0 is selected afterwards."""
         for i in reversed(range(self.n_slots)):
             if self._records[i] or i == 0:
-                self.use_slot(i)
+                self.use_slot(i, self._sizes[i])
                 self.clear()
 
     # -- embeddings --------------------------------------------------------------

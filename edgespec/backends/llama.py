@@ -15,10 +15,9 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from ..config import DEFAULT_BATCH
-from ..errors import BackendError, ModelFormatError
+from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from ..models.gguf import GGUFFile
-from . import default_threads
-from .base import EMBED_SEQS, Backend, context_size
+from .base import Backend, EMBED_SEQS, context_size, default_threads
 from .vocab import Vocab, VocabMixin, init_llama, model_params
 
 
@@ -36,8 +35,33 @@ def _load_mode(path: Path) -> int:
     return lc.LLAMA_LOAD_MODE_AUTO if mappable else lc.LLAMA_LOAD_MODE_NONE
 
 
+def _load(path: Path, **params):
+    """A llama_model of ``path`` (the caller frees it); ModelFormatError when llama.cpp refuses it."""
+    model = lc.llama_model_load_from_file(str(path).encode(), model_params(**params))
+    if not model:
+        raise ModelFormatError(f"{path}: llama.cpp could not load this model "
+                               "(unsupported architecture or damaged file)")
+    return model
+
+
+def check_loadable(path: Path) -> None:
+    """llama.cpp reads ``path`` as it would load it, but not its tensors'
+    data (``no_alloc``): hyperparameters, vocabulary and tensor table, the
+    checks both backends pass through; then its tokenizer is tried on a text
+    of letters, digits, punctuation and a non-ASCII letter.
+    ModelFormatError naming what failed."""
+    init_llama(False)
+    model = _load(path, no_alloc=True, load_mode=lc.LLAMA_LOAD_MODE_NONE)  # mapping asserts under no_alloc
+    try:
+        Vocab(model).tokenize("Hello, world: 42 caf\u00e9!")
+    finally:
+        lc.llama_model_free(model)
+
+
 class LlamaBackend(VocabMixin, Backend):
     name = "llama"
+    resizable = True
+    embeds = True
     # llama.cpp objects, freed by close() in reverse order
     _model = _ctx = _batch = _embed_ctx = _embed_batch = None
     _contexts: list = []
@@ -51,17 +75,14 @@ class LlamaBackend(VocabMixin, Backend):
         init_llama(verbose)
         self.path = Path(path)
 
-        self._model = lc.llama_model_load_from_file(
-            str(self.path).encode(), model_params(n_gpu_layers=gpu_layers, load_mode=_load_mode(self.path)))
-        if not self._model:
-            raise ModelFormatError(f"{self.path}: llama.cpp could not load this model "
-                                   "(unsupported architecture or damaged file)")
+        self._model = _load(self.path, n_gpu_layers=gpu_layers, load_mode=_load_mode(self.path))
         self.vocab = Vocab(self._model)
         self.n_vocab = self.vocab.n_vocab
         self.n_embd = lc.llama_model_n_embd(self._model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
         self.threads = threads or default_threads()
         self._swa_full = swa_full
+        self.ctx_extend = ctx_extend
         try:
             n_ctx = context_size(n_ctx, self.n_ctx_train, extend=ctx_extend)
             self._check_kv_memory(n_ctx)
@@ -163,12 +184,31 @@ class LlamaBackend(VocabMixin, Backend):
             lc.llama_memory_seq_rm(self._mem, s, -1, -1)
         self._n_tree_seqs = 1
 
-    def _select_slot(self, i: int) -> None:
-        if self._contexts[i] is None:
-            self._check_kv_memory(self.n_ctx)
-            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch, self.n_seq)
+    def _select_slot(self, i: int, n_ctx: int) -> None:
+        old = self._contexts[i]
+        if old is None or (self._sizes[i] or self.n_ctx) != n_ctx:
+            self._check_kv_memory(n_ctx)
+            self._contexts[i] = self._new_context(n_ctx, self.n_batch, self.n_seq)
+            if old is not None:   # another size: made again
+                lc.llama_free(old)
         self._ctx = self._contexts[i]
         self._mem = lc.llama_get_memory(self._ctx)
+
+    def _state(self) -> bytes:
+        n = lc.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * n)()
+        if lc.llama_state_seq_get_data(self._ctx, buf, n, 0) != n:
+            raise BackendError("llama.cpp could not copy the KV cache's state")
+        return bytes(buf)
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        lc.llama_memory_seq_rm(self._mem, -1, 0, -1)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(state), 0) == 0:
+            raise InvalidArgumentError("llama.cpp refused the saved KV cache state (another model or context)")
+        if lc.llama_memory_seq_pos_max(self._mem, 0) + 1 != n_tokens:
+            lc.llama_memory_seq_rm(self._mem, -1, 0, -1)
+            raise InvalidArgumentError(f"the saved KV cache state does not hold its {n_tokens} tokens")
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         if self._embed_ctx is None:

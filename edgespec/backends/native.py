@@ -24,12 +24,13 @@ from .. import moe
 from ..config import DEFAULT_BATCH
 from ..models import registry
 from ..models.gguf import GGUFFile
-from . import default_threads
-from .base import Backend, context_size
+from .base import Backend, context_size, default_threads
 from .vocab import Vocab, VocabMixin
 
 # EDGESPEC_EXPERTS: how MoE experts' weights are served (unset: from the mapping).
 _EXPERTS_MODES = {"": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
+# EDGESPEC_REPACK: weights repacked at load for the tile kernels (unset: on).
+_REPACK = {"": True, "1": True, "0": False}
 
 
 def resolve_model(ref: str) -> Path:
@@ -52,14 +53,19 @@ def select_kernels() -> None:
 
 
 def model_params(experts: moe.ExpertCache | None = None):
-    """es_model_params from the environment (EDGESPEC_EXPERTS) and the
-    expert cache settings (None: experts served from the mapping)."""
+    """es_model_params from the environment (EDGESPEC_EXPERTS, EDGESPEC_REPACK)
+    and the expert cache settings (None: experts served from the mapping)."""
     params = lib.es_model_default_params()
     mode = os.environ.get("EDGESPEC_EXPERTS", "")
     if mode not in _EXPERTS_MODES:
         raise InvalidArgumentError(f"EDGESPEC_EXPERTS={mode} is not an expert provider of this "
                                    "build (f32, or unset)")
     params.experts = _EXPERTS_MODES[mode]
+    repack = os.environ.get("EDGESPEC_REPACK", "")
+    if repack not in _REPACK:
+        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights at load (the "
+                                   "default), 0 does not")
+    params.repack = _REPACK[repack]
     if experts is not None:
         params.expert_cache_bytes = experts.budget_bytes
         params.expert_precision = moe.PRECISIONS.index(experts.precision)
@@ -163,12 +169,24 @@ class NativeContext(Owned):
     def truncate(self, n_keep: int) -> None:
         check(lib.es_context_truncate(self._ptr, n_keep), f"truncate to {n_keep} tokens")
 
+    def state(self) -> bytes:
+        """The KV cache's cells as es_context_state_get writes them."""
+        buf = ffi.new("char[]", max(lib.es_context_state_size(self._ptr), 1))
+        check(lib.es_context_state_get(self._ptr, buf, len(buf)), "es_context_state_get")
+        return ffi.buffer(buf, lib.es_context_state_size(self._ptr))[:]
+
+    def set_state(self, state: bytes, n_past: int) -> None:
+        check(lib.es_context_state_set(self._ptr, ffi.from_buffer(state), len(state), n_past),
+              f"a saved state of {n_past} cells")
+
 
 class NativeBackend(VocabMixin, Backend):
     """One es_model; an es_context per KV-cache slot (made on first use) and
     one more, with embeddings, for hidden states."""
 
     name = "native"
+    resizable = True
+    embeds = True
     _ctx = _model = _embed_ctx = _vocab = None
     _contexts: list = []
     output_rows = 0   # restrict_output: the output layer's rows computed (0: all)
@@ -185,6 +203,7 @@ class NativeBackend(VocabMixin, Backend):
         self._contexts = [None] * slots
         self._verbose = verbose
         self._vocab_lock = threading.Lock()
+        self.ctx_extend = ctx_extend
         try:
             self.threads = threads or default_threads()
             n_ctx = context_size(n_ctx, self._model.n_ctx_train, extend=ctx_extend)
@@ -231,11 +250,20 @@ class NativeBackend(VocabMixin, Backend):
     def _truncate(self, n_keep: int) -> None:
         self._ctx.truncate(n_keep)
 
-    def _select_slot(self, i: int) -> None:
-        if self._contexts[i] is None:
-            self._check_kv_memory(self.n_ctx)
-            self._contexts[i] = self._new_context(self.n_ctx, self.n_batch)
+    def _select_slot(self, i: int, n_ctx: int) -> None:
+        old = self._contexts[i]
+        if old is None or (self._sizes[i] or self.n_ctx) != n_ctx:
+            self._check_kv_memory(n_ctx)
+            self._contexts[i] = self._new_context(n_ctx, self.n_batch)
+            if old is not None:   # another size: made again
+                old.close()
         self._ctx = self._contexts[i]
+
+    def _state(self) -> bytes:
+        return self._ctx.state()
+
+    def _set_state(self, state: bytes, n_tokens: int) -> None:
+        self._ctx.set_state(state, n_tokens)
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         if self._embed_ctx is None:

@@ -30,8 +30,7 @@ import numpy as np
 from ..models import registry
 from ..config import DEFAULT_BATCH
 from ..errors import BackendError, InvalidArgumentError, ModelFormatError
-from . import default_threads
-from .base import Backend, context_size
+from .base import Backend, context_size, default_threads
 from .vocab import Vocab, VocabMixin
 
 # --ep name -> ONNX Runtime execution provider

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 from pathlib import Path
 
 import llama_cpp.llama_cpp as lc
@@ -165,8 +166,30 @@ class Vocab(Closing):
         return ids if all(0 <= i < self.n_vocab for i in ids) else None
 
     @property
+    def fim_repo_tokens(self) -> tuple[int | None, int | None]:
+        """The repository-level fill-in-the-middle tokens (repository name,
+        file separator: Qwen's <|repo_name|>, <|file_sep|>), each None when
+        the model has none."""
+        ids = (lc.llama_vocab_fim_rep(self._vocab), lc.llama_vocab_fim_sep(self._vocab))
+        return tuple(i if 0 <= i < self.n_vocab else None for i in ids)
+
+    @property
     def eos_token(self) -> int:
         return lc.llama_vocab_eos(self._vocab)
+
+    @functools.cached_property
+    def special_pattern(self) -> re.Pattern | None:
+        """The texts that tokenize as a special token only when special tokens
+        are parsed (control and unknown tokens: llama.cpp matches user-defined
+        ones always), longest first; None when the vocabulary has none. A
+        scan of the vocabulary, once."""
+        parsed_only = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
+        texts = {self.token_text(t) for t in range(self.n_vocab)
+                 if lc.llama_vocab_get_attr(self._vocab, t) & parsed_only}
+        texts.discard("")
+        if not texts:
+            return None
+        return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
 
     def metadata(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -217,5 +240,13 @@ class VocabMixin:
         return self.vocab.fim_tokens
 
     @property
+    def fim_repo_tokens(self) -> tuple[int | None, int | None]:
+        return self.vocab.fim_repo_tokens
+
+    @property
     def eos_token(self) -> int:
         return self.vocab.eos_token
+
+    @property
+    def special_pattern(self) -> re.Pattern | None:
+        return self.vocab.special_pattern

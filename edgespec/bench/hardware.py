@@ -114,35 +114,3 @@ class PeakRSS:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
-
-
-# ---------------------------------------------------------------------------
-# Read bandwidth
-# ---------------------------------------------------------------------------
-
-BANDWIDTH_FILE = "bandwidth.json"
-
-
-def measure_bandwidth(threads: int, *, n_bytes: int = 512 << 20, passes: int = 5) -> float:
-    """Read bandwidth in bytes/s with ``threads`` threads streaming a buffer of
-    ``n_bytes`` (far larger than any last-level cache), the fastest of
-    ``passes`` (the C core's es_measure_bandwidth)."""
-    from ..capi import check, ffi, lib
-
-    params = ffi.new("es_bandwidth_params *", lib.es_bandwidth_default_params())
-    params.n_bytes, params.n_threads, params.n_passes = n_bytes, threads, passes
-    out = ffi.new("double *")
-    check(lib.es_measure_bandwidth(params, out), "es_measure_bandwidth")
-    return out[0]
-
-
-def bandwidth(threads: int, *, remeasure: bool = False) -> float:
-    """This machine's read bandwidth with ``threads`` threads, in bytes/s:
-    cached like the planner's cost curves (provisional when measured on a
-    busy machine, see edgespec.costs.cached_measurement)."""
-    from ..costs import cached_measurement
-
-    return cached_measurement(BANDWIDTH_FILE, f"{_cpuinfo()[0]}:{threads}", "bytes_per_s",
-                              lambda: measure_bandwidth(threads),
-                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,
-                              notice=f"the read bandwidth of {threads} threads")

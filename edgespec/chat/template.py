@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import resource
+import secrets
 import select
 import signal
 import subprocess
@@ -72,6 +74,43 @@ def render(template: str, messages: Sequence[dict], *, bos_token: str = "", eos_
     request = {"template": template, "messages": validate_messages(messages), "bos_token": bos_token,
                "eos_token": eos_token, "add_generation_prompt": add_generation_prompt, "tools": tools}
     return _renderers.render(json.dumps(request, default=str))
+
+
+def render_pieces(template: str, messages: Sequence[dict], literal: Sequence[int], **options) -> list[tuple[str, bool]]:
+    """The chat as ``render`` makes it, cut into pieces ``(text, is_content)``:
+    the contents of the messages numbered in ``literal`` are pieces of their
+    own, which a tokenizer keeps as plain text while it parses the template's
+    special tokens (so a message cannot write the template's markers). The
+    contents are found by rendering once more with a marker in their place;
+    a template that inserts one other than whole (or trimmed), or decides by
+    what it says, is refused with InvalidArgumentError."""
+    whole = render(template, messages, **options)
+    if not literal:
+        return [(whole, False)]
+    mark = f"\ue000{secrets.token_hex(6)}:"   # private-use characters: no template gives them meaning
+    marked = [dict(m, content=f"{mark}{i}\ue001") if i in literal else m for i, m in enumerate(messages)]
+    parts = re.split(re.escape(mark) + r"(\d+)\ue001", render(template, marked, **options))
+    pieces, at = [], 0
+    for k in range(0, len(parts) - 1, 2):   # text, message index, text, ..., text
+        i, before, after = int(parts[k + 1]), parts[k], parts[k + 2]
+        content = messages[i]["content"]
+        at += len(before)
+        found = next((c for c in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip()))
+                      if whole.startswith(before, at - len(before)) and whole.startswith(c, at)
+                      and whole.startswith(after, at + len(c))), None)
+        if found is None:
+            _not_literal(i)
+        pieces += [(before, False), (found, True)]
+        at += len(found)
+    if whole[at:] != parts[-1]:
+        _not_literal(literal[0])
+    return [p for p in pieces + [(parts[-1], False)] if p[0]]
+
+
+def _not_literal(i: int):
+    raise InvalidArgumentError(f"message {i} holds the text of one of the model's special tokens, and this chat "
+                               "template does not insert message text as it is, so that text could not be kept "
+                               "plain: remove the special token's text from it")
 
 
 def _render_here(request: dict) -> str:

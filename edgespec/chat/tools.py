@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import InvalidArgumentError
+from ..grammar import bounded_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -161,8 +162,9 @@ def call_grammar(tools: list[dict], choice: str, style: str, open_token: int | N
     call (several calls in one reply stay possible with "auto"). ``open_token``/``close_token``: the
     vocabulary's own ``<tool_call>`` tokens, when it has them, as alternatives
     to the spelled-out text."""
-    # compact JSON: a flexible-whitespace grammar lets a weak model pad forever
-    schema = json.dumps({**call_schema(tools, choice), "x-guidance": {"whitespace_flexible": False}})
+    # compact JSON: a flexible-whitespace grammar lets a weak model pad forever; bounded: nor
+    # may it write digits or argument keys forever
+    schema = json.dumps({**bounded_schema(call_schema(tools, choice)), "x-guidance": {"whitespace_flexible": False}})
     if style == "json":
         return f"start: call\ncall: %json {schema}\n"
 

@@ -25,7 +25,7 @@ def _show_notices() -> None:
 
 
 def main() -> None:
-    from . import bench, chat, drafter, generate, models, moe, onnx, serve  # noqa: F401  (register their commands)
+    from . import bench, chat, demo, drafter, generate, models, moe, onnx, serve  # noqa: F401  (register their commands)
 
     _show_notices()
     try:

@@ -7,7 +7,7 @@ from ..text import utf8_text
 from .base import app
 from ..config import EngineConfig
 from ..engine import Engine
-from .options import SamplingOptions, engine_options, sampling_options
+from .options import SamplingOptions, engine_options, sampling_options, with_chat_model
 
 
 @app.command()
@@ -28,6 +28,6 @@ def chat(
     if system is not None:
         utf8_text(system, "--system")
     template_text = read_template(template) if template else None  # fail before loading the model
-    with Engine(config=engine) as e:
+    with Engine(config=with_chat_model(engine)[0]) as e:
         code = run_chat(e, system=system, template=template_text, max_tokens=max_tokens, **sampling.kwargs())
     raise typer.Exit(code)

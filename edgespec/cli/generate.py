@@ -1,4 +1,4 @@
-"""``edgespec generate`` and ``edgespec demo``: one generation, streamed or as JSON."""
+"""``edgespec generate``: one generation, streamed or as JSON."""
 from __future__ import annotations
 
 import json
@@ -76,6 +76,8 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Apply the model's chat template to PROMPT as one user message."),
     suffix: str = typer.Option(None, "--suffix", help="Fill in the middle: generate the text between PROMPT and "
                                "SUFFIX, from the model's FIM tokens (code models such as qwen2.5-coder-1.5b)."),
+    raw: bool = typer.Option(False, "--raw", help="Read special-token text in PROMPT (<|fim_prefix|>, <|im_start|>) as "
+                             "those tokens, as llama-server and Ollama's raw mode do (default: plain text)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (last line of stdout) instead of streaming."),
 ):
     """Generate text from PROMPT (or, with --suffix, between PROMPT and SUFFIX)."""
@@ -86,8 +88,11 @@ def generate(
         utf8_text(suffix, "--suffix")
         if chat:
             raise InvalidArgumentError("--suffix (fill-in-the-middle) and --chat do not go together")
+    if raw and (chat or suffix is not None):
+        raise InvalidArgumentError("--raw is for a plain prompt, not with --chat or --suffix")
     with Engine(config=engine) as e:
-        pieces = e.stream(prompt, suffix=suffix, max_tokens=max_tokens, chat=chat, **sampling.kwargs())
+        pieces = e.stream(prompt, suffix=suffix, max_tokens=max_tokens, chat=chat, parse_special=raw,
+                          **sampling.kwargs())
         if as_json:
             for _ in pieces:
                 pass
@@ -98,72 +103,3 @@ def generate(
             sys.stdout.flush()
         sys.stdout.write("\n")
         typer.echo(_summary(e.last_result), err=True)
-
-
-DEMO_QUESTION = "Explain in three sentences why the sky is blue."
-DEMO_TOKENS = 160
-# Prompts whose answers repeat much of their own text: where drafting pays first.
-DEMO_PROMPTS = (
-    ("edit: comment code", "Add a short comment above each line of this Python function and return the "
-     "full code:\n\ndef mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
-     "    count = len(values)\n    if count == 0:\n        return 0.0\n    return total / count\n"),
-    ("edit: fix a list", "Correct the spelling in this list and return the whole list:\n"
-     "1. Recieve the package at the frunt door\n2. Seperate the papers by date\n"
-     "3. Adress the envelopes to the new ofice\n4. Calender the meeting for next wensday\n"
-     "5. Acknowlege every email before lunch\n"),
-    ("rewrite: JSON to YAML", "Convert this JSON to YAML:\n{\"name\": \"edgespec\", \"version\": \"0.1\", "
-     "\"backends\": [\"llama\", \"native\", \"onnx\"], \"drafters\": {\"ngram\": true, \"model\": true, "
-     "\"recycle\": false}, \"threads\": 2, \"context\": 4096}\n"),
-)
-
-
-def _compare(engine, prompt: str, drafter: str) -> tuple:
-    """Plain and speculative greedy decoding of one prompt, in that order."""
-    chat = engine.chat_template is not None
-    plain = engine.generate(prompt, chat=chat, max_tokens=DEMO_TOKENS, seed=0, drafter="none")
-    spec = engine.generate(prompt, chat=chat, max_tokens=DEMO_TOKENS, seed=0, drafter=drafter)
-    return plain, spec
-
-
-def _accepted_by(spec) -> str:
-    by = spec.stats.spec.per_drafter
-    return ", ".join(f"{name} {d['accepted']}" for name, d in by.items()) or "none"
-
-
-@app.command()
-@engine_options(exclude=("backend", "slots"))
-def demo(engine: EngineConfig = ...,
-         demo_backend: str = typer.Option("native", "--backend", help="llama, native or onnx (default: native, "
-                                     "whose greedy output is the same whatever the draft, so the side by side "
-                                     "texts must match).")):
-    """Fetch the default model if needed and answer a question with it (greedy,
-    128 tokens); then decode a few editing prompts plainly and speculatively,
-    side by side, and show the one where speculation pays most on this machine."""
-    with Engine(config=engine.but(backend=demo_backend)) as e:
-        typer.echo(f"model: {e.model_ref} ({e.model_path})", err=True)
-        typer.echo(f"> {DEMO_QUESTION}")
-        for piece in e.stream(DEMO_QUESTION, chat=e.chat_template is not None, max_tokens=128, seed=0):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        typer.echo(_summary(e.last_result), err=True)
-
-        drafter = e.drafter if e.drafter != "none" else "auto"
-        typer.echo(f"\nplain vs speculative decoding (--drafter {drafter}), greedy, {DEMO_TOKENS} tokens, "
-                   f"{e.backend.threads} threads:")
-        typer.echo(f"  {'prompt':<24} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
-                   f"{'acceptance':>10}  identical  accepted by")
-        best = None
-        for label, prompt in DEMO_PROMPTS:
-            plain, spec = _compare(e, prompt, drafter)
-            speedup = spec.stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0
-            same = spec.tokens == plain.tokens and spec.text == plain.text
-            typer.echo(f"  {label:<24} {plain.stats.tokens_per_s:>11.1f} {spec.stats.tokens_per_s:>10.1f} "
-                       f"{speedup:>6.2f}x {100 * spec.stats.spec.acceptance_rate:>9.0f}%  "
-                       f"{'yes' if same else 'NO':<9}  {_accepted_by(spec)}")
-            if best is None or speedup > best[0]:
-                best = (speedup, label, spec, same)
-        speedup, label, spec, same = best
-        typer.echo(f"\nbest: {label}, {speedup:.2f}x plain decoding, "
-                   f"{'the same text as plain decoding' if same else 'TEXT DIFFERS from plain decoding'}:")
-        typer.echo(spec.text)

@@ -1,4 +1,4 @@
-"""`edgespec models list | pull | verify | path | info`: thin commands over
+"""`edgespec models list | pull | add | remove | verify | path | info`: thin commands over
 edgespec.models.registry and edgespec.models.gguf. Errors are raised as
 EdgespecError; edgespec.cli.main prints them as one line with exit code 2."""
 from __future__ import annotations
@@ -27,6 +27,11 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print a JSON ar
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for r in [header, *rows]:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    local = registry.local_models()
+    if local:
+        typer.echo("\nlocal models (edgespec models add):")
+        for name, path in sorted(local.items()):
+            typer.echo(f"  {name}  {path}")
     typer.echo(f"\ncache: {registry.models_dir()}")
     for m in models:
         if m["problem"]:
@@ -40,6 +45,23 @@ def pull_cmd(
 ) -> None:
     """Download a built-in model into the cache (skipped if already there and intact)."""
     typer.echo(registry.pull(name, force=force))
+
+
+@models_app.command("add")
+def add_cmd(
+    name: str = typer.Argument(..., help="The name to serve it under (letters, digits, . _ -)."),
+    path: str = typer.Argument(..., help="A GGUF file on this machine (it stays where it is)."),
+) -> None:
+    """Give a local GGUF file a name, as Ollama's create does: `--model NAME`, the server's
+    /api and /v1 then know it. The file is validated as a model first."""
+    typer.echo(f"{name}: {registry.add_local(name, path)}")
+
+
+@models_app.command("remove")
+def remove_cmd(name: str = typer.Argument(..., help="A name from `edgespec models add`, or a built-in model.")) -> None:
+    """Forget a model: a name from `models add` is dropped (its file stays); a built-in
+    model's cached copy is deleted."""
+    typer.echo(registry.remove(name))
 
 
 @models_app.command("verify")

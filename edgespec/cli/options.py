@@ -201,3 +201,21 @@ def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], 
 engine_options = _option_set("engine", EngineConfig, ENGINE_OPTIONS)
 sampling_options = _option_set("sampling", SamplingOptions, SAMPLING_OPTIONS,
                                lambda v: {**v, "stop": tuple(v["stop"] or ())})
+
+
+def with_chat_model(engine: EngineConfig, *, quiet: bool = False) -> tuple[EngineConfig, str]:
+    """The config of a command that chats (demo, chat, serve): its --model,
+    else the strongest built-in chat model this machine runs at a readable
+    speed (registry.chat_model, from the memory available and the measured
+    read bandwidth), said in one line on stderr unless ``quiet``. Returns the
+    config and why its model."""
+    if engine.model is not None:
+        return engine, "named with --model"
+    from ..backends import default_threads
+    from ..costs import available_memory, bandwidth
+    from ..models import registry
+
+    name, why = registry.chat_model(available_memory(), bandwidth(engine.threads or default_threads()))
+    if not quiet:
+        typer.echo(f"model: {name}, {why} (--model picks another)", err=True)
+    return engine.but(model=name), why

@@ -14,7 +14,7 @@ import typer
 from ..server import DEFAULT_MAX_REQUEST_BYTES
 from .base import app, fail
 from ..config import MODEL_HELP, EngineConfig
-from .options import engine_options, with_envvar
+from .options import engine_options, with_chat_model, with_envvar
 
 DEFAULT_SLOTS = 3   # KV caches per model: an editor's completion, its chat and one more client
 
@@ -33,6 +33,9 @@ def serve(
     max_loaded_bytes: Optional[int] = _opt(None, "--max-loaded-bytes",
                                            help="Memory budget of the loaded models, bytes (file + KV caches); "
                                                 "0: none (default: 80% of the memory available at start)."),
+    keep_alive: str = _opt("5m", "--keep-alive",
+                           help="How long an idle model stays loaded: seconds or a duration (30s, 5m, 1h); -1 keeps "
+                                "it loaded (default: 5m, as Ollama; a request's keep_alive overrides it)."),
     host: str = _opt("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = _opt(8080, "--port", help="TCP port, [0, 65535]; 0 picks a free one."),
     api_key: str = _opt(None, "--api-key", help="Require 'Authorization: Bearer KEY' on the APIs and /metrics "
@@ -56,8 +59,7 @@ def serve(
 ):
     """Serve models over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
     Sampling settings come with each request."""
-    from ..models import registry
-    from ..pool import EnginePool, cached_models
+    from ..pool import EnginePool, cached_models, keep_alive_seconds
     from ..server import make_server
 
     if not 0 <= port <= 65535:
@@ -69,10 +71,11 @@ def serve(
     refs: list = list(dict.fromkeys(models or []))
     if all_cached:
         refs += [name for name in cached_models() if name not in refs]
-    refs = refs or [registry.default_model()]
+    refs = refs or [with_chat_model(engine)[0].model]
     if model_name:
         refs[0] = (model_name, refs[0])
-    with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes) as pool:
+    idle = keep_alive_seconds(keep_alive)
+    with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes, keep_alive=idle) as pool:
         with pool.engine() as e:   # the first model now: a bad file or option fails here
             drafter = e.drafter
         try:

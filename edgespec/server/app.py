@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import ollama, openai
+from . import llamacpp, ollama, openai
 from .errors import OLLAMA, OPENAI, ApiError
 from .request import Settings, endpoint, error_response
 from .runner import Runners
@@ -31,7 +31,7 @@ from .runner import Runners
 # Browser pages that may call the API by default: any port on this machine.
 LOCAL_ORIGINS = r"http://(localhost|127\.0\.0\.1)(:\d+)?"
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
-              "chat.css": "text/css; charset=utf-8"}
+              "markdown.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8"}
 
 
 # -- the Host header (DNS rebinding) ------------------------------------------------------
@@ -82,7 +82,7 @@ class HostCheck:
                 e = ApiError(403, f"Host {host[:100]!r} is not a name this server answers to (a guard against "
                              "DNS rebinding); serve with --allowed-host NAME to add it", code="host_not_allowed")
                 shape = OLLAMA if scope["path"].startswith("/api/") else OPENAI
-                return await JSONResponse(e.body(shape), e.status)(scope, receive, send)
+                return await error_response(Request(scope, receive), e, shape)(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -173,6 +173,7 @@ def create_app(runners: Runners, settings: Settings, metrics, log) -> Starlette:
         Route("/metrics", endpoint(metrics_text), methods=["GET"]),
         *openai.routes(),
         *ollama.routes(),
+        *llamacpp.routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     state = app.state

@@ -1,8 +1,8 @@
 """OpenAI request fields beyond the basics: structured
 output (``response_format``, and llama.cpp's ``grammar`` / ``json_schema``),
 ``tools`` / ``tool_choice``, ``logprobs`` / ``top_logprobs``, the penalties,
-``top_k`` and ``min_p``, turned into Engine.stream keyword arguments; and the
-reply-side shapes (``logprobs`` objects, ``tool_calls``).
+``logit_bias``, ``top_k`` and ``min_p``, turned into Engine.stream keyword
+arguments; and the reply-side shapes (``logprobs`` objects, ``tool_calls``).
 
 Validation follows OpenAI's ranges; a bad value is a 400 naming the field.
 Nothing is accepted and ignored.
@@ -16,6 +16,10 @@ from .errors import bad, is_int, is_number
 
 MAX_TOP_LOGPROBS = 20        # chat completions
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions
+MAX_BIAS = 100.0             # OpenAI's logit_bias range: [-100, 100]
+MAX_BIASED = 1024            # tokens one logit_bias may name
+MIN_TEMPERATURE = 1e-6       # the sampler's smallest; below it is greedy
+MIN_TOP_P = 1e-6             # the sampler's top_p is in (0, 1]; this keeps the top token only
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False):
@@ -48,7 +52,8 @@ def engine_options(body: dict, chat: bool) -> dict:
             raise bad("top_k", f"top_k must be an integer >= 0, got {str(top_k)[:40]}")
         opts["top_k"] = top_k
     opts.update(_logprobs(body, chat))
-    grammar = _structured(body)
+    opts.update(logit_bias(body))
+    grammar = structured(body)
     if chat:
         opts.update(_tools(body, grammar))
     elif body.get("tools") is not None or body.get("tool_choice") is not None:
@@ -78,7 +83,33 @@ def _logprobs(body: dict, chat: bool) -> dict:
     return {"logprobs": lp}
 
 
-def _structured(body: dict) -> Grammar | None:
+def logit_bias(body: dict) -> dict:
+    """``logit_bias``: OpenAI's {"token id": bias in [-100, 100]}, or
+    llama.cpp's [[token id, bias], ...] where a bias of false bans the token."""
+    value = body.get("logit_bias")
+    if value in (None, {}, []):
+        return {}
+    items = value.items() if isinstance(value, dict) else value if isinstance(value, list) else None
+    if items is None or len(value) > MAX_BIASED:
+        raise bad("logit_bias", f"logit_bias must map at most {MAX_BIASED} token ids to biases")
+    out = {}
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise bad("logit_bias", "logit_bias as a list holds [token id, bias] pairs")
+        token, bias = item
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)
+        if not is_int(token) or token < 0:
+            raise bad("logit_bias", f"logit_bias keys must be token ids, got {str(token)[:40]}")
+        if bias is False:
+            bias = float("-inf")
+        elif not is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {str(bias)[:40]}")
+        out[token] = float(bias)
+    return {"logit_bias": out}
+
+
+def structured(body: dict) -> Grammar | None:
     """``response_format`` (OpenAI), or llama.cpp's ``json_schema`` / ``grammar`` fields."""
     given = [k for k in ("response_format", "json_schema", "grammar") if body.get(k) is not None]
     if len(given) > 1:

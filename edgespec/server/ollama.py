@@ -2,18 +2,27 @@
 ``GET /api/version``, ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``,
 ``POST /api/generate`` and ``POST /api/chat`` (NDJSON streaming by default,
 ``"stream": false`` for one object), ``POST /api/pull`` (built-in names, NDJSON
-progress), ``POST /api/embed`` (and the older ``/api/embeddings``). Refusals
+progress), ``POST /api/create`` (a name for a GGUF file on this machine),
+``POST /api/copy``, ``DELETE /api/delete``, ``POST /api/embed`` (and the
+older ``/api/embeddings``). Refusals
 are Ollama's ``{"error": message}``. /api/tags lists the served models whose
 files are on this machine, /api/ps the loaded ones.
 
 Names: the served model is listed as ``NAME:latest``; ``NAME`` is accepted
 too. Sampling ``options`` default to Ollama's (temperature 0.8, top_k 40,
 top_p 0.9, repeat_penalty 1.1 over the last 64 tokens, num_predict -1 = as
-much as fits); options about loading (num_ctx, num_thread, num_gpu, ...) are
-the server's to decide and ignored, as are unknown ones (as Ollama does);
-sampling options the engine does not have are a 400 naming them unless they
-are at their neutral value. ``format`` ("json" or a JSON schema) constrains
-the output through the grammar engine. ``tools`` (on /api/chat) go through
+much as fits). Every option is applied or refused with a 400 naming it:
+``num_ctx`` runs the request in a KV-cache slot of that context (refused
+before anything is allocated when memory or the budget cannot hold it); the
+server's own settings (num_thread, num_batch, num_gpu) may be named at their
+value; options whose one value here is what the server does (mirostat 0,
+typical_p 1, use_mmap true, ...) are taken at it; mirostat_tau, mirostat_eta
+and num_keep tune only what the server never does and are taken (see
+docs/server.md). ``keep_alive`` (seconds or "5m"; 0 unloads, a negative
+value keeps the model loaded) sets when an idle model unloads; /api/ps shows
+that time. ``logprobs`` / ``top_logprobs`` as Ollama's. ``format`` ("json"
+or a JSON schema) constrains the output through the grammar engine.
+``tools`` (on /api/chat) go through
 the model's chat template as on the OpenAI path; the calls the model makes
 come back as ``message.tool_calls`` (arguments as objects, as Ollama sends
 them; streamed in one line once the reply ends), and ``tool`` messages and an
@@ -21,8 +30,10 @@ assistant's ``tool_calls`` are accepted. ``suffix`` on /api/generate asks for
 the text between ``prompt`` and it (fill-in-the-middle, as editors send for
 code completion) from the model's own FIM tokens; the chat template, ``system``
 and ``raw`` play no part then, and a model without FIM tokens is refused.
-``images`` (these models read text only), ``template`` and ``context`` are
-refused with a 400 naming the field.
+``raw`` prompts read special-token text as those tokens, as Ollama's do.
+``images`` (these models read text only), ``template``, ``context``, think,
+shift and truncate (on generations) are refused with a 400 naming the field.
+/api/embed takes ``truncate`` (default true) and ``dimensions``.
 Durations are nanoseconds; the final object also carries ``edgespec``
 (drafter, tokens/s, estimated_speedup, speculative stats).
 """
@@ -46,9 +57,11 @@ from ..chat import tools as chat_tools
 from ..errors import EdgespecError, GrammarError, InvalidArgumentError
 from ..grammar import Grammar
 from ..models import registry
+from ..pool import keep_alive_seconds
 from ..progress import Progress
 from ..sampling import SamplingParams
-from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
+from . import fields
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
@@ -56,11 +69,23 @@ from .runner import FINISH_REASON, ClientGone, Completion, Job
 OLLAMA_VERSION = "0.9.0"
 NDJSON = "application/x-ndjson"
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1,
-            "repeat_last_n": 64}
-LOADING_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "numa", "low_vram",
-                   "use_mmap", "use_mlock", "vocab_only", "num_keep"}
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "mirostat": 0, "typical_p": 1, "tfs_z": 1}
-UNSERVED = ("template", "context")
+            "repeat_last_n": 64, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+WHOLE = ("top_k", "repeat_last_n", "seed", "num_predict", "num_ctx")   # options that are integers
+# Options whose one value here is what this server does anyway: taken at it, refused otherwise.
+FIXED = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": True, "use_mmap": True,
+         "use_mlock": False, "numa": False, "low_vram": False, "vocab_only": False, "f16_kv": True,
+         "logits_all": False, "embedding_only": False, "main_gpu": 0}
+# Options that tune only what this server never does (mirostat, which is off; shifting a full
+# context, which ends the generation instead): taken, changing nothing.
+INERT = ("mirostat_tau", "mirostat_eta", "num_keep")
+# The server's own settings: a request may name them at the value they have (or Ollama's "auto").
+SERVER = {"num_thread": (lambda e: e.backend.threads, 0, "--threads"),
+          "num_batch": (lambda e: e.backend.n_batch, None, None),
+          "num_gpu": (lambda e: e.config.gpu_layers, -1, "--gpu-layers")}
+UNSERVED = ("template", "context", "width", "height", "steps")   # a 400 naming them unless empty
+# Fields this server serves only at one value (what it does): think off (no reasoning models),
+# no context shifting (a full context ends the generation), no prompt truncation (a 400 instead).
+ONLY = {"think": False, "shift": False, "truncate": False}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
 
@@ -77,6 +102,9 @@ def routes() -> list[Route]:
         Route("/api/generate", ollama(generate), methods=["POST"]),
         Route("/api/chat", ollama(chat), methods=["POST"]),
         Route("/api/pull", ollama(pull), methods=["POST"]),
+        Route("/api/create", ollama(create), methods=["POST"]),
+        Route("/api/copy", ollama(copy), methods=["POST"]),
+        Route("/api/delete", ollama(delete), methods=["DELETE"]),
         Route("/api/embed", ollama(embed), methods=["POST"]),
         Route("/api/embeddings", ollama(embeddings_legacy), methods=["POST"]),
     ]
@@ -110,8 +138,7 @@ def _describe(runner) -> tuple[dict, dict]:
         size_label = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
         details = {"parent_model": "", "format": "gguf" if info else "onnx", "family": arch, "families": [arch],
                    "parameter_size": size_label, "quantization_level": (info.file_type if info else None) or ""}
-        card = {"name": f"{runner.name}:latest", "model": f"{runner.name}:latest",
-                "modified_at": datetime.fromtimestamp(st.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+        card = {"name": f"{runner.name}:latest", "model": f"{runner.name}:latest", "modified_at": _iso(st.st_mtime),
                 "size": st.st_size, "digest": digest, "details": details}
         model_info_ = {"general.architecture": arch, "general.parameter_count": n}
         if info:
@@ -145,53 +172,107 @@ async def tags(request: Request):
     return JSONResponse({"models": [_describe(r)[0] for r in runners]})
 
 
+FOREVER = "2318-01-01T00:00:00Z"   # Ollama's expiry of a model kept loaded (keep_alive -1)
+
+
 async def ps(request: Request):
-    cards = [_describe(r)[0] for r in runners_of(request) if r.loaded]
-    return JSONResponse({"models": [{**card, "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0}
-                                    for card in cards]})
+    """The loaded models, each with the time it unloads if it stays idle."""
+    models = []
+    for r in runners_of(request):
+        if not r.loaded:
+            continue
+        expires = r.pool.expires_at(r.name) if r.pool is not None else None
+        card = _describe(r)[0]
+        models.append({**card, "expires_at": _iso(expires) if expires is not None else FOREVER,
+                       "size_vram": 0, "context_length": r.n_ctx})
+    return JSONResponse({"models": models})
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 async def show_model(request: Request):
+    """The model's card: its capabilities found by trying them (completion;
+    tools when its template renders tools; insert when it has FIM tokens;
+    embedding), a Go template carrying Ollama's markers, the sampling defaults."""
     body = await read_json(request)
     runner = pick_runner(request, _model(body))
     await runner.ready()
     card, info = _describe(runner)
     engine = runner.engine
+    capabilities = await anyio.to_thread.run_sync(lambda: engine.capabilities)
     return JSONResponse({
         "modelfile": f"# served by edgespec\nFROM {engine.model_path}\n",
         "parameters": "\n".join(f"{k:<30} {v}" for k, v in DEFAULTS.items()),
-        "template": engine.chat_template or "{{ .Prompt }}",
-        "details": card["details"], "model_info": info, "capabilities": ["completion"],
-        "modified_at": card["modified_at"]})
+        "template": _go_template(engine, capabilities),
+        "details": card["details"], "model_info": {**info, f"{info['general.architecture']}.context_length":
+                                                   runner.n_ctx},
+        "capabilities": list(capabilities), "modified_at": card["modified_at"]})
+
+
+def _go_template(engine, capabilities) -> str:
+    """Ollama's ``template`` (a Go template) for a model whose chats are
+    rendered here by its own Jinja template: the branches Ollama-aware
+    clients look for (``.Suffix`` where the model fills in the middle,
+    ``.Tools`` where its template renders tools, ``.Messages``), and the
+    Jinja template itself in a comment."""
+    out = []
+    if "insert" in capabilities:
+        b = engine.backend
+        pre, suf, mid = (b.token_text(t) for t in b.fim_tokens)
+        out.append(f"{{{{- if .Suffix }}}}{pre}{{{{ .Prompt }}}}{suf}{{{{ .Suffix }}}}{mid}\n{{{{- else }}}}")
+    tools = "{{- if .Tools }}{{ .Tools }}{{ end }}" if "tools" in capabilities else ""
+    out.append(f"{{{{- if .Messages }}}}{tools}{{{{- range .Messages }}}}{{{{ .Role }}}}: {{{{ .Content }}}}\n"
+               "{{ end }}{{- else }}{{ .Prompt }}{{ end }}")
+    if "insert" in capabilities:
+        out.append("{{- end }}")
+    jinja = (engine.chat_template or "").replace("*/", "* /")
+    if jinja:
+        out.append(f"{{{{- /* edgespec renders chats with the model's own Jinja template:\n{jinja}\n*/ -}}}}")
+    return "\n".join(out)
 
 
 # -- endpoints: generation ------------------------------------------------------------------
 
-def _options(body: dict, n_ctx: int) -> dict:
-    """Engine.stream's keyword arguments from a request's ``options`` (and ``stop``)."""
+def _options(body: dict, runner) -> dict:
+    """Engine.stream's keyword arguments from a request's ``options`` (see
+    the module docstring: every option is applied, or refused naming it)."""
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise _bad("options must be an object")
+    engine = runner.engine
     out = dict(DEFAULTS)
     for key, value in opts.items():
-        if key in LOADING_OPTIONS or value is None:
+        if value is None or key in INERT:
             continue
-        if key in NEUTRAL:
-            if value != NEUTRAL[key]:
-                raise _bad(f"option {key} is not supported (only {NEUTRAL[key]})")
+        if key in WHOLE or key in DEFAULTS:
+            if not (is_int(value) if key in WHOLE else is_number(value)):
+                raise _bad(f"option {key} must be {'an integer' if key in WHOLE else 'a number'}, got {show(value)}")
+        if key in FIXED:
+            if value != FIXED[key]:
+                raise _bad(f"option {key} is not supported (only {json.dumps(FIXED[key])})")
+        elif key in SERVER:
+            have, auto, flag = SERVER[key]
+            if value not in (have(engine), auto):
+                raise _bad(f"option {key} is the server's setting"
+                           + (f" (edgespec serve {flag})" if flag else "") + f": {have(engine)} here, "
+                           f"not {show(value)}")
         elif key in DEFAULTS or key == "seed":
-            ok = is_int(value) if key in ("top_k", "repeat_last_n", "seed") else is_number(value)
-            if not ok:
-                raise _bad(f"option {key} must be a number, got {show(value)}")
             out[key] = value
         elif key == "num_predict":
-            if not is_int(value) or value == 0 or value < -2:
+            if value == 0 or value < -2:
                 raise _bad(f"option num_predict must be an integer > 0, -1 or -2, got {show(value)}")
             out["max_tokens"] = value
+        elif key == "num_ctx":
+            out["n_ctx"] = value
         elif key == "stop":
             if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
                 raise _bad("option stop must be a list of non-empty strings")
             out["stop"] = value
+        else:
+            raise _bad(f"option {show(key)} is not an option this server knows (docs/server.md lists them)")
+    n_ctx = out.get("n_ctx") or runner.n_ctx
     if out.get("max_tokens", -1) < 0:   # -1: until the end of text or the context; -2: fill the context
         out["max_tokens"] = n_ctx
     if out["temperature"] < 1e-6:
@@ -200,7 +281,20 @@ def _options(body: dict, n_ctx: int) -> dict:
         SamplingParams(**{k: out[k] for k in (*DEFAULTS, "seed") if k in out})
     except InvalidArgumentError as e:
         raise _bad(f"options: {e}")
+    out.update(_logprobs(body))
     return out
+
+
+def _logprobs(body: dict) -> dict:
+    """``logprobs`` (a boolean) and ``top_logprobs`` (0-20), as Ollama's."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise _bad("logprobs must be a boolean")
+    if top is not None and not (is_int(top) and 0 <= top <= 20):
+        raise _bad("top_logprobs must be an integer in [0, 20]")
+    if top and not lp:
+        raise _bad("top_logprobs needs logprobs: true")
+    return {"logprobs": top or 0} if lp else {}
 
 
 def _format(body: dict) -> dict:
@@ -222,10 +316,11 @@ def _check_served(body: dict) -> None:
     if body.get("images") not in (None, []):
         raise _bad("images are not supported: the models this server runs read text only")
     for field in UNSERVED:
-        if body.get(field) not in (None, "", [], {}):
+        if body.get(field) not in (None, "", [], {}, 0):
             raise _bad(f"{field} is not supported by this server")
-    if body.get("think") is True:
-        raise _bad("think is not supported by this server")
+    for field, value in ONLY.items():
+        if body.get(field) not in (None, value):
+            raise _bad(f"{field} is not supported by this server (only {json.dumps(value)})")
 
 
 def _stream_flag(body: dict) -> bool:
@@ -249,26 +344,29 @@ async def generate(request: Request):
     runner = pick_runner(request, model)
     _check_served(body)
     stream = _stream_flag(body)
-    await runner.ready()
+    keep_alive = _keep_alive(body, runner)
     prompt, system = _text(body.get("prompt"), "prompt"), _text(body.get("system"), "system")
     suffix = _text(body.get("suffix"), "suffix")
+    if not prompt and not suffix:   # Ollama's "load the model" (or, with keep_alive 0, unload it)
+        return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
+                             "done_reason": await _load(runner, keep_alive)})
+    await runner.ready()
     if body.get("tools") not in (None, []):
         raise _bad("tools are for /api/chat")
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw must be a boolean")
-    opts = {**_options(body, runner.n_ctx), **_format(body)}
-    if not prompt and not suffix:   # Ollama's "load the model": it is loaded
-        return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
-                             "done_reason": "load"})
+    opts = {**_options(body, runner), **_format(body)}
     if suffix:
         c = Completion(prompt=prompt, suffix=suffix)
-    elif raw or not runner.engine.chat_template:
-        c = Completion(prompt=(system + "\n\n" if system and not raw else "") + prompt)
+    elif raw:   # the prompt as the model reads it: special-token text is those tokens (as Ollama's)
+        c = Completion(prompt=prompt, parse_special=True)
+    elif not runner.engine.chat_template:
+        c = Completion(prompt=(system + "\n\n" if system else "") + prompt)
     else:
         c = Completion(messages=([{"role": "system", "content": system}] if system else [])
                        + [{"role": "user", "content": prompt}])
-    c.options = opts
+    c.options, c.keep_alive = opts, keep_alive
     return await _answer(request, runner, c, model, stream, chat=False)
 
 
@@ -278,12 +376,16 @@ async def chat(request: Request):
     runner = pick_runner(request, model)
     _check_served(body)
     stream = _stream_flag(body)
-    await runner.ready()
+    keep_alive = _keep_alive(body, runner)
     messages = body.get("messages")
     if messages is None:
         messages = []
     if not isinstance(messages, list):
         raise _bad("messages must be a list of {role, content} objects")
+    if not messages:   # Ollama's "load the model" (or, with keep_alive 0, unload it)
+        return JSONResponse({"model": model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                             "done": True, "done_reason": await _load(runner, keep_alive)})
+    await runner.ready()
     msgs = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
@@ -294,13 +396,38 @@ async def chat(request: Request):
         if m.get("tool_calls") not in (None, []):
             msg["tool_calls"] = _calls_in(m, i)
         msgs.append(msg)
-    opts = {**_options(body, runner.n_ctx), **_format(body), **_tools(body)}
-    if not msgs:   # Ollama's "load the model": it is loaded
-        return JSONResponse({"model": model, "created_at": _now(),
-                             "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    opts = {**_options(body, runner), **_format(body), **_tools(body)}
     c = Completion(messages=msgs)
-    c.options = opts
+    c.options, c.keep_alive = opts, keep_alive
     return await _answer(request, runner, c, model, stream, chat=True)
+
+
+def _keep_alive(body: dict, runner) -> float | None:
+    """``keep_alive``: seconds (a number) or a Go duration ("5m", "1h30m",
+    "-1"); None when absent (the server's). A server over one Engine it does
+    not own cannot unload it: 0 is refused there."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        seconds = keep_alive_seconds(value)
+    except InvalidArgumentError as e:
+        raise _bad(str(e)) from None
+    if seconds == 0 and runner.pool is None:
+        raise _bad("keep_alive 0 unloads a model, and this server serves one Engine it cannot unload")
+    return seconds
+
+
+async def _load(runner, keep_alive: float | None) -> str:
+    """Ollama's request without a prompt: the model loaded (kept for
+    ``keep_alive``), or unloaded with keep_alive 0; the done_reason."""
+    if keep_alive == 0:
+        await anyio.to_thread.run_sync(runner.pool.expire, runner.name, 0)
+        return "unload"
+    await runner.ready()
+    if runner.pool is not None:
+        runner.pool.expire(runner.name, keep_alive)
+    return "load"
 
 
 def _calls_in(m: dict, i: int) -> list[dict]:
@@ -362,6 +489,8 @@ async def _answer(request: Request, runner, c: Completion, model: str, stream: b
     if job.client_gone:
         raise ClientGone()
     obj = piece_obj(text)
+    if job.result.logprobs is not None:
+        obj["logprobs"] = fields.chat_logprobs(runner.engine, job.result.logprobs)["content"]
     parsed = job.result.parsed   # the engine's split of the reply into text and calls
     if parsed is not None:
         if parsed.tool_calls:
@@ -391,20 +520,25 @@ def _line(obj: dict) -> bytes:
 async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCallStream | None):
     """NDJSON lines: the pieces (with tools: never text that may start a tool
     call), then the calls in one message line, then the final object."""
+    want_logprobs = job.completion.options.get("logprobs") is not None
+    sent = 0   # logprobs entries sent
+
+    def with_logprobs(obj: dict) -> dict:
+        nonlocal sent
+        if want_logprobs and len(job.logprobs) > sent:
+            obj["logprobs"] = fields.chat_logprobs(job.runner.engine, job.logprobs[sent:])["content"]
+            sent = len(obj["logprobs"]) + sent
+        return obj
+
     try:
-        try:
-            async for piece in job.pieces():
-                text = calls.push(piece) if calls else piece
-                if text:
-                    yield _line(piece_obj(text))
-        except ApiError as e:
-            yield _line(e.body(OLLAMA))
-            return
+        async for piece in stream_pieces(request, job):
+            if isinstance(piece, ApiError):
+                yield _line(piece.body(OLLAMA))
+                return
+            text = calls.push(piece) if calls else piece
+            if text or (want_logprobs and len(job.logprobs) > sent):
+                yield _line(with_logprobs(piece_obj(text)))
         if job.client_gone:
-            note(request, "client disconnected")
-            return
-        if job.cut:
-            yield _line(job.cut_error().body(OLLAMA))
             return
         final = piece_obj("")
         if calls:
@@ -417,7 +551,7 @@ async def _lines(request: Request, job: Job, piece_obj, calls: chat_tools.ToolCa
                 yield _line(line)
             elif parsed.warning:
                 final["warning"] = parsed.warning
-        yield _line(_final(request, job, final))
+        yield _line(_final(request, job, with_logprobs(final)))
     finally:
         job.close()
 
@@ -473,7 +607,7 @@ async def pull(request: Request):
         yield _line({"status": "pulling manifest"})
         try:
             async for done in progress():
-                yield _line({"status": f"pulling {entry.sha256[:12]}", "digest": digest,
+                yield _line({"status": f"pulling {name} ({entry.size / 1e6:.1f} MB)", "digest": digest,
                              "total": entry.size, "completed": done})
         except EdgespecError as e:
             yield _line({"error": str(e)})
@@ -491,18 +625,139 @@ async def pull(request: Request):
     return JSONResponse({"status": "success"})
 
 
+# -- endpoints: create, copy, delete ------------------------------------------------------
+
+# What a create request may carry besides its source: a 400 naming any of these (edgespec
+# serves a GGUF as it is: no quantizing, adapters, Go templates, default prompts or parameters).
+CREATE_UNSERVED = ("quantize", "adapters", "template", "system", "parameters", "messages", "license")
+
+
+def _create_source(body: dict) -> Path:
+    """The GGUF file a create request names: ``from`` (a path, or a model
+    this server has), ``files`` (one .gguf, by path or by the sha256 of a
+    model file it has), or a Modelfile's ``FROM``."""
+    given = [k for k in ("from", "files", "modelfile") if body.get(k) not in (None, "", {})]
+    if len(given) != 1:
+        raise _bad("create needs exactly one of from, files or modelfile (FROM /path/to/model.gguf)")
+    value = body[given[0]]
+    if given[0] == "modelfile":
+        if not isinstance(value, str):
+            raise _bad("modelfile must be a string")
+        froms = []
+        for line in value.splitlines():
+            word, _, rest = line.strip().partition(" ")
+            if not word or word.startswith("#"):
+                continue
+            if word.upper() != "FROM":
+                raise _bad(f"modelfile: {word.upper()} is not supported by this server (only FROM a GGUF file)")
+            froms.append(rest.strip())
+        if len(froms) != 1:
+            raise _bad("modelfile needs one FROM line")
+        value = froms[0]
+    elif given[0] == "files":
+        if not (isinstance(value, dict) and len(value) == 1 and all(isinstance(v, str) for v in value.values())):
+            raise _bad('files must name one GGUF file: {"model.gguf": "/path/to/model.gguf" or "sha256:<digest>"}')
+        (value,) = value.values()
+        if value.startswith("sha256:"):
+            known = [registry.cached_path(e) for e in registry.builtin_models().values()
+                     if e.sha256 == value[7:].lower() and registry.cached_path(e).is_file()]
+            if not known:
+                raise _bad(f"no model file with {value[:80]} is on this server (it takes no uploads: give the "
+                           "file's path)")
+            return known[0]
+    if not isinstance(value, str):
+        raise _bad(f"{given[0]} must be a path to a GGUF file")
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    try:
+        return registry.resolve(value.removesuffix(":latest"), pull_missing=False)
+    except EdgespecError:
+        raise _bad(f"{given[0]}: no GGUF file at {value[:200]} and no model of that name here") from None
+
+
+async def create(request: Request):
+    """Serve a GGUF file on this machine under a name (Ollama's create; the
+    file stays where it is)."""
+    body = await read_json(request)
+    name = _model(body).removesuffix(":latest")
+    stream = _stream_flag(body)
+    for field in CREATE_UNSERVED:
+        if body.get(field) not in (None, "", [], {}):
+            raise _bad(f"{field} is not supported by create here (a GGUF file is served as it is)")
+    source = _create_source(body)
+    try:
+        path = await anyio.to_thread.run_sync(registry.add_local, name, source)
+    except EdgespecError as e:   # a bad name, a file that is not a model
+        raise _bad(str(e)) from None
+    runners_of(request).get(name)   # served from now on (by a pool)
+    note(request, f"created {name} from {path}")
+    if stream:
+        async def lines():
+            for status in (f"using {path}", "writing manifest", "success"):
+                yield _line({"status": status})
+        return Stream(lines(), NDJSON)
+    return JSONResponse({"status": "success"})
+
+
+async def copy(request: Request):
+    """Another name for a model this server has (its file is not copied)."""
+    body = await read_json(request)
+    source, destination = body.get("source"), body.get("destination")
+    if not (isinstance(source, str) and source and isinstance(destination, str) and destination):
+        raise _bad("copy needs source and destination model names")
+    try:
+        path = registry.resolve(source.removesuffix(":latest"), pull_missing=False)
+    except EdgespecError:
+        raise ApiError(404, f"model {show(source)} does not exist here") from None
+    try:
+        await anyio.to_thread.run_sync(registry.add_local, destination.removesuffix(":latest"), path)
+    except EdgespecError as e:
+        raise _bad(str(e)) from None
+    runners_of(request).get(destination)
+    return JSONResponse({})
+
+
+async def delete(request: Request):
+    """Forget a model: a created name is dropped (its file stays where it
+    is); a built-in model's cached copy is deleted. Never a file outside the
+    edgespec cache; 404 for an unknown name."""
+    body = await read_json(request)
+    name = _model(body).removesuffix(":latest")
+    cached = name in registry.builtin_models() and registry.cached_path(registry.builtin_model(name)).is_file()
+    if name not in registry.local_models() and not cached:
+        raise ApiError(404, f"model {show(name)} does not exist here (or was not made by create or pull)")
+    runners_of(request).remove(name)
+    await anyio.to_thread.run_sync(registry.remove, name)
+    note(request, f"deleted {name}")
+    return JSONResponse({})
+
+
 # -- endpoints: embeddings ----------------------------------------------------------------
 
 async def embed(request: Request):
-    """``input``: a string or a list of strings; unit-length vectors, as Ollama's."""
+    """``input``: a string or a list of strings; unit-length vectors, as
+    Ollama's. ``truncate`` (default true, as Ollama's): an input longer than
+    the context is cut to it (false: refused); ``dimensions``: the first so
+    many of each vector, at unit length again."""
     body = await read_json(request)
     model = _model(body)
     runner = pick_runner(request, model)
     inputs = body.get("input")
     if not (isinstance(inputs, str) or (isinstance(inputs, list) and all(isinstance(t, str) for t in inputs))):
         raise _bad("input must be a string or a list of strings")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _bad("truncate must be a boolean")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and not (is_int(dimensions) and dimensions > 0):
+        raise _bad(f"dimensions must be an integer > 0, got {show(dimensions)}")
+    if body.get("options") not in (None, {}):
+        raise _bad(f"options do not apply to embeddings here (got {', '.join(map(str, body['options']))[:80]})")
+    keep_alive = _keep_alive(body, runner)
     t0 = time.perf_counter()
-    vectors, n_tokens = await anyio.to_thread.run_sync(runner.embed, inputs)
+    vectors, n_tokens = await anyio.to_thread.run_sync(
+        lambda: runner.embed(inputs, truncate=truncate, dimensions=dimensions, keep_alive=keep_alive))
     note(request, f"{len(vectors)} embeddings, {n_tokens} tokens")
     return JSONResponse({"model": model, "embeddings": vectors.tolist(),
                          "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,

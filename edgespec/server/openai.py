@@ -12,7 +12,12 @@ Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
 omitted (OpenAI's default; send 0 for greedy, reproducible output),
 ``max_tokens`` (or its newer name ``max_completion_tokens``; both with different
 values are a 400) is 256, capped at the room the prompt leaves in the context.
-``n`` must be 1; unknown fields are ignored, as OpenAI's clients send extras.
+``n`` must be 1. OpenAI fields this server cannot honour (audio, prediction,
+web_search_options, the deprecated functions, reasoning_effort, verbosity,
+store: true, modalities other than text) are a 400 naming them; user,
+metadata, service_tier, prompt_cache_key and safety_identifier say nothing
+about the answer and are taken; fields OpenAI does not define are ignored,
+as OpenAI's clients send extras (docs/server.md lists them all).
 Ranges are OpenAI's: temperature in [0, 2] (below 1e-6 is greedy), top_p in
 [0, 1] (0 keeps the most likely token only), at most 16 stop strings.
 Structured output, tools, logprobs, penalties, top_k and min_p: fields.py.
@@ -36,15 +41,13 @@ from starlette.routing import Route
 
 from ..chat import tools as chat_tools
 from . import fields
-from .request import Stream, endpoint, note, pick_runner, read_json, runners_of
+from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import ApiError, bad, is_int, is_number, show
 from .runner import FINISH_REASON, ClientGone, Completion, Job
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
 MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
-MIN_TEMPERATURE = 1e-6        # the sampler's smallest; below it is greedy
-MIN_TOP_P = 1e-6              # the sampler's top_p is in (0, 1]; this keeps the top token only
 MAX_STOP = 16                 # stop strings per request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -84,13 +87,13 @@ def options(body: dict) -> dict:
     if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise bad("temperature", f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
                   f"got {show(temperature)}")
-    opts["temperature"] = float(temperature) if temperature >= MIN_TEMPERATURE else 0.0
+    opts["temperature"] = float(temperature) if temperature >= fields.MIN_TEMPERATURE else 0.0
 
     top_p = body.get("top_p")
     if top_p is not None:
         if not is_number(top_p) or not 0 <= top_p <= 1:
             raise bad("top_p", f"top_p must be a number in [0, 1], got {show(top_p)}")
-        opts["top_p"] = max(float(top_p), MIN_TOP_P)
+        opts["top_p"] = max(float(top_p), fields.MIN_TOP_P)
 
     seed = body.get("seed")
     if seed is not None:
@@ -173,15 +176,26 @@ def suffix(body: dict) -> str | None:
     return value
 
 
-def _refuse_unserved(body: dict) -> None:
-    """Completion fields this server cannot honour: a 400 rather than ignoring them."""
+# OpenAI fields with no meaning here, at the value that asks for nothing: any other is a 400.
+UNSERVED = {"audio": None, "prediction": None, "web_search_options": None, "functions": None,
+            "function_call": None, "reasoning_effort": None, "verbosity": None, "store": False}
+
+
+def _refuse_unserved(body: dict, chat: bool) -> None:
+    """Fields this server cannot honour: a 400 rather than ignoring them."""
+    for name, off in UNSERVED.items():
+        if body.get(name, off) not in (off, None):
+            raise bad(name, f"{name} is not supported by this server" + (" (use tools)" if "function" in name else ""))
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]):
+        raise bad("modalities", "only text output is supported (modalities: [\"text\"])")
+    if chat:
+        return
     if body.get("echo") is True:
         raise bad("echo", "echo is not supported")
     best_of = body.get("best_of")
     if best_of is not None and not (is_int(best_of) and best_of == 1):
         raise bad("best_of", f"only best_of = 1 is supported, got {show(best_of)}")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "logit_bias is not supported")
 
 
 def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
@@ -194,11 +208,12 @@ def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad("stream_options", "stream_options must be an object")
+    _refuse_unserved(body, chat)
     if chat:
         c = Completion(messages=messages(body))
     else:
-        _refuse_unserved(body)
-        c = Completion(prompt=prompt(body), suffix=suffix(body))
+        # as llama-server: a prompt's special-token text is those tokens (editors send FIM prompts so)
+        c = Completion(prompt=prompt(body), suffix=suffix(body), parse_special=True)
     c.options = opts
     return c, stream, stream_options.get("include_usage") is True
 
@@ -228,7 +243,8 @@ async def get_model(request: Request):
 async def embeddings(request: Request):
     """One vector per input (a string, a list of strings, a list of token ids
     or of such lists): the model's hidden states pooled as its metadata says
-    (mean by default), unit length."""
+    (mean by default), unit length; ``dimensions``: the first so many of each,
+    at unit length again (as OpenAI shortens its text-embedding-3 vectors)."""
     body = await read_json(request)
     runner = pick_runner(request, model_field(body))
     if "input" not in body:
@@ -237,10 +253,9 @@ async def embeddings(request: Request):
     if fmt not in ("float", "base64"):
         raise bad("encoding_format", f"encoding_format must be float or base64, got {show(fmt)}")
     dimensions = body.get("dimensions")
-    vectors, n_tokens = await anyio.to_thread.run_sync(runner.embed, body["input"])
-    if dimensions is not None and not (is_int(dimensions) and dimensions == vectors.shape[1]):
-        raise bad("dimensions", f"this model's embeddings have {vectors.shape[1]} dimensions; "
-                  f"got {show(dimensions)}")
+    if dimensions is not None and not (is_int(dimensions) and dimensions > 0):
+        raise bad("dimensions", f"dimensions must be an integer > 0, got {show(dimensions)}")
+    vectors, n_tokens = await anyio.to_thread.run_sync(lambda: runner.embed(body["input"], dimensions=dimensions))
     if fmt == "base64":   # little-endian float32, as OpenAI's clients decode it
         data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
     else:
@@ -346,20 +361,15 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
     try:
         if chat:
             yield _event(chunk({"role": "assistant", "content": ""}))
-        try:
-            async for piece in job.pieces():
-                text = calls.push(piece) if calls else piece
-                lps = new_logprobs()
-                if text or lps:
-                    yield _event(chunk({"content": text} if chat else text, logprobs=lps))
-        except ApiError as e:
-            yield _event({"error": e.body()["error"]})
-            return
+        async for piece in stream_pieces(request, job):
+            if isinstance(piece, ApiError):
+                yield _event({"error": piece.body()["error"]})
+                return
+            text = calls.push(piece) if calls else piece
+            lps = new_logprobs()
+            if text or lps:
+                yield _event(chunk({"content": text} if chat else text, logprobs=lps))
         if job.client_gone:
-            note(request, "client disconnected")
-            return
-        if job.cut:
-            yield _event({"error": job.cut_error().body()["error"]})
             return
         usage, extra = extras(request, job)
         finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")

@@ -143,6 +143,24 @@ def pick_runner(request: Request, model, *, add: bool = True) -> Runner:
     return runners_of(request).get(model, add=add)
 
 
+async def stream_pieces(request: Request, job):
+    """A streamed answer's text pieces; then, instead of the final chunk, the
+    ApiError that ends it when it does not end cleanly (the engine failed,
+    the server's shutdown cut it). Nothing more when the client left: the
+    caller sends its final chunk only if the last item was a piece and
+    ``job.client_gone`` is false."""
+    try:
+        async for piece in job.pieces():
+            yield piece
+    except ApiError as e:
+        yield e
+        return
+    if job.client_gone:
+        note(request, "client disconnected")
+    elif job.cut:
+        yield job.cut_error()
+
+
 class Stream:
     """A streamed answer (ASGI): each chunk is sent as soon as it is made."""
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from ..errors import (ContextOverflowError, EdgespecError, InvalidArgumentError, ModelFetchError,
-                      ModelNotFoundError)
+from ..errors import (ContextOverflowError, EdgespecError, EngineBusyError, InvalidArgumentError,
+                      ModelFetchError, ModelNotFoundError)
 from ..pool import EnginePool, PoolFullError
 from .errors import ApiError, server_error
 
@@ -61,13 +61,15 @@ class Completion:
     prompt: str | list[int] | None = None   # a plain prompt (text or token ids), or
     messages: list[dict] | None = None   # a chat, rendered through the model's template
     suffix: str | None = None            # with a text prompt: fill in the middle
+    parse_special: bool = False          # a text prompt's special-token text is those tokens (raw prompts)
     options: dict = field(default_factory=dict)   # Engine.stream's keyword arguments (max_tokens, temperature, ...)
+    keep_alive: float | None = None      # seconds the model stays loaded once idle (None: the server's)
 
     @property
     def prompt_args(self) -> dict:
         if self.messages is not None:
             return {"messages": self.messages}
-        return {"prompt": self.prompt, "suffix": self.suffix}
+        return {"prompt": self.prompt, "suffix": self.suffix, "parse_special": self.parse_special}
 
     @property
     def tools(self) -> list[dict] | None:
@@ -121,7 +123,7 @@ class Runner:
         the event loop awaits ``ready()`` before it reads this)."""
         if self.pool is None:
             return self._engine
-        with self.lease() as engine:
+        with self.lease(use=False) as engine:
             return engine
 
     @property
@@ -139,14 +141,16 @@ class Runner:
         return self.pool.local_path(self.name) if self.pool is not None else self._engine.model_path
 
     @contextmanager
-    def lease(self):
+    def lease(self, keep_alive: float | None = None, use: bool = True):
         """The Engine, kept loaded (a pool unloads only idle models) until the
-        block ends; a pool's refusals as ApiErrors."""
+        block ends, then for ``keep_alive`` seconds more (see EnginePool;
+        ``use`` False: a look that does not put the expiry off); a pool's
+        refusals as ApiErrors."""
         if self.pool is None:
             yield self._engine
             return
         try:
-            with self.pool.engine(self.name) as engine:
+            with self.pool.engine(self.name, keep_alive, use=use) as engine:
                 yield engine
         except ModelNotFoundError as e:
             raise ApiError(404, str(e), param="model", code="model_not_found")
@@ -159,15 +163,21 @@ class Runner:
     def n_ctx(self) -> int:
         return self.engine.backend.n_ctx
 
-    def embed(self, inputs) -> tuple[list, int]:
+    def embed(self, inputs, *, truncate: bool = False, dimensions: int | None = None,
+              keep_alive: float | None = None) -> tuple[list, int]:
         """(vectors, prompt tokens) of an embeddings request's ``input``, in the
-        calling (worker) thread; the engine runs it between generations."""
+        calling (worker) thread; the engine runs it between generations.
+        ``truncate``: inputs longer than the context are cut to it;
+        ``dimensions``: the vectors' first so many, at unit length again."""
         if isinstance(inputs, list) and len(inputs) > MAX_EMBED_INPUTS:
             raise ApiError(400, f"input holds {len(inputs)} items; at most {MAX_EMBED_INPUTS}", param="input")
-        with self._tokenizer(), self.lease() as engine:
+        with self._tokenizer(), self.lease(keep_alive) as engine:
+            if dimensions is not None and not 1 <= dimensions <= engine.backend.n_embd:
+                raise ApiError(400, f"dimensions must be in [1, {engine.backend.n_embd}] for this model, got "
+                               f"{dimensions}", param="dimensions")
             try:
-                sequences = engine.embedding_inputs(inputs)
-                vectors = engine.embed(sequences)
+                sequences = engine.embedding_inputs(inputs, truncate=truncate)
+                vectors = engine.embed(sequences, dimensions=dimensions)
             except ContextOverflowError as e:
                 raise ApiError(400, str(e), param="input", code="context_length_exceeded")
             except InvalidArgumentError as e:
@@ -200,16 +210,24 @@ class Runner:
     def count_prompt(self, c: Completion) -> int:
         """The tokens of ``c``'s prompt, counted outside the engine lock (llama.cpp's
         tokenizer is read-only once a model is loaded), so that a prompt over the
-        context is refused without waiting for the running generation."""
+        context is refused without waiting for the running generation; a
+        context size the request asks for is checked first (memory, budget)."""
+        n_ctx = c.options.get("n_ctx") or self.n_ctx
         with self._tokenizer():
             try:
-                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix))
-            except InvalidArgumentError as e:     # a chat template refusing the messages
-                raise ApiError(400, str(e), param=c.param)
+                if n_ctx != self.n_ctx:
+                    self.engine.backend.check_context(n_ctx)
+                    if self.pool is not None:
+                        self.pool.context_fits(self.name, n_ctx)
+                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix, c.parse_special))
+            except PoolFullError as e:
+                raise ApiError(400, str(e), param="n_ctx")
+            except InvalidArgumentError as e:     # a chat template refusing the messages, a context size
+                raise ApiError(400, str(e), param=getattr(e, "option", None) or c.param)
         if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
             raise ApiError(400, "the prompt has no tokens", param=c.param)
-        if n >= self.n_ctx:
-            raise ApiError(400, f"the prompt is {n} tokens but the context holds {self.n_ctx}",
+        if n >= n_ctx:
+            raise ApiError(400, f"the prompt is {n} tokens but the context holds {n_ctx}",
                            param=c.param, code="context_length_exceeded")
         return n
 
@@ -321,10 +339,10 @@ class Job:
     def _run(self) -> None:
         r, c = self.runner, self.completion
         try:
-            with r.lease():   # a pool's model: loaded here, and not unloaded while the job runs
+            with r.lease(c.keep_alive):   # a pool's model: loaded here, and not unloaded while the job runs
                 n = r.count_prompt(c)
                 # clients send large values meaning "as much as fits"
-                c.options["max_tokens"] = min(c.options["max_tokens"], r.n_ctx - n)
+                c.options["max_tokens"] = min(c.options["max_tokens"], (c.options.get("n_ctx") or r.n_ctx) - n)
                 with r.lock:
                     if r.stopping:
                         self._post(ApiError(503, "the server is shutting down", type="server_error"))
@@ -346,7 +364,7 @@ class Job:
             self._post(ApiError(400, str(e), param=c.param, code="context_length_exceeded"))
             return
         except InvalidArgumentError as e:
-            self._post(ApiError(400, str(e)))
+            self._post(ApiError(400, str(e), param=getattr(e, "option", None)))
             return
         except EdgespecError as e:
             self._post(server_error(str(e)))
@@ -414,6 +432,22 @@ class Runners:
             served = ", ".join(self._runners)
         raise ApiError(404, f"model {model[:80]!r} does not exist; this server has {served}",
                        param="model", code="model_not_found")
+
+    def remove(self, name: str) -> None:
+        """Stop serving ``name`` (a pool's model, unloaded first); 409 while a
+        request holds it, 400 for the default model."""
+        with self._lock:
+            runner = self._runners.get(name)
+            if runner is None:
+                return
+            if runner is self.default:
+                raise ApiError(400, f"model {name!r} is this server's default model; it stays served",
+                               param="model")
+            try:
+                self.pool.forget(name)
+            except EngineBusyError as e:
+                raise ApiError(409, str(e), param="model") from None
+            del self._runners[name]
 
     def set_stopping(self) -> None:
         for r in self:
