@@ -11,7 +11,9 @@ another so machine drift cancels:
     plain               no drafting
     prompt lookup       --drafter ngram
     generic: <model>    --drafter model with the target's paired draft model and with
-                        smollm2-135m across tokenizers (those the target can use)
+                        smollm2-135m across tokenizers (those the target can use);
+                        with --draft-vocab N also the paired one with its output
+                        trimmed to the N most used tokens
     specialized         --drafter model with the target's drafter for that language
     auto                --drafter auto with the target's drafter set (routed)
     auto, no set        --drafter auto without specialized drafters
@@ -50,7 +52,8 @@ def prompts_of(lang: str, limit: int) -> list[prompts.Prompt]:
     return picked[:limit]
 
 
-def configurations(model: str, lang: str, drafter_dir: str | None, empty: str) -> dict[str, dict]:
+def configurations(model: str, lang: str, drafter_dir: str | None, empty: str,
+                   draft_vocab: int | None = None) -> dict[str, dict]:
     name = registry.model_name(model)
     with Vocab.load(registry.model_path_checked(model)) as vocab:
         infos = [i for i in routed.find_set(vocab, routed.set_files(name, drafter_dir)) if i.problem is None]
@@ -59,6 +62,9 @@ def configurations(model: str, lang: str, drafter_dir: str | None, empty: str) -
     paired = registry.paired_draft(model)
     for generic in ([paired] if paired else []) + [g for g in GENERIC if g != name]:
         configs[f"generic: {generic}"] = dict(drafter="model", draft_model=generic, drafter_dir=empty)
+    if paired and draft_vocab:
+        configs[f"generic: {paired}, --draft-vocab {draft_vocab}"] = dict(
+            drafter="model", draft_model=paired, draft_vocab=draft_vocab, drafter_dir=empty)
     if special:
         configs[f"specialized: {special[0].path.name}"] = dict(drafter="model", draft_model=str(special[0].path),
                                                                drafter_dir=empty)
@@ -68,7 +74,7 @@ def configurations(model: str, lang: str, drafter_dir: str | None, empty: str) -
 
 
 def run_lang(args, lang: str, empty: str) -> dict[str, dict]:
-    configs = configurations(args.model, lang, args.drafters, empty)
+    configs = configurations(args.model, lang, args.drafters, empty, args.draft_vocab)
     engines = {label: Engine(args.model, threads=args.threads, n_ctx=2048, **kw) for label, kw in configs.items()}
     totals = {label: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "steps": 0, "cost": None}
               for label in configs}
@@ -188,6 +194,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="also the paired draft model with its output trimmed to N tokens")
     ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the speedups per language")
     ap.add_argument("--agreement", action="store_true", help="only the specialized drafter's teacher-forced "
                     "agreement with the target's greedy output (completion prompts)")
