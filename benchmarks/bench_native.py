@@ -1,6 +1,7 @@
 """The native C engine against llama.cpp (the llama backend), side by side in one run.
 
-Two modes:
+Two modes (and ``speed-one``, the worker process ``speed`` runs per engine
+and round):
 
   speed   decode and prefill tokens/s of both backends on each model, each
           engine in a process of its own per round, the rounds interleaved so

@@ -339,9 +339,10 @@ class ModelDrafter(Drafter):
         except ModelFetchError as e:
             raise ModelFetchError(f"draft model {ref} is not downloaded and could not be fetched ({e}); "
                                   f"get it with: edgespec models pull {ref}") from e
-        # Its cache follows the target's text, also past its own training context.
-        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads,
-                                    ep=config.options.ep if name == "onnx" else None, ctx_extend=True)
+        # Its cache follows the target's text, also past its own training context
+        # (an ONNX export's cache length is fixed when it is exported: ep instead).
+        extra = {"ep": config.options.ep} if name == "onnx" else {"ctx_extend": True}
+        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads, **extra)
         try:
             self._map = token_map(config.target, path, self.backend.n_vocab, ref)
             if self._map is not None:
