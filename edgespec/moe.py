@@ -8,7 +8,7 @@ and counters, and the files that go with it.
   kernels' es_quantize_row; Q4_0 for rows that are not whole 256-value
   super-blocks; ``SIDECAR_SUFFIX``), which ``balanced`` and ``fast``
   precision serve cache misses from.
-- ``upcycle``: a MoE built from a dense llama-family GGUF, every expert a
+- ``upcycle``: a MoE built from a dense llama or qwen2 GGUF, every expert a
   copy of its layer's FFN and a router of random projections, so with exact
   experts its output is the dense model's whatever the routing.
 - ``synth``: a random Mixtral-style MoE of any shape, for speed.
@@ -214,28 +214,46 @@ class _Bytes(Progress):
 
 # ---- upcycle and synth ------------------------------------------------------------------------
 
+UPCYCLE_ARCHS = ("llama", "qwen2")
+
+
+def _neox_to_norm(n_rows: int, head_dim: int) -> np.ndarray:
+    """The row order that takes a projection whose RoPE pairs each head's
+    halves (NEOX, qwen2) to llama's adjacent pairs (NORM): row 2i of a head
+    is its row i, row 2i + 1 its row i + head_dim / 2. Queries and keys
+    permuted alike are rotated by the same angles and give the same scores."""
+    half = head_dim // 2
+    head = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    return (np.arange(n_rows // head_dim)[:, None] * head_dim + head).reshape(-1)
+
+
 def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, top_k: int = 2,
             seed: int = 0, router_scale: float = 1.0, progress: bool = True) -> Path:
-    """A Mixtral-style MoE made of the dense llama-family GGUF ``model``:
+    """A Mixtral-style MoE made of the dense llama or qwen2 GGUF ``model``:
     in each layer ``experts`` copies of its FFN and a router of random
     projections, N(0, router_scale^2 / n_embd), choosing ``top_k`` (a larger
-    scale routes more sharply: unequal weights, as trained routers give)."""
+    scale routes more sharply: unequal weights, as trained routers give).
+    A qwen2 model becomes a llama one with its attention biases (which
+    llama.cpp's llama reads), its query and key rows in llama's RoPE order."""
     gguf = gguf_module()
     _check_counts(experts, top_k)
     reader = read_gguf(model)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    if arch != "llama":
-        raise UnsupportedModelError(f"{model}: upcycling takes a llama-architecture model, not {arch}")
+    if arch not in UPCYCLE_ARCHS:
+        raise UnsupportedModelError(f"{model}: upcycling takes a {' or '.join(UPCYCLE_ARCHS)} model, not {arch}")
     by_name = {t.name: t for t in reader.tensors}
     if "blk.0.ffn_gate_exps.weight" in by_name:
         raise InvalidArgumentError(f"{model}: already a MoE model")
-    D = int(reader.fields["llama.embedding_length"].contents())
+    D = int(reader.fields[f"{arch}.embedding_length"].contents())
+    n_head = int(reader.fields[f"{arch}.attention.head_count"].contents())
+    head_dim = (int(reader.fields[f"{arch}.attention.key_length"].contents())
+                if f"{arch}.attention.key_length" in reader.fields else D // n_head)
     rng = np.random.default_rng(seed)
     tensors, sources = [], []
     for t in reader.tensors:
         kind = t.name.split(".")
+        raw = raw_tensor(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
         if len(kind) == 4 and kind[0] == "blk" and kind[2] in ("ffn_gate", "ffn_up", "ffn_down"):
-            raw = raw_tensor(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
             name = f"blk.{kind[1]}.{kind[2]}_exps.weight"
             if kind[2] == "ffn_gate":
                 router = rng.standard_normal((experts, D), dtype=np.float32) * np.float32(router_scale / np.sqrt(D))
@@ -244,19 +262,24 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
             shape = (experts, *(int(x) for x in reversed(t.shape[:2])))
             tensors.append((name, shape, int(t.tensor_type), experts * raw.nbytes))
             sources.append(lambda raw=raw: np.broadcast_to(raw, (experts, *raw.shape)))
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
+        tensors.append((t.name, shape, int(t.tensor_type), int(t.n_bytes)))
+        if arch == "qwen2" and len(kind) == 4 and kind[2] in ("attn_q", "attn_k"):
+            order = _neox_to_norm(shape[0], head_dim)   # rows, whatever their type
+            sources.append(lambda raw=raw, order=order: raw[order])
         else:
-            shape = tuple(int(x) for x in reversed(t.shape))
-            tensors.append((t.name, shape, int(t.tensor_type), int(t.n_bytes)))
-            sources.append(lambda t=t: np.asarray(t.data))
+            sources.append(lambda raw=raw: raw)
 
     def keys(w):
-        copy_keys(reader, w, lambda k: k not in ("llama.expert_count", "llama.expert_used_count"))
+        copy_keys(reader, w, lambda k: k not in (f"{arch}.expert_count", f"{arch}.expert_used_count"),
+                  rename=lambda k: "llama." + k[len(arch) + 1:] if k.startswith(arch + ".") else k)
         w.add_uint32("llama.expert_count", experts)
         w.add_uint32("llama.expert_used_count", top_k)
 
     total = sum(t[3] for t in tensors)
     with gguf_output(out) as tmp:
-        write_gguf(tmp, arch, keys, tensors, (s() for s in sources),
+        write_gguf(tmp, "llama", keys, tensors, (s() for s in sources),
                     _Bytes(f"upcycle {Path(out).name}", total, enabled=progress))
     return Path(out)
 

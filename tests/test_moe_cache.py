@@ -23,7 +23,7 @@ import pytest
 from edgespec import Engine, moe
 from edgespec.backends import open_backend
 from edgespec.errors import BackendError, InvalidArgumentError, ModelFormatError, UnsupportedModelError
-from tiny_gguf import Q, write_moe_fixture, write_tiny_llama
+from tiny_gguf import Q, write_moe_fixture, write_tiny_llama, write_tiny_qwen2
 
 N_CTX = 512
 # The synthetic test model: 4 layers of 8 Q8_0 experts of 128 x 256, top 2.
@@ -106,16 +106,20 @@ def generate(path, prompt, **kw):
     return r.tokens, r.stats
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled", "speculative"])
-def test_engine_exact_cache_same_tokens(synth_path, mode):
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=7)
+
+
+@pytest.mark.parametrize("budget_mb", [1, 3])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "speculative", "speculative sampled"])
+def test_engine_exact_cache_same_tokens(synth_path, mode, budget_mb):
     prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
-    kw = {"greedy": {}, "sampled": dict(temperature=0.9, top_p=0.95, seed=7),
-          "speculative": dict(drafter="ngram")}[mode]
+    kw = {"greedy": {}, "sampled": SAMPLED, "speculative": dict(drafter="ngram"),
+          "speculative sampled": dict(drafter="ngram", **SAMPLED)}[mode]
     want, _ = generate(synth_path, prompt, **kw)
-    got, stats = generate(synth_path, prompt, expert_cache_mb=1, **kw)
+    got, stats = generate(synth_path, prompt, expert_cache_mb=budget_mb, **kw)
     assert got == want
     x = stats.experts
-    assert x is not None and x["cache_bytes"] <= 1_000_000 and x["substitutions"] == 0
+    assert x is not None and x["cache_bytes"] <= budget_mb * 1_000_000 and x["substitutions"] == 0
     # The cache's accounting: every lookup that missed and every prefetch is one
     # read of one expert, and every token the generation evaluated passed the
     # first MoE layer (the prompt, then one per plain step, or the step's
@@ -123,7 +127,7 @@ def test_engine_exact_cache_same_tokens(synth_path, mode):
     assert x["loads"] == x["lookups"] - x["hits"] + x["prefetches"] > 0
     assert x["bytes_read"] == x["loads"] * EXPERT_BYTES
     assert x["hit_rate"] == x["hits"] / x["lookups"]
-    if mode == "speculative":
+    if mode.startswith("speculative"):
         assert stats.spec.drafted > 0 and stats.spec.accepted > 0   # it did speculate
         evaluated = stats.spec.target_steps + stats.spec.drafted
     else:
@@ -431,6 +435,22 @@ def test_upcycled_model_computes_the_dense_one(moe_dir, dense_f32, top_k):
         assert (got.argmax(axis=1) == want.argmax(axis=1)).all()
 
 
+def test_upcycled_qwen2_computes_the_dense_one(moe_dir, tiny_vocab_path):
+    """A qwen2 model becomes a llama one: biases kept, query and key rows
+    reordered for llama's RoPE pairs. The same scores summed in another
+    order: equal within rounding, on both engines."""
+    dense = moe_dir / "dense-qwen2.gguf"
+    write_tiny_qwen2(dense, tiny_vocab_path, n_ctx=N_CTX, dtype=Q.F32)
+    up = moe.upcycle(dense, moe_dir / "upcycled-qwen2.gguf", experts=4, top_k=1, progress=False)
+    for name in ("native", "llama"):
+        with open_backend(name, dense, n_ctx=N_CTX, n_batch=64, threads=1) as b:
+            want = logits(b, list(range(1, 65)), chunk=64)
+        with open_backend(name, up, n_ctx=N_CTX, n_batch=64, threads=1) as b:
+            assert b.metadata("general.architecture") == "llama"
+            got = logits(b, list(range(1, 65)), chunk=64)
+        assert np.abs(got - want).max() < 1e-3, name
+
+
 def test_llama_cpp_loads_upcycled_and_synthetic(moe_dir, dense_f32, synth_path):
     up = moe.upcycle(dense_f32, moe_dir / "upcycled-llama.gguf", experts=4, top_k=1, progress=False)
     with open_backend("llama", dense_f32, n_ctx=N_CTX, n_batch=64, threads=1) as b:
@@ -468,6 +488,19 @@ def test_upcycled_smollm2_matches_dense(smollm2_path, tmp_path):
         r = e.generate(prompt, max_tokens=24)
     assert r.tokens == want
     assert r.stats.experts["cache_bytes"] <= 60_000_000 and r.stats.experts["evictions"] > 0
+
+
+def test_upcycled_qwen_coder_matches_dense(qwen_coder_05b_path, tmp_path):
+    """Qwen2.5-coder upcycled (a llama MoE, its down matrices of two types
+    as Q4_K_M gives them) greedy-decodes as the dense model on both engines."""
+    up = moe.upcycle(qwen_coder_05b_path, tmp_path / "qwen-moe.gguf", experts=2, top_k=1,
+                     progress=False)
+    prompt = "def fibonacci(n):"
+    for name, kw in (("native", dict(expert_cache_mb=60)), ("llama", {})):
+        with Engine(qwen_coder_05b_path, backend=name, threads=2, n_ctx=N_CTX, drafter="none") as e:
+            want = e.generate(prompt, max_tokens=24).tokens
+        with Engine(up, backend=name, threads=2, n_ctx=N_CTX, drafter="none", **kw) as e:
+            assert e.generate(prompt, max_tokens=24).tokens == want, name
 
 
 # ---- the command line -------------------------------------------------------------------------

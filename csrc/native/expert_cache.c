@@ -79,8 +79,11 @@ typedef struct slot {
 
 struct es_expert_cache {
     int32_t n_layer, n_expert, k;
-    int32_t type[3];          // the file's type of each matrix
-    size_t  slab[3], off[3];  // bytes of one expert's matrix, and its offset in a slot
+    // Per layer and matrix (a file may store some layers' experts in
+    // another type: llama.cpp's Q4_K_M gives half the down matrices Q6_K):
+    int32_t * type;           // (n_layer, 3) the file's type
+    size_t  * slab;           // (n_layer, 3) bytes of one expert's matrix
+    size_t  * off;            // (n_layer, 3) its offset in a slot
     int64_t * file_off;       // (n_layer, 3) file offset of each expert stack
     int32_t low_type[3];      // the sidecar's type of each matrix
     size_t  low_slab[3], low_off[3], low_stride;
@@ -104,6 +107,7 @@ struct es_expert_cache {
     pthread_cond_t  work, done;
     pthread_t io;
     bool      io_started, stop;
+    bool      reading;        // the I/O thread is reading a slot
     uint64_t  tick;           // begins so far
     int32_t   depth;          // prefetch depth now
     int64_t   win_pref, win_used;  // prefetches and their uses since the last adaptation
@@ -178,14 +182,15 @@ static int read_expert(es_expert_cache * c, int32_t il, int32_t e, bool low, uin
         return ES_OK;
     }
     for (int w = 0; w < 3; w++) {
-        const int64_t off = c->file_off[il * 3 + w] + (int64_t) e * (int64_t) c->slab[w];
-        if (pread_full(c->fd, dst + c->off[w], c->slab[w], off) != ES_OK) {
+        const size_t slab = c->slab[il * 3 + w];
+        const int64_t off = c->file_off[il * 3 + w] + (int64_t) e * (int64_t) slab;
+        if (pread_full(c->fd, dst + c->off[il * 3 + w], slab, off) != ES_OK) {
             snprintf(err, err_cap, "reading layer %d expert %d from the model: %s", (int) il,
                      (int) e, errno ? strerror(errno) : "short read");
             return ES_ERR_IO;
         }
-        posix_fadvise(c->fd, (off_t) off, (off_t) c->slab[w], POSIX_FADV_DONTNEED);
-        *bytes += c->slab[w];
+        posix_fadvise(c->fd, (off_t) off, (off_t) slab, POSIX_FADV_DONTNEED);
+        *bytes += slab;
     }
     return ES_OK;
 }
@@ -199,6 +204,7 @@ static void * io_main(void * arg) {
         slot * s = &c->slots[c->queue[0]];
         memmove(c->queue, c->queue + 1, (size_t) --c->q_len * sizeof *c->queue);
         s->state = SLOT_LOADING;
+        c->reading = true;
         const int32_t il = s->layer, e = s->expert;
         const bool low = s->low;
         pthread_mutex_unlock(&c->mu);
@@ -212,6 +218,7 @@ static void * io_main(void * arg) {
 
         pthread_mutex_lock(&c->mu);
         c->io_busy_ns += busy;
+        c->reading = false;
         s->state = rc == ES_OK ? SLOT_READY : SLOT_FAILED;
         s->rc = rc;
         if (rc != ES_OK) memcpy(c->err, err, sizeof err);
@@ -312,6 +319,9 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low)
                 const int32_t si = c->queue[i];
                 queue_remove(c, si);
                 forget(c, s);
+                // Never read: no prefetch after all.
+                c->st.prefetches--;
+                c->win_pref--;
                 return si;
             }
         }
@@ -466,8 +476,8 @@ static int cache_get(void * self, int32_t layer, int32_t e, int32_t which, es_ex
     const bool low = s->low;
     pthread_mutex_unlock(&c->mu);
     if (rc != ES_OK) return rc;
-    out->data = s->data + (low ? c->low_off[which] : c->off[which]);
-    out->type = low ? c->low_type[which] : c->type[which];
+    out->data = s->data + (low ? c->low_off[which] : c->off[s->layer * 3 + which]);
+    out->type = low ? c->low_type[which] : c->type[s->layer * 3 + which];
     return ES_OK;
 }
 
@@ -648,25 +658,26 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     pthread_cond_init(&c->work, NULL);
     pthread_cond_init(&c->done, NULL);
     int rc = ES_OK;
-    c->file_off = malloc((size_t) c->n_layer * 3 * sizeof *c->file_off);
-    if (!c->file_off) rc = ES_ERR_NO_MEMORY;
+    const size_t n3 = (size_t) c->n_layer * 3;
+    c->type = malloc(n3 * sizeof *c->type);
+    c->slab = malloc(n3 * sizeof *c->slab);
+    c->off = malloc(n3 * sizeof *c->off);
+    c->file_off = malloc(n3 * sizeof *c->file_off);
+    if (!c->type || !c->slab || !c->off || !c->file_off) rc = ES_ERR_NO_MEMORY;
+    // A slot holds any layer's expert: the largest of them.
+    size_t expert_bytes = 0;
     for (int32_t il = 0; il < c->n_layer && rc == ES_OK; il++) {
+        size_t at = 0;
         for (int w = 0; w < 3; w++) {
             const es_tensor * t = es_experts_tensor(ex, il, w);
-            const size_t slab = t->nbytes / (size_t) c->n_expert;
-            if (il > 0 && (t->type != c->type[w] || slab != c->slab[w])) {
-                snprintf(err, err_cap, "the expert cache needs every layer's experts of one "
-                         "type; layer %d's %s differ", (int) il, t->name);
-                rc = ES_ERR_UNSUPPORTED;
-                break;
-            }
-            c->type[w] = t->type;
-            c->slab[w] = slab;
+            c->type[il * 3 + w] = t->type;
+            c->slab[il * 3 + w] = t->nbytes / (size_t) c->n_expert;
+            c->off[il * 3 + w] = at;
             c->file_off[il * 3 + w] = es_gguf_tensor_offset(g, t);
+            at += c->slab[il * 3 + w];
         }
+        expert_bytes = at > expert_bytes ? at : expert_bytes;
     }
-    c->off[1] = c->slab[0];
-    c->off[2] = c->slab[0] + c->slab[1];
     c->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (rc == ES_OK && (c->fd < 0 || fstat(c->fd, &c->st0) != 0)) {
         snprintf(err, err_cap, "cannot open the model for its experts: %s", strerror(errno));
@@ -682,7 +693,7 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     const bool balanced = c->low_sum && c->precision == ES_PRECISION_BALANCED;
     int64_t n_full = 0, n_low = 0;
     if (rc == ES_OK) {
-        c->slot_bytes = round_up(c->off[2] + c->slab[2], SLOT_ALIGN);
+        c->slot_bytes = round_up(expert_bytes, SLOT_ALIGN);
         c->low_slot_bytes = c->low_sum ? c->low_stride : 0;
         const int64_t B = p->expert_cache_bytes, full = (int64_t) c->slot_bytes;
         const int64_t low = (int64_t) c->low_slot_bytes, all = (int64_t) c->n_layer * c->n_expert;
@@ -783,6 +794,9 @@ void es_expert_cache_free(es_expert_cache * c) {
     free(c->arena);
     free(c->low_sum);
     free(c->file_off);
+    free(c->off);
+    free(c->slab);
+    free(c->type);
     free(c);
 }
 
@@ -790,6 +804,9 @@ const es_expert_provider * es_expert_cache_provider(es_expert_cache * c) { retur
 
 void es_expert_cache_stats(es_expert_cache * c, es_expert_stats * out) {
     pthread_mutex_lock(&c->mu);
+    // The reads queued (prefetches a generation's last layers asked for)
+    // finish first, so loads and bytes read count every read started.
+    while (c->q_len > 0 || c->reading) pthread_cond_wait(&c->done, &c->mu);
     *out = c->st;
     out->prefetch_depth = c->depth;
     pthread_mutex_unlock(&c->mu);

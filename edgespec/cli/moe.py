@@ -20,7 +20,7 @@ def _done(what: str, path: Path, t0: float) -> None:
 
 @moe_app.command()
 def upcycle(
-    model: str = typer.Argument(..., help=MODEL_HELP + " A dense llama-architecture model."),
+    model: str = typer.Argument(..., help=MODEL_HELP + " A dense llama or qwen2 model."),
     experts: int = typer.Option(..., "--experts", help="Experts per layer, [1, 256]: each a copy of the "
                                 "layer's FFN."),
     top_k: int = typer.Option(2, "--top-k", help="Experts per token, [1, --experts]."),
