@@ -2,12 +2,15 @@
  * bench_kernels.c — es_matvec speed per weight type, the run-time chosen
  * kernels against the portable scalar ones, measured side by side.
  *
- *   cc -O3 -Icsrc benchmarks/bench_kernels.c csrc/native/kernels/quants.c csrc/native/gguf.c csrc/base.c -lm -o /tmp/bench_kernels
+ *   cmake -S . -B build && cmake --build build -j2   (the kernel files need their ISA flags)
+ *   cc -O3 -Icsrc benchmarks/bench_kernels.c -Lbuild -ledgespec -Wl,-rpath,$PWD/build -lm -ldl -o /tmp/bench_kernels
  *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
  *
  * One thread. Measured with the scalar kernels (es_kernels_select), then with
  * the best this CPU runs; each line gives ns per row, weight GB/s and the
- * speed-up. Weights are random bytes with sane block scales.
+ * speed-up. Then the batch cost curve of es_matmat, over the rows as they
+ * are and over their repacked copy. Weights are random bytes with sane
+ * block scales.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -131,37 +134,48 @@ static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row,
 }
 
 // The batch cost curve: ns per weight row of one es_matmat over B tokens,
-// for each B in BATCHES (B = 1 is es_matvec's work). Verifying B drafted
-// tokens costs curve[B] / curve[1] single tokens' worth of matmul.
+// for each B in BATCHES (B = 1 is es_matvec's work), over the rows as the
+// GGUF has them (how = 0) and over their repacked copy (how = 1; NAN for a
+// type without a repacked layout). Verifying B drafted tokens costs
+// curve[B] / curve[1] single tokens' worth of matmul.
 static const int BATCHES[] = {1, 2, 4, 8, 16};
 #define N_BATCHES ((int) (sizeof(BATCHES) / sizeof(BATCHES[0])))
 #define MAX_BATCH 16
-static void measure_batch(int64_t n, int64_t rows, int reps, double ns[N_BENCH][N_BATCHES]) {
+static void measure_batch(int64_t n, int64_t rows, int reps, double ns[2][N_BENCH][N_BATCHES]) {
     float * x = malloc((size_t) n * sizeof(float));
     float * y = malloc((size_t) rows * MAX_BATCH * sizeof(float));
     for (int t = 0; t < N_BENCH; t++) {
-        for (int b = 0; b < N_BATCHES; b++) ns[t][b] = NAN;
+        for (int b = 0; b < N_BATCHES; b++) ns[0][t][b] = ns[1][t][b] = NAN;
         if (es_type_row_bytes(TYPES[t], n) == 0) continue;
         uint8_t * w = random_rows(TYPES[t], n, rows);
+        const size_t pb = es_repack_bytes(TYPES[t], n, rows);
+        uint8_t * packed = pb ? malloc(pb) : NULL;
+        if (packed) es_repack(TYPES[t], w, n, rows, packed);
         const size_t ab = es_type_row_bytes(es_act_type(TYPES[t]), n);
         uint8_t * xq = malloc(ab * MAX_BATCH);
         for (int b = 0; b < MAX_BATCH; b++) {
             for (int64_t i = 0; i < n; i++) x[i] = (float) (next_u32() % 2001) / 1000.f - 1.f;
             es_quantize_act(TYPES[t], x, xq + (size_t) b * ab, n);
         }
-        // Batch sizes interleaved within each repeat, the best of each kept:
-        // a busy spell on the machine then slows every size alike.
-        double best[N_BATCHES];
-        for (int b = 0; b < N_BATCHES; b++) best[b] = INFINITY;
+        // Batch sizes and layouts interleaved within each repeat, the best of
+        // each kept: a busy spell on the machine then slows every one alike.
+        double best[2][N_BATCHES];
+        for (int b = 0; b < N_BATCHES; b++) best[0][b] = best[1][b] = INFINITY;
         for (int r = 0; r <= reps; r++) {  // r = 0 warms up
             for (int b = 0; b < N_BATCHES; b++) {
-                const double t0 = now_s();
-                es_matmat(TYPES[t], w, xq, ab, BATCHES[b], n, 0, rows, y, (size_t) rows);
-                if (r) best[b] = fmin(best[b], now_s() - t0);
+                for (int how = 0; how < (packed ? 2 : 1); how++) {
+                    const double t0 = now_s();
+                    es_matmat(TYPES[t], w, how ? packed : NULL, xq, ab, BATCHES[b], n, 0, rows, y, (size_t) rows);
+                    if (r) best[how][b] = fmin(best[how][b], now_s() - t0);
+                }
             }
         }
-        for (int b = 0; b < N_BATCHES; b++) ns[t][b] = 1e9 * best[b] / (double) rows;
+        for (int b = 0; b < N_BATCHES; b++) {
+            ns[0][t][b] = 1e9 * best[0][b] / (double) rows;
+            if (packed) ns[1][t][b] = 1e9 * best[1][b] / (double) rows;
+        }
         free(xq);
+        free(packed);
         free(w);
     }
     free(y);
@@ -227,17 +241,22 @@ int main(int argc, char ** argv) {
     }
     printf("(per row, lower is better; ratios > 1 mean ours is faster)\n");
 
-    double curve[N_BENCH][N_BATCHES];
+    static double curve[2][N_BENCH][N_BATCHES];
     measure_batch(n, rows, reps, curve);
-    printf("\nbatch cost curve (%s): es_matmat ns per weight row over B tokens, and / B = 1\n",
-           es_kernels_name());
-    printf("%-5s", "type");
-    for (int b = 0; b < N_BATCHES; b++) printf(" %9s%-2d %6s", "B=", BATCHES[b], "x1");
-    printf("\n");
-    for (int t = 0; t < N_BENCH; t++) {
-        printf("%-5s", es_type_name(TYPES[t]));
-        for (int b = 0; b < N_BATCHES; b++) printf(" %11.1f %5.2fx", curve[t][b], curve[t][b] / curve[t][0]);
+    for (int how = 0; how < 2; how++) {
+        printf("\nbatch cost curve (%s, %s): es_matmat ns per weight row over B tokens, / B = 1, "
+               "and int8 GMAC/s\n", es_kernels_name(), how ? "repacked" : "rows as in the GGUF");
+        printf("%-5s", "type");
+        for (int b = 0; b < N_BATCHES; b++) printf(" %9s%-2d %6s %6s", "B=", BATCHES[b], "x1", "GMAC");
         printf("\n");
+        for (int t = 0; t < N_BENCH; t++) {
+            if (isnan(curve[how][t][0])) continue;
+            printf("%-5s", es_type_name(TYPES[t]));
+            for (int b = 0; b < N_BATCHES; b++)
+                printf(" %11.1f %5.2fx %6.1f", curve[how][t][b], curve[how][t][b] / curve[how][t][0],
+                       (double) n * BATCHES[b] / curve[how][t][b]);
+            printf("\n");
+        }
     }
     return 0;
 }

@@ -6,7 +6,9 @@
 * The cost of a draft model beside its target (``draft_cost``): one drafted
   token, and one context token it must catch up on, in one-token target steps.
 * The read bandwidth of a number of threads (``bandwidth``): the memory
-  roofline's numerator, and what the default chat model is chosen by.
+  roofline's numerator, and what the default chat model is chosen by; and
+  the int8 peak of the native kernels in use (``int8_peak``): the compute
+  roofline's.
 
 Both are measured when an Engine loads (never inside a generation), logged
 once as a notice on the ``edgespec`` logger, and kept in
@@ -268,3 +270,35 @@ def bandwidth(threads: int, *, remeasure: bool = False) -> float:
                               lambda: measure_bandwidth(threads),
                               lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,
                               notice=f"the read bandwidth of {threads} threads")
+
+
+INT8_PEAK_FILE = "int8-peak.json"
+
+
+def measure_int8_peak(threads: int) -> float:
+    """int8 multiply-accumulates per second with ``threads`` threads, each in
+    the kernel set in use's tightest loop of its integer step (the C core's
+    es_measure_int8_peak), the fastest of five passes."""
+    from .capi import check, ffi, lib
+
+    params = ffi.new("es_int8_peak_params *", lib.es_int8_peak_default_params())
+    params.n_threads = threads
+    out = ffi.new("double *")
+    check(lib.es_measure_int8_peak(params, out), "es_measure_int8_peak")
+    return out[0]
+
+
+def int8_peak(threads: int, *, remeasure: bool = False) -> tuple[float, str]:
+    """(int8 MACs/s, kernel set) of this machine with ``threads`` threads and
+    the kernel set EDGESPEC_KERNELS names (else the best): cached as
+    ``bandwidth`` is."""
+    from .backends.native import select_kernels
+    from .capi import ffi, lib
+
+    select_kernels()
+    kernels = ffi.string(lib.es_kernels_name()).decode()
+    peak = cached_measurement(INT8_PEAK_FILE, f"{cpu_name()}:{threads}:{kernels}", "macs_per_s",
+                              lambda: measure_int8_peak(threads),
+                              lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,
+                              notice=f"the int8 peak of {threads} threads ({kernels} kernels)")
+    return peak, kernels

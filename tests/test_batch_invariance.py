@@ -1,7 +1,9 @@
 """Batch invariance of the native engine over every quantized weight type:
 a token's logits are bit-identical whether it is decoded alone or in a batch
 of any size from 2 to 16 (the shapes speculative verification and draft
-trees produce), and whatever the number of threads (1 to 4).
+trees produce), and whatever the number of threads (1 to 4); and, in every
+kernel set this CPU runs, whether the weights are repacked at load (the
+default: the tile kernels) or not (EDGESPEC_REPACK=0).
 
 Each type gets a one-layer random qwen2 (QKV biases) 256 wide, so that the
 K-quants' 256-element super-blocks fit, over the generated tokenizer; the
@@ -16,6 +18,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from edgespec.backends import open_backend
+from edgespec.capi import ffi, lib
+from edgespec.errors import InvalidArgumentError
 from tiny_gguf import write_tiny_qwen2
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]
@@ -53,3 +57,29 @@ def test_logits_equal_for_every_batch_size_and_thread_count(quantized_qwen2):
             for size in BATCHES if threads == 1 else [1, *BATCHES]:
                 got = in_batches(b, tokens, size)
                 assert np.array_equal(got, alone), f"{threads} threads, batches of {size}"
+
+
+def kernel_sets() -> list[str]:
+    return [ffi.string(lib.es_kernels_available(i)).decode() for i in range(4)
+            if lib.es_kernels_available(i) != ffi.NULL]
+
+
+def test_logits_equal_repacked_or_not_in_every_kernel_set(quantized_qwen2, monkeypatch):
+    """Tile kernels over the repacked weights and the kernels over the rows
+    as they are compute the same per-token arithmetic: the logits are
+    bit-identical, in every kernel set (across sets attention's F16 dot
+    products differ in rounding)."""
+    for kernels in kernel_sets():
+        logits = {}
+        for repack in ("1", "0"):
+            monkeypatch.setenv("EDGESPEC_KERNELS", kernels)
+            monkeypatch.setenv("EDGESPEC_REPACK", repack)
+            with open_backend("native", quantized_qwen2, n_ctx=128, threads=2) as b:
+                logits[repack] = in_batches(b, b.tokenize(TEXT)[:24], 8)
+        assert np.array_equal(logits["1"], logits["0"]), kernels
+
+
+def test_repack_setting_is_checked(quantized_qwen2, monkeypatch):
+    monkeypatch.setenv("EDGESPEC_REPACK", "yes")
+    with pytest.raises(InvalidArgumentError, match="EDGESPEC_REPACK=yes: 1 repacks"):
+        open_backend("native", quantized_qwen2, n_ctx=64)

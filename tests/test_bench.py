@@ -224,6 +224,40 @@ def test_bandwidth_is_measured_in_c_and_cached(tmp_path, monkeypatch):
     assert costs.bandwidth(2, remeasure=True) == 5e9 and measured == [2, 2]
 
 
+def test_int8_peak_is_measured_in_c_and_cached(tmp_path, monkeypatch):
+    from edgespec import costs
+    from edgespec.capi import ffi, lib
+
+    assert lib.es_measure_int8_peak(ffi.NULL, ffi.NULL) == lib.ES_ERR_INVALID_ARG
+    assert costs.measure_int8_peak(1) > 1e8   # > 0.1 GMAC/s anywhere, the scalar set included
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("EDGESPEC_KERNELS", "scalar")
+    measured = []
+    monkeypatch.setattr(costs, "measure_int8_peak", lambda threads: measured.append(threads) or 7e9)
+    assert costs.int8_peak(2) == costs.int8_peak(2) == (7e9, "scalar")
+    assert measured == [2]                                  # the second call read the cache
+    monkeypatch.delenv("EDGESPEC_KERNELS")
+    lib.es_kernels_select(b"auto")
+
+
+def test_macs_per_token_count_every_matrix_once(tiny_llama_path, tmp_path, tiny_vocab_path):
+    from edgespec.bench.roofline import macs_per_token
+    from edgespec.models.gguf import GGUFFile
+    from tiny_gguf import write_tiny_llama
+
+    with GGUFFile(tiny_llama_path) as f:
+        tied = f.tensor("output.weight") is None
+        want = sum(t.n_elements for t in f.tensors if len(t.shape) == 2 and (tied or t.name != "token_embd.weight"))
+    assert macs_per_token(tiny_llama_path) == want
+    moe = tmp_path / "moe.gguf"
+    write_tiny_llama(moe, tiny_vocab_path, n_expert=4, n_expert_used=2)
+    with GGUFFile(moe) as f:
+        tied = f.tensor("output.weight") is None
+        matrices = [t for t in f.tensors if len(t.shape) >= 2 and (tied or t.name != "token_embd.weight")]
+        want = sum(t.n_elements // 2 if "_exps." in t.name else t.n_elements for t in matrices)
+    assert macs_per_token(moe) == want
+
+
 def test_bytes_per_token_count_what_a_token_reads(tiny_llama_path, tmp_path, tiny_vocab_path):
     from edgespec.bench.roofline import bytes_per_token
     from edgespec.models.gguf import GGUFFile
@@ -263,6 +297,13 @@ def test_roofline_run_writes_valid_results(tiny_llama_path, tmp_path):
         assert x["status"] == "ok" and x["batch_cost"][0] == 1.0 and len(x["batch_cost"]) == 5
         assert x["fraction_of_roofline"] == pytest.approx(x["decode_tokens_per_s"] / r["roofline_tokens_per_s"])
     assert r["roofline_tokens_per_s"] == pytest.approx(r["bandwidth_bytes_per_s"] / r["bytes_per_token"]["total"])
-    assert "## Memory roofline" in (out / "results.md").read_text()
+    macs, peak = r["macs_per_token"], r["int8_peak_macs_per_s"]
+    assert macs > 0 and peak > 0 and r["kernels"] in ("avx512", "avx2", "neon", "scalar")
+    assert r["compute_floor_s"] == pytest.approx([k * macs / peak for k in r["batch_sizes"]])
+    for x in r["backends"]:
+        assert x["fraction_of_int8_peak"] == pytest.approx(
+            [k * macs / peak / t for k, t in zip(r["batch_sizes"], x["batch_seconds"])])
+    text = (out / "results.md").read_text()
+    assert "## Memory roofline" in text and "## Compute roofline" in text
     assert [f.name for f in out.glob("*.png")] == list(report.ROOFLINE_PLOTS)
     assert (out / "roofline.png").read_bytes().startswith(PNG)

@@ -1,7 +1,9 @@
 /*
- * bandwidth.c — how fast this machine streams memory into the cores: the
- * bound a memory-bound decode step runs against (`edgespec bench --roofline`
- * divides it by the bytes a token reads).
+ * bandwidth.c — the two ceilings `edgespec bench --roofline` holds a model
+ * against: how fast this machine streams memory into the cores (the bound
+ * of a memory-bound decode step: bandwidth over the bytes a token reads),
+ * and how many int8 multiply-accumulates its cores do per second (the
+ * bound of a batch of many tokens: the peak over the batch's MACs).
  *
  * One pool run per pass; thread ith reads slice ith of the buffer with
  * 32-byte vector loads into eight independent sums (enough loads in flight
@@ -65,17 +67,22 @@ es_bandwidth_params es_bandwidth_default_params(void) {
     return (es_bandwidth_params) { .n_bytes = DEFAULT_BYTES, .n_threads = 0, .n_passes = DEFAULT_PASSES };
 }
 
+// A pool of n_threads (<= 0: one per online CPU) for a measurement.
+static int measure_pool(int32_t n_threads, es_pool ** pool) {
+    if (n_threads <= 0) {
+        const long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
+    }
+    return es_pool_init(n_threads, pool);
+}
+
 int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_s) {
     if (!bytes_per_s) return ES_ERR_INVALID_ARG;
     const es_bandwidth_params p = params ? *params : es_bandwidth_default_params();
-    int32_t nth = p.n_threads;
-    if (nth <= 0) {
-        const long n = sysconf(_SC_NPROCESSORS_ONLN);
-        nth = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
-    }
     es_pool * pool = NULL;
-    int rc = es_pool_init(nth, &pool);
+    int rc = measure_pool(p.n_threads, &pool);
     if (rc != ES_OK) return rc;
+    const int32_t nth = es_pool_size(pool);
     const int64_t unit = 8 * LANE * (int64_t) nth;
     int64_t n_bytes = p.n_bytes > 0 ? p.n_bytes : DEFAULT_BYTES;
     n_bytes = (n_bytes + unit - 1) / unit * unit;
@@ -102,6 +109,57 @@ int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_
     *bytes_per_s = best;
     free(buf);
     free(job.sums);
+    es_pool_free(pool);
+    return ES_OK;
+}
+
+/* ---- int8 peak --------------------------------------------------------------- */
+
+typedef struct peak_job {
+    int64_t   iterations;
+    int64_t * macs;   // (nth, 8): thread ith's count in [ith * 8], a cache line each
+    int32_t * sinks;  // (nth, 16)
+} peak_job;
+
+static void peak_run(void * arg, int32_t ith, int32_t nth) {
+    (void) nth;
+    peak_job * job = arg;
+    job->macs[(size_t) ith * 8] = es_int8_loop(job->iterations, &job->sinks[(size_t) ith * 16]);
+}
+
+es_int8_peak_params es_int8_peak_default_params(void) {
+    return (es_int8_peak_params) { .n_threads = 0, .n_passes = DEFAULT_PASSES, .iterations = 1 << 20 };
+}
+
+int es_measure_int8_peak(const es_int8_peak_params * params, double * macs_per_s) {
+    if (!macs_per_s) return ES_ERR_INVALID_ARG;
+    const es_int8_peak_params p = params ? *params : es_int8_peak_default_params();
+    es_pool * pool = NULL;
+    int rc = measure_pool(p.n_threads, &pool);
+    if (rc != ES_OK) return rc;
+    const int32_t nth = es_pool_size(pool);
+    peak_job job = { .iterations = p.iterations > 0 ? p.iterations : 1 << 20,
+                     .macs = calloc((size_t) nth * 8, sizeof(int64_t)),
+                     .sinks = calloc((size_t) nth * 16, sizeof(int32_t)) };
+    if (!job.macs || !job.sinks) {
+        free(job.macs);
+        free(job.sinks);
+        es_pool_free(pool);
+        return ES_ERR_NO_MEMORY;
+    }
+    es_pool_run(pool, peak_run, &job);  // one untimed pass: threads awake, clocks up
+    double best = 0.0;
+    for (int32_t pass = 0; pass < (p.n_passes > 0 ? p.n_passes : DEFAULT_PASSES); pass++) {
+        const double t0 = now_s();
+        es_pool_run(pool, peak_run, &job);
+        const double t = now_s() - t0;
+        double macs = 0.0;
+        for (int32_t i = 0; i < nth; i++) macs += (double) job.macs[(size_t) i * 8];
+        if (t > 0.0 && macs / t > best) best = macs / t;
+    }
+    *macs_per_s = best;
+    free(job.macs);
+    free(job.sinks);
     es_pool_free(pool);
     return ES_OK;
 }

@@ -133,8 +133,11 @@ int es_dequantize_row(int32_t type, const void * src, float * dst, int64_t n);
 // finite or beyond half precision's range.
 int es_quantize_row(int32_t type, const float * src, void * dst, int64_t n);
 
-// The kernel set the dot products run on, for the whole process: "avx2",
-// "neon" or "scalar" ("auto": the best this CPU runs; the default).
+// The kernel set the dot products run on, for the whole process: "avx512"
+// (AVX-512 VNNI), "avx2", "neon" or "scalar" ("auto": the best this CPU
+// runs; the default). For the quantized weight types every set gives
+// bit-identical results (one per-token arithmetic); for F32/F16/BF16 each
+// set sums in its own order.
 // ES_ERR_UNSUPPORTED: a set this CPU (or build) lacks; ES_ERR_INVALID_ARG: an
 // unknown name. Not to be called while any es_decode runs.
 int          es_kernels_select(const char * name);
@@ -189,6 +192,16 @@ typedef struct es_model_params {
                                   // loaded early (adapted to the hit rate); 0: none; default 3
     const char * expert_sidecar;  // low-precision copies (es_expert_sidecar_*); NULL: none;
                                   // required by BALANCED and FAST; read at load only
+    // Most bytes the repacked weights (repack) may take; <= 0: the memory the
+    // system says is available at load (Linux: MemAvailable); default 0.
+    int64_t repack_max_bytes;
+    // Weight matrices rewritten at load, once, into the engine's own memory in
+    // groups of 8 rows interleaved block by block (the tile kernels' layout;
+    // about the matrices' size again, the GGUF untouched), for the types the
+    // kernel set in use (es_kernels_select) has tile kernels for: a batch of k
+    // tokens then costs far less than k single tokens. Results are
+    // bit-identical either way. Default true.
+    bool repack;
 } es_model_params;
 
 es_model_params es_model_default_params(void);
@@ -197,7 +210,9 @@ es_model_params es_model_default_params(void);
 // failure *out stays NULL and err is as for es_gguf_open. ES_ERR_IO,
 // ES_ERR_FORMAT: as es_gguf_open, refused by es_gguf_validate (below), or
 // tensors and keys the architecture needs missing or misshapen; ES_ERR_UNSUPPORTED: an architecture or weight
-// type this build lacks; ES_ERR_INVALID_ARG: a NULL path or out, a bad params field.
+// type this build lacks; ES_ERR_INVALID_ARG: a NULL path or out, a bad params field;
+// ES_ERR_NO_MEMORY: the repacked weights would not fit repack_max_bytes (err
+// gives both sizes; nothing was allocated for them), or memory ran out.
 int  es_model_load(const char * path, const es_model_params * params, es_model ** out,
                    char * err, size_t err_cap);
 void es_model_free(es_model * model);
@@ -374,7 +389,7 @@ int es_gguf_arch_shapes(const es_gguf * g, es_tensor_shape * out, int32_t cap, i
                         char * err, size_t err_cap);
 
 /* ========================================================================
- * Memory bandwidth (bandwidth.c)
+ * Memory bandwidth and int8 peak (bandwidth.c)
  *
  * The read bandwidth a decode step can draw on: threads of the engine's pool
  * stream through a buffer far larger than the last-level cache, each its own
@@ -394,6 +409,23 @@ es_bandwidth_params es_bandwidth_default_params(void);
 // wall time (params NULL: the defaults). ES_ERR_NO_MEMORY: the buffer or the
 // pool could not be made; ES_ERR_INVALID_ARG: bytes_per_s NULL.
 int es_measure_bandwidth(const es_bandwidth_params * params, double * bytes_per_s);
+
+// The other ceiling, of a batch of many tokens: int8 multiply-accumulates
+// per second, each thread of the pool running the kernel set in use's
+// tightest loop of its integer step (avx512: vpdpbusd, avx2: vpmaddubsw,
+// neon: sdot or smlal, scalar: int multiply-adds) on independent registers.
+typedef struct es_int8_peak_params {
+    int32_t n_threads;   // <= 0: one per online CPU; default 0
+    int32_t n_passes;    // timed passes, the fastest kept; <= 0: 5; default 5
+    int64_t iterations;  // of the loop per thread and pass; <= 0: 2^20; default 2^20
+} es_int8_peak_params;
+
+es_int8_peak_params es_int8_peak_default_params(void);
+
+// *macs_per_s: all threads' multiply-accumulates over the fastest pass's
+// wall time (params NULL: the defaults). ES_ERR_NO_MEMORY: the pool could not
+// be made; ES_ERR_INVALID_ARG: macs_per_s NULL.
+int es_measure_int8_peak(const es_int8_peak_params * params, double * macs_per_s);
 
 /* ========================================================================
  * GGUF validation (validate.c)

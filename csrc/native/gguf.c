@@ -14,6 +14,7 @@
  * numeric arrays stay inside the mapping.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE  // madvise's MADV_DONTNEED (glibc: not POSIX)
 
 #include "native/native_internal.h"
 
@@ -493,6 +494,21 @@ int64_t es_gguf_data_offset(const es_gguf * g) { return g ? (int64_t) g->data_st
 
 int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t) {
     return (int64_t) ((const uint8_t *) t->data - g->data);
+}
+
+void es_gguf_release(const es_gguf * g, const void * p, size_t n) {
+#if defined(MADV_DONTNEED)
+    if (!g || !g->map) return;  // a file read into memory holds its only copy
+    const long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return;
+    const uintptr_t b = (uintptr_t) p, e = b + n, mb = (uintptr_t) g->map, me = mb + g->size;
+    const uintptr_t pb = (b + (uintptr_t) page - 1) / (uintptr_t) page * (uintptr_t) page;
+    const uintptr_t pe = e / (uintptr_t) page * (uintptr_t) page;
+    if (b < mb || e > me || pb >= pe) return;
+    madvise((void *) pb, pe - pb, MADV_DONTNEED);
+#else
+    (void) g, (void) p, (void) n;
+#endif
 }
 
 int64_t es_gguf_n_tensors(const es_gguf * g) { return g ? g->n_tensors : 0; }

@@ -16,6 +16,7 @@
  * alone, in a chain or in a tree. Exact speculative decoding relies on it.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE  // madvise's MADV_HUGEPAGE (glibc: not POSIX)
 
 #include <math.h>
 #include <pthread.h>
@@ -25,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "native/native_internal.h"
@@ -343,11 +345,135 @@ static int check_hparams(const es_model * m, char * err, size_t err_cap) {
     return ES_OK;
 }
 
+/* ---- repacked weights ------------------------------------------------------ */
+
+// Bytes the system says a new allocation can take (Linux: MemAvailable,
+// which counts reclaimable page cache, the mapped model's pages among them);
+// -1 where it does not say.
+static int64_t available_memory(void) {
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (!f) return -1;
+    char line[128];
+    long long kb = -1;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1) break;
+    }
+    fclose(f);
+    return kb >= 0 ? (int64_t) kb * 1024 : -1;
+}
+
+// Every matrix es__matmul multiplies by (the token embedding's rows are
+// read one at a time; a tied output is its own es_weight over the same data)
+// whose type the kernel set in use has tile kernels for: a set without them
+// (NEON; AVX2 for Q8_0) would only hold the copy.
+static bool repacks(const es_model * m, const es_weight * w) {
+    return w != &m->tok_embd && w->n_out > 1 && es_kernels_tile(w->type);
+}
+
+
+// One task of the repack: groups [g0, g1) of a weight, into dst.
+typedef struct repack_task {
+    const es_weight * w;
+    int64_t           g0, g1;
+    uint8_t         * dst;   // the weight's copy
+} repack_task;
+
+typedef struct repack_job {
+    const es_gguf *   gguf;
+    repack_task *     tasks;
+    int64_t           n_tasks;
+    _Atomic int64_t   next;
+} repack_job;
+
+// Each thread takes tasks in turn, repacks them, and releases the source
+// pages from the process's resident memory (the copy serves the tile
+// kernels; the few reads left, a token's embedding row or a set without
+// tile kernels, fault them back from the page cache).
+static void repack_run(void * arg, int32_t ith, int32_t nth) {
+    (void) ith, (void) nth;
+    repack_job * job = arg;
+    for (int64_t k; (k = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed)) < job->n_tasks;) {
+        const repack_task * t = &job->tasks[k];
+        const size_t row_bytes = es_type_row_bytes(t->w->type, t->w->n_in);
+        const size_t gb = es_repack_bytes(t->w->type, t->w->n_in, ES_GROUP_ROWS);
+        const uint8_t * rows = (const uint8_t *) t->w->data + (size_t) (ES_GROUP_ROWS * t->g0) * row_bytes;
+        const int64_t n_rows = ES_GROUP_ROWS * (t->g1 - t->g0);
+        es_repack(t->w->type, rows, t->w->n_in, n_rows, t->dst + (size_t) t->g0 * gb);
+        es_gguf_release(job->gguf, rows, (size_t) n_rows * row_bytes);
+    }
+}
+
+#define HUGE_PAGE ((size_t) 2 << 20)
+#define REPACK_TASK_BYTES ((size_t) 4 << 20)  // of the copy per task: threads balance, few tasks
+
+// Repacks the model's matrices into one allocation (m->packed), once the
+// total is known to fit the budget, on a pool of one thread per CPU; a type
+// without a repacked layout, or a remainder of rows, stays in the mapping only.
+static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t err_cap) {
+    const int32_t cap = 3 + WEIGHTS_PER_LAYER * m->n_layer;
+    const es_weight ** ws = malloc((size_t) cap * sizeof *ws);
+    if (!ws) return ES_ERR_NO_MEMORY;
+    const int32_t nw = model_weights(m, ws, cap);
+    size_t total = 0;
+    int64_t n_tasks = 0;
+    for (int32_t j = 0; j < nw; j++) {
+        if (!repacks(m, ws[j])) continue;
+        const size_t bytes = es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out);
+        total += bytes;
+        n_tasks += (int64_t) ((bytes + REPACK_TASK_BYTES - 1) / REPACK_TASK_BYTES);
+    }
+    const int64_t budget = max_bytes > 0 ? max_bytes : available_memory();
+    int rc = ES_OK;
+    if (total > 0 && budget >= 0 && (double) total > (double) budget) {
+        set_err(err, err_cap, "repacking the weights needs %.1f MiB and %.1f MiB %s (repacking off: "
+                "es_model_params.repack = false, EDGESPEC_REPACK=0)", (double) total / 1048576.0,
+                (double) budget / 1048576.0, max_bytes > 0 ? "are allowed" : "are available");
+        rc = ES_ERR_NO_MEMORY;
+    } else if (total > 0) {
+        // In 2 MiB pages where the system gives them (Linux: transparent huge
+        // pages on request): 512 times fewer page faults while repacking and
+        // TLB misses while the weights stream by.
+        void * packed = NULL;
+        repack_job job = { .gguf = m->gguf, .tasks = malloc((size_t) n_tasks * sizeof *job.tasks) };
+        rc = job.tasks && posix_memalign(&packed, HUGE_PAGE, total) == 0 ? ES_OK : ES_ERR_NO_MEMORY;
+#if defined(MADV_HUGEPAGE)
+        if (rc == ES_OK) madvise(packed, total, MADV_HUGEPAGE);
+#endif
+        m->packed = packed;
+        size_t at = 0;
+        for (int32_t j = 0; j < nw && rc == ES_OK; j++) {
+            es_weight * w = (es_weight *) ws[j];  // m's own, as model_weights lists them
+            const size_t bytes = repacks(m, w) ? es_repack_bytes(w->type, w->n_in, w->n_out) : 0;
+            if (bytes == 0) continue;
+            w->packed = (uint8_t *) m->packed + at;
+            const size_t gb = es_repack_bytes(w->type, w->n_in, ES_GROUP_ROWS);
+            const int64_t n_groups = (int64_t) (bytes / gb);
+            const int64_t per = (int64_t) (REPACK_TASK_BYTES / gb) > 0 ? (int64_t) (REPACK_TASK_BYTES / gb) : 1;
+            for (int64_t g = 0; g < n_groups; g += per) {
+                job.tasks[job.n_tasks++] = (repack_task) {
+                    .w = w, .g0 = g, .g1 = g + per < n_groups ? g + per : n_groups, .dst = (uint8_t *) m->packed + at};
+            }
+            at += bytes;
+        }
+        es_pool * pool = NULL;
+        const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+        if (rc == ES_OK) rc = es_pool_init(n_cpu > 0 ? (int32_t) (n_cpu < 64 ? n_cpu : 64) : 1, &pool);
+        if (rc == ES_OK) {
+            atomic_init(&job.next, 0);
+            es_pool_run(pool, repack_run, &job);
+        }
+        es_pool_free(pool);
+        free(job.tasks);
+    }
+    free(ws);
+    return rc;
+}
+
 es_model_params es_model_default_params(void) {
     return (es_model_params) {
         .experts = ES_EXPERTS_MAPPED, .expert_cache_bytes = 0,
         .expert_precision = ES_PRECISION_EXACT, .expert_policy = ES_POLICY_ADAPTIVE,
-        .prefetch_depth = 3, .expert_sidecar = NULL,
+        .prefetch_depth = 3, .expert_sidecar = NULL, .repack_max_bytes = 0, .repack = true,
     };
 }
 
@@ -402,6 +528,7 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     if (rc == ES_OK) rc = m->arch->load(m, err, err_cap);
     if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
+    if (rc == ES_OK && p.repack) rc = repack_weights(m, p.repack_max_bytes, err, err_cap);
     if (rc == ES_OK && m->experts && p.expert_cache_bytes > 0) {
         rc = es_expert_cache_init(m->gguf, path, m->experts, &p, &m->expert_cache, err, err_cap);
         if (rc == ES_OK) {
@@ -431,20 +558,28 @@ int es_model_set_output_rows(es_model * m, const es_token * ids, int32_t n) {
         seen[ids[i]] = 1;
     }
     free(seen);
+    // The kept rows are repacked as the full layer was (its packed copy set
+    // when the model was loaded with repacking on).
+    const size_t packed_bytes = n > 0 && m->output.packed ? es_repack_bytes(m->output.type, D, n) : 0;
     uint8_t * data = n > 0 ? malloc((size_t) n * row) : NULL;
     es_token * kept = n > 0 ? malloc((size_t) n * sizeof *kept) : NULL;
-    if (n > 0 && (!data || !kept)) {
+    void * packed = packed_bytes > 0 ? malloc(packed_bytes) : NULL;
+    if (n > 0 && (!data || !kept || (packed_bytes > 0 && !packed))) {
         free(data);
         free(kept);
+        free(packed);
         return ES_ERR_NO_MEMORY;
     }
     for (int32_t i = 0; i < n; i++) {   // (n, n_embd): row i is token ids[i]'s
         memcpy(data + (size_t) i * row, (const uint8_t *) m->output.data + (size_t) ids[i] * row, row);
         kept[i] = ids[i];
     }
+    if (packed) es_repack(m->output.type, data, D, n, packed);
     free((void *) m->output_rows.data);
+    free((void *) m->output_rows.packed);
     free(m->output_ids);
-    m->output_rows = n > 0 ? (es_weight) { .data = data, .type = m->output.type, .n_in = D, .n_out = n }
+    m->output_rows = n > 0 ? (es_weight) { .data = data, .packed = packed, .type = m->output.type,
+                                           .n_in = D, .n_out = n }
                            : (es_weight) { 0 };
     m->output_ids = kept;
     m->n_output_rows = n;
@@ -454,9 +589,11 @@ int es_model_set_output_rows(es_model * m, const es_token * ids, int32_t n) {
 void es_model_free(es_model * m) {
     if (!m) return;
     free((void *) m->output_rows.data);
+    free((void *) m->output_rows.packed);
     free(m->output_ids);
     es_expert_cache_free(m->expert_cache);
     es_experts_free(m->experts);
+    free(m->packed);
     free(m->layers);
     es_gguf_close(m->gguf);
     free(m);
@@ -502,6 +639,13 @@ static size_t widest_act_row(const es_model * m) {
     return row;
 }
 
+// Matmul outputs start on a cache line: threads write whole lines of 16
+// rows (es__matmul's chunks), none shared with another thread.
+static void * alloc_lines(size_t bytes) {
+    void * p = NULL;
+    return posix_memalign(&p, 64, bytes ? bytes : 1) == 0 ? p : NULL;
+}
+
 int es_context_init(es_model * m, const es_context_params * params, es_context ** out) {
     if (!m || !out) return ES_ERR_INVALID_ARG;
     *out = NULL;
@@ -540,15 +684,15 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     c->cell_pos = calloc((size_t) n_ctx, sizeof *c->cell_pos);
     c->pos      = malloc(B * sizeof *c->pos);
     c->sees     = malloc(B * B);
-    c->x        = malloc(B * D * sizeof *c->x);
-    c->xn       = malloc(B * D * sizeof *c->xn);
-    c->q        = malloc(B * (size_t) m->n_head * HD * sizeof *c->q);
-    c->k        = malloc(B * (size_t) m->n_head_kv * HD * sizeof *c->k);
-    c->v        = malloc(B * (size_t) m->n_head_kv * HD * sizeof *c->v);
-    c->att      = malloc(B * (size_t) m->n_head * HD * sizeof *c->att);
-    c->ff_gate  = malloc(B * ff * sizeof *c->ff_gate);
-    c->ff_up    = malloc(B * ff * sizeof *c->ff_up);
-    c->out      = malloc(B * D * sizeof *c->out);
+    c->x        = alloc_lines(B * D * sizeof *c->x);
+    c->xn       = alloc_lines(B * D * sizeof *c->xn);
+    c->q        = alloc_lines(B * (size_t) m->n_head * HD * sizeof *c->q);
+    c->k        = alloc_lines(B * (size_t) m->n_head_kv * HD * sizeof *c->k);
+    c->v        = alloc_lines(B * (size_t) m->n_head_kv * HD * sizeof *c->v);
+    c->att      = alloc_lines(B * (size_t) m->n_head * HD * sizeof *c->att);
+    c->ff_gate  = alloc_lines(B * ff * sizeof *c->ff_gate);
+    c->ff_up    = alloc_lines(B * ff * sizeof *c->ff_up);
+    c->out      = alloc_lines(B * D * sizeof *c->out);
     c->act      = malloc(3 * B * (c->act_row ? c->act_row : 1));
     c->scratch  = malloc((size_t) n_threads * ((size_t) n_ctx + 3 * HD) * sizeof *c->scratch);
     if (!c->act_row || !c->k_cache || !c->v_cache || !c->cell_pos || !c->pos || !c->sees ||
@@ -719,7 +863,7 @@ static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
             base += w->n_out;
             if (r0 >= r1) continue;
             // Rows outer, tokens inner: each weight row is read once for the batch.
-            es_matmat(w->type, w->data, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
+            es_matmat(w->type, w->data, w->packed, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
                       job->y[i] + r0, (size_t) w->n_out);
         }
     }
@@ -996,7 +1140,7 @@ static int plan_batch(es_context * ctx, const int32_t * parents, int32_t n) {
 static int reserve_logits(es_context * ctx, int32_t rows) {
     const size_t need = (size_t) rows * (size_t) ctx->model->n_vocab;
     if (need <= ctx->logits_cap) return ES_OK;
-    float * l = malloc(need * sizeof *l);
+    float * l = alloc_lines(need * sizeof *l);
     if (!l) return ES_ERR_NO_MEMORY;
     free(ctx->logits);
     ctx->logits = l;

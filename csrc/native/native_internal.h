@@ -4,8 +4,9 @@
  * public: es_native.h).
  *
  *   gguf.c            GGUF v2/v3 reader: mmap, strict validation, tensor and key lookup
- *   kernels/quants.c  weight types: row sizes, dequantization, dot products
- *                     (scalar, AVX2, NEON; es_kernels_select picks the set)
+ *   kernels/          weight types (quants.c: row sizes, dequantization) and the
+ *                     dot products, one file per kernel set (scalar, AVX2,
+ *                     AVX-512, NEON; dispatch.c picks one: es_kernels_select)
  *   threadpool.c      a small pool of spinning workers for one parallel loop at a time
  *   moe.c             experts: binding, the per-expert access path, routing and
  *                     the MoE feed-forward block
@@ -24,7 +25,7 @@
 #include <stddef.h>
 #include <string.h>
 
-/* ---- weight types and kernels (quants.c) --------------------------------- */
+/* ---- weight types and kernels (kernels/) ----------------------------------- */
 
 // IEEE binary16 <-> binary32, exact and table-free (inline: KV cache and
 // attention use them per element). es_f32_to_half rounds to nearest even,
@@ -81,17 +82,35 @@ void es_quantize_act(int32_t weight_type, const float * x, void * dst, int64_t n
 
 // y[r - r0] = dot(row r of w, xq) for r in [r0, r1). w: rows of n elements,
 // es_type_row_bytes(type, n) apart; xq from es_quantize_act. Each dot
-// reduces in a fixed order, whatever r0, r1 or the thread running it.
+// reduces in a fixed order, whatever r0, r1 or the thread running it (the
+// quantized types: kernels/kernels.h's per-token arithmetic).
 void es_matvec(int32_t type, const void * w, const void * xq, int64_t n,
                int64_t r0, int64_t r1, float * y);
-// es_matvec for n_tok activation rows at once (a verification batch): row t
-// of xq at xq + t * xq_stride bytes, its results y[t * y_stride + r - r0]
-// (floats). Bit for bit n_tok es_matvec calls, faster where the kernels
-// unpack each weight block once for several tokens (AVX2 and NEON: the
-// quantized types, up to eight tokens at a time, over blocks of rows kept in
-// cache).
-void es_matmat(int32_t type, const void * w, const void * xq, size_t xq_stride, int32_t n_tok,
-               int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
+// es_matvec for n_tok activation rows at once (a verification batch, a
+// prefill chunk): row t of xq at xq + t * xq_stride bytes, its results
+// y[t * y_stride + r - r0] (floats). Bit for bit n_tok es_matvec calls,
+// faster where the kernels unpack each weight block once for several
+// tokens, and fastest over packed (w's es_repack copy, or NULL: none), whose
+// tile kernels also share each activation load between 8 rows.
+void es_matmat(int32_t type, const void * w, const void * packed, const void * xq, size_t xq_stride,
+               int32_t n_tok, int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride);
+
+// Repacking (kernels/repack.c): rows in groups of ES_GROUP_ROWS, interleaved
+// block by block for the tile kernels.
+#define ES_GROUP_ROWS 8
+// Bytes of the copy of n_rows rows of n elements of type: its whole groups
+// (a remainder of rows stays unpacked); 0 for a type without a repacked
+// layout or fewer than ES_GROUP_ROWS rows.
+size_t es_repack_bytes(int32_t type, int64_t n, int64_t n_rows);
+// Writes that copy of rows (n_rows rows, es_type_row_bytes(type, n) apart)
+// to dst (es_repack_bytes(type, n, n_rows) bytes).
+void   es_repack(int32_t type, const void * rows, int64_t n, int64_t n_rows, void * dst);
+// Whether the kernel set in use has tile kernels for type (without, es_matmat
+// reads the unpacked rows even where it is given a repacked copy).
+bool   es_kernels_tile(int32_t type);
+// The kernel set in use's integer step in its tightest loop (the int8 peak,
+// es_measure_int8_peak): the multiply-accumulates done; *sink its result.
+int64_t es_int8_loop(int64_t iterations, int32_t * sink);
 // acc[i] += e * v[i] for n binary16 values v (attention's weighted sum of
 // V rows): the same arithmetic on every call within one kernel set.
 void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc);
@@ -218,6 +237,10 @@ int  es_moe_ffn(es_moe * moe, es_pool * pool, int32_t il, const float * x, int32
 
 // Byte offset of tensor t's data in g's file.
 int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t);
+// The whole pages of [p, p + n) of g's mapping leave this process's resident
+// memory (they stay in the page cache and come back from it when read
+// again); nothing where the file was read into memory instead of mapped.
+void es_gguf_release(const es_gguf * g, const void * p, size_t n);
 
 // A budgeted cache of expert weights read from the model file at `path`
 // (and its low-precision sidecar, p->expert_sidecar) with pread on an I/O
@@ -243,10 +266,12 @@ const char * es_expert_cache_error(es_expert_cache * c);  // "" when none
 // es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
 // Norm and bias vectors are one F32 row. data NULL: the model has no such tensor.
 typedef struct es_weight {
-    const void * data;   // inside the GGUF mapping
-    int32_t      type;   // enum es_type
-    int64_t      n_in;   // elements per row
-    int64_t      n_out;  // rows
+    const void * data;    // inside the GGUF mapping
+    const void * packed;  // its whole groups of 8 rows repacked (es_repack), in the model's
+                          // memory; NULL: none (repacking off, a type without a layout)
+    int32_t      type;    // enum es_type
+    int64_t      n_in;    // elements per row
+    int64_t      n_out;   // rows
 } es_weight;
 
 // RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
@@ -304,6 +329,7 @@ struct es_model {
     es_layer   * layers;                  // (n_layer), owned
     es_experts * experts;                 // owned; NULL for a dense model
     es_expert_cache * expert_cache;       // owned; NULL: experts served as params.experts says
+    void       * packed;                  // owned: every es_weight's packed copy; NULL: none
 };
 
 // One architecture, found by general.architecture in es__archs.

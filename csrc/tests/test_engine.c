@@ -8,6 +8,8 @@
  *     context are refused with the cache as before;
  *   - an embeddings context gives hidden states instead of logits, the same
  *     for a sequence alone and packed beside another in one batch (two roots);
+ *   - logits bit-identical with the weights repacked and not; a repack past
+ *     repack_max_bytes refused with the sizes;
  *   - a missing file, a file of another format and bad params fail with a message.
  * Numerical parity with llama.cpp is tested from Python (tests/test_native.py).
  */
@@ -25,6 +27,8 @@
 #include "test_models.h"
 
 enum { N_SEQ = 12, N_CTX = 64 };
+
+static int32_t g_refused;  // models whose repack a tiny budget refused
 
 static es_context * new_context(es_model * m, int32_t n_threads) {
     es_context_params p = es_context_default_params();
@@ -120,6 +124,40 @@ static void check_output_rows(es_model * m, const es_token * seq) {
     es_context_free(ctx);
 }
 
+// The model with its weights repacked (the default) and as they lie in the
+// mapping give bit-identical logits for a chain batch; a repack past
+// repack_max_bytes is refused with both sizes, before anything is loaded.
+static void check_repack(const char * path, es_model * m, const es_token * seq) {
+    char err[256];
+    es_model_params p = es_model_default_params();
+    CHECK(p.repack && p.repack_max_bytes == 0);
+    p.repack = false;
+    es_model * plain = NULL;
+    CHECK(es_model_load(path, &p, &plain, err, sizeof err) == ES_OK);
+    if (!plain) return;
+    const int32_t nv = es_model_n_vocab(m);
+    es_context * a = new_context(m, 2), * b = new_context(plain, 2);
+    if (a && b) {
+        CHECK(es_decode(a, seq, NULL, N_SEQ, 0) == ES_OK && es_decode(b, seq, NULL, N_SEQ, 0) == ES_OK);
+        for (int32_t i = 0; i < N_SEQ; i++)
+            CHECK(same_row(es_context_logits(a) + (size_t) i * nv, es_context_logits(b) + (size_t) i * nv, nv));
+    }
+    es_context_free(b);
+    es_context_free(a);
+    es_model_free(plain);
+
+    p = es_model_default_params();
+    p.repack_max_bytes = 1;
+    es_model * refused = (es_model *) 1;
+    err[0] = '\0';
+    const int rc = es_model_load(path, &p, &refused, err, sizeof err);
+    // Only a model with no matrix of a repacked layout loads.
+    CHECK((rc == ES_OK && refused != NULL) ||
+          (rc == ES_ERR_NO_MEMORY && refused == NULL && strstr(err, "needs") && strstr(err, "MiB")));
+    if (rc == ES_OK) es_model_free(refused);
+    g_refused += rc == ES_ERR_NO_MEMORY;
+}
+
 static void check_model(const char * path) {
     char err[256];
     es_model * m = NULL;
@@ -189,6 +227,7 @@ static void check_model(const char * path) {
     }
     check_embeddings(m, seq);
     check_output_rows(m, seq);
+    check_repack(path, m, seq);
     es_model_free(m);
 }
 
@@ -217,5 +256,7 @@ static void test_bad_files(void) {
 int main(void) {
     test_bad_files();
     for_each_test_model(check_model);
+    const char * dir = getenv("EDGESPEC_TEST_MODELS_DIR");
+    CHECK(!dir || !*dir || g_refused > 0);  // the built-in models have repacked layouts
     return check_report("test_engine");
 }

@@ -9,9 +9,10 @@
  *  - es_matvec on random rows of every weight type against a double-precision
  *    dot of the dequantized weight and activation rows (relative 1e-5 of the
  *    sum of |terms|; Q4_1 / Q5_1 also allow for Q8_1's sum s stored as half);
- *  - every kernel set this CPU runs against the scalar one (es_kernels_select): not
- *    bit-exact across kernel sets (their float sums group differently),
- *    within the same 1e-5 relative bound; the selection's refusals;
+ *  - every kernel set this CPU runs against the scalar one (es_kernels_select):
+ *    bit-identical for the quantized types (one per-token arithmetic,
+ *    kernels.h), within the same 1e-5 relative bound for the float types
+ *    (their sums group differently per set); the selection's refusals;
  *  - within one kernel set, bit-identical rows for any split of the rows range;
  *  - weight quantization (Q2_K, Q3_K): error bounds, a grid reproduced, refusals;
  *  - the thread pool: every thread runs once per call, nth as asked, many
@@ -492,11 +493,11 @@ static void run_matvecs(mv_results * out, bool check_ref) {
             }
             for (int nt = 1; nt <= NT; nt++) {
                 memset(got, 0, sizeof(got));
-                es_matmat(type, w, xs, ab, nt, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
+                es_matmat(type, w, NULL, xs, ab, nt, MV_N, 0, MV_ROWS, &got[0][0], MV_ROWS);
                 if (memcmp(got, want, (size_t) nt * sizeof(want[0])) != 0) fprintf(stderr, "%s nt=%d: batched differs\n", es_type_name(type), nt);
                 CHECK(memcmp(got, want, (size_t) nt * sizeof(want[0])) == 0);
                 memset(got, 0, sizeof(got));
-                es_matmat(type, w, xs, ab, nt, MV_N, 5, 11, &got[0][0], MV_ROWS);
+                es_matmat(type, w, NULL, xs, ab, nt, MV_N, 5, 11, &got[0][0], MV_ROWS);
                 int bad = 0;
                 for (int t = 0; t < nt; t++) bad += memcmp(got[t], &want[t][5], 6 * sizeof(float)) != 0;
                 CHECK(bad == 0);
@@ -527,15 +528,20 @@ static void test_matvec(void) {
         CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
         run_matvecs(fast, true);
         for (int t = 0; t < N_WT; t++) {
-            // Both are within 1e-5 sum|terms| of the reference, so within 2e-5 of each other.
+            // Quantized types: every set computes kernels.h's per-token
+            // arithmetic, so its rows are the scalar set's bit for bit.
+            // Float types: each set sums in its own order; both are within
+            // 1e-5 sum|terms| of the reference, so within 2e-5 of each other.
+            const bool quantized = es_act_type(WEIGHT_TYPES[t]) != WEIGHT_TYPES[t];
             double worst = 0;
             for (int r = 0; r < MV_ROWS; r++) {
                 const double d = fabs((double) fast->y[t][r] - scalar->y[t][r]) / fast->mag[t][r];
                 worst = fmax(worst, d);
                 CHECK(d <= 2e-5);
             }
-            printf("  %-5s %s vs scalar: max difference %.2g of sum|terms|\n", es_type_name(WEIGHT_TYPES[t]),
-                   es_kernels_name(), worst);
+            if (quantized) CHECK(memcmp(fast->y[t], scalar->y[t], sizeof(fast->y[t])) == 0);
+            printf("  %-5s %s vs scalar: max difference %.2g of sum|terms|%s\n", es_type_name(WEIGHT_TYPES[t]),
+                   es_kernels_name(), worst, quantized ? " (bit-identical)" : "");
         }
     }
     CHECK(es_kernels_select("auto") == ES_OK);
@@ -543,23 +549,81 @@ static void test_matvec(void) {
     free(scalar);
 }
 
+// Repacked weights (es_repack): es_matmat over the copy equals es_matvec
+// over the rows bit for bit in every set, for 1..17 tokens (several tiles
+// of tokens and every remainder) and row ranges that start or end inside a
+// group, hold no whole group, or hold all of them; rows outside whole
+// groups (and past the last) come from the unpacked rows.
+static void test_repacked(void) {
+    enum { ROWS = 29, NT = 17 };  // three groups of 8 and five rows more
+    static const int64_t ranges[][2] = {{0, ROWS}, {3, 27}, {8, 16}, {9, 15}, {16, ROWS}, {0, 8}, {27, 28}};
+    static float want[NT][ROWS], got[NT][ROWS];
+    int32_t n_layouts = 0;
+    for (int ti = 0; ti < (int) N_WT; ti++) {
+        const int32_t type = WEIGHT_TYPES[ti], act = es_act_type(type);
+        const size_t pb = es_repack_bytes(type, MV_N, ROWS);
+        if (pb == 0) continue;
+        n_layouts++;
+        CHECK(pb == 3 * es_repack_bytes(type, MV_N, 8) && es_repack_bytes(type, MV_N, 7) == 0);
+        CHECK(es_repack_bytes(type, MV_N + es_type_block(type) / 2, ROWS) == 0 || es_type_block(type) < 256);
+        const size_t rb = es_type_row_bytes(type, MV_N), ab = es_type_row_bytes(act, MV_N);
+        uint8_t * w = malloc(rb * ROWS), * packed = malloc(pb), * xs = malloc(ab * NT);
+        random_rows(type, w, rb * ROWS);
+        es_repack(type, w, MV_N, ROWS, packed);
+        float x[MV_N];
+        for (int t = 0; t < NT; t++) {
+            for (int i = 0; i < MV_N; i++) x[i] = 2.f * next_float() * (float) (t + 1);
+            es_quantize_act(type, x, xs + t * ab, MV_N);
+        }
+        for (int32_t k = 0; es_kernels_available(k); k++) {
+            CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
+            for (int t = 0; t < NT; t++) es_matvec(type, w, xs + t * ab, MV_N, 0, ROWS, want[t]);
+            for (size_t q = 0; q < N_ELEMS(ranges); q++) {
+                const int64_t r0 = ranges[q][0], r1 = ranges[q][1];
+                for (int nt = 1; nt <= NT; nt++) {
+                    memset(got, 0, sizeof got);
+                    es_matmat(type, w, packed, xs, ab, nt, MV_N, r0, r1, &got[0][0], ROWS);
+                    int bad = 0;
+                    for (int t = 0; t < nt; t++)
+                        bad += memcmp(got[t], &want[t][r0], (size_t) (r1 - r0) * sizeof(float)) != 0;
+                    if (bad)
+                        fprintf(stderr, "%s %s rows [%d, %d) nt=%d: repacked differs\n", es_type_name(type),
+                                es_kernels_name(), (int) r0, (int) r1, nt);
+                    CHECK(bad == 0);
+                }
+            }
+        }
+        free(xs);
+        free(packed);
+        free(w);
+    }
+    CHECK(n_layouts > 0);
+    CHECK(es_repack_bytes(ES_TYPE_F32, MV_N, ROWS) == 0 && es_repack_bytes(ES_TYPE_Q4_K, 0, ROWS) == 0);
+    CHECK(es_kernels_select("auto") == ES_OK);
+}
+
 // The largest integer sums a block can have: every quant at its maximum
 // (all bits set) against activations that all round to -128 or +127 (a
 // constant row). Integer partial sums that wrap in some kernel's 16-bit
-// stage would show here as a result far from the scalar kernels'.
+// stage would show here as a result other than the scalar kernels'.
 static void test_extreme_sums(void) {
-    static float x[MV_N], want[2], got[2];
+    enum { ROWS = 8 };  // one group of the repacked layouts, every row the same
+    static float x[MV_N], want[2];
     for (int t = 0; t < (int) N_WT; t++) {
         const int32_t type = WEIGHT_TYPES[t];
         if (type == ES_TYPE_F32 || type == ES_TYPE_F16 || type == ES_TYPE_BF16) continue;
         const size_t rb = es_type_row_bytes(type, MV_N), bb = es_type_row_bytes(type, es_type_block(type));
-        uint8_t * w = malloc(rb);
+        uint8_t * w = malloc(rb * ROWS);
         memset(w, 0xFF, rb);
         for (size_t b = 0; b < rb / bb; b++) {  // scales 1.0 (and mins 1.0)
             uint8_t * p = w + b * bb;
             put_half(p + half_at(type), 0x3C00);
             if (has_min(type)) put_half(p + half_at(type) + 2, 0x3C00);
         }
+        for (int r = 1; r < ROWS; r++) memcpy(w + r * rb, w, rb);
+        const size_t pb = es_repack_bytes(type, MV_N, ROWS);
+        uint8_t * packed = pb ? malloc(pb) : NULL;
+        if (packed) es_repack(type, w, MV_N, ROWS, packed);
         uint8_t * xq = malloc(es_type_row_bytes(es_act_type(type), MV_N));
         for (int sign = 0; sign < 2; sign++) {
             for (int i = 0; i < MV_N; i++) x[i] = sign ? -0.75f : 0.75f;
@@ -568,20 +632,24 @@ static void test_extreme_sums(void) {
             es_matvec(type, w, xq, MV_N, 0, 1, &want[sign]);
             for (int32_t k = 0; es_kernels_available(k); k++) {
                 CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
-                for (int nt = 1; nt <= 9; nt++) {  // one row repeated: every batched kernel
-                    float ys[9];
-                    es_matmat(type, w, xq, 0, nt, MV_N, 0, 1, ys, 1);
-                    got[sign] = ys[nt - 1];
-                    const double err = fabs((double) got[sign] - want[sign]);
-                    if (err > 1e-5 * fabs((double) want[sign]))
-                        fprintf(stderr, "%s %s nt=%d: %.9g vs %.9g\n", es_type_name(type),
-                                es_kernels_available(k), nt, got[sign], want[sign]);
-                    CHECK(err <= 1e-5 * fabs((double) want[sign]));
+                for (int nt = 1; nt <= 9; nt++) {  // one activation row repeated: every batched kernel
+                    for (int how = 0; how < (packed ? 2 : 1); how++) {  // rows as they are, repacked
+                        float ys[9][ROWS];
+                        es_matmat(type, w, how ? packed : NULL, xq, 0, nt, MV_N, 0, ROWS, &ys[0][0], ROWS);
+                        int bad = 0;
+                        for (int j = 0; j < nt; j++)
+                            for (int r = 0; r < ROWS; r++) bad += memcmp(&ys[j][r], &want[sign], sizeof(float)) != 0;
+                        if (bad)
+                            fprintf(stderr, "%s %s nt=%d%s: %.9g vs %.9g\n", es_type_name(type),
+                                    es_kernels_available(k), nt, how ? " repacked" : "", ys[nt - 1][ROWS - 1], want[sign]);
+                        CHECK(bad == 0);
+                    }
                 }
             }
         }
         CHECK(want[0] != 0.0f);
         free(xq);
+        free(packed);
         free(w);
     }
     CHECK(es_kernels_select("auto") == ES_OK);
@@ -658,6 +726,7 @@ static void test_kernel_selection(void) {
 int main(void) {
     test_kernel_selection();
     test_matvec();
+    test_repacked();
     test_extreme_sums();
     test_type_table();
     test_half_conversion();

@@ -29,6 +29,8 @@ from .vocab import Vocab, VocabMixin
 
 # EDGESPEC_EXPERTS: how MoE experts' weights are served (unset: from the mapping).
 _EXPERTS_MODES = {"": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
+# EDGESPEC_REPACK: weights repacked at load for the tile kernels (unset: on).
+_REPACK = {"": True, "1": True, "0": False}
 
 
 def resolve_model(ref: str) -> Path:
@@ -51,14 +53,19 @@ def select_kernels() -> None:
 
 
 def model_params(experts: moe.ExpertCache | None = None):
-    """es_model_params from the environment (EDGESPEC_EXPERTS) and the
-    expert cache settings (None: experts served from the mapping)."""
+    """es_model_params from the environment (EDGESPEC_EXPERTS, EDGESPEC_REPACK)
+    and the expert cache settings (None: experts served from the mapping)."""
     params = lib.es_model_default_params()
     mode = os.environ.get("EDGESPEC_EXPERTS", "")
     if mode not in _EXPERTS_MODES:
         raise InvalidArgumentError(f"EDGESPEC_EXPERTS={mode} is not an expert provider of this "
                                    "build (f32, or unset)")
     params.experts = _EXPERTS_MODES[mode]
+    repack = os.environ.get("EDGESPEC_REPACK", "")
+    if repack not in _REPACK:
+        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights at load (the "
+                                   "default), 0 does not")
+    params.repack = _REPACK[repack]
     if experts is not None:
         params.expert_cache_bytes = experts.budget_bytes
         params.expert_precision = moe.PRECISIONS.index(experts.precision)

@@ -33,7 +33,7 @@ def _machine(h: dict) -> str:
 
 
 def roofline_markdown(r: dict | None) -> list[str]:
-    """The memory roofline section of results.md."""
+    """The roofline section of results.md: memory, then compute."""
     if r is None:
         return []
     b = r["bytes_per_token"]
@@ -52,6 +52,21 @@ def roofline_markdown(r: dict | None) -> list[str]:
             continue
         lines.append(f"| {x['backend']} | {x['decode_tokens_per_s']:.1f} | {x['fraction_of_roofline']:.0%} "
                      f"| {' / '.join(f'{c:.2f}' for c in x['batch_cost'])} |")
+    def ms(seconds: list[float]) -> str:
+        return " / ".join(f"{1e3 * t:.1f}" for t in seconds)
+
+    lines += [
+        "", "## Compute roofline", "",
+        f"int8 peak {r['int8_peak_macs_per_s'] / 1e9:.0f} GMAC/s ({r['threads']} threads, {r['kernels']} kernels); "
+        f"a token multiplies {r['macs_per_token'] / 1e9:.2f} GMAC. Per batch of {sizes} tokens: memory floor "
+        f"{ms(r['memory_floor_s'])} ms, compute floor {ms(r['compute_floor_s'])} ms.", "",
+        f"| backend | batch of {sizes} tokens (ms) | fraction of the int8 peak |",
+        "| --- | --- | --- |",
+    ]
+    for x in r["backends"]:
+        if x["status"] == "ok":
+            lines.append(f"| {x['backend']} | {ms(x['batch_seconds'])} "
+                         f"| {' / '.join(f'{f:.0%}' for f in x['fraction_of_int8_peak'])} |")
     return lines
 
 
@@ -169,6 +184,10 @@ def _roofline_plot(r: dict, model: str, plt, save) -> None:
     for x in ok:
         a2.plot(sizes, x["batch_cost"], marker="o", ms=3, label=x["backend"])
     a2.plot(sizes, sizes, color="gray", ls=":", lw=0.8, label="k x one token")
+    if ok:  # the floor of a batch: the memory or the compute floor, in the first backend's one token
+        t1 = ok[0]["batch_seconds"][0]
+        a2.plot(sizes, [max(m, c) / t1 for m, c in zip(r["memory_floor_s"], r["compute_floor_s"])],
+                color="red", ls="--", lw=0.8, label=f"floor (memory, {r['int8_peak_macs_per_s'] / 1e9:.0f} GMAC/s)")
     a2.axhline(1.0, color="black", lw=0.8)
     a2.set_xscale("log", base=2)
     a2.set_xticks(sizes)

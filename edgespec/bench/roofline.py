@@ -1,14 +1,23 @@
-"""The memory roofline: how fast decoding could go if reading the weights
-were all a token cost, and how close each backend comes.
+"""The roofline: how fast decoding could go if reading the weights were all
+a token cost, how cheap a batch of k tokens could be if multiplying were all
+it cost, and how close each backend comes.
 
 Decoding one token reads every weight matrix once (of the token embedding
 only the token's row; with tied embeddings the whole table again as the
 output matrix; of MoE expert tensors the used experts' share) and the KV
 cache of every earlier position (F16 keys and values, in both engines; a
 sliding-window layer only its window). This machine's read bandwidth
-(costs.bandwidth) over those bytes is the roofline in tokens/s.
+(costs.bandwidth) over those bytes is the roofline in tokens/s, and the
+memory floor of a batch (which reads the weights once, as one token does).
+
+A token also multiplies by every matrix it reads once: macs_per_token
+multiply-accumulates (attention's, a few per cached position, left out).
+k tokens' MACs over this machine's int8 peak (costs.int8_peak, in the
+native engine's kernel set) is a batch's compute floor; a batch's measured
+time against it is the fraction of the peak the kernels reach.
 
     bytes_per_token(path, context)          {"weights", "kv_cache", "total", "context"}
+    macs_per_token(path)                    multiply-accumulates of the matrices
     measure_roofline(path, backends, ...)   results.json "roofline"
 """
 from __future__ import annotations
@@ -19,7 +28,7 @@ from pathlib import Path
 from ..backends import open_backend
 from ..errors import EdgespecError
 from ..models.gguf import GGUFFile
-from ..costs import bandwidth
+from ..costs import bandwidth, int8_peak
 from .reference import sliding_layers
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -55,6 +64,23 @@ def bytes_per_token(path: str | Path, context: int) -> dict:
     return {"weights": weights, "kv_cache": kv, "total": weights + kv, "context": context}
 
 
+def macs_per_token(path: str | Path) -> int:
+    """Multiply-accumulates of one token through every matrix: each 2-D
+    weight's elements (the token embedding's only as the tied output
+    matrix; of MoE experts the used share); vectors (norms, biases) none."""
+    with GGUFFile(path) as f:
+        arch = f.get("general.architecture")
+        n_expert = f.get(f"{arch}.expert_count", 0)
+        n_used = f.get(f"{arch}.expert_used_count", 0)
+        tied = f.tensor("output.weight") is None
+        macs = 0
+        for t in f.tensors:
+            if len(t.shape) < 2 or (t.name == "token_embd.weight" and not tied):
+                continue
+            macs += t.n_elements * n_used // n_expert if "_exps." in t.name and n_expert else t.n_elements
+    return macs
+
+
 def _decode_speed(backend, tokens: list[int], n: int, reps: int = 2) -> float:
     """Tokens/s of one-token steps over tokens[PREFIX:PREFIX + n], the best of ``reps``."""
     best = float("inf")
@@ -82,22 +108,30 @@ def measure_backend(name: str, path: Path, threads: int, n_decode: int) -> dict:
     except EdgespecError as e:
         return {"backend": name, "status": "failed", "error": str(e)}
     return {"backend": name, "status": "ok", "error": None, "decode_tokens_per_s": speed,
-            "batch_cost": [times[k] / times[1] for k in BATCH_SIZES]}
+            "batch_cost": [times[k] / times[1] for k in BATCH_SIZES],
+            "batch_seconds": [times[k] for k in BATCH_SIZES]}
 
 
 def measure_roofline(path: str | Path, backends: list[str], threads: int, *,
                      n_decode: int = DECODE_TOKENS, remeasure_bandwidth: bool = False) -> dict:
-    """results.json "roofline": the bandwidth, bytes per token, the roofline
-    and each backend's decode speed (and its share of the roofline) and
-    batch cost curve."""
+    """results.json "roofline": the bandwidth and int8 peak, bytes and MACs
+    per token, the roofline, each batch size's memory and compute floors,
+    and each backend's decode speed (and its share of the roofline), batch
+    cost curve and fraction of the int8 peak per batch size."""
     bw = bandwidth(threads, remeasure=remeasure_bandwidth)
+    peak, kernels = int8_peak(threads, remeasure=remeasure_bandwidth)
     need = bytes_per_token(path, PREFIX + n_decode // 2)
+    macs = macs_per_token(path)
     roof = bw / need["total"]
     rows = []
     for name in dict.fromkeys(backends):
         r = measure_backend(name, Path(path), threads, n_decode)
         if r["status"] == "ok":
             r["fraction_of_roofline"] = r["decode_tokens_per_s"] / roof
+            r["fraction_of_int8_peak"] = [k * macs / peak / t for k, t in zip(BATCH_SIZES, r["batch_seconds"])]
         rows.append(r)
     return {"bandwidth_bytes_per_s": bw, "threads": threads, "bytes_per_token": need,
-            "roofline_tokens_per_s": roof, "batch_sizes": list(BATCH_SIZES), "backends": rows}
+            "roofline_tokens_per_s": roof, "int8_peak_macs_per_s": peak, "kernels": kernels,
+            "macs_per_token": macs, "batch_sizes": list(BATCH_SIZES),
+            "memory_floor_s": [need["total"] / bw for _ in BATCH_SIZES],
+            "compute_floor_s": [k * macs / peak for k in BATCH_SIZES], "backends": rows}

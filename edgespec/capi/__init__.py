@@ -30,7 +30,8 @@ def check_file(status: int, err, path: os.PathLike | str, where: str) -> None:
     file ``path`` (es_gguf_open, es_model_load) as a typed exception naming
     the file: ModelNotFoundError when it does not exist, UnsupportedModelError
     for what this build cannot run, ModelFormatError for a damaged or
-    unreadable file."""
+    unreadable file, NativeOutOfMemory with the reason (the sizes) where one
+    was given."""
     if status == lib.ES_OK:
         return
     if status == lib.ES_ERR_IO and not os.path.lexists(path):
@@ -42,6 +43,8 @@ def check_file(status: int, err, path: os.PathLike | str, where: str) -> None:
         raise ModelFormatError(f"{path}: {reason}")
     if status == lib.ES_ERR_INVALID_ARG and err[0] != b"\0":
         raise InvalidArgumentError(f"{path}: {reason}")
+    if status == lib.ES_ERR_NO_MEMORY and err[0] != b"\0":
+        raise NativeOutOfMemory(status, where, f"{path}: {reason}")
     check(status, where)
 
 

@@ -4,8 +4,14 @@
 The cdef is the public headers themselves (the shared base, then the
 speculative core and the inference engine), less the preprocessor lines, so
 the Python view of the ABI cannot drift from them.
+
+The x86 kernel sets' files take their instruction-set flags (ISA_FLAGS,
+the same as CMakeLists.txt's) through setup.py's build_ext, which adds them
+to those files' compile lines alone: the library runs on any x86-64 and
+picks a set at run time.
 """
 import pathlib
+import platform
 import re
 
 from cffi import FFI
@@ -15,6 +21,12 @@ CSRC = ROOT / "csrc"
 HEADERS = ("es_base.h", "speculative/es_spec.h", "native/es_native.h")
 # The version lives in edgespec/__init__.py; the C library reports it (es_version).
 VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "edgespec" / "__init__.py").read_text(), re.M).group(1)
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+# Extra compiler flags per source file (paths relative to the repository root).
+ISA_FLAGS = {
+    "csrc/native/kernels/avx2.c": _AVX2,
+    "csrc/native/kernels/avx512.c": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+} if platform.machine().lower() in ("x86_64", "amd64") else {}
 SOURCES = sorted(str(p.relative_to(ROOT)) for p in
                  [CSRC / "base.c", *CSRC.glob("speculative/**/*.c"), *CSRC.glob("native/**/*.c")])
 
