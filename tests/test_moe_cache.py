@@ -125,7 +125,9 @@ def test_engine_exact_cache_same_tokens(synth_path, mode, budget_mb):
     # first MoE layer (the prompt, then one per plain step, or the step's
     # token and its draft).
     assert x["loads"] == x["lookups"] - x["hits"] + x["prefetches"] > 0
-    assert x["bytes_read"] == x["loads"] * EXPERT_BYTES
+    # (the last layers' prefetches may still be reading)
+    assert x["bytes_read"] % EXPERT_BYTES == 0
+    assert 0 <= x["loads"] - x["bytes_read"] // EXPERT_BYTES <= x["n_slots"]
     assert x["hit_rate"] == x["hits"] / x["lookups"]
     if mode.startswith("speculative"):
         assert stats.spec.drafted > 0 and stats.spec.accepted > 0   # it did speculate

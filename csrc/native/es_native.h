@@ -297,10 +297,11 @@ typedef struct es_expert_stats {
     int64_t tokens;          // tokens through the first MoE layer
     int64_t lookups;         // experts asked for (per layer and batch)
     int64_t hits;            // found cached (or on their way: prefetched)
-    int64_t loads;           // reads from disk (misses and prefetches)
-    int64_t bytes_read;      // bytes those reads took
+    int64_t loads;           // reads from disk queued (misses and prefetches), so that
+                             // loads = lookups - hits + prefetches at any time
+    int64_t bytes_read;      // bytes of those reads finished (some may be in flight)
     int64_t substitutions;   // lookups served by a low-precision copy
-    int64_t prefetches;      // loads started by prefetch
+    int64_t prefetches;      // loads queued by prefetch (one cancelled unread is none)
     int64_t prefetch_used;   // of those, used before being evicted
     int64_t evictions;
     int64_t stall_ns;        // time decoding waited for reads

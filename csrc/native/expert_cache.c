@@ -107,7 +107,6 @@ struct es_expert_cache {
     pthread_cond_t  work, done;
     pthread_t io;
     bool      io_started, stop;
-    bool      reading;        // the I/O thread is reading a slot
     uint64_t  tick;           // begins so far
     int32_t   depth;          // prefetch depth now
     int64_t   win_pref, win_used;  // prefetches and their uses since the last adaptation
@@ -204,7 +203,6 @@ static void * io_main(void * arg) {
         slot * s = &c->slots[c->queue[0]];
         memmove(c->queue, c->queue + 1, (size_t) --c->q_len * sizeof *c->queue);
         s->state = SLOT_LOADING;
-        c->reading = true;
         const int32_t il = s->layer, e = s->expert;
         const bool low = s->low;
         pthread_mutex_unlock(&c->mu);
@@ -218,11 +216,9 @@ static void * io_main(void * arg) {
 
         pthread_mutex_lock(&c->mu);
         c->io_busy_ns += busy;
-        c->reading = false;
         s->state = rc == ES_OK ? SLOT_READY : SLOT_FAILED;
         s->rc = rc;
         if (rc != ES_OK) memcpy(c->err, err, sizeof err);
-        c->st.loads++;
         c->st.bytes_read += (int64_t) bytes;
         pthread_cond_broadcast(&c->done);
     }
@@ -319,7 +315,8 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low)
                 const int32_t si = c->queue[i];
                 queue_remove(c, si);
                 forget(c, s);
-                // Never read: no prefetch after all.
+                // Never read: no load, no prefetch after all.
+                c->st.loads--;
                 c->st.prefetches--;
                 c->win_pref--;
                 return si;
@@ -357,6 +354,7 @@ static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bo
         forget(c, &c->slots[lo]);
     }
     queue_add(c, si, demand);
+    c->st.loads++;  // counted when queued: the counters read mid-generation add up
     pthread_cond_signal(&c->work);
     return si;
 }
@@ -804,9 +802,6 @@ const es_expert_provider * es_expert_cache_provider(es_expert_cache * c) { retur
 
 void es_expert_cache_stats(es_expert_cache * c, es_expert_stats * out) {
     pthread_mutex_lock(&c->mu);
-    // The reads queued (prefetches a generation's last layers asked for)
-    // finish first, so loads and bytes read count every read started.
-    while (c->q_len > 0 || c->reading) pthread_cond_wait(&c->done, &c->mu);
     *out = c->st;
     out->prefetch_depth = c->depth;
     pthread_mutex_unlock(&c->mu);
