@@ -69,14 +69,21 @@ class ExpertCache:
 
 
 def stats_dict(st) -> dict:
-    """An es_expert_stats as a dict, with hit rate, prefetch accuracy and
-    stall per token worked out."""
+    """An es_expert_stats as a dict, with hit rate, prefetch accuracy (and
+    by depth) and stall per token worked out."""
     fields = ("budget_bytes", "cache_bytes", "n_slots", "prefetch_depth", "tokens", "lookups",
               "hits", "loads", "bytes_read", "substitutions", "prefetches", "prefetch_used",
               "evictions", "stall_ns")
     d = {f: int(getattr(st, f)) for f in fields}
     d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else 0.0
     d["prefetch_accuracy"] = d["prefetch_used"] / d["prefetches"] if d["prefetches"] else 0.0
+    # by depth, 1 layer ahead first, up to the deepest prefetched
+    at = [(int(n), int(u)) for n, u in zip(st.prefetches_at, st.prefetch_used_at)]
+    while at and at[-1][0] == 0:
+        at.pop()
+    d["prefetches_by_depth"] = [n for n, _ in at]
+    d["prefetch_used_by_depth"] = [u for _, u in at]
+    d["prefetch_accuracy_by_depth"] = [u / n if n else 0.0 for n, u in at]
     d["stall_ms_per_token"] = d["stall_ns"] / 1e6 / d["tokens"] if d["tokens"] else 0.0
     return d
 

@@ -129,6 +129,10 @@ def test_engine_exact_cache_same_tokens(synth_path, mode, budget_mb):
     assert x["bytes_read"] % EXPERT_BYTES == 0
     assert 0 <= x["loads"] - x["bytes_read"] // EXPERT_BYTES <= x["n_slots"]
     assert x["hit_rate"] == x["hits"] / x["lookups"]
+    # prefetches counted by depth, as deep as the cache went
+    assert sum(x["prefetches_by_depth"]) == x["prefetches"]
+    assert sum(x["prefetch_used_by_depth"]) == x["prefetch_used"]
+    assert 1 <= len(x["prefetches_by_depth"]) <= moe.DEFAULT_PREFETCH
     if mode.startswith("speculative"):
         assert stats.spec.drafted > 0 and stats.spec.accepted > 0   # it did speculate
         evaluated = stats.spec.target_steps + stats.spec.drafted

@@ -68,7 +68,8 @@ typedef struct slot {
     int32_t   layer, expert;  // what it holds; layer < 0: nothing
     int8_t    low;            // the low-precision copy
     int8_t    state;          // SLOT_*
-    int8_t    prefetched;     // read by prefetch and not used since
+    int8_t    prefetched;     // read by prefetch this many layers ahead (at most
+                              // ES_PREFETCH_DEPTHS) and not used since; 0: not
     int32_t   held;           // begin .. end holds
     int       rc;             // SLOT_FAILED: the read's status
     uint64_t  last_use;       // tick of the last begin naming it
@@ -109,7 +110,9 @@ struct es_expert_cache {
     bool      io_started, stop;
     uint64_t  tick;           // begins so far
     int32_t   depth;          // prefetch depth now
-    int64_t   win_pref, win_used;  // prefetches and their uses since the last adaptation
+    int64_t   win_pref[ES_PREFETCH_DEPTHS], win_used[ES_PREFETCH_DEPTHS];  // by depth, since the
+                                   // last adaptation: prefetches, and those used
+    int32_t   idle_windows;        // adaptations at depth 0 since the last probe
     uint64_t  win_tick;
     int64_t   win_start_ns, io_busy_ns;  // the window's start; the I/O thread's reading time in it
     es_expert_provider provider;
@@ -314,11 +317,12 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low)
             if (!s->held && s->prefetched && c->queue[i] >= lo && c->queue[i] < hi) {
                 const int32_t si = c->queue[i];
                 queue_remove(c, si);
-                forget(c, s);
                 // Never read: no load, no prefetch after all.
                 c->st.loads--;
                 c->st.prefetches--;
-                c->win_pref--;
+                c->st.prefetches_at[s->prefetched - 1]--;
+                c->win_pref[s->prefetched - 1]--;
+                forget(c, s);
                 return si;
             }
         }
@@ -332,8 +336,10 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low)
     }
 }
 
-// Claims a slot for (layer, expert, low) and queues its read; -1: none free.
-static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bool demand) {
+// Claims a slot for (layer, expert, low) and queues its read, a demand
+// read or (depth > 0) a prefetch that many layers ahead; -1: none free.
+static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, int32_t depth) {
+    const bool demand = depth == 0;
     const int32_t si = victim(c, layer, demand, low);
     if (si < 0) return -1;
     slot * s = &c->slots[si];
@@ -342,7 +348,7 @@ static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bo
     s->expert = e;
     s->low = low;
     s->state = SLOT_QUEUED;
-    s->prefetched = !demand;
+    s->prefetched = (int8_t) (depth < ES_PREFETCH_DEPTHS ? depth : ES_PREFETCH_DEPTHS);
     s->freq = demand ? 0.0 : 1.0;  // a prefetch counts as the use it predicts
     s->freq_tick = c->tick;
     s->last_use = c->tick;
@@ -375,27 +381,45 @@ static int32_t lookup(es_expert_cache * c, int32_t layer, int32_t e, bool low) {
     return si;
 }
 
-// Every 4 * n_layer ticks: when the I/O thread was reading nearly all the
-// time, prefetching only competes with the reads decoding waits for (and
-// adds the wrong guesses' bytes): one layer shallower, down to none.
-// Otherwise one deeper when most prefetches were used, one shallower when
-// few were. Never more slots than half the cache.
+// Every 4 * n_layer ticks, from that window's counts. A depth pays while
+// at least PREFETCH_PAYS of its prefetches are used (a wrong one costs a
+// read the I/O thread could have spent on a miss, and evicts what may be
+// needed): the depth grows by one while every depth up to it paid, and
+// falls to the deepest that did (0: none) when one did not. When the I/O
+// thread was reading nearly all the time, prefetching only competes with
+// the reads decoding waits for (and adds the wrong guesses' bytes): one
+// shallower. At 0 a probe of depth 1 every PROBE_WINDOWS windows, as the
+// text may have turned predictable. Never more slots than half the cache.
+#define PREFETCH_PAYS 0.5
+enum { PREFETCH_EVIDENCE = 8, PROBE_WINDOWS = 4 };
+
 static void adapt_depth(es_expert_cache * c) {
     if (c->tick - c->win_tick < 4 * (uint64_t) c->n_layer) return;
     const int64_t now = now_ns();
     const double busy = now > c->win_start_ns ? (double) c->io_busy_ns / (double) (now - c->win_start_ns)
                                               : 0.0;
     const int32_t cap = c->n_slots / (2 * c->k) > 1 ? c->n_slots / (2 * c->k) : 1;
-    const double used = c->win_pref ? (double) c->win_used / (double) c->win_pref : 1.0;
+    int32_t paid = 0;  // every depth 1 .. paid paid (or had too few prefetches to tell)
+    while (paid < c->depth && paid < ES_PREFETCH_DEPTHS) {
+        const int64_t n = c->win_pref[paid], used = c->win_used[paid];
+        if (n >= PREFETCH_EVIDENCE && (double) used < PREFETCH_PAYS * (double) n) break;
+        paid++;
+    }
     if (busy >= 0.9) {
         if (c->depth > 0) c->depth--;
-    } else if (c->depth == 0 || (c->win_pref >= 8 && used >= 0.6)) {
-        if (c->depth < c->max_depth) c->depth++;
-    } else if (c->win_pref >= 8 && used < 0.3 && c->depth > 1) {
-        c->depth--;
+    } else if (c->depth == 0) {
+        if (++c->idle_windows >= PROBE_WINDOWS) {
+            c->depth = 1;
+            c->idle_windows = 0;
+        }
+    } else if (paid == c->depth) {
+        if (c->depth < c->max_depth && c->depth < ES_PREFETCH_DEPTHS) c->depth++;
+    } else {
+        c->depth = paid;
     }
     if (c->depth > cap) c->depth = cap;
-    c->win_pref = c->win_used = 0;
+    memset(c->win_pref, 0, sizeof c->win_pref);
+    memset(c->win_used, 0, sizeof c->win_used);
     c->win_tick = c->tick;
     c->win_start_ns = now;
     c->io_busy_ns = 0;
@@ -425,18 +449,19 @@ static int cache_begin(void * self, int32_t layer, int32_t n_tokens, int32_t n,
             c->st.hits++;
             slot * s = &c->slots[si];
             if (s->prefetched) {
-                s->prefetched = 0;
                 c->st.prefetch_used++;
-                c->win_used++;
+                c->st.prefetch_used_at[s->prefetched - 1]++;
+                c->win_used[s->prefetched - 1]++;
+                s->prefetched = 0;
                 if (s->state == SLOT_QUEUED) {  // now a demand read: to the front
                     queue_remove(c, si);
                     queue_add(c, si, true);
                 }
             }
         } else {
-            si = claim(c, layer, e, low, true);
+            si = claim(c, layer, e, low, 0);
             // No low slot free (all held by this batch): the full copy.
-            if (si < 0 && low && c->n_full > 0) si = claim(c, layer, e, false, true);
+            if (si < 0 && low && c->n_full > 0) si = claim(c, layer, e, false, 0);
             if (si < 0) rc = ES_ERR_NO_MEMORY;  // more held than slots: not with max_held
         }
         if (rc == ES_OK) {
@@ -502,9 +527,13 @@ static void cache_prefetch(void * self, int32_t layer, int32_t n, const int32_t 
         if (lookup(c, layer, e, false) >= 0) continue;
         const bool low = substitute(c, importance[i]);
         if (low && lookup(c, layer, e, true) >= 0) continue;
-        if (claim(c, layer, e, low, false) >= 0) {
+        // (es_moe_ffn prefetches for layers after the one begun last, of this token)
+        const int32_t depth = layer > c->cur_layer ? layer - c->cur_layer : 1;
+        const int32_t si = claim(c, layer, e, low, depth);
+        if (si >= 0) {
             c->st.prefetches++;
-            c->win_pref++;
+            c->st.prefetches_at[c->slots[si].prefetched - 1]++;
+            c->win_pref[c->slots[si].prefetched - 1]++;
         }
     }
     pthread_mutex_unlock(&c->mu);
