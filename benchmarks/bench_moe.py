@@ -215,16 +215,20 @@ def speed(args) -> dict:
         results[name] = run_limited(name, limit, argv, args.timeout)
     ref = results["llama.cpp (mmap)"].get("tokens_per_s")
     lines = ["| engine | decode tok/s | x llama.cpp | peak RSS MiB | hit rate | MB read/token | "
-             "prefetch used | stall ms/token |", "|" + " --- |" * 8]
+             "prefetch used | by depth 1, 2, ... | depth at end | stall ms/token | drafts accepted |",
+             "|" + " --- |" * 11]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error']} |" + " |" * 6)
+            lines.append(f"| {name} | error: {r['error']} |" + " |" * 9)
             continue
-        x = r.get("experts")
+        x, spec = r.get("experts"), r.get("spec")
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "–"
         cache = (f"{100 * x['hit_rate']:.0f}% | {x['bytes_read'] / 1e6 / max(1, x['tokens']):.1f} | "
-                 f"{100 * x['prefetch_accuracy']:.0f}% | {x['stall_ms_per_token']:.1f}") if x else "– | – | – | –"
-        lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {ratio} | {r['peak_rss_mib']} | {cache} |")
+                 f"{100 * x['prefetch_accuracy']:.0f}% | "
+                 f"{', '.join(f'{100 * a:.0f}%' for a in x['prefetch_accuracy_by_depth']) or '–'} | "
+                 f"{x['prefetch_depth']} | {x['stall_ms_per_token']:.1f}") if x else "– | – | – | – | – | –"
+        drafts = (f"{spec['accepted']}/{spec['drafted']}" if spec and spec.get("drafted") else "–")
+        lines.append(f"| {name} | {r['tokens_per_s']:.2f} | {ratio} | {r['peak_rss_mib']} | {cache} | {drafts} |")
     nopf, pf = results.get("native cache no prefetch", {}), results.get("native cache adaptive", {})
     hidden = None
     if nopf.get("experts") and pf.get("experts") and nopf["experts"]["stall_ns"]:
