@@ -11,7 +11,8 @@ and counters, and the files that go with it.
 - ``upcycle``: a MoE built from a dense llama or qwen2 GGUF, every expert a
   copy of its layer's FFN and a router of random projections, so with exact
   experts its output is the dense model's whatever the routing.
-- ``synth``: a random Mixtral-style MoE of any shape, for speed.
+- ``synth``: a random MoE of any shape, for speed, in the tensor layout of
+  Mixtral-style llama or Qwen3-MoE (``SYNTH_ARCHS``).
 
 Every file is written beside its destination and renamed into place.
 """
@@ -299,19 +300,25 @@ def _check_counts(experts: int, top_k: int) -> None:
 
 
 SYNTH_TYPES = ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+# llama: Mixtral's layout; qwen3moe: per-head RMSNorm of queries and keys
+# (attn_q_norm, attn_k_norm), RoPE in the NEOX layout, no dense FFN width
+# but expert_feed_forward_length.
+SYNTH_ARCHS = ("llama", "qwen3moe")
 
 
 def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int, top_k: int,
           layers: int, embd: int, ff: int, qtype: str = "q4_0", heads: int | None = None,
-          seed: int = 0, progress: bool = True) -> Path:
-    """A random Mixtral-style MoE of the given shape (the tokenizer copied
-    from the GGUF ``tokenizer``), every matrix of ``qtype``; norms and
-    routers F32. Experts draw their rows from a bank of random rows, so a
-    file of gigabytes is written at disk speed."""
+          seed: int = 0, arch: str = "llama", progress: bool = True) -> Path:
+    """A random MoE of the given shape in the tensor layout of ``arch``
+    (SYNTH_ARCHS; the tokenizer copied from the GGUF ``tokenizer``), every
+    matrix of ``qtype``; norms and routers F32. Experts draw their rows from
+    a bank of random rows, so a file of gigabytes is written at disk speed."""
     gguf = gguf_module()
     _check_counts(experts, top_k)
     if qtype not in SYNTH_TYPES:
         raise InvalidArgumentError(f"--type must be one of {', '.join(SYNTH_TYPES)}, got {qtype!r}"[:200])
+    if arch not in SYNTH_ARCHS:
+        raise InvalidArgumentError(f"--arch must be one of {', '.join(SYNTH_ARCHS)}, got {arch!r}"[:200])
     q = int(getattr(gguf.GGMLQuantizationType, qtype.upper()))
     for name, n, lo in (("--layers", layers, 1), ("--embd", embd, 64), ("--ff", ff, 32)):
         if n < lo:
@@ -357,6 +364,9 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         add(b + "attn_k.weight", (heads_kv * head_dim, embd), q, lambda: rows(heads_kv * head_dim, embd))
         add(b + "attn_v.weight", (heads_kv * head_dim, embd), q, lambda: rows(heads_kv * head_dim, embd))
         add(b + "attn_output.weight", (embd, embd), q, lambda: rows(embd, embd))
+        if arch == "qwen3moe":
+            add(b + "attn_q_norm.weight", (head_dim,), 0, lambda: f32((head_dim,), True))
+            add(b + "attn_k_norm.weight", (head_dim,), 0, lambda: f32((head_dim,), True))
         add(b + "ffn_norm.weight", (embd,), 0, lambda: f32((embd,), True))
         add(b + "ffn_gate_inp.weight", (experts, embd), 0, lambda: f32((experts, embd)) * 4)
         add(b + "ffn_gate_exps.weight", (experts, ff, embd), q, lambda: rows(experts * ff, embd))
@@ -372,7 +382,12 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         w.add_context_length(4096)
         w.add_embedding_length(embd)
         w.add_block_count(layers)
-        w.add_feed_forward_length(ff)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(ff)
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        else:
+            w.add_feed_forward_length(ff)
         w.add_head_count(heads)
         w.add_head_count_kv(heads_kv)
         w.add_rope_dimension_count(head_dim)
@@ -388,6 +403,6 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
 
     total = sum(t[3] for t in tensors)
     with gguf_output(out) as tmp:
-        write_gguf(tmp, "llama", keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
+        write_gguf(tmp, arch, keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
                                                                  enabled=progress))
     return Path(out)

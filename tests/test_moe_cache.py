@@ -473,11 +473,29 @@ def test_llama_cpp_loads_upcycled_and_synthetic(moe_dir, dense_f32, synth_path):
     assert (ours.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.9
 
 
-def test_upcycle_and_prepare_refuse(moe_dir, dense_f32, synth_path):
+@pytest.mark.parametrize("arch", moe.SYNTH_ARCHS)
+def test_synth_layouts_decode_alike_on_both_engines(moe_dir, tiny_vocab_path, arch):
+    """Each layout `moe synth` writes loads in llama.cpp and the native
+    engine (through an expert cache too) with the same greedy text (F32
+    weights: no activation rounding between the two)."""
+    path = moe.synth(moe_dir / f"synth-{arch}.gguf", tiny_vocab_path, experts=8, top_k=2, layers=2,
+                     embd=128, ff=64, qtype="f32", arch=arch, progress=False)
+    texts = []
+    for name, kw in (("llama", {}), ("native", {}), ("native", dict(expert_cache_mb=1))):
+        with Engine(path, backend=name, threads=1, n_ctx=N_CTX, drafter="none", **kw) as e:
+            assert e.backend.metadata("general.architecture") == arch
+            texts.append(e.generate("the cat sat on", max_tokens=24, temperature=0.0).tokens)
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_upcycle_and_prepare_refuse(moe_dir, dense_f32, synth_path, tiny_vocab_path):
     with pytest.raises(UnsupportedModelError, match="not a MoE model"):
         moe.prepare(dense_f32, moe_dir / "x.sidecar", progress=False)
     with pytest.raises(InvalidArgumentError, match="already a MoE model"):
         moe.upcycle(synth_path, moe_dir / "x.gguf", experts=2, progress=False)
+    with pytest.raises(InvalidArgumentError, match="--arch must be one of llama, qwen3moe"):
+        moe.synth(moe_dir / "x.gguf", tiny_vocab_path, experts=2, top_k=1, layers=1, embd=64, ff=64,
+                  arch="olmoe", progress=False)
     with pytest.raises(InvalidArgumentError, match=r"--top-k must be in \[1, --experts\]"):
         moe.upcycle(dense_f32, moe_dir / "x.gguf", experts=2, top_k=3, progress=False)
     assert not (moe_dir / "x.gguf").exists() and not (moe_dir / "x.sidecar").exists()
