@@ -194,26 +194,35 @@ def speed(args) -> dict:
           f"limit {args.limit_mb} MB; expert cache {cache_mb} MB", file=sys.stderr)
     base = [sys.executable, __file__, "_worker", "--model", str(model), "--threads", str(args.threads),
             "--tokens", str(args.tokens)]
-    runs = {
+    runs = {} if args.native_only else {
         "llama.cpp (mmap)": base + ["--backend", "llama", "--no-repack"],
         "llama.cpp (default: repacked)": base + ["--backend", "llama"],
+    }
+    runs.update({
         "native (mmap)": base + ["--backend", "native"],
         "native cache adaptive": base + ["--backend", "native", "--cache-mb", str(cache_mb)],
         "native cache lru": base + ["--backend", "native", "--cache-mb", str(cache_mb), "--policy", "lru"],
         "native cache no prefetch": base + ["--backend", "native", "--cache-mb", str(cache_mb),
                                             "--prefetch", "0"],
-    }
+    })
     if args.low_type:
         sidecar_for(model, args.low_type)
         for precision in ("balanced", "fast"):
             runs[f"native cache {precision}"] = runs["native cache adaptive"] + ["--precision", precision]
     if args.drafter:
         runs["native cache + ngram drafts"] = runs["native cache adaptive"] + ["--drafter", "ngram"]
+    # Rounds in alternating order (ABC.., ..CBA), so that a machine's drift
+    # touches every setting alike; each setting's run of median speed is kept.
+    rounds: dict[str, list[dict]] = {name: [] for name in runs}
+    for i in range(args.rounds):
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            print(f"  {name} (round {i + 1}) ...", file=sys.stderr, flush=True)
+            rounds[name].append(run_limited(name, limit, runs[name], args.timeout))
     results = {}
-    for name, argv in runs.items():
-        print(f"  {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_limited(name, limit, argv, args.timeout)
-    ref = results["llama.cpp (mmap)"].get("tokens_per_s")
+    for name, rs in rounds.items():
+        ok = sorted((r for r in rs if "error" not in r), key=lambda r: r["tokens_per_s"])
+        results[name] = dict(ok[len(ok) // 2], rounds_tokens_per_s=[r["tokens_per_s"] for r in ok]) if ok else rs[0]
+    ref = results.get("llama.cpp (mmap)", {}).get("tokens_per_s")
     lines = ["| engine | decode tok/s | x llama.cpp | peak RSS MiB | hit rate | MB read/token | "
              "prefetch used | by depth 1, 2, ... | depth at end | stall ms/token | drafts accepted |",
              "|" + " --- |" * 11]
@@ -382,6 +391,10 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer of the synthetic model")
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per speed run")
     ap.add_argument("--drafter", action="store_true", help="also a speculative (ngram) run on the cache")
+    ap.add_argument("--rounds", type=int, default=1, help="speed: runs of every setting, in alternating "
+                    "order; the median is reported")
+    ap.add_argument("--native-only", action="store_true", help="speed: no llama.cpp runs (the native "
+                    "engine's settings against each other)")
     ap.add_argument("--low-type", default="q3_k", choices=("q2_k", "q3_k", ""),
                     help="type of the sidecar's copies (balanced/fast runs; '': none in the speed part)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per speed run")
