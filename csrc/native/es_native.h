@@ -190,8 +190,8 @@ typedef struct es_model_params {
     int32_t expert_policy;        // enum es_expert_policy; default ADAPTIVE
     int32_t prefetch_depth;       // most layers ahead whose experts are predicted and
                                   // loaded early (at most ES_PREFETCH_DEPTHS; the depth
-                                  // adapts to how many prefetches are used and how busy
-                                  // the reads are); 0: none; default 3
+                                  // adapts to the stall per token measured at each and
+                                  // how many prefetches are used); 0: none; default 3
     const char * expert_sidecar;  // low-precision copies (es_expert_sidecar_*); NULL: none;
                                   // required by BALANCED and FAST; read at load only
     // Most bytes the repacked weights (repack) may take; <= 0: the memory the

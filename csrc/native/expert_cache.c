@@ -112,9 +112,11 @@ struct es_expert_cache {
     int32_t   depth;          // prefetch depth now
     int64_t   win_pref[ES_PREFETCH_DEPTHS], win_used[ES_PREFETCH_DEPTHS];  // by depth, since the
                                    // last adaptation: prefetches, and those used
-    int32_t   idle_windows;        // adaptations at depth 0 since the last probe
+    int32_t   windows;             // adaptations so far
+    int64_t   win_stall_ns, win_tokens;  // decoding's wait for reads, and tokens, in the window
+    double    stall_at[ES_PREFETCH_DEPTHS + 1];  // ns of stall per token at each depth (mean of
+                                                  // the last windows there); < 0: not measured
     uint64_t  win_tick;
-    int64_t   win_start_ns, io_busy_ns;  // the window's start; the I/O thread's reading time in it
     es_expert_provider provider;
     es_expert_stats st;
     char err[256];
@@ -213,12 +215,9 @@ static void * io_main(void * arg) {
         char err[sizeof c->err];
         size_t bytes = 0;
         errno = 0;
-        const int64_t t0 = now_ns();
         const int rc = read_expert(c, il, e, low, s->data, &bytes, err, sizeof err);
-        const int64_t busy = now_ns() - t0;
 
         pthread_mutex_lock(&c->mu);
-        c->io_busy_ns += busy;
         s->state = rc == ES_OK ? SLOT_READY : SLOT_FAILED;
         s->rc = rc;
         if (rc != ES_OK) memcpy(c->err, err, sizeof err);
@@ -381,48 +380,57 @@ static int32_t lookup(es_expert_cache * c, int32_t layer, int32_t e, bool low) {
     return si;
 }
 
-// Every 4 * n_layer ticks, from that window's counts. A depth pays while
-// at least PREFETCH_PAYS of its prefetches are used (a wrong one costs a
-// read the I/O thread could have spent on a miss, and evicts what may be
-// needed): the depth grows by one while every depth up to it paid, and
-// falls to the deepest that did (0: none) when one did not. When the I/O
-// thread was reading nearly all the time, prefetching only competes with
-// the reads decoding waits for (and adds the wrong guesses' bytes): one
-// shallower. At 0 a probe of depth 1 every PROBE_WINDOWS windows, as the
-// text may have turned predictable. Never more slots than half the cache.
+// Every 4 * n_layer ticks (4 tokens), from that window's counts. Whether
+// prefetching pays is measured, not assumed: a right guess hides a read,
+// but a wrong one costs a read that delays the misses, and either evicts
+// an expert that may be needed (on a disk-bound run prefetching can cost
+// more than it hides). So the depth moves to whichever of depth - 1,
+// depth, depth + 1 showed the least stall per token (means of their last
+// windows), trying a neighbour not measured yet first; never deeper than a
+// depth whose guesses were mostly wrong (fewer than PREFETCH_PAYS used),
+// and back to the deepest one that paid when one did not. Every
+// FORGET_WINDOWS windows the other depths' figures are forgotten, as the
+// text (and what is cached) changes. Never more slots than half the cache.
 #define PREFETCH_PAYS 0.5
-enum { PREFETCH_EVIDENCE = 8, PROBE_WINDOWS = 4 };
+enum { PREFETCH_EVIDENCE = 8, FORGET_WINDOWS = 16 };
 
 static void adapt_depth(es_expert_cache * c) {
     if (c->tick - c->win_tick < 4 * (uint64_t) c->n_layer) return;
-    const int64_t now = now_ns();
-    const double busy = now > c->win_start_ns ? (double) c->io_busy_ns / (double) (now - c->win_start_ns)
-                                              : 0.0;
     const int32_t cap = c->n_slots / (2 * c->k) > 1 ? c->n_slots / (2 * c->k) : 1;
+    int32_t top = c->max_depth < cap ? c->max_depth : cap;  // the deepest allowed
+    if (top > ES_PREFETCH_DEPTHS) top = ES_PREFETCH_DEPTHS;
     int32_t paid = 0;  // every depth 1 .. paid paid (or had too few prefetches to tell)
     while (paid < c->depth && paid < ES_PREFETCH_DEPTHS) {
         const int64_t n = c->win_pref[paid], used = c->win_used[paid];
         if (n >= PREFETCH_EVIDENCE && (double) used < PREFETCH_PAYS * (double) n) break;
         paid++;
     }
-    if (busy >= 0.9) {
-        if (c->depth > 0) c->depth--;
-    } else if (c->depth == 0) {
-        if (++c->idle_windows >= PROBE_WINDOWS) {
-            c->depth = 1;
-            c->idle_windows = 0;
-        }
-    } else if (paid == c->depth) {
-        if (c->depth < c->max_depth && c->depth < ES_PREFETCH_DEPTHS) c->depth++;
-    } else {
-        c->depth = paid;
+    if (c->win_tokens > 0) {
+        const double stall = (double) c->win_stall_ns / (double) c->win_tokens;
+        double * at = &c->stall_at[c->depth];
+        *at = *at < 0.0 ? stall : 0.5 * (*at + stall);
     }
-    if (c->depth > cap) c->depth = cap;
+    if (++c->windows % FORGET_WINDOWS == 0) {
+        for (int32_t d = 0; d <= ES_PREFETCH_DEPTHS; d++) {
+            if (d != c->depth) c->stall_at[d] = -1.0;
+        }
+    }
+    int32_t next = c->depth;
+    if (paid < c->depth) {
+        next = paid;
+    } else {
+        const int32_t lo = c->depth > 0 ? c->depth - 1 : 0;
+        const int32_t hi = c->depth < top ? c->depth + 1 : c->depth;
+        for (int32_t d = lo; d <= hi; d++) {
+            if (c->stall_at[d] < 0.0) { next = d; break; }  // not measured yet: try it
+            if (c->stall_at[d] < c->stall_at[next]) next = d;
+        }
+    }
+    c->depth = next > top ? top : next;
     memset(c->win_pref, 0, sizeof c->win_pref);
     memset(c->win_used, 0, sizeof c->win_used);
     c->win_tick = c->tick;
-    c->win_start_ns = now;
-    c->io_busy_ns = 0;
+    c->win_stall_ns = c->win_tokens = 0;
 }
 
 /* ---- the provider ---------------------------------------------------------- */
@@ -431,7 +439,10 @@ static int cache_begin(void * self, int32_t layer, int32_t n_tokens, int32_t n,
                        const int32_t * experts, const float * importance) {
     es_expert_cache * c = self;
     pthread_mutex_lock(&c->mu);
-    if (layer == 0) c->st.tokens += n_tokens;
+    if (layer == 0) {
+        c->st.tokens += n_tokens;
+        c->win_tokens += n_tokens;
+    }
     c->tick++;
     c->cur_layer = layer;
     if (c->max_depth > 0) adapt_depth(c);
@@ -494,6 +505,7 @@ static int cache_get(void * self, int32_t layer, int32_t e, int32_t which, es_ex
             pthread_cond_wait(&c->done, &c->mu);
         }
         c->st.stall_ns += now_ns() - t0;
+        c->win_stall_ns += now_ns() - t0;
     }
     const int rc = s->state == SLOT_READY ? ES_OK : s->rc;
     const bool low = s->low;
@@ -680,7 +692,7 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     c->policy = p->expert_policy;
     c->max_depth = p->prefetch_depth;
     c->depth = p->prefetch_depth > 0 ? 1 : 0;
-    c->win_start_ns = now_ns();
+    for (int d = 0; d <= ES_PREFETCH_DEPTHS; d++) c->stall_at[d] = -1.0;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work, NULL);
     pthread_cond_init(&c->done, NULL);
