@@ -212,7 +212,8 @@ def speed(args) -> dict:
     if args.drafter:
         runs["native cache + ngram drafts"] = runs["native cache adaptive"] + ["--drafter", "ngram"]
     # Rounds in alternating order (ABC.., ..CBA), so that a machine's drift
-    # touches every setting alike; each setting's run of median speed is kept.
+    # touches every setting alike; each setting's run of median speed is
+    # kept (of two, the faster), every round's speed beside it.
     rounds: dict[str, list[dict]] = {name: [] for name in runs}
     for i in range(args.rounds):
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
