@@ -315,7 +315,11 @@ def test_mismatched_sidecar_is_refused(moe_dir, tiny_vocab_path, synth_path, sid
     same_shape = moe.synth(moe_dir / "same-shape.gguf", tiny_vocab_path, **SYNTH, seed=5, progress=False)
     assert os.path.getsize(same_shape) == os.path.getsize(synth_path)
     shutil.copyfile(sidecar, moe.sidecar_path(same_shape))
-    with pytest.raises(ModelFormatError, match="checksums of its metadata and routers differ"):
+    # both checksums named: the sidecar's model's (header offset 48) and this one's
+    own = moe.prepare(same_shape, moe_dir / "same-shape.own", progress=False)
+    want, got = (int.from_bytes(p.read_bytes()[48:56], "little") for p in (sidecar, own))
+    with pytest.raises(ModelFormatError, match=f"checksum {want:016x} of its model's metadata and "
+                                               f"routers, this model's {got:016x}"):
         Engine(same_shape, backend="native", expert_cache_mb=2, expert_precision="balanced")
 
 

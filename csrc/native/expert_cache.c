@@ -623,8 +623,9 @@ static int open_sidecar(es_expert_cache * c, const es_gguf * g, const char * pat
         free(r);
     }
     if (rc != ES_OK || sum != rd64(h + 48)) {
-        snprintf(err, err_cap, "sidecar %s was made for another model: the checksums of its "
-                 "metadata and routers differ", path);
+        snprintf(err, err_cap, "sidecar %s was made for another model: checksum %016llx of its "
+                 "model's metadata and routers, this model's %016llx", path,
+                 (unsigned long long) rd64(h + 48), (unsigned long long) sum);
         return ES_ERR_FORMAT;
     }
     c->low_type[ES_EXPERT_GATE] = c->low_type[ES_EXPERT_UP] = (int32_t) rd32(h + 12);
