@@ -296,12 +296,10 @@ def measure_int8_peak(threads: int) -> float:
 
 def int8_peak(threads: int, *, remeasure: bool = False) -> tuple[float, str]:
     """(int8 MACs/s, kernel set) of this machine with ``threads`` threads and
-    the kernel set EDGESPEC_KERNELS names (else the best): cached as
-    ``bandwidth`` is."""
-    from .backends.native import select_kernels
+    the kernel set in use in this process (es_kernels_select; the native
+    backend selects EDGESPEC_KERNELS'): cached as ``bandwidth`` is."""
     from .capi import ffi, lib
 
-    select_kernels()
     kernels = ffi.string(lib.es_kernels_name()).decode()
     peak = cached_measurement(INT8_PEAK_FILE, f"{cpu_name()}:{threads}:{kernels}", "macs_per_s",
                               lambda: measure_int8_peak(threads),

@@ -231,12 +231,11 @@ def test_int8_peak_is_measured_in_c_and_cached(tmp_path, monkeypatch):
     assert lib.es_measure_int8_peak(ffi.NULL, ffi.NULL) == lib.ES_ERR_INVALID_ARG
     assert costs.measure_int8_peak(1) > 1e8   # > 0.1 GMAC/s anywhere, the scalar set included
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
-    monkeypatch.setenv("EDGESPEC_KERNELS", "scalar")
+    assert lib.es_kernels_select(b"scalar") == lib.ES_OK
     measured = []
     monkeypatch.setattr(costs, "measure_int8_peak", lambda threads: measured.append(threads) or 7e9)
     assert costs.int8_peak(2) == costs.int8_peak(2) == (7e9, "scalar")
     assert measured == [2]                                  # the second call read the cache
-    monkeypatch.delenv("EDGESPEC_KERNELS")
     lib.es_kernels_select(b"auto")
 
 

@@ -1,7 +1,8 @@
 """The package's import graph: no circles, and no import from a higher layer.
 The layers are the table in docs/ARCHITECTURE.md's ```layers block (the
 drawing and this check read the same lines); every import statement counts,
-those inside functions too."""
+those inside functions too. The C core's files likewise form no circle of
+symbol uses (a file that uses another's es_ function or table depends on it)."""
 from __future__ import annotations
 
 import ast
@@ -73,11 +74,9 @@ def test_every_module_has_a_layer_and_imports_only_down_or_across():
     assert not upward, "\n".join(sorted(upward))
 
 
-def test_no_import_circles():
-    known = modules()
-    graph = {name: imports(name, path, known) for name, path in known.items()}
-    # Tarjan's strongly connected components: any of more than one module is a circle.
-    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+def circles(graph: dict) -> list[list]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v):
         index[v] = low[v] = len(index)
@@ -98,12 +97,45 @@ def test_no_import_circles():
                 if w == v:
                     break
             if len(component) > 1:
-                circles.append(sorted(component))
+                found.append(sorted(map(str, component)))
 
     for v in graph:
         if v not in index:
             visit(v)
-    assert not circles, circles
+    return found
+
+
+def test_no_import_circles():
+    known = modules()
+    assert not circles({name: imports(name, path, known) for name, path in known.items()})
+
+
+def c_uses(sources: dict[str, str]) -> dict[str, set[str]]:
+    """File -> the files whose non-static es_ symbols (functions, tables) it uses."""
+    strip = lambda t: re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", t, flags=re.S))
+    texts = {name: strip(text) for name, text in sources.items()}
+    owner = {}
+    for name, text in texts.items():
+        for m in re.finditer(r"^(?!static\b)[A-Za-z_][\w \*]*?\b(es_\w+)\s*[(\[=;]", text, re.M):
+            owner.setdefault(m.group(1), name)
+    return {name: {owner[s] for s in set(re.findall(r"\b(es_\w+)\b", text)) if owner.get(s, name) != name}
+            for name, text in texts.items()}
+
+
+def test_no_circles_between_the_c_files():
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "csrc").rglob("*.c")
+               if not {"tests", "fuzz"} & set(p.relative_to(ROOT).parts)}
+    assert "csrc/native/model.c" in sources and "csrc/native/moe.c" in sources
+    assert not circles(c_uses(sources))
+
+
+def test_the_c_check_sees_a_circle():
+    sources = {"a.c": "int es_a(void) { return es_b(); }\n",
+               "b.c": "int es_b(void) { return 1; }\nint es_c(void) { return es_a(); }\n",
+               "c.c": "static int es_local(void) { return 0; }\nint es_d(void) { return es_b(); }\n"}
+    uses = c_uses(sources)
+    assert uses == {"a.c": {"b.c"}, "b.c": {"a.c"}, "c.c": {"b.c"}}
+    assert circles(uses) == [["a.c", "b.c"]]
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

@@ -1,26 +1,17 @@
 /*
- * model.c — the native engine: es_model / es_context, the KV cache, the
- * blocks every architecture shares (the MoE block is moe.c's), and es_decode.
- *
- *   model        GGUF mapped and validated (gguf.c, validate.c), architecture
- *                found by general.architecture in es__archs, tensors bound by arch->load
- *   context      thread pool, F16 KV cache, batch buffers, logits
- *   blocks       RMSNorm, RoPE, attention, matmul, dense FFN
- *   es_decode    positions and visibility of a chain or tree batch, embeddings,
- *                arch->layer for every layer, final norm, output matmul
- *
- * Batch invariance: every token row goes through the same sequence of
- * operations whatever the batch or thread count — matmuls are per-row
- * es_matvec calls (fixed reduction order), attention reduces over the cells a
- * token sees in ascending cell order — so a token's logits are bit-identical
- * alone, in a chain or in a tree. Exact speculative decoding relies on it.
+ * model.c — the native engine's model and context: es_model (the GGUF mapped
+ * and validated by gguf.c and validate.c, its architecture found by
+ * general.architecture in es__archs, its tensors bound by arch->load through
+ * binding.c, its matrices repacked for the tile kernels), es_context (thread
+ * pool, F16 KV cache and its saved state, batch buffers, logits), and
+ * es_decode: positions and visibility of a chain or tree batch, embeddings,
+ * arch->layer for every layer (built of blocks.c's blocks), final norm,
+ * output matmul.
  */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE  // madvise's MADV_HUGEPAGE (glibc: not POSIX)
 
 #include <math.h>
-#include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -30,253 +21,6 @@
 #include <unistd.h>
 
 #include "native/native_internal.h"
-
-extern const es_arch es__arch_llama;
-extern const es_arch es__arch_gemma3;
-extern const es_arch es__arch_qwen2;
-extern const es_arch es__arch_qwen3moe;
-
-const es_arch * const es__archs[] = {
-    &es__arch_llama,
-    &es__arch_gemma3,
-    &es__arch_qwen2,
-    &es__arch_qwen3moe,
-    NULL,
-};
-
-const es_arch * es__arch(const char * name) {
-    for (int32_t i = 0; name && es__archs[i]; i++) {
-        if (strcmp(es__archs[i]->name, name) == 0) return es__archs[i];
-    }
-    return NULL;
-}
-
-const char * es_arch_name(int32_t i) {
-    const int32_t n = (int32_t) (sizeof es__archs / sizeof es__archs[0]) - 1;
-    return i >= 0 && i < n ? es__archs[i]->name : NULL;
-}
-
-bool es_arch_tensor(const char * arch, int32_t i, es_tensor_spec * out) {
-    const es_arch * a = es__arch(arch);
-    if (!a || !out || i < 0 || i >= a->n_tensors) return false;
-    *out = a->tensors[i].spec;
-    return true;
-}
-
-/* ---- small helpers ------------------------------------------------------- */
-
-static void set_err(char * err, size_t err_cap, const char * fmt, ...) {
-    if (!err || err_cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_cap, fmt, ap);
-    va_end(ap);
-}
-
-// Runs fn over the pool, or on the calling thread alone when the work is one
-// row (a decode step): a pool round trip costs more than the work then.
-static void run(es_context * ctx, es_pool_fn fn, void * arg, int32_t n_rows) {
-    if (n_rows <= 1) fn(arg, 0, 1);
-    else es_pool_run(ctx->pool, fn, arg);
-}
-
-/* ---- binding tensors and keys -------------------------------------------- */
-
-// The tensor named name (already "blk.<il>." prefixed for a layer's) as an
-// (n_in, n_out) matrix (n_out = 1: a vector; 0: whatever the file has) of a
-// type the kernels implement. Absent and not required: *out zeroed, ES_OK.
-// Errors name the tensor.
-static int bind_tensor(const es_model * m, const char * name, int64_t n_in, int64_t n_out, bool required,
-                       es_weight * out, char * err, size_t err_cap) {
-    memset(out, 0, sizeof *out);
-    const es_tensor * t = es_gguf_find_tensor(m->gguf, name);
-    if (!t) {
-        if (!required) return ES_OK;
-        // The file passed es_gguf_validate, which asks for every tensor
-        // llama.cpp needs: this one is optional there (a variant, such as
-        // qwen2 without one of its biases), which this engine does not read.
-        set_err(err, err_cap, "tensor %s is missing (a variant the native engine does not read)", name);
-        return ES_ERR_UNSUPPORTED;
-    }
-    const int64_t want_out = n_out > 0 ? n_out : t->ne[1];
-    if (t->ne[0] != n_in || t->ne[1] != want_out || t->ne[2] != 1 || t->ne[3] != 1) {
-        set_err(err, err_cap, "tensor %s has shape (%lld, %lld, %lld, %lld), expected (%lld, %lld)",
-                name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
-                (long long) t->ne[3], (long long) n_in, (long long) want_out);
-        return ES_ERR_FORMAT;
-    }
-    if (es_type_row_bytes(t->type, n_in) == 0 || es_act_type(t->type) < 0) {
-        set_err(err, err_cap, "tensor %s: weight type %s is not supported", name,
-                es_type_name(t->type));
-        return ES_ERR_UNSUPPORTED;
-    }
-    // Norm and bias vectors are read as floats directly.
-    if (want_out == 1 && t->type != ES_TYPE_F32) {
-        set_err(err, err_cap, "tensor %s: expected F32, found %s", name, es_type_name(t->type));
-        return ES_ERR_UNSUPPORTED;
-    }
-    *out = (es_weight) { .data = t->data, .type = t->type, .n_in = n_in, .n_out = want_out };
-    return ES_OK;
-}
-
-// The sizes the es_dim symbols stand for in model m (every layer alike here).
-static void model_dims(const es_model * m, int64_t size[ES_DIM_COUNT]) {
-    const int64_t Q = (int64_t) m->n_head * m->head_dim, KV = (int64_t) m->n_head_kv * m->head_dim;
-    memset(size, 0, ES_DIM_COUNT * sizeof size[0]);
-    size[ES_DIM_ONE] = 1;
-    size[ES_DIM_EMBD] = m->n_embd;
-    size[ES_DIM_VOCAB] = m->n_vocab;
-    size[ES_DIM_FF] = m->n_ff;
-    size[ES_DIM_Q] = Q;
-    size[ES_DIM_K] = size[ES_DIM_V] = KV;
-    size[ES_DIM_HEAD] = m->head_dim;
-    size[ES_DIM_QKV] = Q + 2 * KV;
-}
-
-// Whether table row flags apply to a model with or without experts.
-static bool row_applies(int32_t flags, bool experts) {
-    return !((flags & ES_TENSOR_DENSE) && experts) && !((flags & ES_TENSOR_EXPERTS) && !experts);
-}
-
-int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap) {
-    const es_tensor * embd = es_gguf_find_tensor(m->gguf, "token_embd.weight");
-    if (!embd) {
-        set_err(err, err_cap, "tensor token_embd.weight is missing");
-        return ES_ERR_FORMAT;
-    }
-    m->n_vocab = (int32_t) embd->ne[1];
-    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
-    if (!m->layers) return ES_ERR_NO_MEMORY;
-    int64_t size[ES_DIM_COUNT];
-    model_dims(m, size);
-    int rc = ES_OK;
-    for (int32_t r = 0; rc == ES_OK && r < m->arch->n_tensors; r++) {
-        const es_arch_row * row = &m->arch->tensors[r];
-        const es_tensor_spec * sp = &row->spec;
-        if (row->field == ES_UNBOUND || !row_applies(sp->flags, experts)) continue;
-        const int64_t n_in = size[sp->ne[0]], n_out = size[sp->ne[1]];
-        const int32_t n_layers = sp->flags & ES_TENSOR_LAYER ? m->n_layer : 1;
-        for (int32_t il = 0; rc == ES_OK && il < n_layers; il++) {
-            char name[96];
-            if (sp->flags & ES_TENSOR_LAYER) snprintf(name, sizeof name, "blk.%d.%s", (int) il, sp->name);
-            else snprintf(name, sizeof name, "%s", sp->name);
-            bool required = sp->flags & ES_TENSOR_REQUIRED;
-            if (sp->flags & ES_TENSOR_UNFUSED) {
-                char fused[96];
-                snprintf(fused, sizeof fused, "blk.%d.attn_qkv.weight", (int) il);
-                if (es_gguf_find_tensor(m->gguf, fused) && !es_gguf_find_tensor(m->gguf, name)) {
-                    set_err(err, err_cap, "tensor %s: a fused attention projection is not read by the "
-                            "native engine", fused);
-                    return ES_ERR_UNSUPPORTED;
-                }
-                required = true;
-            }
-            char * base = sp->flags & ES_TENSOR_LAYER ? (char *) &m->layers[il] : (char *) m;
-            rc = bind_tensor(m, name, n_in, n_out, required, (es_weight *) (base + row->field), err, err_cap);
-        }
-    }
-    if (rc == ES_OK && !m->output.data) m->output = m->tok_embd;  // tied embeddings
-    return rc;
-}
-
-static int key_num(const es_model * m, const char * key, bool required, double * out,
-                   char * err, size_t err_cap) {
-    char full[128];
-    snprintf(full, sizeof full, "%s.%s", m->arch->name, key);
-    int64_t i;
-    float f;
-    if (es_gguf_get_i64(m->gguf, full, &i)) { *out = (double) i; return 1; }
-    if (es_gguf_get_f32(m->gguf, full, &f)) { *out = f; return 1; }
-    if (!required) return 0;
-    set_err(err, err_cap, "metadata key %s is missing", full);
-    return ES_ERR_FORMAT;
-}
-
-int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
-                char * err, size_t err_cap) {
-    double v;
-    const int rc = key_num(m, key, required, &v, err, err_cap);
-    if (rc <= 0) return rc;
-    if (v != floor(v) || v < 0 || v > (double) INT32_MAX) {
-        set_err(err, err_cap, "metadata key %s.%s = %g is out of range", m->arch->name, key, v);
-        return ES_ERR_FORMAT;
-    }
-    *out = (int32_t) v;
-    return ES_OK;
-}
-
-int es__key_f32(const es_model * m, const char * key, bool required, float * out,
-                char * err, size_t err_cap) {
-    double v;
-    const int rc = key_num(m, key, required, &v, err, err_cap);
-    if (rc <= 0) return rc;
-    if (!isfinite(v)) {
-        set_err(err, err_cap, "metadata key %s.%s is not finite", m->arch->name, key);
-        return ES_ERR_FORMAT;
-    }
-    *out = (float) v;
-    return ES_OK;
-}
-
-int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t err_cap) {
-    char key[96];
-    snprintf(key, sizeof key, "%s.rope.scaling.type", m->arch->name);
-    const char * type = es_gguf_get_str(m->gguf, key);
-    *scale = 1.0f;
-    if (type && strcmp(type, "none") == 0) return ES_OK;
-    if (type && strcmp(type, "linear") != 0) {
-        set_err(err, err_cap, "RoPE scaling '%.32s' is not supported", type);
-        return ES_ERR_UNSUPPORTED;
-    }
-    float factor = 0.0f;
-    int rc = es__key_f32(m, "rope.scaling.factor", false, &factor, err, err_cap);
-    if (rc == ES_OK && factor == 0.0f) rc = es__key_f32(m, "rope.scale_linear", false, &factor, err, err_cap);
-    if (rc == ES_OK && factor < 0.0f) {
-        set_err(err, err_cap, "RoPE scaling factor %g is negative", factor);
-        rc = ES_ERR_FORMAT;
-    }
-    if (factor > 0.0f) *scale = 1.0f / factor;
-    return rc;
-}
-
-// The attention hyperparameters every architecture here shares, read and
-// checked once: widths, heads, head size (key = value = RoPE dimensions),
-// training context, norm epsilon, RoPE base (default 10000) and linear scale.
-int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
-                               char * err, size_t err_cap) {
-    int rc = ES_OK;
-    *rope_base = 10000.0f;
-#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
-    TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
-    TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
-    TRY(es__key_i32(m, "attention.head_count", true, &m->n_head, err, err_cap));
-    TRY(es__key_i32(m, "attention.head_count_kv", false, &m->n_head_kv, err, err_cap));
-    TRY(es__key_i32(m, "attention.key_length", false, &m->head_dim, err, err_cap));
-    TRY(es__key_i32(m, "rope.dimension_count", false, &m->n_rot, err, err_cap));
-    TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
-    TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
-    TRY(es__key_f32(m, "rope.freq_base", false, rope_base, err, err_cap));
-    TRY(es__rope_freq_scale(m, rope_scale, err, err_cap));
-    if (rc != ES_OK) return rc;
-    if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
-        set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
-                (int) m->n_embd, (int) m->n_layer, (int) m->n_head);
-        return ES_ERR_FORMAT;
-    }
-    if (m->n_head_kv == 0) m->n_head_kv = m->n_head;
-    if (m->head_dim == 0) m->head_dim = m->n_embd / m->n_head;
-    if (m->n_rot == 0) m->n_rot = m->head_dim;
-    int32_t v_len = m->head_dim;
-    TRY(es__key_i32(m, "attention.value_length", false, &v_len, err, err_cap));
-#undef TRY
-    if (rc != ES_OK) return rc;
-    if (v_len != m->head_dim || m->n_rot != m->head_dim) {
-        set_err(err, err_cap, "key length %d, value length %d and RoPE dimensions %d differ",
-                (int) m->head_dim, (int) v_len, (int) m->n_rot);
-        return ES_ERR_UNSUPPORTED;
-    }
-    return ES_OK;
-}
 
 /* ---- model ---------------------------------------------------------------- */
 
@@ -322,7 +66,7 @@ static int check_all_used(const es_model * m, char * err, size_t err_cap) {
                     !strcmp(kind, "ffn_up_exps") || !strcmp(kind, "ffn_down_exps"));
         }
         if (!used) {
-            set_err(err, err_cap, "tensor %s is not used by the %s architecture of this engine "
+            es__set_err(err, err_cap, "tensor %s is not used by the %s architecture of this engine "
                     "(an unsupported variant)", t->name, m->arch->name);
             rc = ES_ERR_UNSUPPORTED;
         }
@@ -336,7 +80,7 @@ static int check_hparams(const es_model * m, char * err, size_t err_cap) {
         m->head_dim <= 0 || m->n_vocab <= 0 || m->n_head % m->n_head_kv != 0 ||
         m->n_rot <= 0 || m->n_rot > m->head_dim || m->n_rot % 2 != 0 || m->n_swa < 0 ||
         !(m->norm_eps > 0) || m->n_layer > 4096 || m->n_head > 4096 || m->head_dim > 4096) {
-        set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d, "
+        es__set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d, "
                 "n_head_kv %d, head_dim %d, n_rot %d, n_vocab %d", (int) m->n_embd,
                 (int) m->n_layer, (int) m->n_head, (int) m->n_head_kv, (int) m->head_dim,
                 (int) m->n_rot, (int) m->n_vocab);
@@ -425,7 +169,7 @@ static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t er
     const int64_t budget = max_bytes > 0 ? max_bytes : available_memory();
     int rc = ES_OK;
     if (total > 0 && budget >= 0 && (double) total > (double) budget) {
-        set_err(err, err_cap, "repacking the weights needs %.1f MiB and %.1f MiB %s (repacking off: "
+        es__set_err(err, err_cap, "repacking the weights needs %.1f MiB and %.1f MiB %s (repacking off: "
                 "es_model_params.repack = false, EDGESPEC_REPACK=0)", (double) total / 1048576.0,
                 (double) budget / 1048576.0, max_bytes > 0 ? "are allowed" : "are available");
         rc = ES_ERR_NO_MEMORY;
@@ -482,16 +226,16 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     if (err && err_cap) err[0] = '\0';
     if (out) *out = NULL;
     if (!path || !out) {
-        set_err(err, err_cap, "no path given");
+        es__set_err(err, err_cap, "no path given");
         return ES_ERR_INVALID_ARG;
     }
     const es_model_params p = params ? *params : es_model_default_params();
     if (p.experts != ES_EXPERTS_MAPPED && p.experts != ES_EXPERTS_F32) {
-        set_err(err, err_cap, "unknown experts mode %d", (int) p.experts);
+        es__set_err(err, err_cap, "unknown experts mode %d", (int) p.experts);
         return ES_ERR_INVALID_ARG;
     }
     if (p.expert_cache_bytes < 0 || (p.expert_cache_bytes > 0 && p.experts != ES_EXPERTS_MAPPED)) {
-        set_err(err, err_cap, "an expert cache of %lld bytes with experts mode %d: the cache "
+        es__set_err(err, err_cap, "an expert cache of %lld bytes with experts mode %d: the cache "
                 "takes the place of the mapped experts only", (long long) p.expert_cache_bytes,
                 (int) p.experts);
         return ES_ERR_INVALID_ARG;
@@ -504,7 +248,7 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
 
     const char * arch = es_gguf_get_str(m->gguf, "general.architecture");
     if (!arch) {
-        set_err(err, err_cap, "metadata key general.architecture is missing");
+        es__set_err(err, err_cap, "metadata key general.architecture is missing");
         es_model_free(m);
         return ES_ERR_FORMAT;
     }
@@ -517,7 +261,7 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
             strncat(names, i ? ", " : "", sizeof names - strlen(names) - 1);
             strncat(names, es__archs[i]->name, sizeof names - strlen(names) - 1);
         }
-        set_err(err, err_cap, "architecture '%.64s' is not supported by the native engine "
+        es__set_err(err, err_cap, "architecture '%.64s' is not supported by the native engine "
                 "(supported: %s)", arch, names);
         es_model_free(m);
         return ES_ERR_UNSUPPORTED;
@@ -791,324 +535,6 @@ int es_context_state_set(es_context * c, const void * buf, size_t size, int32_t 
     state_copy(c, (uint8_t *) buf, n_past, true);
     c->n_past = n_past;
     return ES_OK;
-}
-
-/* ---- blocks: norms, residuals --------------------------------------------- */
-
-// As ggml_rms_norm: the sum of squares in double, then a float scale; the
-// weight multiplies afterwards (a separate ggml_mul in llama.cpp).
-void es__rms_norm(const float * x, const es_weight * w, float * y, int64_t n_rows, int64_t dim,
-                  float eps) {
-    const float * g = w && w->data ? (const float *) w->data : NULL;
-    for (int64_t r = 0; r < n_rows; r++) {
-        const float * xr = x + r * dim;
-        float * yr = y + r * dim;
-        double sum = 0.0;
-        for (int64_t i = 0; i < dim; i++) sum += (double) (xr[i] * xr[i]);
-        const float scale = 1.0f / sqrtf((float) (sum / (double) dim) + eps);
-        if (g) for (int64_t i = 0; i < dim; i++) yr[i] = (xr[i] * scale) * g[i];
-        else   for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * scale;
-    }
-}
-
-void es__add(float * x, const float * y, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] += y[i];
-}
-
-/* ---- blocks: matmul -------------------------------------------------------- */
-
-typedef struct matmul_job {
-    int32_t           n_w;
-    const es_weight * w[3];
-    float           * y[3];     // (n, w->n_out)
-    const uint8_t   * xq[3];    // (n, xq_row) activations in w's format
-    size_t            xq_row[3];
-    // Conversion of x into the formats: format f from x with weight type wtype[f].
-    const float     * x;        // (n, n_in)
-    int64_t           n_in;
-    int32_t           n_fmt;
-    int32_t           fmt_wtype[3];
-    uint8_t         * fmt_buf[3];
-    size_t            fmt_row[3];
-    int32_t           n;
-    // Rows of all weights, concatenated, handed out in chunks: a thread
-    // that finishes early takes more, so no thread waits out another's
-    // slower share (a busy core, a thread woken late).
-    int64_t           total_rows, chunk;
-    _Atomic int64_t   next_row;
-} matmul_job;
-
-static void matmul_quantize(void * arg, int32_t ith, int32_t nth) {
-    matmul_job * job = arg;
-    for (int32_t t = ith; t < job->n; t += nth) {
-        for (int32_t f = 0; f < job->n_fmt; f++) {
-            es_quantize_act(job->fmt_wtype[f], job->x + (size_t) t * job->n_in,
-                            job->fmt_buf[f] + (size_t) t * job->fmt_row[f], job->n_in);
-        }
-    }
-}
-
-static void matmul_rows(void * arg, int32_t ith, int32_t nth) {
-    (void) ith, (void) nth;
-    matmul_job * job = arg;
-    for (;;) {
-        const int64_t g0 = atomic_fetch_add_explicit(&job->next_row, job->chunk, memory_order_relaxed);
-        if (g0 >= job->total_rows) return;
-        const int64_t g1 = g0 + job->chunk < job->total_rows ? g0 + job->chunk : job->total_rows;
-        int64_t base = 0;
-        for (int32_t i = 0; i < job->n_w; i++) {
-            const es_weight * w = job->w[i];
-            const int64_t r0 = g0 > base ? g0 - base : 0;
-            const int64_t r1 = g1 - base < w->n_out ? g1 - base : w->n_out;
-            base += w->n_out;
-            if (r0 >= r1) continue;
-            // Rows outer, tokens inner: each weight row is read once for the batch.
-            es_matmat(w->type, w->data, w->packed, job->xq[i], job->xq_row[i], job->n, w->n_in, r0, r1,
-                      job->y[i] + r0, (size_t) w->n_out);
-        }
-    }
-}
-
-static bool all_finite(const float * x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        if (!isfinite(x[i])) return false;
-    }
-    return true;
-}
-
-int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const float * x,
-               float * const * y, int32_t n) {
-    if (n_w < 1 || n_w > 3 || n < 0 || n > ctx->n_batch) return ES_ERR_INVALID_ARG;
-    if (n == 0) return ES_OK;
-    matmul_job job = { .n_w = n_w, .x = x, .n_in = w[0]->n_in, .n = n };
-    for (int32_t i = 0; i < n_w; i++) {
-        const int32_t act = es_act_type(w[i]->type);
-        int32_t f = 0;
-        while (f < job.n_fmt && es_act_type(job.fmt_wtype[f]) != act) f++;
-        if (f == job.n_fmt) {
-            job.fmt_wtype[f] = w[i]->type;
-            job.fmt_row[f] = es_type_row_bytes(act, job.n_in);
-            job.fmt_buf[f] = ctx->act + (size_t) f * (size_t) ctx->n_batch * ctx->act_row;
-            job.n_fmt++;
-        }
-        job.w[i] = w[i];
-        job.y[i] = y[i];
-        job.xq[i] = job.fmt_buf[f];
-        job.xq_row[i] = job.fmt_row[f];
-    }
-    run(ctx, matmul_quantize, &job, n);
-    // About 8 chunks per thread, whole cache lines of results (16 floats).
-    for (int32_t i = 0; i < n_w; i++) job.total_rows += w[i]->n_out;
-    const int64_t per = job.total_rows / (8 * (int64_t) es_pool_size(ctx->pool)) + 1;
-    job.chunk = (per + 15) / 16 * 16;
-    atomic_init(&job.next_row, 0);
-    es_pool_run(ctx->pool, matmul_rows, &job);
-    // A token whose input is not finite gets NaN outputs, as real arithmetic
-    // (and llama.cpp) gives them: the activation rounding would turn a NaN or
-    // an infinity into finite numbers (fmaxf skips NaN), and a model whose
-    // weights overflow into fluent nonsense instead of the sampler's refusal.
-    for (int32_t t = 0; t < n; t++) {
-        if (all_finite(x + (size_t) t * job.n_in, job.n_in)) continue;
-        for (int32_t i = 0; i < n_w; i++) {
-            float * row = y[i] + (size_t) t * (size_t) w[i]->n_out;
-            for (int64_t r = 0; r < w[i]->n_out; r++) row[r] = NAN;
-        }
-    }
-    return ES_OK;
-}
-
-/* ---- blocks: RoPE ---------------------------------------------------------- */
-
-// As ggml's rope (no YaRN): theta_i = pos * base^(-2i/n_rot) built by
-// repeated float multiplication, scaled by freq_scale; cosf/sinf of it.
-void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads) {
-    const es_model * m = ctx->model;
-    const es_layer * L = &m->layers[il];
-    const int32_t hd = m->head_dim, n_rot = m->n_rot, half = n_rot / 2;
-    const float theta_scale = powf(L->rope_base, -2.0f / (float) n_rot);
-    float * cs = ctx->scratch;  // (n_rot) cos, sin pairs; calling thread's slice
-    for (int32_t t = 0; t < ctx->n; t++) {
-        float theta = (float) ctx->pos[t];
-        for (int32_t i = 0; i < half; i++) {
-            const float th = L->rope_scale * theta;
-            cs[2 * i] = cosf(th);
-            cs[2 * i + 1] = sinf(th);
-            theta *= theta_scale;
-        }
-        for (int32_t h = 0; h < n_heads; h++) {
-            float * v = x + ((size_t) t * n_heads + h) * hd;
-            for (int32_t i = 0; i < half; i++) {
-                // NORM: adjacent pairs; NEOX: the two halves of the rotated dims.
-                const int32_t a = m->rope_type == ES_ROPE_NEOX ? i : 2 * i;
-                const int32_t b = m->rope_type == ES_ROPE_NEOX ? i + half : 2 * i + 1;
-                const float x0 = v[a], x1 = v[b], c = cs[2 * i], s = cs[2 * i + 1];
-                v[a] = x0 * c - x1 * s;
-                v[b] = x0 * s + x1 * c;
-            }
-        }
-    }
-}
-
-/* ---- blocks: attention ----------------------------------------------------- */
-
-typedef struct attn_job {
-    es_context * ctx;
-    int32_t      il;
-    float        kq_scale;
-} attn_job;
-
-// One (token, head) per task, tasks striped over threads. Scores over the
-// cells the token sees, softmax and the weighted sum of V rows, all in
-// ascending cell order: the same arithmetic whichever batch the token is in.
-static void attn_heads(void * arg, int32_t ith, int32_t nth) {
-    const attn_job * job = arg;
-    es_context * ctx = job->ctx;
-    const es_model * m = ctx->model;
-    const es_layer * L = &m->layers[job->il];
-    const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
-    const int32_t n_past = ctx->n_past;
-    float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
-    float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
-    float * qa  = qr + hd;               // (hd floats of room) qr in the F16 dot's activation
-                                         //   format (F32 or F16: at most 4 bytes a value)
-    float * acc = qa + hd;               // (hd) the weighted sum of V rows
-    for (int32_t task = ith; task < ctx->n * n_head; task += nth) {
-        const int32_t t = task / n_head, h = task % n_head, g = h / group;
-        const int32_t p = ctx->pos[t];
-        const size_t head = ((size_t) job->il * m->n_head_kv + g) * (size_t) ctx->n_ctx;
-        const uint16_t * K = ctx->k_cache + head * hd;  // (n_ctx, hd)
-        const uint16_t * V = ctx->v_cache + head * hd;  // (n_ctx, hd)
-        const uint8_t * sees = ctx->sees + (size_t) t * ctx->n_batch;
-        const int32_t end = n_past + t + 1;  // the token's own cell is its last candidate
-        // Cells before c0 fall out of a sliding window.
-        int32_t c0 = 0;
-        if (L->swa) {
-            while (c0 < n_past && p - ctx->cell_pos[c0] >= m->n_swa) c0++;
-        }
-        const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
-        for (int32_t d = 0; d < hd; d++) qr[d] = es_half_to_f32(es_f32_to_half(q[d]));
-        es_quantize_act(ES_TYPE_F16, qr, qa, hd);
-        es_matvec(ES_TYPE_F16, K, qa, hd, c0, end, scores + c0);
-
-        float max = -INFINITY;
-        for (int32_t c = c0; c < end; c++) {
-            const bool seen = c < n_past ? true : sees[c - n_past] != 0;
-            if (!seen || (L->swa && p - ctx->cell_pos[c] >= m->n_swa)) {
-                scores[c] = -INFINITY;
-                continue;
-            }
-            scores[c] *= job->kq_scale;
-            max = scores[c] > max ? scores[c] : max;
-        }
-        float sum = 0.0f;
-        memset(acc, 0, (size_t) hd * sizeof *acc);
-        for (int32_t c = c0; c < end; c++) {
-            if (scores[c] == -INFINITY) continue;
-            const float e = expf(scores[c] - max);
-            sum += e;
-            es_axpy_f16(hd, e, V + (size_t) c * hd, acc);
-        }
-        float * o = ctx->att + ((size_t) t * n_head + h) * hd;
-        const float inv = 1.0f / sum;
-        for (int32_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
-    }
-}
-
-int es__attention_inputs(es_context * ctx, int32_t il) {
-    const es_layer * L = &ctx->model->layers[il];
-    es__rms_norm(ctx->x, &L->attn_norm, ctx->xn, ctx->n, ctx->model->n_embd, ctx->model->norm_eps);
-    const es_weight * qkv[3] = { &L->wq, &L->wk, &L->wv };
-    float * qkv_out[3] = { ctx->q, ctx->k, ctx->v };
-    const int rc = es__matmul(ctx, 3, qkv, ctx->xn, qkv_out, ctx->n);
-    if (rc != ES_OK) return rc;
-    const es_weight * bias[3] = { &L->bq, &L->bk, &L->bv };
-    for (int32_t i = 0; i < 3; i++) {
-        if (!bias[i]->data) continue;
-        const int64_t width = bias[i]->n_in;  // (n, width) rows of qkv_out[i]
-        for (int32_t t = 0; t < ctx->n; t++) {
-            es__add(qkv_out[i] + (size_t) t * (size_t) width, bias[i]->data, width);
-        }
-    }
-    return ES_OK;
-}
-
-void es__attention(es_context * ctx, int32_t il, float kq_scale) {
-    const es_model * m = ctx->model;
-    const int32_t hd = m->head_dim, n_kv = m->n_head_kv;
-    // The batch's K and V into its cells, as F16 (llama.cpp's cache type).
-    for (int32_t t = 0; t < ctx->n; t++) {
-        for (int32_t g = 0; g < n_kv; g++) {
-            const size_t cell = (((size_t) il * n_kv + g) * ctx->n_ctx + ctx->n_past + t) * hd;
-            const float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
-            const float * v = ctx->v + ((size_t) t * n_kv + g) * hd;
-            for (int32_t d = 0; d < hd; d++) {
-                ctx->k_cache[cell + d] = es_f32_to_half(k[d]);
-                ctx->v_cache[cell + d] = es_f32_to_half(v[d]);
-            }
-        }
-    }
-    attn_job job = { .ctx = ctx, .il = il, .kq_scale = kq_scale };
-    run(ctx, attn_heads, &job, ctx->n * m->n_head);
-}
-
-/* ---- blocks: feed-forward -------------------------------------------------- */
-
-typedef struct glu_job {
-    es_context * ctx;
-    int32_t      act;
-    int64_t      n_ff;
-} glu_job;
-
-// ggml's GELU (tanh form) as llama.cpp evaluates it on CPU: a function of
-// the F16-rounded input with an F16-rounded output. There are only 2^16
-// inputs, so they are tabulated once (128 KB) instead of calling tanhf per
-// element (a fifth of gemma3's prefill); the values are the same.
-static uint16_t gelu_table[1 << 16];   // (F16 input bits) -> F16 output bits
-static pthread_once_t gelu_table_once = PTHREAD_ONCE_INIT;
-
-static void gelu_table_build(void) {
-    for (uint32_t i = 0; i < (1u << 16); i++) {
-        const float h = es_half_to_f32((uint16_t) i);
-        const float g = 0.5f * h * (1.0f + tanhf(0.79788456080286535588f * h * (1.0f + 0.044715f * h * h)));
-        gelu_table[i] = es_f32_to_half(g);
-    }
-}
-
-static inline float gelu(float x) {
-    if (x <= -10.0f) return 0.0f;
-    if (x >= 10.0f) return x;
-    return es_half_to_f32(gelu_table[es_f32_to_half(x)]);
-}
-
-void es__swiglu(float * g, const float * u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
-static void glu_rows(void * arg, int32_t ith, int32_t nth) {
-    const glu_job * job = arg;
-    es_context * ctx = job->ctx;
-    for (int32_t t = ith; t < ctx->n; t += nth) {
-        float * g = ctx->ff_gate + (size_t) t * job->n_ff;
-        const float * u = ctx->ff_up + (size_t) t * job->n_ff;
-        if (job->act == ES_FFN_GELU) {
-            for (int64_t i = 0; i < job->n_ff; i++) g[i] = gelu(g[i]) * u[i];
-        } else {
-            es__swiglu(g, u, job->n_ff);
-        }
-    }
-}
-
-int es__ffn(es_context * ctx, int32_t il, int32_t act) {
-    const es_layer * L = &ctx->model->layers[il];
-    const es_weight * gu[2] = { &L->ffn_gate, &L->ffn_up };
-    float * gu_out[2] = { ctx->ff_gate, ctx->ff_up };
-    int rc = es__matmul(ctx, 2, gu, ctx->xn, gu_out, ctx->n);
-    if (rc != ES_OK) return rc;
-    if (act == ES_FFN_GELU) pthread_once(&gelu_table_once, gelu_table_build);
-    glu_job job = { .ctx = ctx, .act = act, .n_ff = L->ffn_gate.n_out };
-    run(ctx, glu_rows, &job, ctx->n);
-    const es_weight * down = &L->ffn_down;
-    return es__matmul(ctx, 1, &down, ctx->ff_gate, &ctx->out, ctx->n);
 }
 
 /* ---- es_decode -------------------------------------------------------------- */

@@ -12,10 +12,12 @@
  *                     the MoE feed-forward block
  *   expert_cache.c    experts read from disk into a budgeted cache (I/O thread,
  *                     low-precision substitutes, prefetch, eviction policy)
- *   model.c           es_model / es_context: loading, KV cache, shared blocks
- *                     (norms, RoPE, attention, matmul, dense FFN), es_decode
- *   arch/<name>.c     one file per architecture: hyperparameters, tensor binding,
- *                     the layer loop; found by name through es__archs[]
+ *   model.c           es_model / es_context: loading, repacking, KV cache and
+ *                     its state, es_decode
+ *   binding.c         tensor tables bound into es_weight views, keys read
+ *   blocks.c          the shared blocks (norms, matmul, RoPE, attention, dense FFN)
+ *   arch/<name>.c     one file per architecture: tensor table, hyperparameters,
+ *                     the layer; found by name through es__archs[] (arch/registry.c)
  */
 #ifndef EDGESPEC_NATIVE_H
 #define EDGESPEC_NATIVE_H
@@ -260,7 +262,7 @@ void es_expert_cache_stats(es_expert_cache * c, es_expert_stats * out);
 void es_expert_cache_stats_reset(es_expert_cache * c);
 const char * es_expert_cache_error(es_expert_cache * c);  // "" when none
 
-/* ---- engine (model.c, arch/<name>.c) ----------------------------------------- */
+/* ---- engine (model.c, arch/<name>.c, arch/registry.c) -------------------------- */
 
 // A bound weight as es_matvec reads it: n_out rows of n_in elements of type,
 // es_type_row_bytes(type, n_in) apart (ggml's (ne0, ne1) = (n_in, n_out)).
@@ -446,6 +448,10 @@ struct es_context {
     size_t     kept_cap;
 };
 
+/* ---- binding (binding.c): what arch/<name>.c loaders bind with ------------- */
+
+// Writes printf-style text to err (err_cap bytes, truncated; nothing where err is NULL).
+void es__set_err(char * err, size_t err_cap, const char * fmt, ...);
 // Binds every row of m->arch's tensor table that applies to m (dense rows
 // without experts, expert rows with them) into its es_weight, in the shape
 // m's hyperparameters give: sets n_vocab from token_embd, allocates
@@ -474,8 +480,9 @@ int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_sca
 // and a SwiGLU FFN, dense or the experts.
 int es__llama_layer(es_context * ctx, int32_t il);
 
-/* Shared blocks, over ctx->n token rows. Each row is computed the same way
- * whatever the batch, so results are batch invariant. */
+/* ---- blocks (blocks.c), over ctx->n token rows --------------------------------
+ * Each row is computed the same way whatever the batch, so results are batch
+ * invariant. */
 
 // y = x / rms(x) * w, for n_rows rows of dim (w: (dim) F32, or data NULL: no weight).
 // x and y may be the same.
