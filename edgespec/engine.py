@@ -44,7 +44,7 @@ from .errors import (ContextOverflowError, EdgespecError, EngineBusyError, Engin
 from .grammar import Constraint, Grammar, tokenizer_for
 from .models import registry
 from .onnx import resolve_model
-from .planner import Planner
+from .planner import ExpertMisses, Planner
 from .results import GenerationStats, Result, SpecStats, Step
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from .files import write_atomic
@@ -285,7 +285,7 @@ class Engine:
             try:
                 self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
                 # The machine is measured now, if it must be, never inside a generation.
-                self._planner = Planner(self._batch_costs())
+                self._planner = self._new_planner()
             except BaseException:
                 self._free()
                 raise
@@ -301,6 +301,15 @@ class Engine:
         """This machine's target batch cost curve (see edgespec.planner)."""
         with self._exclusive():
             return self._batch_costs(remeasure)
+
+    def _new_planner(self) -> Planner:
+        """A planner over this machine's cost curve; on an offloaded MoE it
+        also weighs the expert reads a batch waits for."""
+        b, experts = self.backend, None
+        if getattr(b, "expert_cache", None) is not None:
+            experts = ExpertMisses(int(b.metadata(f"{b.arch}.expert_count")),
+                                   int(b.metadata(f"{b.arch}.expert_used_count")))
+        return Planner(self._batch_costs(), experts)
 
     def _batch_costs(self, remeasure: bool = False) -> list[float]:
         if self._costs is None or remeasure:
@@ -926,6 +935,7 @@ class Engine:
                        backend.n_batch - len(pending))
             draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
                                     backend.exact_trees) if drafters and room > 0 else Draft())
+            io0 = backend.expert_stats() if drafters else None
             ts = time.perf_counter()
             masks = None
             if constraint:
@@ -945,7 +955,12 @@ class Engine:
             step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source,
                         logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
             if drafters:
-                planner.record_step_time(step.seconds, len(pending) + len(draft))
+                io = {}
+                if io0 is not None:   # an expert cache: what the step waited for its reads
+                    io1 = backend.expert_stats()
+                    io = dict(misses=(io1["lookups"] - io1["hits"]) - (io0["lookups"] - io0["hits"]),
+                              stall_s=(io1["stall_ns"] - io0["stall_ns"]) / 1e9)
+                planner.record_step_time(step.seconds, len(pending) + len(draft), **io)
                 planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
                 verified = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
                 for d in drafters:
@@ -960,7 +975,7 @@ class Engine:
         max_tokens, full context, cancel)."""
         drafters = self._open_drafters(request.drafter)
         if drafters and self._planner is None:
-            self._planner = Planner(self._batch_costs())
+            self._planner = self._new_planner()
         for d in drafters:
             d.planner = self._planner
         backend = self.backend

@@ -8,10 +8,11 @@ and counters, and the files that go with it.
   kernels' es_quantize_row; Q4_0 for rows that are not whole 256-value
   super-blocks; ``SIDECAR_SUFFIX``), which ``balanced`` and ``fast``
   precision serve cache misses from.
-- ``upcycle``: a MoE built from a dense llama-family GGUF, every expert a
+- ``upcycle``: a MoE built from a dense llama or qwen2 GGUF, every expert a
   copy of its layer's FFN and a router of random projections, so with exact
   experts its output is the dense model's whatever the routing.
-- ``synth``: a random Mixtral-style MoE of any shape, for speed.
+- ``synth``: a random MoE of any shape, for speed, in the tensor layout of
+  Mixtral-style llama or Qwen3-MoE (``SYNTH_ARCHS``).
 
 Every file is written beside its destination and renamed into place.
 """
@@ -69,14 +70,21 @@ class ExpertCache:
 
 
 def stats_dict(st) -> dict:
-    """An es_expert_stats as a dict, with hit rate, prefetch accuracy and
-    stall per token worked out."""
+    """An es_expert_stats as a dict, with hit rate, prefetch accuracy (and
+    by depth) and stall per token worked out."""
     fields = ("budget_bytes", "cache_bytes", "n_slots", "prefetch_depth", "tokens", "lookups",
               "hits", "loads", "bytes_read", "substitutions", "prefetches", "prefetch_used",
               "evictions", "stall_ns")
     d = {f: int(getattr(st, f)) for f in fields}
     d["hit_rate"] = d["hits"] / d["lookups"] if d["lookups"] else 0.0
     d["prefetch_accuracy"] = d["prefetch_used"] / d["prefetches"] if d["prefetches"] else 0.0
+    # by depth, 1 layer ahead first, up to the deepest prefetched
+    at = [(int(n), int(u)) for n, u in zip(st.prefetches_at, st.prefetch_used_at)]
+    while at and at[-1][0] == 0:
+        at.pop()
+    d["prefetches_by_depth"] = [n for n, _ in at]
+    d["prefetch_used_by_depth"] = [u for _, u in at]
+    d["prefetch_accuracy_by_depth"] = [u / n if n else 0.0 for n, u in at]
     d["stall_ms_per_token"] = d["stall_ns"] / 1e6 / d["tokens"] if d["tokens"] else 0.0
     return d
 
@@ -214,28 +222,46 @@ class _Bytes(Progress):
 
 # ---- upcycle and synth ------------------------------------------------------------------------
 
+UPCYCLE_ARCHS = ("llama", "qwen2")
+
+
+def _neox_to_norm(n_rows: int, head_dim: int) -> np.ndarray:
+    """The row order that takes a projection whose RoPE pairs each head's
+    halves (NEOX, qwen2) to llama's adjacent pairs (NORM): row 2i of a head
+    is its row i, row 2i + 1 its row i + head_dim / 2. Queries and keys
+    permuted alike are rotated by the same angles and give the same scores."""
+    half = head_dim // 2
+    head = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    return (np.arange(n_rows // head_dim)[:, None] * head_dim + head).reshape(-1)
+
+
 def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, top_k: int = 2,
             seed: int = 0, router_scale: float = 1.0, progress: bool = True) -> Path:
-    """A Mixtral-style MoE made of the dense llama-family GGUF ``model``:
+    """A Mixtral-style MoE made of the dense llama or qwen2 GGUF ``model``:
     in each layer ``experts`` copies of its FFN and a router of random
     projections, N(0, router_scale^2 / n_embd), choosing ``top_k`` (a larger
-    scale routes more sharply: unequal weights, as trained routers give)."""
+    scale routes more sharply: unequal weights, as trained routers give).
+    A qwen2 model becomes a llama one with its attention biases (which
+    llama.cpp's llama reads), its query and key rows in llama's RoPE order."""
     gguf = gguf_module()
     _check_counts(experts, top_k)
     reader = read_gguf(model)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    if arch != "llama":
-        raise UnsupportedModelError(f"{model}: upcycling takes a llama-architecture model, not {arch}")
+    if arch not in UPCYCLE_ARCHS:
+        raise UnsupportedModelError(f"{model}: upcycling takes a {' or '.join(UPCYCLE_ARCHS)} model, not {arch}")
     by_name = {t.name: t for t in reader.tensors}
     if "blk.0.ffn_gate_exps.weight" in by_name:
         raise InvalidArgumentError(f"{model}: already a MoE model")
-    D = int(reader.fields["llama.embedding_length"].contents())
+    D = int(reader.fields[f"{arch}.embedding_length"].contents())
+    n_head = int(reader.fields[f"{arch}.attention.head_count"].contents())
+    head_dim = (int(reader.fields[f"{arch}.attention.key_length"].contents())
+                if f"{arch}.attention.key_length" in reader.fields else D // n_head)
     rng = np.random.default_rng(seed)
     tensors, sources = [], []
     for t in reader.tensors:
         kind = t.name.split(".")
+        raw = raw_tensor(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
         if len(kind) == 4 and kind[0] == "blk" and kind[2] in ("ffn_gate", "ffn_up", "ffn_down"):
-            raw = raw_tensor(t) if t.tensor_type not in (0, 1) else np.asarray(t.data)
             name = f"blk.{kind[1]}.{kind[2]}_exps.weight"
             if kind[2] == "ffn_gate":
                 router = rng.standard_normal((experts, D), dtype=np.float32) * np.float32(router_scale / np.sqrt(D))
@@ -244,19 +270,24 @@ def upcycle(model: os.PathLike | str, out: os.PathLike | str, *, experts: int, t
             shape = (experts, *(int(x) for x in reversed(t.shape[:2])))
             tensors.append((name, shape, int(t.tensor_type), experts * raw.nbytes))
             sources.append(lambda raw=raw: np.broadcast_to(raw, (experts, *raw.shape)))
+            continue
+        shape = tuple(int(x) for x in reversed(t.shape))
+        tensors.append((t.name, shape, int(t.tensor_type), int(t.n_bytes)))
+        if arch == "qwen2" and len(kind) == 4 and kind[2] in ("attn_q", "attn_k"):
+            order = _neox_to_norm(shape[0], head_dim)   # rows, whatever their type
+            sources.append(lambda raw=raw, order=order: raw[order])
         else:
-            shape = tuple(int(x) for x in reversed(t.shape))
-            tensors.append((t.name, shape, int(t.tensor_type), int(t.n_bytes)))
-            sources.append(lambda t=t: np.asarray(t.data))
+            sources.append(lambda raw=raw: raw)
 
     def keys(w):
-        copy_keys(reader, w, lambda k: k not in ("llama.expert_count", "llama.expert_used_count"))
+        copy_keys(reader, w, lambda k: k not in (f"{arch}.expert_count", f"{arch}.expert_used_count"),
+                  rename=lambda k: "llama." + k[len(arch) + 1:] if k.startswith(arch + ".") else k)
         w.add_uint32("llama.expert_count", experts)
         w.add_uint32("llama.expert_used_count", top_k)
 
     total = sum(t[3] for t in tensors)
     with gguf_output(out) as tmp:
-        write_gguf(tmp, arch, keys, tensors, (s() for s in sources),
+        write_gguf(tmp, "llama", keys, tensors, (s() for s in sources),
                     _Bytes(f"upcycle {Path(out).name}", total, enabled=progress))
     return Path(out)
 
@@ -269,19 +300,25 @@ def _check_counts(experts: int, top_k: int) -> None:
 
 
 SYNTH_TYPES = ("f32", "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+# llama: Mixtral's layout; qwen3moe: per-head RMSNorm of queries and keys
+# (attn_q_norm, attn_k_norm), RoPE in the NEOX layout, no dense FFN width
+# but expert_feed_forward_length.
+SYNTH_ARCHS = ("llama", "qwen3moe")
 
 
 def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int, top_k: int,
           layers: int, embd: int, ff: int, qtype: str = "q4_0", heads: int | None = None,
-          seed: int = 0, progress: bool = True) -> Path:
-    """A random Mixtral-style MoE of the given shape (the tokenizer copied
-    from the GGUF ``tokenizer``), every matrix of ``qtype``; norms and
-    routers F32. Experts draw their rows from a bank of random rows, so a
-    file of gigabytes is written at disk speed."""
+          seed: int = 0, arch: str = "llama", progress: bool = True) -> Path:
+    """A random MoE of the given shape in the tensor layout of ``arch``
+    (SYNTH_ARCHS; the tokenizer copied from the GGUF ``tokenizer``), every
+    matrix of ``qtype``; norms and routers F32. Experts draw their rows from
+    a bank of random rows, so a file of gigabytes is written at disk speed."""
     gguf = gguf_module()
     _check_counts(experts, top_k)
     if qtype not in SYNTH_TYPES:
         raise InvalidArgumentError(f"--type must be one of {', '.join(SYNTH_TYPES)}, got {qtype!r}"[:200])
+    if arch not in SYNTH_ARCHS:
+        raise InvalidArgumentError(f"--arch must be one of {', '.join(SYNTH_ARCHS)}, got {arch!r}"[:200])
     q = int(getattr(gguf.GGMLQuantizationType, qtype.upper()))
     for name, n, lo in (("--layers", layers, 1), ("--embd", embd, 64), ("--ff", ff, 32)):
         if n < lo:
@@ -327,6 +364,9 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         add(b + "attn_k.weight", (heads_kv * head_dim, embd), q, lambda: rows(heads_kv * head_dim, embd))
         add(b + "attn_v.weight", (heads_kv * head_dim, embd), q, lambda: rows(heads_kv * head_dim, embd))
         add(b + "attn_output.weight", (embd, embd), q, lambda: rows(embd, embd))
+        if arch == "qwen3moe":
+            add(b + "attn_q_norm.weight", (head_dim,), 0, lambda: f32((head_dim,), True))
+            add(b + "attn_k_norm.weight", (head_dim,), 0, lambda: f32((head_dim,), True))
         add(b + "ffn_norm.weight", (embd,), 0, lambda: f32((embd,), True))
         add(b + "ffn_gate_inp.weight", (experts, embd), 0, lambda: f32((experts, embd)) * 4)
         add(b + "ffn_gate_exps.weight", (experts, ff, embd), q, lambda: rows(experts * ff, embd))
@@ -342,7 +382,12 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
         w.add_context_length(4096)
         w.add_embedding_length(embd)
         w.add_block_count(layers)
-        w.add_feed_forward_length(ff)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(ff)
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        else:
+            w.add_feed_forward_length(ff)
         w.add_head_count(heads)
         w.add_head_count_kv(heads_kv)
         w.add_rope_dimension_count(head_dim)
@@ -358,6 +403,6 @@ def synth(out: os.PathLike | str, tokenizer: os.PathLike | str, *, experts: int,
 
     total = sum(t[3] for t in tensors)
     with gguf_output(out) as tmp:
-        write_gguf(tmp, "llama", keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
+        write_gguf(tmp, arch, keys, tensors, data(), _Bytes(f"synth {Path(out).name}", total,
                                                                  enabled=progress))
     return Path(out)

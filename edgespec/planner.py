@@ -13,6 +13,13 @@ the step costs on this machine. The planner weighs:
   gives, such as the n-gram drafter's match length) and per draft depth:
   alpha[d] is the chance that the token at depth d is accepted given that
   depth d - 1 was;
+* on a MoE model whose experts an expert cache reads from disk (issue 32),
+  the reads a batch waits for (``ExpertMisses``): a batch of k tokens needs
+  the union of its tokens' experts, so it misses more than one token does;
+  the misses per batch size and the stall per miss are measured from the
+  cache's counters at every step (the union of uniform routing the prior
+  for sizes not seen yet), and added to the batch's compute, which the
+  curve above then holds alone;
 * what a costly drafter (a draft model) spends: time per drafted token, and
   time per context token it must first catch up on (a prompt it has not
   seen). Its measured ``DraftCost`` is the prior, corrected by timings like
@@ -144,6 +151,45 @@ class CostCurve:
         return self.table()[min(n_tokens, MAX_BATCH)] * max(1.0, n_tokens / MAX_BATCH)
 
 
+class ExpertMisses:
+    """The expert reads a target batch waits for, on a model whose experts
+    an expert cache reads from disk: misses per batch size (the median of
+    recent steps of that size) times the stall per miss (the median over
+    recent steps of any size). A size not timed yet scales the nearest one
+    timed by the union of uniform routing: n tokens each choosing top_k of
+    n_expert experts touch n_expert * (1 - (1 - top_k / n_expert)^n)."""
+
+    def __init__(self, n_expert: int, top_k: int):
+        self.n_expert, self.top_k = n_expert, top_k
+        self.misses: dict[int, Timings] = {}   # batch size -> misses of recent steps
+        self.per_miss = Timings()              # seconds decoding waited per miss
+
+    def record(self, n_tokens: int, misses: int, stall_s: float) -> None:
+        n = min(n_tokens, MAX_BATCH)
+        self.misses.setdefault(n, Timings()).add(float(misses))
+        if misses > 0:
+            self.per_miss.add(stall_s / misses)
+
+    def _union(self, n: int) -> float:
+        return self.n_expert * (1.0 - (1.0 - self.top_k / self.n_expert) ** n)
+
+    def expected(self, n_tokens: int) -> float:
+        """Misses of a batch of n_tokens (0 before any step was timed)."""
+        n = min(n_tokens, MAX_BATCH)
+        timed = [m for m, t in self.misses.items() if t.median is not None]
+        if not timed:
+            return 0.0
+        if n in timed:
+            return self.misses[n].median
+        near = min(timed, key=lambda m: (abs(m - n), m))
+        return self.misses[near].median * self._union(n) / self._union(near)
+
+    def seconds(self, n_tokens: int) -> float:
+        """Seconds a batch of n_tokens is expected to wait for expert reads."""
+        t = self.per_miss.median
+        return self.expected(n_tokens) * t if t is not None else 0.0
+
+
 @dataclass
 class Acceptance:
     """Per-depth acceptance of one kind of draft: alpha[d], the chance that the
@@ -225,8 +271,9 @@ class Planner:
     """Chooses, each step, whether and how much to speculate. Lives as long as
     its engine: acceptance and costs learned in one generation serve the next."""
 
-    def __init__(self, costs: list[float]):
+    def __init__(self, costs: list[float], experts: ExpertMisses | None = None):
         self.costs = CostCurve(costs)
+        self.experts = experts
         self.acceptance: dict[str, Acceptance] = {}
         self.drafters: dict[str, DrafterCosts] = {}   # costly drafters by name
         self.plain_steps = 0                          # plain steps since the last draft
@@ -234,7 +281,14 @@ class Planner:
     # -- what things cost ------------------------------------------------------------
 
     def cost(self, n_tokens: int) -> float:
-        return self.costs(n_tokens)
+        """A batch of n_tokens in plain steps: its compute, and on an
+        offloaded MoE the expert reads it waits for (a plain step's own
+        included, so that plain decoding still costs 1)."""
+        compute = self.costs(n_tokens)
+        t = self.t_token
+        if self.experts is None or not t:
+            return compute
+        return (compute + self.experts.seconds(n_tokens) / t) / (1.0 + self.experts.seconds(1) / t)
 
     @property
     def t_token(self) -> float | None:
@@ -415,9 +469,12 @@ class Planner:
         self.plain_steps = 0
         self._acc(key).update(depth, n_accepted)
 
-    def record_step_time(self, seconds: float, n_tokens: int) -> None:
-        """A target step of ``n_tokens`` took ``seconds``."""
-        self.costs.record(seconds, n_tokens)
+    def record_step_time(self, seconds: float, n_tokens: int, misses: int = 0, stall_s: float = 0.0) -> None:
+        """A target step of ``n_tokens`` took ``seconds``, ``stall_s`` of them
+        waiting for the reads of its ``misses`` experts (an expert cache)."""
+        self.costs.record(seconds - stall_s, n_tokens)
+        if self.experts is not None:
+            self.experts.record(n_tokens, misses, stall_s)
 
     def summary(self) -> dict:
         return {

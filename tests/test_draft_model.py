@@ -309,8 +309,8 @@ def test_planner_stops_asking_a_draft_model_slower_than_measured(tiny_llama_path
     curve = [0.0] + [1.0 + 0.02 * (n - 1) for n in range(1, MAX_BATCH + 1)]
     record = Planner.record_step_time
     monkeypatch.setattr(engine_module, "batch_costs", lambda backend, remeasure=False: curve)
-    monkeypatch.setattr(Planner, "record_step_time", lambda self, seconds, n_tokens:
-                        record(self, seconds / curve[min(n_tokens, MAX_BATCH)], 1))
+    monkeypatch.setattr(Planner, "record_step_time", lambda self, seconds, n_tokens, **io:
+                        record(self, seconds / curve[min(n_tokens, MAX_BATCH)], 1, **io))
     with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
                 draft_model=str(tiny_llama_path)) as engine:
         prompt = "Write a sentence about the sea."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import Draft, Drafter
-from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, Planner
+from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, ExpertMisses, Planner
 
 LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
 FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
@@ -28,6 +28,50 @@ def test_cheap_batches_and_good_acceptance_draft_deep():
         p.record("k", 16, 16)
     cut, value = p.cut(chain(16), may_skip=True)
     assert len(cut) == 16 and value > 5
+
+
+def offloaded(misses, per_miss: float = 0.005) -> Planner:
+    """A planner on an offloaded MoE (8 experts, top 2) whose compute alone
+    makes batches nearly free (10 ms a token, FLAT), with scripted steps of
+    1 to 4 tokens: a step of n tokens misses misses(n) experts, each read
+    stalling per_miss seconds; half the drafts accepted whole, half not at all."""
+    p = Planner(FLAT, ExpertMisses(n_expert=8, top_k=2))
+    for _ in range(MIN_SAMPLES):
+        for n in range(1, 5):
+            stall = misses(n) * per_miss
+            p.record_step_time(0.01 * FLAT[n] + stall, n, misses=misses(n), stall_s=stall)
+    for i in range(30):
+        p.record("k", 3, 3 * (i % 2))
+    return p
+
+
+def test_planner_declines_drafts_whose_expert_misses_cost_more_than_they_save():
+    # A token's reads take 5 times its compute, and each drafted token misses
+    # as many experts again (routed elsewhere, none of them cached): a batch
+    # of 4 costs 3.5 plain steps for 2.5 tokens expected; drafting does not pay.
+    p = offloaded(lambda n: 10 * n)
+    assert p.cost(4) > 3.5
+    cut, value = p.cut(chain(3), may_skip=True)
+    assert len(cut) == 0 and value == 0.0
+    # The same reads, but the drafted tokens route to the experts the plain
+    # step reads anyway: verifying costs little more than a token, drafting pays.
+    p = offloaded(lambda n: 10 + n // 2)
+    cut, value = p.cut(chain(3), may_skip=True)
+    assert len(cut) == 3 and value > 2.0
+    # No reads at all (every expert cached): the compute curve alone decides.
+    p = offloaded(lambda n: 0)
+    assert p.cost(4) == Planner(FLAT).cost(4)
+
+
+def test_expert_misses_of_sizes_not_timed_follow_the_union_of_routing():
+    x = ExpertMisses(n_expert=8, top_k=2)
+    assert x.expected(4) == 0.0 and x.seconds(4) == 0.0   # nothing timed: no reads assumed
+    for _ in range(MIN_SAMPLES):
+        x.record(1, 10, 0.05)
+    # 1 token touches 2 experts a layer, 2 tokens 8 * (1 - 0.75^2) = 3.5
+    assert abs(x.expected(2) - 10 * 3.5 / 2) < 1e-9
+    assert abs(x.seconds(2) - x.expected(2) * 0.005) < 1e-12
+    assert x.expected(33) < 10 * 8 / 2 + 1e-9                 # never more than every expert
 
 
 def test_acceptance_decides_depth():

@@ -189,7 +189,9 @@ typedef struct es_model_params {
     int32_t expert_precision;     // enum es_expert_precision; default EXACT
     int32_t expert_policy;        // enum es_expert_policy; default ADAPTIVE
     int32_t prefetch_depth;       // most layers ahead whose experts are predicted and
-                                  // loaded early (adapted to the hit rate); 0: none; default 3
+                                  // loaded early (at most ES_PREFETCH_DEPTHS; the depth
+                                  // adapts to the stall per token measured at each and
+                                  // how many prefetches are used); 0: none; default 3
     const char * expert_sidecar;  // low-precision copies (es_expert_sidecar_*); NULL: none;
                                   // required by BALANCED and FAST; read at load only
     // Most bytes the repacked weights (repack) may take; <= 0: the memory the
@@ -288,6 +290,10 @@ int    es_context_state_set(es_context * ctx, const void * buf, size_t size, int
 
 /* ---- expert cache (expert_cache.c) ---------------------------------------- */
 
+// Depths (layers ahead) whose prefetches the expert cache counts apart, and
+// the deepest it prefetches.
+enum { ES_PREFETCH_DEPTHS = 8 };
+
 // Counters of a model's expert cache since load (or the last reset).
 typedef struct es_expert_stats {
     int64_t budget_bytes;    // expert_cache_bytes as given
@@ -297,11 +303,14 @@ typedef struct es_expert_stats {
     int64_t tokens;          // tokens through the first MoE layer
     int64_t lookups;         // experts asked for (per layer and batch)
     int64_t hits;            // found cached (or on their way: prefetched)
-    int64_t loads;           // reads from disk (misses and prefetches)
-    int64_t bytes_read;      // bytes those reads took
+    int64_t loads;           // reads from disk queued (misses and prefetches), so that
+                             // loads = lookups - hits + prefetches at any time
+    int64_t bytes_read;      // bytes of those reads finished (some may be in flight)
     int64_t substitutions;   // lookups served by a low-precision copy
-    int64_t prefetches;      // loads started by prefetch
+    int64_t prefetches;      // loads queued by prefetch (one cancelled unread is none)
     int64_t prefetch_used;   // of those, used before being evicted
+    int64_t prefetches_at[ES_PREFETCH_DEPTHS];     // prefetches by depth: [d - 1] d layers
+    int64_t prefetch_used_at[ES_PREFETCH_DEPTHS];  // ahead; and of those, used
     int64_t evictions;
     int64_t stall_ns;        // time decoding waited for reads
 } es_expert_stats;

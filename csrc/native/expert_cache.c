@@ -68,7 +68,8 @@ typedef struct slot {
     int32_t   layer, expert;  // what it holds; layer < 0: nothing
     int8_t    low;            // the low-precision copy
     int8_t    state;          // SLOT_*
-    int8_t    prefetched;     // read by prefetch and not used since
+    int8_t    prefetched;     // read by prefetch this many layers ahead (at most
+                              // ES_PREFETCH_DEPTHS) and not used since; 0: not
     int32_t   held;           // begin .. end holds
     int       rc;             // SLOT_FAILED: the read's status
     uint64_t  last_use;       // tick of the last begin naming it
@@ -79,8 +80,11 @@ typedef struct slot {
 
 struct es_expert_cache {
     int32_t n_layer, n_expert, k;
-    int32_t type[3];          // the file's type of each matrix
-    size_t  slab[3], off[3];  // bytes of one expert's matrix, and its offset in a slot
+    // Per layer and matrix (a file may store some layers' experts in
+    // another type: llama.cpp's Q4_K_M gives half the down matrices Q6_K):
+    int32_t * type;           // (n_layer, 3) the file's type
+    size_t  * slab;           // (n_layer, 3) bytes of one expert's matrix
+    size_t  * off;            // (n_layer, 3) its offset in a slot
     int64_t * file_off;       // (n_layer, 3) file offset of each expert stack
     int32_t low_type[3];      // the sidecar's type of each matrix
     size_t  low_slab[3], low_off[3], low_stride;
@@ -106,9 +110,13 @@ struct es_expert_cache {
     bool      io_started, stop;
     uint64_t  tick;           // begins so far
     int32_t   depth;          // prefetch depth now
-    int64_t   win_pref, win_used;  // prefetches and their uses since the last adaptation
+    int64_t   win_pref[ES_PREFETCH_DEPTHS], win_used[ES_PREFETCH_DEPTHS];  // by depth, since the
+                                   // last adaptation: prefetches, and those used
+    int32_t   windows;             // adaptations so far
+    int64_t   win_stall_ns, win_tokens;  // decoding's wait for reads, and tokens, in the window
+    double    stall_at[ES_PREFETCH_DEPTHS + 1];  // ns of stall per token at each depth (mean of
+                                                  // the last windows there); < 0: not measured
     uint64_t  win_tick;
-    int64_t   win_start_ns, io_busy_ns;  // the window's start; the I/O thread's reading time in it
     es_expert_provider provider;
     es_expert_stats st;
     char err[256];
@@ -178,14 +186,15 @@ static int read_expert(es_expert_cache * c, int32_t il, int32_t e, bool low, uin
         return ES_OK;
     }
     for (int w = 0; w < 3; w++) {
-        const int64_t off = c->file_off[il * 3 + w] + (int64_t) e * (int64_t) c->slab[w];
-        if (pread_full(c->fd, dst + c->off[w], c->slab[w], off) != ES_OK) {
+        const size_t slab = c->slab[il * 3 + w];
+        const int64_t off = c->file_off[il * 3 + w] + (int64_t) e * (int64_t) slab;
+        if (pread_full(c->fd, dst + c->off[il * 3 + w], slab, off) != ES_OK) {
             snprintf(err, err_cap, "reading layer %d expert %d from the model: %s", (int) il,
                      (int) e, errno ? strerror(errno) : "short read");
             return ES_ERR_IO;
         }
-        posix_fadvise(c->fd, (off_t) off, (off_t) c->slab[w], POSIX_FADV_DONTNEED);
-        *bytes += c->slab[w];
+        posix_fadvise(c->fd, (off_t) off, (off_t) slab, POSIX_FADV_DONTNEED);
+        *bytes += slab;
     }
     return ES_OK;
 }
@@ -206,16 +215,12 @@ static void * io_main(void * arg) {
         char err[sizeof c->err];
         size_t bytes = 0;
         errno = 0;
-        const int64_t t0 = now_ns();
         const int rc = read_expert(c, il, e, low, s->data, &bytes, err, sizeof err);
-        const int64_t busy = now_ns() - t0;
 
         pthread_mutex_lock(&c->mu);
-        c->io_busy_ns += busy;
         s->state = rc == ES_OK ? SLOT_READY : SLOT_FAILED;
         s->rc = rc;
         if (rc != ES_OK) memcpy(c->err, err, sizeof err);
-        c->st.loads++;
         c->st.bytes_read += (int64_t) bytes;
         pthread_cond_broadcast(&c->done);
     }
@@ -311,6 +316,11 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low)
             if (!s->held && s->prefetched && c->queue[i] >= lo && c->queue[i] < hi) {
                 const int32_t si = c->queue[i];
                 queue_remove(c, si);
+                // Never read: no load, no prefetch after all.
+                c->st.loads--;
+                c->st.prefetches--;
+                c->st.prefetches_at[s->prefetched - 1]--;
+                c->win_pref[s->prefetched - 1]--;
                 forget(c, s);
                 return si;
             }
@@ -325,8 +335,10 @@ static int32_t victim(es_expert_cache * c, int32_t layer, bool demand, bool low)
     }
 }
 
-// Claims a slot for (layer, expert, low) and queues its read; -1: none free.
-static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bool demand) {
+// Claims a slot for (layer, expert, low) and queues its read, a demand
+// read or (depth > 0) a prefetch that many layers ahead; -1: none free.
+static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, int32_t depth) {
+    const bool demand = depth == 0;
     const int32_t si = victim(c, layer, demand, low);
     if (si < 0) return -1;
     slot * s = &c->slots[si];
@@ -335,7 +347,7 @@ static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bo
     s->expert = e;
     s->low = low;
     s->state = SLOT_QUEUED;
-    s->prefetched = !demand;
+    s->prefetched = (int8_t) (depth < ES_PREFETCH_DEPTHS ? depth : ES_PREFETCH_DEPTHS);
     s->freq = demand ? 0.0 : 1.0;  // a prefetch counts as the use it predicts
     s->freq_tick = c->tick;
     s->last_use = c->tick;
@@ -347,6 +359,7 @@ static int32_t claim(es_expert_cache * c, int32_t layer, int32_t e, bool low, bo
         forget(c, &c->slots[lo]);
     }
     queue_add(c, si, demand);
+    c->st.loads++;  // counted when queued: the counters read mid-generation add up
     pthread_cond_signal(&c->work);
     return si;
 }
@@ -367,30 +380,57 @@ static int32_t lookup(es_expert_cache * c, int32_t layer, int32_t e, bool low) {
     return si;
 }
 
-// Every 4 * n_layer ticks: when the I/O thread was reading nearly all the
-// time, prefetching only competes with the reads decoding waits for (and
-// adds the wrong guesses' bytes): one layer shallower, down to none.
-// Otherwise one deeper when most prefetches were used, one shallower when
-// few were. Never more slots than half the cache.
+// Every 4 * n_layer ticks (4 tokens), from that window's counts. Whether
+// prefetching pays is measured, not assumed: a right guess hides a read,
+// but a wrong one costs a read that delays the misses, and either evicts
+// an expert that may be needed (on a disk-bound run prefetching can cost
+// more than it hides). So the depth moves to whichever of depth - 1,
+// depth, depth + 1 showed the least stall per token (means of their last
+// windows), trying a neighbour not measured yet first; never deeper than a
+// depth whose guesses were mostly wrong (fewer than PREFETCH_PAYS used),
+// and back to the deepest one that paid when one did not. Every
+// FORGET_WINDOWS windows the other depths' figures are forgotten, as the
+// text (and what is cached) changes. Never more slots than half the cache.
+#define PREFETCH_PAYS 0.5
+enum { PREFETCH_EVIDENCE = 8, FORGET_WINDOWS = 16 };
+
 static void adapt_depth(es_expert_cache * c) {
     if (c->tick - c->win_tick < 4 * (uint64_t) c->n_layer) return;
-    const int64_t now = now_ns();
-    const double busy = now > c->win_start_ns ? (double) c->io_busy_ns / (double) (now - c->win_start_ns)
-                                              : 0.0;
     const int32_t cap = c->n_slots / (2 * c->k) > 1 ? c->n_slots / (2 * c->k) : 1;
-    const double used = c->win_pref ? (double) c->win_used / (double) c->win_pref : 1.0;
-    if (busy >= 0.9) {
-        if (c->depth > 0) c->depth--;
-    } else if (c->depth == 0 || (c->win_pref >= 8 && used >= 0.6)) {
-        if (c->depth < c->max_depth) c->depth++;
-    } else if (c->win_pref >= 8 && used < 0.3 && c->depth > 1) {
-        c->depth--;
+    int32_t top = c->max_depth < cap ? c->max_depth : cap;  // the deepest allowed
+    if (top > ES_PREFETCH_DEPTHS) top = ES_PREFETCH_DEPTHS;
+    int32_t paid = 0;  // every depth 1 .. paid paid (or had too few prefetches to tell)
+    while (paid < c->depth && paid < ES_PREFETCH_DEPTHS) {
+        const int64_t n = c->win_pref[paid], used = c->win_used[paid];
+        if (n >= PREFETCH_EVIDENCE && (double) used < PREFETCH_PAYS * (double) n) break;
+        paid++;
     }
-    if (c->depth > cap) c->depth = cap;
-    c->win_pref = c->win_used = 0;
+    if (c->win_tokens > 0) {
+        const double stall = (double) c->win_stall_ns / (double) c->win_tokens;
+        double * at = &c->stall_at[c->depth];
+        *at = *at < 0.0 ? stall : 0.5 * (*at + stall);
+    }
+    if (++c->windows % FORGET_WINDOWS == 0) {
+        for (int32_t d = 0; d <= ES_PREFETCH_DEPTHS; d++) {
+            if (d != c->depth) c->stall_at[d] = -1.0;
+        }
+    }
+    int32_t next = c->depth;
+    if (paid < c->depth) {
+        next = paid;
+    } else {
+        const int32_t lo = c->depth > 0 ? c->depth - 1 : 0;
+        const int32_t hi = c->depth < top ? c->depth + 1 : c->depth;
+        for (int32_t d = lo; d <= hi; d++) {
+            if (c->stall_at[d] < 0.0) { next = d; break; }  // not measured yet: try it
+            if (c->stall_at[d] < c->stall_at[next]) next = d;
+        }
+    }
+    c->depth = next > top ? top : next;
+    memset(c->win_pref, 0, sizeof c->win_pref);
+    memset(c->win_used, 0, sizeof c->win_used);
     c->win_tick = c->tick;
-    c->win_start_ns = now;
-    c->io_busy_ns = 0;
+    c->win_stall_ns = c->win_tokens = 0;
 }
 
 /* ---- the provider ---------------------------------------------------------- */
@@ -399,7 +439,10 @@ static int cache_begin(void * self, int32_t layer, int32_t n_tokens, int32_t n,
                        const int32_t * experts, const float * importance) {
     es_expert_cache * c = self;
     pthread_mutex_lock(&c->mu);
-    if (layer == 0) c->st.tokens += n_tokens;
+    if (layer == 0) {
+        c->st.tokens += n_tokens;
+        c->win_tokens += n_tokens;
+    }
     c->tick++;
     c->cur_layer = layer;
     if (c->max_depth > 0) adapt_depth(c);
@@ -417,18 +460,19 @@ static int cache_begin(void * self, int32_t layer, int32_t n_tokens, int32_t n,
             c->st.hits++;
             slot * s = &c->slots[si];
             if (s->prefetched) {
-                s->prefetched = 0;
                 c->st.prefetch_used++;
-                c->win_used++;
+                c->st.prefetch_used_at[s->prefetched - 1]++;
+                c->win_used[s->prefetched - 1]++;
+                s->prefetched = 0;
                 if (s->state == SLOT_QUEUED) {  // now a demand read: to the front
                     queue_remove(c, si);
                     queue_add(c, si, true);
                 }
             }
         } else {
-            si = claim(c, layer, e, low, true);
+            si = claim(c, layer, e, low, 0);
             // No low slot free (all held by this batch): the full copy.
-            if (si < 0 && low && c->n_full > 0) si = claim(c, layer, e, false, true);
+            if (si < 0 && low && c->n_full > 0) si = claim(c, layer, e, false, 0);
             if (si < 0) rc = ES_ERR_NO_MEMORY;  // more held than slots: not with max_held
         }
         if (rc == ES_OK) {
@@ -461,13 +505,14 @@ static int cache_get(void * self, int32_t layer, int32_t e, int32_t which, es_ex
             pthread_cond_wait(&c->done, &c->mu);
         }
         c->st.stall_ns += now_ns() - t0;
+        c->win_stall_ns += now_ns() - t0;
     }
     const int rc = s->state == SLOT_READY ? ES_OK : s->rc;
     const bool low = s->low;
     pthread_mutex_unlock(&c->mu);
     if (rc != ES_OK) return rc;
-    out->data = s->data + (low ? c->low_off[which] : c->off[which]);
-    out->type = low ? c->low_type[which] : c->type[which];
+    out->data = s->data + (low ? c->low_off[which] : c->off[s->layer * 3 + which]);
+    out->type = low ? c->low_type[which] : c->type[s->layer * 3 + which];
     return ES_OK;
 }
 
@@ -494,9 +539,13 @@ static void cache_prefetch(void * self, int32_t layer, int32_t n, const int32_t 
         if (lookup(c, layer, e, false) >= 0) continue;
         const bool low = substitute(c, importance[i]);
         if (low && lookup(c, layer, e, true) >= 0) continue;
-        if (claim(c, layer, e, low, false) >= 0) {
+        // (es_moe_ffn prefetches for layers after the one begun last, of this token)
+        const int32_t depth = layer > c->cur_layer ? layer - c->cur_layer : 1;
+        const int32_t si = claim(c, layer, e, low, depth);
+        if (si >= 0) {
             c->st.prefetches++;
-            c->win_pref++;
+            c->st.prefetches_at[c->slots[si].prefetched - 1]++;
+            c->win_pref[c->slots[si].prefetched - 1]++;
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -574,8 +623,9 @@ static int open_sidecar(es_expert_cache * c, const es_gguf * g, const char * pat
         free(r);
     }
     if (rc != ES_OK || sum != rd64(h + 48)) {
-        snprintf(err, err_cap, "sidecar %s was made for another model: the checksums of its "
-                 "metadata and routers differ", path);
+        snprintf(err, err_cap, "sidecar %s was made for another model: checksum %016llx of its "
+                 "model's metadata and routers, this model's %016llx", path,
+                 (unsigned long long) rd64(h + 48), (unsigned long long) sum);
         return ES_ERR_FORMAT;
     }
     c->low_type[ES_EXPERT_GATE] = c->low_type[ES_EXPERT_UP] = (int32_t) rd32(h + 12);
@@ -643,30 +693,31 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     c->policy = p->expert_policy;
     c->max_depth = p->prefetch_depth;
     c->depth = p->prefetch_depth > 0 ? 1 : 0;
-    c->win_start_ns = now_ns();
+    for (int d = 0; d <= ES_PREFETCH_DEPTHS; d++) c->stall_at[d] = -1.0;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work, NULL);
     pthread_cond_init(&c->done, NULL);
     int rc = ES_OK;
-    c->file_off = malloc((size_t) c->n_layer * 3 * sizeof *c->file_off);
-    if (!c->file_off) rc = ES_ERR_NO_MEMORY;
+    const size_t n3 = (size_t) c->n_layer * 3;
+    c->type = malloc(n3 * sizeof *c->type);
+    c->slab = malloc(n3 * sizeof *c->slab);
+    c->off = malloc(n3 * sizeof *c->off);
+    c->file_off = malloc(n3 * sizeof *c->file_off);
+    if (!c->type || !c->slab || !c->off || !c->file_off) rc = ES_ERR_NO_MEMORY;
+    // A slot holds any layer's expert: the largest of them.
+    size_t expert_bytes = 0;
     for (int32_t il = 0; il < c->n_layer && rc == ES_OK; il++) {
+        size_t at = 0;
         for (int w = 0; w < 3; w++) {
             const es_tensor * t = es_experts_tensor(ex, il, w);
-            const size_t slab = t->nbytes / (size_t) c->n_expert;
-            if (il > 0 && (t->type != c->type[w] || slab != c->slab[w])) {
-                snprintf(err, err_cap, "the expert cache needs every layer's experts of one "
-                         "type; layer %d's %s differ", (int) il, t->name);
-                rc = ES_ERR_UNSUPPORTED;
-                break;
-            }
-            c->type[w] = t->type;
-            c->slab[w] = slab;
+            c->type[il * 3 + w] = t->type;
+            c->slab[il * 3 + w] = t->nbytes / (size_t) c->n_expert;
+            c->off[il * 3 + w] = at;
             c->file_off[il * 3 + w] = es_gguf_tensor_offset(g, t);
+            at += c->slab[il * 3 + w];
         }
+        expert_bytes = at > expert_bytes ? at : expert_bytes;
     }
-    c->off[1] = c->slab[0];
-    c->off[2] = c->slab[0] + c->slab[1];
     c->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (rc == ES_OK && (c->fd < 0 || fstat(c->fd, &c->st0) != 0)) {
         snprintf(err, err_cap, "cannot open the model for its experts: %s", strerror(errno));
@@ -682,7 +733,7 @@ int es_expert_cache_init(const es_gguf * g, const char * path, const es_experts 
     const bool balanced = c->low_sum && c->precision == ES_PRECISION_BALANCED;
     int64_t n_full = 0, n_low = 0;
     if (rc == ES_OK) {
-        c->slot_bytes = round_up(c->off[2] + c->slab[2], SLOT_ALIGN);
+        c->slot_bytes = round_up(expert_bytes, SLOT_ALIGN);
         c->low_slot_bytes = c->low_sum ? c->low_stride : 0;
         const int64_t B = p->expert_cache_bytes, full = (int64_t) c->slot_bytes;
         const int64_t low = (int64_t) c->low_slot_bytes, all = (int64_t) c->n_layer * c->n_expert;
@@ -783,6 +834,9 @@ void es_expert_cache_free(es_expert_cache * c) {
     free(c->arena);
     free(c->low_sum);
     free(c->file_off);
+    free(c->off);
+    free(c->slab);
+    free(c->type);
     free(c);
 }
 

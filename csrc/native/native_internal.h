@@ -364,6 +364,12 @@ typedef struct es_arch_row {
     {{"attn_k.weight",      {ES_DIM_EMBD, ES_DIM_K},    ES_L | ES_TENSOR_UNFUSED}, ES_LAYER_W(wk)}, \
     {{"attn_v.weight",      {ES_DIM_EMBD, ES_DIM_V},    ES_L | ES_TENSOR_UNFUSED}, ES_LAYER_W(wv)}, \
     {{"attn_output.weight", {q_rows, ES_DIM_EMBD},      ES_L | ES_R}, ES_LAYER_W(wo)}
+// Optional query, key and value biases (an absent one adds nothing), as
+// llama.cpp reads them for llama and qwen2.
+#define ES_TENSORS_ATTENTION_BIASES                                                             \
+    {{"attn_q.bias", {ES_DIM_Q}, ES_L}, ES_LAYER_W(bq)},                                        \
+    {{"attn_k.bias", {ES_DIM_K}, ES_L}, ES_LAYER_W(bk)},                                        \
+    {{"attn_v.bias", {ES_DIM_V}, ES_L}, ES_LAYER_W(bv)}
 #define ES_TENSORS_FFN_DENSE(flags)                                                             \
     {{"ffn_norm.weight", {ES_DIM_EMBD},              ES_L | ES_R},         ES_LAYER_W(ffn_norm)}, \
     {{"ffn_gate.weight", {ES_DIM_EMBD, ES_DIM_FF},   ES_L | ES_R | (flags)}, ES_LAYER_W(ffn_gate)}, \

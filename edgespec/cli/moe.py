@@ -20,7 +20,7 @@ def _done(what: str, path: Path, t0: float) -> None:
 
 @moe_app.command()
 def upcycle(
-    model: str = typer.Argument(..., help=MODEL_HELP + " A dense llama-architecture model."),
+    model: str = typer.Argument(..., help=MODEL_HELP + " A dense llama or qwen2 model."),
     experts: int = typer.Option(..., "--experts", help="Experts per layer, [1, 256]: each a copy of the "
                                 "layer's FFN."),
     top_k: int = typer.Option(2, "--top-k", help="Experts per token, [1, --experts]."),
@@ -52,17 +52,19 @@ def synth(
     tokenizer: str = typer.Option("smollm2-135m", "--tokenizer", help="Model whose tokenizer to copy: "
                                   + MODEL_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    arch: str = typer.Option("llama", "--arch", help="Tensor layout: llama (Mixtral-style) or qwen3moe "
+                             "(per-head query and key norms, NEOX RoPE, expert_feed_forward_length)."),
     out: Path = typer.Option(..., "--out", help="The GGUF file to write."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
-    """A random Mixtral-style MoE GGUF of the given shape (for speed measurements)."""
+    """A random MoE GGUF of the given shape and layout (for speed measurements)."""
     from .. import moe
     from ..models import registry
 
     t0 = time.perf_counter()
     tok = registry.resolve(tokenizer)  # only its tokenizer.* keys are read
     _done("synthetic MoE", moe.synth(out, tok, experts=experts, top_k=top_k, layers=layers, embd=embd,
-                                     ff=ff, qtype=weight_type, seed=seed, progress=not quiet), t0)
+                                     ff=ff, qtype=weight_type, seed=seed, arch=arch, progress=not quiet), t0)
 
 
 @moe_app.command()

@@ -53,16 +53,17 @@ def field_value(field):
     return field.contents()
 
 
-def copy_keys(reader, writer, keep: Callable[[str], bool] = lambda key: True) -> None:
+def copy_keys(reader, writer, keep: Callable[[str], bool] = lambda key: True,
+              rename: Callable[[str], str] = lambda key: key) -> None:
     """The metadata of ``reader`` (a gguf.GGUFReader) that ``keep`` accepts,
-    onto ``writer``: all but the header's counts and the architecture, which
-    the writer sets."""
+    onto ``writer`` under the name ``rename`` gives: all but the header's
+    counts and the architecture, which the writer sets."""
     gguf = gguf_module()
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or not keep(key):
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field_value(field), field.types[0], sub_type)
+        writer.add_key_value(rename(key), field_value(field), field.types[0], sub_type)
 
 
 def raw_tensor(t) -> np.ndarray:

@@ -14,9 +14,11 @@
 
 #include "native/native_internal.h"
 
+// The attention biases: an upcycled Qwen2.5 has them (edgespec moe upcycle).
 static const es_arch_row TENSORS[] = {
     ES_TENSORS_EMBEDDINGS,
     ES_TENSORS_ATTENTION(ES_DIM_Q),
+    ES_TENSORS_ATTENTION_BIASES,
     ES_TENSORS_FFN_DENSE(ES_TENSOR_DENSE),
     ES_TENSORS_FFN_EXPERTS,
 };

@@ -14,14 +14,11 @@
 
 // llama.cpp reads qwen2's query and output projections as (n_embd, n_embd)
 // whatever the heads; this engine computes n_head * head_dim of them, the
-// same in every Qwen2 model (load refuses a file where they differ). The
-// biases are optional, as llama.cpp reads them: an absent one adds nothing.
+// same in every Qwen2 model (load refuses a file where they differ).
 static const es_arch_row TENSORS[] = {
     ES_TENSORS_EMBEDDINGS,
     ES_TENSORS_ATTENTION(ES_DIM_EMBD),
-    {{"attn_q.bias", {ES_DIM_Q}, ES_L}, ES_LAYER_W(bq)},
-    {{"attn_k.bias", {ES_DIM_K}, ES_L}, ES_LAYER_W(bk)},
-    {{"attn_v.bias", {ES_DIM_V}, ES_L}, ES_LAYER_W(bv)},
+    ES_TENSORS_ATTENTION_BIASES,
     ES_TENSORS_FFN_DENSE(0),
 };
 
