@@ -14,13 +14,22 @@ from ..errors import EdgespecError
 from .base import app, fail  # noqa: F401  (the application, and fail for the commands)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a notice comes (main() may run
+    many times in one process, each with its own stderr: a test's capture)."""
+
+    stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+
 def _show_notices() -> None:
     """The library's notices (the ``edgespec`` logger at INFO: a measurement of
-    this machine being taken, say) as lines on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("edgespec: %(message)s"))
+    this machine being taken, say) as lines on stderr, by one handler however
+    often main() runs."""
     log = logging.getLogger("edgespec")
-    log.addHandler(handler)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("edgespec: %(message)s"))
+        log.addHandler(handler)
     log.setLevel(logging.INFO)
 
 
