@@ -916,6 +916,8 @@ class Engine:
         (``constraint``) the draft loses the nodes the grammar rejects and
         every logits row is verified inside its mask."""
         backend, planner = self.backend, self._planner
+        # An offloaded MoE's planner weighs the expert reads each step waits for.
+        weigh_reads = bool(drafters) and planner.experts is not None
         t0 = time.perf_counter()
         kept = backend.reuse_prefix(prompt_tokens, n_ctx)
         logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
@@ -935,7 +937,7 @@ class Engine:
                        backend.n_batch - len(pending))
             draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
                                     backend.exact_trees) if drafters and room > 0 else Draft())
-            io0 = backend.expert_stats() if drafters else None
+            io0 = backend.expert_stats() if weigh_reads else None
             ts = time.perf_counter()
             masks = None
             if constraint:

@@ -106,8 +106,10 @@ class NativeModel(Owned):
 
     def expert_stats(self, reset: bool = False) -> dict | None:
         """The expert cache's counters since the last reset (None: no cache)."""
+        if self.expert_cache is None:
+            return None
         st = ffi.new("es_expert_stats *")
-        if self.expert_cache is None or lib.es_model_expert_stats(self._ptr, st) != lib.ES_OK:
+        if lib.es_model_expert_stats(self._ptr, st) != lib.ES_OK:
             return None
         if reset:
             lib.es_model_expert_stats_reset(self._ptr)
