@@ -3,7 +3,8 @@ a token's logits are bit-identical whether it is decoded alone or in a batch
 of any size from 2 to 16 (the shapes speculative verification and draft
 trees produce), and whatever the number of threads (1 to 4); and, in every
 kernel set this CPU runs, whether the weights are repacked at load (the
-default: the tile kernels) or not (EDGESPEC_REPACK=0).
+default: the tile kernels, kept in the cache between loads; or at every
+load, EDGESPEC_REPACK=memory) or not (EDGESPEC_REPACK=0).
 
 Each type gets a one-layer random qwen2 (QKV biases) 256 wide, so that the
 K-quants' 256-element super-blocks fit, over the generated tokenizer; the
@@ -71,12 +72,12 @@ def test_logits_equal_repacked_or_not_in_every_kernel_set(quantized_qwen2, monke
     products differ in rounding)."""
     for kernels in kernel_sets():
         logits = {}
-        for repack in ("1", "0"):
+        for repack in ("1", "memory", "0"):
             monkeypatch.setenv("EDGESPEC_KERNELS", kernels)
             monkeypatch.setenv("EDGESPEC_REPACK", repack)
             with open_backend("native", quantized_qwen2, n_ctx=128, threads=2) as b:
                 logits[repack] = in_batches(b, b.tokenize(TEXT)[:24], 8)
-        assert np.array_equal(logits["1"], logits["0"]), kernels
+        assert np.array_equal(logits["1"], logits["0"]) and np.array_equal(logits["memory"], logits["0"]), kernels
 
 
 def test_repack_setting_is_checked(quantized_qwen2, monkeypatch):

@@ -595,3 +595,14 @@ def test_draft_vocab_refusals(tiny_llama_path, other_vocab_llama, head_ranking, 
     with pytest.raises(InvalidArgumentError, match="edgespec drafter rank --model"):
         Engine(str(tiny_llama_path), backend="native", threads=1, drafter="model",
                draft_model=str(tiny_llama_path), draft_vocab=256)
+
+
+def test_vocabulary_fingerprint_read_whole_equals_the_per_token_one(tiny_vocab_path):
+    """The fingerprint hashed over the file's token bytes at once is
+    specialized.vocab_fingerprint of the texts, as shipped drafters record it."""
+    from edgespec.drafters import specialized
+
+    with Vocab.load(tiny_vocab_path) as v:
+        whole = model_drafter._Vocabulary(v)
+        texts = [v.token_text(t) for t in range(v.n_vocab)]
+    assert whole.fingerprint == specialized.vocab_fingerprint(texts) == specialized.vocab_fingerprint(whole.texts)

@@ -191,6 +191,25 @@ def test_large_vocabulary_parses_quickly(tmp_path):
     assert elapsed < 1.0, f"parsing took {elapsed:.2f}s"
 
 
+def test_string_arrays_read_whole_as_each_entry_then_nul(tmp_path):
+    texts = ["", "a", "\u0120the", "日本", "emoji 🙂", "x" * 300]
+    path = write_gguf(tmp_path / "m.gguf", extra=None)
+    w = gguf.GGUFWriter(str(tmp_path / "s.gguf"), "llama")
+    w.add_array("test.texts", texts)
+    w.add_array("test.ints", [1, 2])
+    w.add_array("test.empty", [])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with GGUFFile(tmp_path / "s.gguf") as f:
+        assert f.strings_nul_joined("test.texts") == b"".join(t.encode() + b"\0" for t in texts)
+        assert f.strings_nul_joined("test.ints") is None
+        assert f.strings_nul_joined("test.absent") is None
+    with GGUFFile(path) as f:
+        tokens = f.get("tokenizer.ggml.tokens")
+        assert f.strings_nul_joined("tokenizer.ggml.tokens") == b"".join(t.encode() + b"\0" for t in tokens)
+
+
 def test_type_tables_match_gguf_py():
     """The C reader's ggml type table and value type ids are gguf-py's."""
     for qtype, (block, size) in gguf.GGML_QUANT_SIZES.items():

@@ -204,7 +204,25 @@ typedef struct es_model_params {
     // tokens then costs far less than k single tokens. Results are
     // bit-identical either way. Default true.
     bool repack;
+    // With repack: a file that keeps the repacked weights between loads (the
+    // caller's cache folder; NULL: none). A file written for this GGUF (its
+    // size, times, header and sampled data) and this layout is mapped
+    // instead of repacking (page-cache pages: nothing to copy or zero, shared
+    // between processes, no repack_max_bytes check); otherwise the weights
+    // are repacked and written there (beside it, then renamed; its digest
+    // is checked at every load, so a file a crash left damaged is written
+    // again). A file that cannot be written costs nothing but the next
+    // load's repack. Read at load only.
+    const char * repack_cache;
 } es_model_params;
+
+// Where a loaded model's repacked weights came from.
+enum es_packed_from {
+    ES_PACKED_NONE    = 0,  // not repacked (repack off, or no type with a repacked layout)
+    ES_PACKED_REPACKED = 1, // repacked at load (no repack_cache, or it could not be written)
+    ES_PACKED_WRITTEN = 2,  // repacked at load and written to repack_cache
+    ES_PACKED_MAPPED  = 3,  // mapped from repack_cache
+};
 
 es_model_params es_model_default_params(void);
 
@@ -231,6 +249,7 @@ int32_t es_model_n_vocab(const es_model * model);
 // id outside the vocabulary, or twice; ES_ERR_NO_MEMORY.
 int es_model_set_output_rows(es_model * model, const es_token * ids, int32_t n);
 int32_t es_model_n_embd(const es_model * model);     // width of a hidden state
+int32_t es_model_packed_from(const es_model * model);  // enum es_packed_from
 int32_t es_model_n_ctx_train(const es_model * model);
 
 typedef struct es_context_params {

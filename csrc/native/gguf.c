@@ -496,6 +496,11 @@ int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t) {
     return (int64_t) ((const uint8_t *) t->data - g->data);
 }
 
+const uint8_t * es__gguf_bytes(const es_gguf * g, size_t * size) {
+    *size = g->size;
+    return g->data;
+}
+
 void es_gguf_release(const es_gguf * g, const void * p, size_t n) {
 #if defined(MADV_DONTNEED)
     if (!g || !g->map) return;  // a file read into memory holds its only copy

@@ -150,10 +150,41 @@ static void repack_run(void * arg, int32_t ith, int32_t nth) {
 #define HUGE_PAGE ((size_t) 2 << 20)
 #define REPACK_TASK_BYTES ((size_t) 4 << 20)  // of the copy per task: threads balance, few tasks
 
+// Every weight's type, shape and repacked bytes, each type's group size
+// (the block layouts) and the engine's version: what a repack cache file
+// must have been written for.
+static uint64_t packed_layout(const es_model * m, const es_weight * const * ws, int32_t nw) {
+    uint64_t h = es__fnv1a(0xcbf29ce484222325ULL, ES_VERSION, strlen(ES_VERSION));
+    for (int32_t t = 0; t <= ES_TYPE_BF16; t++) {
+        const size_t group = es_repack_bytes(t, 256 * 32, ES_GROUP_ROWS);  // a width every type divides
+        h = es__fnv1a(h, &group, sizeof group);
+    }
+    for (int32_t j = 0; j < nw; j++) {
+        const int64_t w[4] = { ws[j]->type, ws[j]->n_in, ws[j]->n_out,
+                               repacks(m, ws[j]) ? (int64_t) es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out) : 0 };
+        h = es__fnv1a(h, w, sizeof w);
+    }
+    return h;
+}
+
+// Points each repacked weight at its part of base, in model_weights order.
+static void bind_packed(es_model * m, const es_weight * const * ws, int32_t nw, const uint8_t * base) {
+    size_t at = 0;
+    for (int32_t j = 0; j < nw; j++) {
+        if (!repacks(m, ws[j])) continue;
+        ((es_weight *) ws[j])->packed = base + at;  // m's own, as model_weights lists them
+        at += es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out);
+    }
+}
+
 // Repacks the model's matrices into one allocation (m->packed), once the
 // total is known to fit the budget, on a pool of one thread per CPU; a type
-// without a repacked layout, or a remainder of rows, stays in the mapping only.
-static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t err_cap) {
+// without a repacked layout, or a remainder of rows, stays in the mapping
+// only. With a repack cache file (p->repack_cache, from path's GGUF) the
+// weights are mapped from it when it was written for this file and layout,
+// and written to it after a repack otherwise.
+static int repack_weights(es_model * m, const es_model_params * p, const char * path, char * err,
+                          size_t err_cap) {
     const int32_t cap = 3 + WEIGHTS_PER_LAYER * m->n_layer;
     const es_weight ** ws = malloc((size_t) cap * sizeof *ws);
     if (!ws) return ES_ERR_NO_MEMORY;
@@ -166,38 +197,52 @@ static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t er
         total += bytes;
         n_tasks += (int64_t) ((bytes + REPACK_TASK_BYTES - 1) / REPACK_TASK_BYTES);
     }
-    const int64_t budget = max_bytes > 0 ? max_bytes : available_memory();
+    const es_packed_key key = { .source = p->repack_cache ? es__packed_source(m->gguf, path) : 0,
+                                .layout = packed_layout(m, ws, nw), .bytes = total };
+    const void * mapped = NULL;
+    if (total > 0 && p->repack_cache &&
+        es__packed_file_map(p->repack_cache, &key, &mapped, &m->packed_map, &m->packed_map_size) == ES_OK) {
+        bind_packed(m, ws, nw, mapped);
+        m->packed_from = ES_PACKED_MAPPED;
+        free(ws);
+        return ES_OK;
+    }
+    const int64_t budget = p->repack_max_bytes > 0 ? p->repack_max_bytes : available_memory();
     int rc = ES_OK;
     if (total > 0 && budget >= 0 && (double) total > (double) budget) {
         es__set_err(err, err_cap, "repacking the weights needs %.1f MiB and %.1f MiB %s (repacking off: "
                 "es_model_params.repack = false, EDGESPEC_REPACK=0)", (double) total / 1048576.0,
-                (double) budget / 1048576.0, max_bytes > 0 ? "are allowed" : "are available");
+                (double) budget / 1048576.0, p->repack_max_bytes > 0 ? "are allowed" : "are available");
         rc = ES_ERR_NO_MEMORY;
     } else if (total > 0) {
-        // In 2 MiB pages where the system gives them (Linux: transparent huge
-        // pages on request): 512 times fewer page faults while repacking and
-        // TLB misses while the weights stream by.
-        void * packed = NULL;
-        repack_job job = { .gguf = m->gguf, .tasks = malloc((size_t) n_tasks * sizeof *job.tasks) };
-        rc = job.tasks && posix_memalign(&packed, HUGE_PAGE, total) == 0 ? ES_OK : ES_ERR_NO_MEMORY;
+        uint8_t * dst = NULL;
+        es_packed_writer writer = { .fd = -1 };
+        const bool writing = p->repack_cache &&
+                             es__packed_file_begin(p->repack_cache, total, &writer, &dst) == ES_OK;
+        if (!writing) {
+            // In 2 MiB pages where the system gives them (Linux: transparent
+            // huge pages on request): 512 times fewer page faults while
+            // repacking and TLB misses while the weights stream by.
+            void * packed = NULL;
+            rc = posix_memalign(&packed, HUGE_PAGE, total) == 0 ? ES_OK : ES_ERR_NO_MEMORY;
 #if defined(MADV_HUGEPAGE)
-        if (rc == ES_OK) madvise(packed, total, MADV_HUGEPAGE);
+            if (rc == ES_OK) madvise(packed, total, MADV_HUGEPAGE);
 #endif
-        m->packed = packed;
-        size_t at = 0;
+            m->packed = dst = packed;
+        }
+        repack_job job = { .gguf = m->gguf, .tasks = malloc((size_t) n_tasks * sizeof *job.tasks) };
+        if (!job.tasks) rc = ES_ERR_NO_MEMORY;
+        if (rc == ES_OK) bind_packed(m, ws, nw, dst);
         for (int32_t j = 0; j < nw && rc == ES_OK; j++) {
-            es_weight * w = (es_weight *) ws[j];  // m's own, as model_weights lists them
-            const size_t bytes = repacks(m, w) ? es_repack_bytes(w->type, w->n_in, w->n_out) : 0;
-            if (bytes == 0) continue;
-            w->packed = (uint8_t *) m->packed + at;
-            const size_t gb = es_repack_bytes(w->type, w->n_in, ES_GROUP_ROWS);
-            const int64_t n_groups = (int64_t) (bytes / gb);
+            if (!repacks(m, ws[j])) continue;
+            const size_t gb = es_repack_bytes(ws[j]->type, ws[j]->n_in, ES_GROUP_ROWS);
+            const int64_t n_groups = (int64_t) (es_repack_bytes(ws[j]->type, ws[j]->n_in, ws[j]->n_out) / gb);
             const int64_t per = (int64_t) (REPACK_TASK_BYTES / gb) > 0 ? (int64_t) (REPACK_TASK_BYTES / gb) : 1;
             for (int64_t g = 0; g < n_groups; g += per) {
                 job.tasks[job.n_tasks++] = (repack_task) {
-                    .w = w, .g0 = g, .g1 = g + per < n_groups ? g + per : n_groups, .dst = (uint8_t *) m->packed + at};
+                    .w = ws[j], .g0 = g, .g1 = g + per < n_groups ? g + per : n_groups,
+                    .dst = (uint8_t *) ws[j]->packed};
             }
-            at += bytes;
         }
         es_pool * pool = NULL;
         const long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -208,6 +253,15 @@ static int repack_weights(es_model * m, int64_t max_bytes, char * err, size_t er
         }
         es_pool_free(pool);
         free(job.tasks);
+        if (writing && rc != ES_OK) {
+            es__packed_file_abandon(&writer);
+        } else if (writing) {
+            m->packed_from = es__packed_file_commit(&writer, p->repack_cache, &key) == ES_OK
+                                 ? ES_PACKED_WRITTEN : ES_PACKED_REPACKED;
+            m->packed_map = writer.map, m->packed_map_size = writer.size;
+        } else if (rc == ES_OK) {
+            m->packed_from = ES_PACKED_REPACKED;
+        }
     }
     free(ws);
     return rc;
@@ -218,6 +272,7 @@ es_model_params es_model_default_params(void) {
         .experts = ES_EXPERTS_MAPPED, .expert_cache_bytes = 0,
         .expert_precision = ES_PRECISION_EXACT, .expert_policy = ES_POLICY_ADAPTIVE,
         .prefetch_depth = 3, .expert_sidecar = NULL, .repack_max_bytes = 0, .repack = true,
+        .repack_cache = NULL,
     };
 }
 
@@ -272,7 +327,8 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     if (rc == ES_OK) rc = m->arch->load(m, err, err_cap);
     if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
-    if (rc == ES_OK && p.repack) rc = repack_weights(m, p.repack_max_bytes, err, err_cap);
+    if (rc == ES_OK && p.repack) rc = repack_weights(m, &p, path, err, err_cap);
+    m->params.repack_cache = NULL;  // the caller's string: read at load only
     if (rc == ES_OK && m->experts && p.expert_cache_bytes > 0) {
         rc = es_expert_cache_init(m->gguf, path, m->experts, &p, &m->expert_cache, err, err_cap);
         if (rc == ES_OK) {
@@ -338,6 +394,7 @@ void es_model_free(es_model * m) {
     es_expert_cache_free(m->expert_cache);
     es_experts_free(m->experts);
     free(m->packed);
+    if (m->packed_map) munmap(m->packed_map, m->packed_map_size);
     free(m->layers);
     es_gguf_close(m->gguf);
     free(m);
@@ -347,6 +404,7 @@ const char * es_model_arch(const es_model * m) { return m && m->arch ? m->arch->
 int32_t es_model_n_vocab(const es_model * m) { return m ? m->n_vocab : 0; }
 int32_t es_model_n_ctx_train(const es_model * m) { return m ? m->n_ctx_train : 0; }
 int32_t es_model_n_embd(const es_model * m) { return m ? m->n_embd : 0; }
+int32_t es_model_packed_from(const es_model * m) { return m ? m->packed_from : ES_PACKED_NONE; }
 
 int es_model_expert_stats(const es_model * m, es_expert_stats * out) {
     if (!m || !m->expert_cache || !out) return ES_ERR_INVALID_ARG;

@@ -243,6 +243,8 @@ int64_t es_gguf_tensor_offset(const es_gguf * g, const es_tensor * t);
 // memory (they stay in the page cache and come back from it when read
 // again); nothing where the file was read into memory instead of mapped.
 void es_gguf_release(const es_gguf * g, const void * p, size_t n);
+// The whole file's bytes (*size of them), header and tensor data.
+const uint8_t * es__gguf_bytes(const es_gguf * g, size_t * size);
 
 // A budgeted cache of expert weights read from the model file at `path`
 // (and its low-precision sidecar, p->expert_sidecar) with pread on an I/O
@@ -261,6 +263,45 @@ const es_expert_provider * es_expert_cache_provider(es_expert_cache * c);
 void es_expert_cache_stats(es_expert_cache * c, es_expert_stats * out);
 void es_expert_cache_stats_reset(es_expert_cache * c);
 const char * es_expert_cache_error(es_expert_cache * c);  // "" when none
+
+/* ---- repacked weights kept in a file (packed_file.c) ---------------------- */
+
+// What a file of repacked weights was written for: the GGUF file and the
+// layout; a file whose key differs in any field is not used.
+typedef struct es_packed_key {
+    uint64_t source;  // es__packed_source of the GGUF
+    uint64_t layout;  // every weight's type, shape and repacked bytes, the block layouts, the version
+    uint64_t bytes;   // of the repacked weights
+} es_packed_key;
+
+uint64_t es__fnv1a(uint64_t h, const void * data, size_t n);
+// The GGUF at path as it is now: its size, times and inode, its header, and
+// samples of its tensor data.
+uint64_t es__packed_source(const es_gguf * g, const char * path);
+// Maps path read-only when it holds key->bytes of repacked weights written
+// for key, whole (their digest checked): *out the weights, *map and
+// *map_size the mapping to munmap. ES_ERR_IO: absent or unreadable;
+// ES_ERR_FORMAT: written for another key, cut short or damaged.
+int es__packed_file_map(const char * path, const es_packed_key * key, const void ** out, void ** map,
+                        size_t * map_size);
+// A file being written beside path: its name, descriptor and mapping.
+typedef struct es_packed_writer {
+    char   part[4096];
+    int    fd;
+    void * map;     // (size) read-write, shared with the file
+    size_t size;
+} es_packed_writer;
+
+// Creates a file of the writer's own beside path with room for `bytes` of
+// weights, mapped: *weights is where the repack writes them. ES_ERR_IO
+// (nothing left behind): it could not be made, or the disk has no room.
+int  es__packed_file_begin(const char * path, size_t bytes, es_packed_writer * w, uint8_t ** weights);
+// Writes the header (key, the weights' digest) and renames the file over
+// path. The mapping stays (the caller munmaps w->map, w->size) whether or
+// not it could be renamed; ES_ERR_IO: not renamed (the file is removed).
+int  es__packed_file_commit(es_packed_writer * w, const char * path, const es_packed_key * key);
+// Unmaps and removes a file begun but not committed.
+void es__packed_file_abandon(es_packed_writer * w);
 
 /* ---- engine (model.c, arch/<name>.c, arch/registry.c) -------------------------- */
 
@@ -332,6 +373,9 @@ struct es_model {
     es_experts * experts;                 // owned; NULL for a dense model
     es_expert_cache * expert_cache;       // owned; NULL: experts served as params.experts says
     void       * packed;                  // owned: every es_weight's packed copy; NULL: none
+    void       * packed_map;              // or the repack cache file mapped (munmap), holding it
+    size_t       packed_map_size;
+    int32_t      packed_from;             // enum es_packed_from
 };
 
 // One architecture, found by general.architecture in es__archs.

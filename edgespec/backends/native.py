@@ -29,8 +29,9 @@ from .vocab import Vocab, VocabMixin
 
 # EDGESPEC_EXPERTS: how MoE experts' weights are served (unset: from the mapping).
 _EXPERTS_MODES = {"": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
-# EDGESPEC_REPACK: weights repacked at load for the tile kernels (unset: on).
-_REPACK = {"": True, "1": True, "0": False}
+# EDGESPEC_REPACK: weights repacked for the tile kernels, kept in a file of
+# the cache between loads (unset, 1), repacked at every load (memory), or not (0).
+_REPACK = {"": "cached", "1": "cached", "memory": "memory", "0": None}
 
 
 def resolve_model(ref: str) -> Path:
@@ -63,9 +64,10 @@ def model_params(experts: moe.ExpertCache | None = None):
     params.experts = _EXPERTS_MODES[mode]
     repack = os.environ.get("EDGESPEC_REPACK", "")
     if repack not in _REPACK:
-        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights at load (the "
-                                   "default), 0 does not")
-    params.repack = _REPACK[repack]
+        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights and keeps them in the "
+                                   "cache between loads (the default), memory repacks them at every load, "
+                                   "0 does not repack")
+    params.repack = _REPACK[repack] is not None
     if experts is not None:
         params.expert_cache_bytes = experts.budget_bytes
         params.expert_precision = moe.PRECISIONS.index(experts.precision)
@@ -93,6 +95,11 @@ class NativeModel(Owned):
             keep = ffi.new("char[]", str(sidecar).encode())
             params.expert_sidecar = keep
         select_kernels()
+        cache = (registry.repacked_file(path, ffi.string(lib.es_kernels_name()).decode())
+                 if _REPACK[os.environ.get("EDGESPEC_REPACK", "")] == "cached" else None)
+        if cache is not None:
+            keep_cache = ffi.new("char[]", os.fsencode(cache))
+            params.repack_cache = keep_cache
         out = ffi.new("es_model **")
         err = ffi.new("char[]", ERR_CAP)
         check_file(lib.es_model_load(str(path).encode(), params, out, err, ERR_CAP), err, path,
@@ -103,6 +110,9 @@ class NativeModel(Owned):
         self.n_embd = lib.es_model_n_embd(self._ptr)
         self.n_ctx_train = lib.es_model_n_ctx_train(self._ptr)
         self.expert_cache = experts
+        self.packed_from = lib.es_model_packed_from(self._ptr)   # enum es_packed_from
+        if self.packed_from in (lib.ES_PACKED_WRITTEN, lib.ES_PACKED_MAPPED):
+            registry.repacked_used(cache, path, written=self.packed_from == lib.ES_PACKED_WRITTEN)
 
     def expert_stats(self, reset: bool = False) -> dict | None:
         """The expert cache's counters since the last reset (None: no cache)."""

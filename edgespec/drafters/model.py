@@ -30,6 +30,7 @@ for re-tokenized text).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 import warnings
@@ -84,20 +85,46 @@ class _Vocabulary:
     that give ids their meaning, as its GGUF file stores them (read once:
     llama.cpp returns the same texts for every file the validator accepts,
     at a hundredth of the time of asking for 150k tokens one by one); token
-    by token for a backend without a GGUF file of its own (an ONNX graph)."""
+    by token for a backend without a GGUF file of its own (an ONNX graph).
+    ``joined`` is every entry's bytes followed by a NUL: two vocabularies are
+    the same exactly when theirs are, and a valid UTF-8 one hashes to the
+    fingerprint directly; ``texts`` are decoded only when asked for."""
 
     def __init__(self, backend):
         path = Path(getattr(backend, "path", None) or "")
+        self._texts: list[str] | None = None
         if path.suffix == ".gguf" and path.is_file():
+            self._path = path
             with GGUFFile(path) as f:
-                self.texts = f.get("tokenizer.ggml.tokens") or []
+                self.joined = f.strings_nul_joined("tokenizer.ggml.tokens") or b""
                 self.settings = {k: f.get(k) for k in _TOKENIZER_KEYS}
         else:
-            self.texts = [backend.token_text(t) for t in range(backend.n_vocab)]
+            self._path = None
+            self._texts = [backend.token_text(t) for t in range(backend.n_vocab)]
+            self.joined = b"".join(t.encode("utf-8", "surrogatepass") + b"\0" for t in self._texts)
             self.settings = {"tokenizer.ggml.model": backend.metadata("tokenizer.ggml.model"),
                              "tokenizer.ggml.pre": backend.metadata("tokenizer.ggml.pre"),
                              "tokenizer.ggml.bos_token_id": backend.bos_token,
                              "tokenizer.ggml.eos_token_id": backend.eos_token}
+        self._fingerprint: str | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        if self._texts is None:
+            with GGUFFile(self._path) as f:
+                self._texts = f.get("tokenizer.ggml.tokens") or []
+        return self._texts
+
+    @property
+    def fingerprint(self) -> str:
+        """``specialized.vocab_fingerprint`` of the texts."""
+        if self._fingerprint is None:
+            try:
+                self.joined.decode("utf-8")   # every entry valid UTF-8 (a NUL ends no character)
+                self._fingerprint = hashlib.sha256(self.joined).hexdigest()
+            except UnicodeDecodeError:        # the texts carry replacement characters
+                self._fingerprint = specialized.vocab_fingerprint(self.texts)
+        return self._fingerprint
 
 
 _VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -120,7 +147,7 @@ def _vocab_difference(target, draft, draft_ref: str) -> str | None:
         a, b = t.settings[key], d.settings[key]
         if a != b:
             return f"draft model {draft_ref} has {key} = {b!r}, the target {a!r}"
-    if t.texts != d.texts:
+    if t.joined != d.joined:
         i = next(i for i, (a, b) in enumerate(zip(t.texts, d.texts)) if a != b)
         return f"draft model {draft_ref}: token {i} is {d.texts[i]!r} but the target's is {t.texts[i]!r}"
     return None
@@ -178,10 +205,7 @@ class TokenMap:
 def target_fingerprint(target) -> str:
     """``specialized.vocab_fingerprint`` of a target's vocabulary (a backend or
     a Vocab), computed once per object (a set of drafters checks it often)."""
-    v = vocabulary(target)
-    if not hasattr(v, "fingerprint"):
-        v.fingerprint = specialized.vocab_fingerprint(v.texts)
-    return v.fingerprint
+    return vocabulary(target).fingerprint
 
 
 def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:

@@ -157,6 +157,38 @@ class GGUFFile(Owned):
         v = self._value(key)
         return default if v is None else _decode(v)
 
+    def strings_nul_joined(self, key: str) -> bytes | None:
+        """A string array's elements as their bytes lie in the file, each
+        followed by a NUL byte (None when absent or not an array of strings):
+        a vocabulary to hash or compare whole, without a Python string per
+        token (reading 150k of them takes a few hundred ms)."""
+        v = self._value(key)
+        if v is None or v.type != lib.ES_GGUF_ARRAY or v.elem_type != lib.ES_GGUF_STRING:
+            return None
+        if v.n == 0:
+            return b""
+        elems = ffi.new("es_gguf_value[]", v.n)
+        check(lib.es_gguf_array_elems(v, elems, v.n), "es_gguf_array_elems")
+        size = ffi.sizeof("es_gguf_value")
+        # (n,) element records: their byte counts and addresses in the mapping
+        records = np.frombuffer(ffi.buffer(elems, v.n * size), dtype=np.dtype(
+            {"names": ["n", "data"], "formats": ["<u8", "<u8"], "offsets": [8, 16], "itemsize": size}))
+        base = int(ffi.cast("uintptr_t", v.data))
+        starts = records["data"].astype(np.int64) - base           # each string's bytes, in the array
+        lengths = records["n"].astype(np.int64)
+        end = int(starts[-1] + lengths[-1])
+        raw = np.frombuffer(ffi.buffer(v.data, end), dtype=np.uint8)
+        # Strings lie one after another, each after its 8-byte length: keep
+        # their bytes and put a NUL where each one ends.
+        out = np.zeros(int(lengths.sum()) + v.n, dtype=np.uint8)
+        out_starts = np.concatenate(([0], np.cumsum(lengths + 1)[:-1]))
+        keep = np.repeat(starts - out_starts, lengths + 1)        # source - destination, per output byte
+        index = np.arange(len(out), dtype=np.int64) + keep
+        is_text = np.ones(len(out), dtype=bool)
+        is_text[out_starts + lengths] = False
+        out[is_text] = raw[index[is_text]]
+        return out.tobytes()
+
     # -- tensors ----------------------------------------------------------------
 
     def tensor(self, name: str) -> GGUFTensor | None:

@@ -43,6 +43,7 @@ import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
@@ -97,6 +98,71 @@ def home() -> Path:
 
 def models_dir() -> Path:
     return home() / "models"
+
+
+# The native engine's repacked weights, one file per model file and kernel
+# set (es_model_params.repack_cache), each with a ".source" file naming the
+# model file it was made from.
+REPACKED_DIR = "repacked"
+REPACKED_UNUSED_S = 30 * 86400   # a file no load has mapped for this long is removed
+REPACKED_PART_S = 600            # a file still being written after this long was left by a killed writer
+
+
+def repacked_file(model: Path, kernels: str) -> Path | None:
+    """Where the repacked weights of the GGUF at ``model`` are kept for kernel
+    set ``kernels``, after the folder is pruned (files of models that are
+    gone, unused for REPACKED_UNUSED_S, or left half-written); None where
+    the disk could not hold them with room to spare."""
+    model = Path(model).resolve()
+    folder = home() / REPACKED_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _prune_repacked(folder)
+        if shutil.disk_usage(folder).free < 2 * model.stat().st_size + (1 << 30):
+            return None
+    except OSError:
+        return None
+    key = hashlib.sha256(os.fsencode(model)).hexdigest()[:16]
+    return folder / f"{model.stem}-{key}-{kernels}.pack"
+
+
+def repacked_used(pack: Path, model: Path, written: bool) -> None:
+    """Record that a load mapped (or wrote) ``pack`` for ``model``."""
+    try:
+        if written:
+            write_atomic(pack.with_suffix(".source"), os.fsencode(Path(model).resolve()))
+        else:
+            os.utime(pack)
+    except OSError:
+        pass   # only what the pruning knows is lost
+
+
+def _prune_repacked(folder: Path) -> None:
+    now = time.time()
+    for f in folder.iterdir():
+        try:
+            if ".pack.part-" in f.name:
+                stale = now - f.stat().st_mtime > REPACKED_PART_S
+            elif f.suffix == ".pack":
+                source = f.with_suffix(".source")
+                stale = (now - f.stat().st_mtime > REPACKED_UNUSED_S
+                         or (source.is_file() and not Path(os.fsdecode(source.read_bytes())).is_file()))
+                if stale:
+                    source.unlink(missing_ok=True)
+            else:
+                continue
+            if stale:
+                f.unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
+def remove_repacked(model: Path) -> None:
+    """Delete the repacked weights kept for the GGUF at ``model``."""
+    model = Path(model).resolve()
+    key = hashlib.sha256(os.fsencode(model)).hexdigest()[:16]
+    for f in (home() / REPACKED_DIR).glob(f"{glob_escape(model.stem)}-{key}-*"):
+        f.unlink(missing_ok=True)
 
 
 def _load_manifest() -> dict:
@@ -612,6 +678,7 @@ def remove(name: str) -> str:
     try:
         path.unlink(missing_ok=True)
         _beside(entry, ".json").unlink(missing_ok=True)
+        remove_repacked(path)
     finally:
         os.close(lock)
     return f"deleted {path}"

@@ -1,0 +1,150 @@
+/*
+ * packed_file.c — a model's repacked weights kept in a file
+ * (es_model_params.repack_cache), so that a later load maps them instead of
+ * repacking: no copy, no fresh pages to zero (most of a repack's time), and
+ * the pages are the page cache's, shared by every process that maps them.
+ *
+ * Layout: a header of HEADER_BYTES (magic, the es_packed_key it was written
+ * for, a digest of the weights), then the repacked weights exactly as
+ * repack_weights lays them out in memory. The repack writes straight into
+ * a mapping of a file of its own beside path (no second copy of the
+ * weights, no fresh anonymous pages), which is renamed over path, unsynced
+ * (a sync of a GB takes seconds on some disks): a file cut short or
+ * zero-filled by a crash before the system wrote it out fails the digest,
+ * which every load checks, and is written again.
+ */
+#define _DEFAULT_SOURCE  // pread, mkstemp, posix_fallocate
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "native/native_internal.h"
+
+#define HEADER_BYTES 4096   // the weights start page-aligned in the mapping
+static const char MAGIC[8] = "ESPACK1\n";
+
+typedef struct header {
+    char          magic[8];
+    es_packed_key key;
+    uint64_t      digest;  // weights_digest of the weights
+} header;
+
+// A digest of n bytes (n a multiple of 32: whole groups of repacked blocks)
+// at memory speed: four independent multiply-xor lanes.
+static uint64_t weights_digest(const void * data, size_t n) {
+    const uint64_t * p = data;
+    uint64_t h[4] = { 0x9e3779b97f4a7c15ULL, 0xbf58476d1ce4e5b9ULL, 0x94d049bb133111ebULL, 0x2545f4914f6cdd1dULL };
+    for (size_t i = 0; i + 4 <= n / 8; i += 4) {
+        for (int l = 0; l < 4; l++) {
+            uint64_t x;
+            memcpy(&x, p + i + l, sizeof x);
+            h[l] = (h[l] ^ x) * 0xff51afd7ed558ccdULL;
+            h[l] ^= h[l] >> 29;
+        }
+    }
+    return es__fnv1a(n, h, sizeof h);
+}
+
+uint64_t es__fnv1a(uint64_t h, const void * data, size_t n) {
+    const uint8_t * p = data;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+#define FNV_OFFSET 0xcbf29ce484222325ULL
+#define SAMPLES    16     // pages of tensor data hashed, evenly spread
+#define SAMPLE     4096
+
+uint64_t es__packed_source(const es_gguf * g, const char * path) {
+    // The file as the system knows it (a replaced or rewritten file changes
+    // these), its whole header (metadata and tensor table), and samples of
+    // its tensor data (a copy with the same size and times but other weights).
+    struct stat st;
+    uint64_t h = FNV_OFFSET;
+    if (stat(path, &st) == 0) {
+        const int64_t id[] = { (int64_t) st.st_size, (int64_t) st.st_mtim.tv_sec, (int64_t) st.st_mtim.tv_nsec,
+                               (int64_t) st.st_ino, (int64_t) st.st_dev };
+        h = es__fnv1a(h, id, sizeof id);
+    }
+    size_t size;
+    const uint8_t * bytes = es__gguf_bytes(g, &size);
+    const size_t start = (size_t) es_gguf_data_offset(g), span = size - start;
+    h = es__fnv1a(h, bytes, start);
+    for (int i = 0; i < SAMPLES && span >= SAMPLE; i++) {
+        h = es__fnv1a(h, bytes + start + (span - SAMPLE) / (SAMPLES - 1) * (size_t) i, SAMPLE);
+    }
+    return h;
+}
+
+int es__packed_file_map(const char * path, const es_packed_key * key, const void ** out, void ** map,
+                        size_t * map_size) {
+    *out = NULL, *map = NULL, *map_size = 0;
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return ES_ERR_IO;
+    header h;
+    struct stat st;
+    int rc = ES_OK;
+    if (fstat(fd, &st) != 0 || pread(fd, &h, sizeof h, 0) != (ssize_t) sizeof h) rc = ES_ERR_IO;
+    else if (memcmp(h.magic, MAGIC, sizeof MAGIC) != 0 || memcmp(&h.key, key, sizeof *key) != 0 ||
+             (uint64_t) st.st_size != HEADER_BYTES + key->bytes) {
+        rc = ES_ERR_FORMAT;   // written for another file or layout, or cut short
+    }
+    if (rc == ES_OK) {
+        void * m = mmap(NULL, (size_t) st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED) rc = ES_ERR_IO;
+        else if (weights_digest((const uint8_t *) m + HEADER_BYTES, key->bytes) != h.digest) {
+            munmap(m, (size_t) st.st_size);
+            rc = ES_ERR_FORMAT;   // damaged, or never wholly written out
+        } else {
+            *map = m, *map_size = (size_t) st.st_size, *out = (const uint8_t *) m + HEADER_BYTES;
+        }
+    }
+    close(fd);
+    return rc;
+}
+
+int es__packed_file_begin(const char * path, size_t bytes, es_packed_writer * w, uint8_t ** weights) {
+    // A name of this writer's own: two processes loading the model at once
+    // each write theirs, and the last rename wins with a whole file.
+    *w = (es_packed_writer) { .fd = -1 };
+    *weights = NULL;
+    if (snprintf(w->part, sizeof w->part, "%s.part-XXXXXX", path) >= (int) sizeof w->part) return ES_ERR_INVALID_ARG;
+    w->fd = mkstemp(w->part);
+    if (w->fd < 0) return ES_ERR_IO;
+    w->size = HEADER_BYTES + bytes;
+    // The blocks are reserved first: a full disk is this error now, never a
+    // fault while the repack writes through the mapping.
+    void * m = MAP_FAILED;
+    if (fchmod(w->fd, 0644) == 0 && posix_fallocate(w->fd, 0, (off_t) w->size) == 0) {
+        m = mmap(NULL, w->size, PROT_READ | PROT_WRITE, MAP_SHARED, w->fd, 0);
+    }
+    if (m == MAP_FAILED) {
+        es__packed_file_abandon(w);
+        return ES_ERR_IO;
+    }
+    w->map = m;
+    *weights = (uint8_t *) m + HEADER_BYTES;
+    return ES_OK;
+}
+
+int es__packed_file_commit(es_packed_writer * w, const char * path, const es_packed_key * key) {
+    header h = { .key = *key, .digest = weights_digest((const uint8_t *) w->map + HEADER_BYTES, key->bytes) };
+    memcpy(h.magic, MAGIC, sizeof MAGIC);
+    memcpy(w->map, &h, sizeof h);
+    const bool ok = close(w->fd) == 0 && rename(w->part, path) == 0;
+    w->fd = -1;
+    if (!ok) unlink(w->part);  // the mapping stays valid: the weights serve this load all the same
+    return ok ? ES_OK : ES_ERR_IO;
+}
+
+void es__packed_file_abandon(es_packed_writer * w) {
+    if (w->map) munmap(w->map, w->size);
+    if (w->fd >= 0) close(w->fd);
+    if (w->fd >= 0 || w->map) unlink(w->part);
+    *w = (es_packed_writer) { .fd = -1 };
+}
