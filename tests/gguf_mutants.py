@@ -743,9 +743,12 @@ class _Supervisor:
     def _start(self) -> None:
         read_fd, write_fd = os.pipe()
         self.log = open(self.workdir / "worker.log", "w+b")
+        # Every mutant is a file of its own: repacked in memory, not kept in
+        # the cache (a mapped copy per mutant would only churn the disk).
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(write_fd)],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.log,
-                                     pass_fds=(write_fd,), cwd=self.workdir)
+                                     pass_fds=(write_fd,), cwd=self.workdir,
+                                     env={**os.environ, "EDGESPEC_REPACK": "memory"})
         os.close(write_fd)
         self.replies = os.fdopen(read_fd, "r")
         self.lines: queue.Queue = queue.Queue()
