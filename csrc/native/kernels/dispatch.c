@@ -157,7 +157,7 @@ void es_matmat(int32_t type, const void * w, const void * packed, const void * x
                int32_t n_tok, int64_t n, int64_t r0, int64_t r1, float * y, size_t y_stride) {
     const es_kernel_set * k = kernels();
     if (type < 0 || type >= N_TYPES || !k->dot[type] || es_type_row_bytes(type, n) == 0 || r0 >= r1) return;
-    const tile_fn tile = packed ? k->tile[type] : NULL;
+    const tile_fn tile = !packed ? NULL : n_tok == 1 && k->tile_one[type] ? k->tile_one[type] : k->tile[type];
     // The whole groups of 8 inside [r0, r1) from the repacked copy (which
     // has every whole group of the weight), the rows around them unpacked.
     const int64_t g0 = (r0 + ES_GROUP_ROWS - 1) / ES_GROUP_ROWS, g1 = r1 / ES_GROUP_ROWS;

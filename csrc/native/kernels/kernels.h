@@ -288,6 +288,10 @@ typedef struct es_kernel_set {
     vec_dot_fn   dot[N_TYPES];          // NULL: not a weight type
     const vec_dotn_fn * dotn[N_TYPES];  // [nt - 1], nt = 1..MAX_NT; NULL: es_matmat calls dot per token
     tile_fn      tile[N_TYPES];         // repacked weights; NULL: the set reads the unpacked rows
+    // One token's product over the repacked weights (decode), where another
+    // set's tile does it faster; NULL: tile. Every set computes the same
+    // per-token arithmetic, so the choice leaves results bit-identical.
+    tile_fn      tile_one[N_TYPES];
     void (*axpy_f16)(int64_t n, float e, const uint16_t * v, float * acc);
     // The set's integer step in its tightest loop, iterations times over
     // independent registers; returns the int8 multiply-accumulates done
