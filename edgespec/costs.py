@@ -42,10 +42,16 @@ BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measurement is p
 log = logging.getLogger("edgespec")
 
 
+# Part of every cost key: raised when the engines' speeds change in a way
+# that makes curves measured before misleading (2: AVX-512's one-token tiles).
+COSTS_VERSION = 2
+
+
 def cost_key(backend) -> str:
     """What a backend's costs depend on: backend (and ONNX execution
-    provider), model file, thread count, expert-cache settings, the rows of
-    a trimmed output layer."""
+    provider, or the native engine's kernel set), model file, thread count,
+    expert-cache settings, the rows of a trimmed output layer, and
+    COSTS_VERSION."""
     st = Path(backend.path).stat()
     device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
     # An expert cache's batches read the union of their tokens' experts from
@@ -55,7 +61,10 @@ def cost_key(backend) -> str:
                if cache is not None else "")
     rows = getattr(backend, "output_rows", 0)   # a draft head trimmed to its most used tokens
     head = f":rows-{rows}" if rows else ""
-    return f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}{head}"
+    kernels = getattr(backend, "kernels", None)   # native: the kernel set in use
+    device += f"@{kernels}" if kernels else ""
+    return (f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}{head}"
+            f":v{COSTS_VERSION}")
 
 
 def _filler(backend, n: int) -> list[int]:

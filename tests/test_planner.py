@@ -275,6 +275,26 @@ def test_a_curve_of_unknown_load_is_measured_again_once(tiny_llama_path, tmp_pat
     assert entry["costs"] == curve and "load" in entry
 
 
+def test_each_kernel_set_has_a_cost_curve_of_its_own(tiny_llama_path, monkeypatch):
+    from edgespec import costs
+    from edgespec.backends import open_backend
+    from edgespec.capi import ffi, lib
+
+    sets = [ffi.string(lib.es_kernels_available(i)).decode() for i in range(4)
+            if lib.es_kernels_available(i) != ffi.NULL]
+    keys = set()
+    try:
+        for name in sets:
+            monkeypatch.setenv("EDGESPEC_KERNELS", name)
+            with open_backend("native", tiny_llama_path, n_ctx=64, threads=1) as backend:
+                key = costs.cost_key(backend)
+            assert f"@{name}:" in key and key.endswith(f":v{costs.COSTS_VERSION}")
+            keys.add(key)
+    finally:
+        lib.es_kernels_select(b"auto")   # the set is the process's: leave the best one in use
+    assert len(keys) == len(sets) >= 1
+
+
 def test_widen_adds_leaves_only_where_the_cost_curve_pays():
     p = Planner(FLAT)
     for _ in range(30):

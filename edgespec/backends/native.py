@@ -248,6 +248,11 @@ class NativeBackend(VocabMixin, Backend):
                 self._vocab = vocab
             return self._vocab
 
+    @property
+    def kernels(self) -> str:
+        """The kernel set the weights' products run on (es_kernels_name)."""
+        return ffi.string(lib.es_kernels_name()).decode()
+
     def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
         return NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
                              embeddings=embeddings)
