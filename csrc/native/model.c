@@ -199,9 +199,10 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
     }
     const es_packed_key key = { .source = p->repack_cache ? es__packed_source(m->gguf, path) : 0,
                                 .layout = packed_layout(m, ws, nw), .bytes = total };
+    const char * cache = key.source ? p->repack_cache : NULL;
     const void * mapped = NULL;
-    if (total > 0 && p->repack_cache &&
-        es__packed_file_map(p->repack_cache, &key, &mapped, &m->packed_map, &m->packed_map_size) == ES_OK) {
+    if (total > 0 && cache &&
+        es__packed_file_map(cache, &key, &mapped, &m->packed_map, &m->packed_map_size) == ES_OK) {
         bind_packed(m, ws, nw, mapped);
         m->packed_from = ES_PACKED_MAPPED;
         free(ws);
@@ -217,8 +218,7 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
     } else if (total > 0) {
         uint8_t * dst = NULL;
         es_packed_writer writer = { .fd = -1 };
-        const bool writing = p->repack_cache &&
-                             es__packed_file_begin(p->repack_cache, total, &writer, &dst) == ES_OK;
+        const bool writing = cache && es__packed_file_begin(cache, total, &writer, &dst) == ES_OK;
         if (!writing) {
             // In 2 MiB pages where the system gives them (Linux: transparent
             // huge pages on request): 512 times fewer page faults while
@@ -256,7 +256,7 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
         if (writing && rc != ES_OK) {
             es__packed_file_abandon(&writer);
         } else if (writing) {
-            m->packed_from = es__packed_file_commit(&writer, p->repack_cache, &key) == ES_OK
+            m->packed_from = es__packed_file_commit(&writer, cache, &key) == ES_OK
                                  ? ES_PACKED_WRITTEN : ES_PACKED_REPACKED;
             m->packed_map = writer.map, m->packed_map_size = writer.size;
         } else if (rc == ES_OK) {

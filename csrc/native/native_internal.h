@@ -276,7 +276,7 @@ typedef struct es_packed_key {
 
 uint64_t es__fnv1a(uint64_t h, const void * data, size_t n);
 // The GGUF at path as it is now: its size, times and inode, its header, and
-// samples of its tensor data.
+// samples of its tensor data; 0 when path no longer holds the file g maps.
 uint64_t es__packed_source(const es_gguf * g, const char * path);
 // Maps path read-only when it holds key->bytes of repacked weights written
 // for key, whole (their digest checked): *out the weights, *map and

@@ -64,21 +64,31 @@ uint64_t es__packed_source(const es_gguf * g, const char * path) {
     // The file as the system knows it (a replaced or rewritten file changes
     // these), its whole header (metadata and tensor table), and samples of
     // its tensor data (a copy with the same size and times but other weights).
-    struct stat st;
+    // The samples are read, not touched through the mapping: a fault there
+    // maps the page cache's whole folio around it (megabytes of experts an
+    // expert cache keeps out of the process).
     uint64_t h = FNV_OFFSET;
-    if (stat(path, &st) == 0) {
-        const int64_t id[] = { (int64_t) st.st_size, (int64_t) st.st_mtim.tv_sec, (int64_t) st.st_mtim.tv_nsec,
-                               (int64_t) st.st_ino, (int64_t) st.st_dev };
-        h = es__fnv1a(h, id, sizeof id);
-    }
     size_t size;
     const uint8_t * bytes = es__gguf_bytes(g, &size);
     const size_t start = (size_t) es_gguf_data_offset(g), span = size - start;
     h = es__fnv1a(h, bytes, start);
-    for (int i = 0; i < SAMPLES && span >= SAMPLE; i++) {
-        h = es__fnv1a(h, bytes + start + (span - SAMPLE) / (SAMPLES - 1) * (size_t) i, SAMPLE);
+    struct stat st;
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    bool same = false;   // the file at path is still the one mapped (its size, at least)
+    if (fd >= 0 && fstat(fd, &st) == 0 && (size_t) st.st_size == size) {
+        same = true;
+        const int64_t id[] = { (int64_t) st.st_size, (int64_t) st.st_mtim.tv_sec, (int64_t) st.st_mtim.tv_nsec,
+                               (int64_t) st.st_ino, (int64_t) st.st_dev };
+        h = es__fnv1a(h, id, sizeof id);
+        uint8_t page[SAMPLE];
+        for (int i = 0; i < SAMPLES && span >= SAMPLE; i++) {
+            const off_t at = (off_t) (start + (span - SAMPLE) / (SAMPLES - 1) * (size_t) i);
+            const ssize_t n = pread(fd, page, SAMPLE, at);
+            h = es__fnv1a(h, page, n > 0 ? (size_t) n : 0);
+        }
     }
-    return h;
+    if (fd >= 0) close(fd);
+    return same ? h : 0;
 }
 
 int es__packed_file_map(const char * path, const es_packed_key * key, const void ** out, void ** map,
