@@ -29,11 +29,13 @@ python3 -m venv "$work/venv"
 export PIP_CACHE_DIR="$work/pip-cache" SKBUILD_BUILD_DIR="$work/llama-build"
 
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-start=$(date +%s.%N)
-eval "$install" > "$work/install.log" 2>&1 || { tail -n 20 "$work/install.log"; exit 1; }
-end=$(date +%s.%N)
+# CPU seconds beside the wall time: on a shared machine the wall time
+# stretches with the others' load, the work done much less.
+/usr/bin/time -f '%e %U %S' -o "$work/time" bash -c "$install" > "$work/install.log" 2>&1 \
+    || { tail -n 20 "$work/install.log"; exit 1; }
 echo "load after:  $(cut -d' ' -f1-3 /proc/loadavg)"
-printf 'install: %.0f s\n' "$(echo "$end - $start" | bc)"
+read -r wall user sys < "$work/time"
+printf 'install: %.0f s wall, %.0f s CPU (user+sys)\n' "$wall" "$(echo "$user + $sys" | bc)"
 
 # .ninja_log: start and end (ms) of every output; summed per top folders.
 python3 - "$SKBUILD_BUILD_DIR/.ninja_log" <<'EOF'
@@ -52,8 +54,6 @@ EOF
 
 if [ "$demo" = --demo ]; then
     export EDGESPEC_HOME="$work/edgespec-home"
-    start=$(date +%s.%N)
-    edgespec demo
-    end=$(date +%s.%N)
-    printf 'demo (empty model cache): %.0f s\n' "$(echo "$end - $start" | bc)"
+    /usr/bin/time -f '%e' -o "$work/time" edgespec demo
+    printf 'demo (empty model cache): %.0f s wall\n' "$(cat "$work/time")"
 fi
