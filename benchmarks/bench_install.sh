@@ -9,8 +9,8 @@
 #   benchmarks/bench_install.sh [REV] [--demo]
 #
 # --demo then times `edgespec demo` with an empty model cache ($EDGESPEC_HOME),
-# so the first model's download is in it. Prints the wall times, the load
-# average around the run (the machine may be shared) and where
+# so the first model's download is in it. Prints the wall and CPU times, the
+# load average around the run (the machine may be shared) and where
 # llama-cpp-python's build spent its time (its ninja log, summed per folder).
 set -euo pipefail
 rev=${1:-HEAD}
@@ -37,7 +37,8 @@ echo "load after:  $(cut -d' ' -f1-3 /proc/loadavg)"
 read -r wall user sys < "$work/time"
 printf 'install: %.0f s wall, %.0f s CPU (user+sys)\n' "$wall" "$(echo "$user + $sys" | bc)"
 
-# .ninja_log: start and end (ms) of every output; summed per top folders.
+# .ninja_log: start and end (ms) of every build step; their wall times summed
+# per folder (with ninja's parallel jobs and others' load these exceed the CPU time).
 python3 - "$SKBUILD_BUILD_DIR/.ninja_log" <<'EOF'
 import collections, sys
 per = collections.Counter()
@@ -47,7 +48,7 @@ for line in open(sys.argv[1]):
     start, end, _, out, _ = line.rstrip("\n").split("\t")
     parts = out.split("/")
     per["/".join(parts[:3]) if parts[0] == "vendor" else parts[0]] += (int(end) - int(start)) / 1000
-print(f"llama-cpp-python compile+link, CPU-serial seconds: {sum(per.values()):.0f}")
+print(f"llama-cpp-python build steps, wall seconds summed: {sum(per.values()):.0f}")
 for folder, s in per.most_common(12):
     print(f"  {s:7.0f} s  {folder}")
 EOF
