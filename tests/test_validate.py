@@ -169,11 +169,21 @@ def _damaged(layout: Layout, rewritten: dict[str, bytes]) -> dict[str, tuple[byt
                       "tokenizer.ggml.merges: merge 10 "),
         "shape-mismatch": (rewritten["shape-mismatch"],
                            "tensor blk.1.attn_k.weight has shape (64, 16, 1, 1), expected (64, 32, 1, 1)"),
+        "rope-base-below-1": (layout.with_scalar("llama.rope.freq_base", 1e-38),
+                              "llama.rope.freq_base = 1e-38 is below 1"),
+        "rwkv-tokenizer": (_with_tokenizer_model(layout.data, b"gpt2", b"rwkv"),
+                           "tokenizer.ggml.model is 'rwkv', RWKV's tokenizer, in a llama model"),
     }
 
 
+def _with_tokenizer_model(data: bytes, old: bytes, new: bytes) -> bytes:
+    """``data`` with tokenizer.ggml.model's value ``old`` replaced by ``new`` (as long)."""
+    at = data.index(old, data.index(b"tokenizer.ggml.model"))
+    return _patched(data, at, new)
+
+
 DAMAGE = ["duplicate-token", "block-count-0", "block-count-1000", "norm-f16", "bad-special-id",
-          "bad-merge", "shape-mismatch"]
+          "bad-merge", "shape-mismatch", "rope-base-below-1", "rwkv-tokenizer"]
 
 
 @pytest.mark.parametrize("damage", DAMAGE)

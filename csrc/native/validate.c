@@ -224,6 +224,21 @@ static int key_float(checker * c, const char * suffix, bool required, bool zero_
     return ES_OK;
 }
 
+// A RoPE base below 1 turns the frequencies up with the dimension: the
+// angles overflow within the first positions, and the engines disagree on
+// what NaN and infinity make of a rotation (native refuses its logits,
+// llama.cpp answers). Every base trained has been in the thousands or more.
+static int rope_base_at_least_1(checker * c, const char * suffix) {
+    char key[160], buf[QUOTED_CAP];
+    arch_key(c, suffix, key);
+    float v;
+    if (es_gguf_get_f32(c->g, key, &v) && v < 1.0f) {
+        return fail(c, "metadata key %s = %g is below 1 (a RoPE base: its rotations would overflow)",
+                    quoted(key, strlen(key), buf), (double) v);
+    }
+    return ES_OK;
+}
+
 /* ========================================================================
  * Hyperparameters
  * ======================================================================== */
@@ -333,6 +348,8 @@ static int check_hparams(checker * c) {
     TRY(key_float(c, "attention.layer_norm_epsilon", false, false));
     TRY(key_float(c, "rope.freq_base", false, false));
     TRY(key_float(c, "rope.freq_base_swa", false, false));
+    TRY(rope_base_at_least_1(c, "rope.freq_base"));
+    TRY(rope_base_at_least_1(c, "rope.freq_base_swa"));
     TRY(key_float(c, "rope.scaling.factor", false, true));
     TRY(key_float(c, "rope.scale_linear", false, false));
     TRY(key_float(c, "final_logit_softcapping", false, true));
@@ -565,6 +582,11 @@ static int check_vocab(checker * c) {
     if (model && (!strcmp(model, "none") || !strcmp(model, "no_vocab"))) {
         return fail(c, "tokenizer.ggml.model is '%s': the file has no vocabulary, which prompts "
                     "and replies are read and written with", model);
+    }
+    // RWKV's tokenizer reads every token as an escaped byte string, and
+    // llama.cpp runs out of memory (an abort) on another tokenizer's texts.
+    if (model && !strcmp(model, "rwkv") && strncmp(c->arch, "rwkv", 4) != 0) {
+        return fail(c, "tokenizer.ggml.model is 'rwkv', RWKV's tokenizer, in a %s model", c->arch);
     }
     if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.tokens", &n, &tokens)) {
         if (has_key(c->g, "tokenizer.ggml.tokens")) {
