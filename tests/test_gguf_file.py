@@ -176,6 +176,13 @@ def test_custom_alignment(tmp_path):
         assert f.alignment == 64 and f.data_offset % 64 == 0
 
 
+def test_an_alignment_beyond_a_mebibyte_is_refused(tmp_path):
+    path = write_gguf(tmp_path / "huge.gguf", alignment=lambda w: setattr(w, "data_alignment", 1 << 21)
+                      or w.add_uint32("general.alignment", 1 << 21))
+    with pytest.raises(ModelFormatError, match="general.alignment 2097152 is above 1048576"):
+        GGUFFile(path)
+
+
 def test_version_2_reads_as_version_3(corrupt):
     """GGUF v2 has v3's layout (v3 only added big-endian files)."""
     with GGUFFile(corrupt(lambda d: put(d, 4, "<I", 2))) as f:

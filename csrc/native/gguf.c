@@ -76,6 +76,7 @@ static const char * const GV_NAME[GV_COUNT] = {
 };
 
 #define DEFAULT_ALIGNMENT 32
+#define MAX_ALIGNMENT (1 << 20)  // general.alignment above it is refused (see read_alignment)
 #define MAX_ARRAY_DEPTH   4   // arrays of arrays of ... nested deeper are rejected
 #define MAX_NAME_BYTES    63  // as ggml's GGML_MAX_NAME (64) with its NUL
 #define MIN_KV_BYTES      13  // key length (8), type (4), one byte of value
@@ -674,6 +675,13 @@ static int read_alignment(const es_gguf * g, uint64_t * out, char * err, size_t 
     if (a == 0 || (a & (a - 1))) {
         return fail(err, err_cap, ES_ERR_FORMAT, "general.alignment %llu is not a power of two",
                     (unsigned long long) a);
+    }
+    // Every tensor may start that far apart: with an alignment of 2^31 a
+    // 0.5B model's file is hundreds of GB of holes, which llama.cpp's loader
+    // walked for minutes (a hang to the user). Writers use 32 to 4096.
+    if (a > MAX_ALIGNMENT) {
+        return fail(err, err_cap, ES_ERR_FORMAT, "general.alignment %llu is above %d",
+                    (unsigned long long) a, MAX_ALIGNMENT);
     }
     *out = a;
     return ES_OK;
