@@ -329,13 +329,10 @@ typedef struct es_group_seq {
 // context, one whose n_ctx exceeds the group's, a context given twice, bad
 // tokens, parents or logits_from, or more than es_group_n_batch tokens in
 // all; ES_ERR_CONTEXT_FULL: a member's cache would overflow; ES_ERR_IO: an
-// expert read failed. On error every member's cache is as before.
+// expert read failed; ES_ERR_NO_MEMORY. On error every member's cache is as
+// before. On success each member's logits are its context's
+// (es_context_logits), as after its own es_decode.
 int es_decode_group(es_group * group, const es_group_seq * seqs, int32_t n_seqs);
-
-// Member i's (n - logits_from, n_vocab) logits of the last es_decode_group;
-// owned by the group, valid until its next decode or es_group_free. NULL when
-// i is not a member of the last (successful) decode, or it kept no rows.
-const float * es_group_logits(const es_group * group, int32_t i);
 
 /* ---- expert cache (expert_cache.c) ---------------------------------------- */
 

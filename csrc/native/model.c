@@ -692,9 +692,7 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
 /* ---- groups ------------------------------------------------------------------ */
 
 struct es_group {
-    es_context * work;       // owned: batch buffers, thread pool, logits; no KV cache
-    int32_t    * first_row;  // (n_batch) member i's logits start at row first_row[i] of work->logits
-    int32_t      n_members;  // members of the last es_decode_group (0: none, or it failed)
+    es_context * work;   // owned: batch buffers, thread pool, the batch's logits; no KV cache
 };
 
 es_group_params es_group_default_params(void) {
@@ -709,10 +707,7 @@ int es_group_init(es_model * m, const es_group_params * params, es_group ** out)
     if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
     es_group * g = calloc(1, sizeof *g);
     if (!g) return ES_ERR_NO_MEMORY;
-    g->first_row = malloc((size_t) p.n_batch * sizeof *g->first_row);
-    int rc = g->first_row ? context_new(m, n_ctx, p.n_batch, threads_or_cpus(p.n_threads), false, false,
-                                        &g->work)
-                          : ES_ERR_NO_MEMORY;
+    const int rc = context_new(m, n_ctx, p.n_batch, threads_or_cpus(p.n_threads), false, false, &g->work);
     if (rc != ES_OK) {
         es_group_free(g);
         return rc;
@@ -724,7 +719,6 @@ int es_group_init(es_model * m, const es_group_params * params, es_group ** out)
 void es_group_free(es_group * g) {
     if (!g) return;
     es_context_free(g->work);
-    free(g->first_row);
     free(g);
 }
 
@@ -750,7 +744,6 @@ static bool member_ok(const es_group * g, const es_group_seq * seqs, int32_t i) 
 int es_decode_group(es_group * g, const es_group_seq * seqs, int32_t n_seqs) {
     if (!g || !seqs || n_seqs <= 0 || n_seqs > g->work->n_batch) return ES_ERR_INVALID_ARG;
     es_context * w = g->work;
-    g->n_members = 0;
     int64_t total = 0;
     for (int32_t i = 0; i < n_seqs; i++) {
         if (!member_ok(g, seqs, i)) return ES_ERR_INVALID_ARG;
@@ -760,28 +753,34 @@ int es_decode_group(es_group * g, const es_group_seq * seqs, int32_t n_seqs) {
     for (int32_t i = 0; i < n_seqs; i++) {
         if (seqs[i].ctx->n_past + seqs[i].n > seqs[i].ctx->n_ctx) return ES_ERR_CONTEXT_FULL;
     }
-    // The members' rows one after another, each planned against its own cache.
+    // The members' rows one after another, each planned against its own
+    // cache; room for every member's logits in its own context first.
     int32_t r0 = 0, rows = 0;
+    int rc = ES_OK;
     w->n_seqs = n_seqs;
-    for (int32_t i = 0; i < n_seqs; i++) {
+    for (int32_t i = 0; i < n_seqs && rc == ES_OK; i++) {
         const es_group_seq * q = &seqs[i];
         w->seqs[i] = (es_seq_rows) { .kv = q->ctx, .tokens = q->tokens, .r0 = r0, .n = q->n,
                                      .keep_from = q->logits_from };
-        const int rc = plan_seq(w, &w->seqs[i], q->parents);
-        if (rc != ES_OK) return rc;
-        g->first_row[i] = rows;
+        rc = plan_seq(w, &w->seqs[i], q->parents);
+        if (rc == ES_OK) rc = reserve_logits(q->ctx, q->n - q->logits_from);
         r0 += q->n;
         rows += q->n - q->logits_from;
     }
-    int rc = reserve_logits(w, rows);
+    if (rc == ES_OK) rc = reserve_logits(w, rows);
     if (rc != ES_OK) return rc;
     w->n = r0;
     rc = forward(w);
-    if (rc == ES_OK) g->n_members = n_seqs;
-    return rc;
-}
-
-const float * es_group_logits(const es_group * g, int32_t i) {
-    if (!g || i < 0 || i >= g->n_members || !g->work->logits) return NULL;
-    return g->work->logits + (size_t) g->first_row[i] * (size_t) g->work->model->n_vocab;
+    if (rc != ES_OK) return rc;
+    // Each member's rows into its own context, where es_context_logits finds
+    // them as after its own es_decode (the copy is a small fraction of the
+    // batch's work; a member's rows then outlive the group's next decode).
+    const size_t row = (size_t) w->model->n_vocab;
+    rows = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const int32_t kept = seqs[i].n - seqs[i].logits_from;
+        if (kept > 0) memcpy(seqs[i].ctx->logits, w->logits + (size_t) rows * row, (size_t) kept * row * sizeof *w->logits);
+        rows += kept;
+    }
+    return ES_OK;
 }

@@ -95,11 +95,10 @@ static void check_same_as_alone(es_model * m, int32_t n_threads) {
     for (int32_t k = 0; k < N_MEMBERS; k++) {
         const int32_t rows = n_tokens[k] - logits_from[k];
         CHECK(es_context_n_past(ctx[k]) == prefix_len[k] + n_tokens[k]);
-        const float * got = es_group_logits(g, k);
+        const float * got = es_context_logits(ctx[k]);
         CHECK(got != NULL);
         if (got && alone[k]) CHECK(memcmp(got, alone[k], (size_t) rows * (size_t) nv * sizeof(float)) == 0);
     }
-    CHECK(es_group_logits(g, N_MEMBERS) == NULL && es_group_logits(g, -1) == NULL);
 
     // The next step: member 3 alone by es_decode, then in a group of two;
     // the same row either way, read from the cache the group wrote.
@@ -112,7 +111,7 @@ static void check_same_as_alone(es_model * m, int32_t n_threads) {
     const es_group_seq two[2] = { { .ctx = ctx[0], .tokens = &one, .n = 1 },
                                   { .ctx = ctx[3], .tokens = &next, .n = 1 } };
     CHECK(es_decode_group(g, two, 2) == ES_OK);
-    if (step && es_group_logits(g, 1)) CHECK(memcmp(es_group_logits(g, 1), step, (size_t) nv * sizeof(float)) == 0);
+    if (step) CHECK(memcmp(es_context_logits(ctx[3]), step, (size_t) nv * sizeof(float)) == 0);
     free(step);
     for (int32_t k = 0; k < N_MEMBERS; k++) free(alone[k]);
 done:
@@ -168,7 +167,6 @@ static void check_refusals(const char * path, es_model * m) {
         CHECK(es_decode_group(g, s, 2) == ES_ERR_CONTEXT_FULL);
         CHECK(es_decode_group(g, s, 0) == ES_ERR_INVALID_ARG);
         CHECK(es_context_n_past(a) == 2 && es_context_n_past(b) == 63);  // all as before
-        CHECK(es_group_logits(g, 0) == NULL);
         s[1].n = 1;
         CHECK(es_decode_group(g, s, 2) == ES_OK);
         CHECK(es_context_n_past(a) == 4 && es_context_n_past(b) == 64);
@@ -198,6 +196,5 @@ int main(void) {
     for_each_test_model(check_model);
     es_group_free(NULL);
     CHECK(es_decode_group(NULL, NULL, 1) == ES_ERR_INVALID_ARG);
-    CHECK(es_group_logits(NULL, 0) == NULL);
     return check_report("test_group");
 }
