@@ -24,7 +24,7 @@ def _opt(*args, **kwargs):
 
 
 @app.command()
-@engine_options(envvars=True, exclude=("model",), defaults={"slots": DEFAULT_SLOTS})
+@engine_options(envvars=True, exclude=("model",), defaults={"slots": DEFAULT_SLOTS, "parallel": None})
 def serve(
     engine: EngineConfig = ...,
     models: Optional[list[str]] = _opt(None, "--model", "-m", help=MODEL_HELP + " Repeatable: every one "
