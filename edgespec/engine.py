@@ -502,11 +502,15 @@ class Engine:
         self._release(1 if gen is not None else self.parallel)
 
     def _end_suspended(self, thread: threading.Thread) -> None:
-        """End the running generations ``thread`` left suspended. A method of
-        its own so that no reference to them outlives the call: a thread
-        waiting for the engine must not keep a dropped stream alive."""
+        """End the running generations ``thread`` left suspended, unless a lane
+        is free (parallel: each runs in a slot of its own, and this thread
+        would not wait for itself). A method of its own so that no reference
+        to them outlives the call: a thread waiting for the engine must not
+        keep a dropped stream alive."""
         with self._state:
             self._check_open()
+            if self.parallel > 1 and self._free_lanes:
+                return
             stale = [g for g in self._current() if g.owner is thread]
         for g in stale:
             g._end_if_idle(GenerationAbandonedError(
