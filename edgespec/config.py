@@ -31,6 +31,7 @@ MIN_CTX = 16              # smaller caches trip llama.cpp's asserts, and hold no
 MAX_CTX = 2**31 - 1       # positions are int32 in every backend
 MAX_SLOTS = 64            # KV-cache slots per backend
 MAX_PARALLEL = 16         # generations decoding together in one batch per step
+AUTO_PARALLEL = 4         # the most parallel=None chooses
 MAX_PREFETCH = 64         # expert prefetch depth, in layers
 THREADS_PER_CPU = 4       # more threads per CPU than this needs force_threads
 

@@ -40,7 +40,7 @@ from .backends.base import kv_cache_bytes
 from .batching import Batcher, evaluate
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
-from .config import EngineConfig
+from .config import AUTO_PARALLEL, EngineConfig
 from .costs import available_memory, batch_costs
 from .drafters import Draft, Drafter, DrafterConfig, Verified, routed
 from .drafters.router import open_router
@@ -60,7 +60,6 @@ TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
 # absent or 0 (none): the mean.
 POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
 SLOT_MAGIC = b"edgespec-slot 1\n"   # a saved slot's first line; a JSON header line, then the state
-AUTO_PARALLEL = 4      # most generations parallel=None chooses
 _ALONE = contextlib.nullcontext()   # a lone generation's backend calls take no lock
 
 
@@ -520,6 +519,10 @@ class Engine:
     def _current(self) -> list[Generation]:
         """The running generations still referenced (under ``_state``)."""
         return [g for ref in self._running.values() if (g := ref()) is not None]
+
+    def running_slots(self) -> list[int]:
+        """The slots the running generations are in."""
+        return self._busy_slots(-1)
 
     def _busy_slots(self, lane: int) -> list[int]:
         """The slots of the running generations but lane ``lane``'s."""
