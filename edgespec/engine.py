@@ -463,7 +463,7 @@ class Engine:
         ended first: it can never resume correctly once another generation
         has used the cache, and a step loop would wait for it."""
         me = threading.current_thread()
-        self._end_suspended(me)
+        self._end_suspended(me, every=gen is None)
         permits = 1 if gen is not None else self.parallel
         if not self._acquire(permits, blocking):
             raise EngineBusyError("the engine is running another generation (blocking=False)")
@@ -500,15 +500,16 @@ class Engine:
                 self._free_lanes.append(gen.lane)
         self._release(1 if gen is not None else self.parallel)
 
-    def _end_suspended(self, thread: threading.Thread) -> None:
-        """End the running generations ``thread`` left suspended, unless a lane
-        is free (parallel: each runs in a slot of its own, and this thread
-        would not wait for itself). A method of its own so that no reference
-        to them outlives the call: a thread waiting for the engine must not
-        keep a dropped stream alive."""
+    def _end_suspended(self, thread: threading.Thread, every: bool = True) -> None:
+        """End the running generations ``thread`` left suspended; for another
+        generation (not ``every`` lane wanted) only when no lane is free
+        (parallel: each runs in a slot of its own, and this thread must not
+        wait for itself). A method of its own so that no reference to them
+        outlives the call: a thread waiting for the engine must not keep a
+        dropped stream alive."""
         with self._state:
             self._check_open()
-            if self.parallel > 1 and self._free_lanes:
+            if not every and self.parallel > 1 and self._free_lanes:
                 return
             stale = [g for g in self._current() if g.owner is thread]
         for g in stale:

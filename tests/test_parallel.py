@@ -15,7 +15,7 @@ from edgespec.backends.base import kv_cache_bytes
 from edgespec.costs import available_memory
 from edgespec.config import MAX_PARALLEL, EngineConfig
 from edgespec.engine import auto_parallel
-from edgespec.errors import EngineBusyError, InvalidArgumentError
+from edgespec.errors import EngineBusyError, GenerationAbandonedError, InvalidArgumentError
 
 PROMPTS = ["Once upon a time", "The lighthouse keeper climbed", "In the beginning there was",
            "A quick brown fox jumps over", "She opened the door and"]
@@ -134,3 +134,12 @@ def test_parallel_none_opens_with_the_chosen_number(tiny_llama_path):
 def test_parallel_out_of_range_is_refused_naming_it(bad):
     with pytest.raises(InvalidArgumentError, match="parallel"):
         EngineConfig(parallel=bad)
+
+
+def test_an_exclusive_call_ends_this_threads_suspended_stream_instead_of_waiting_for_it(tiny_llama_path):
+    with Engine(tiny_llama_path, backend="native", threads=2, parallel=2) as engine:
+        stream = engine.stream(PROMPTS[0], max_tokens=100)
+        next(stream)
+        engine.forget_prefix()   # takes every lane: would wait forever for this thread's own stream
+        with pytest.raises(GenerationAbandonedError):
+            next(stream)
