@@ -181,12 +181,8 @@ static void check_refusals(const char * path, es_model * m) {
 }
 
 static void check_model(const char * path) {
-    char err[256];
-    es_model * m = NULL;
-    const int rc = es_model_load(path, NULL, &m, err, sizeof err);
-    if (rc != ES_OK) fprintf(stderr, "%s: %s (%s)\n", path, err, es_status_str(rc));
-    CHECK(rc == ES_OK);
-    if (rc != ES_OK) return;
+    es_model * m = load_test_model(path);
+    if (!m) return;
     for (int32_t n_threads = 1; n_threads <= 2; n_threads++) check_same_as_alone(m, n_threads);
     check_refusals(path, m);
     es_model_free(m);
