@@ -472,7 +472,10 @@ class Engine:
                 self._release(permits)
                 raise EngineClosedError("the engine was closed")
             if gen is not None:
-                gen.lane = self._free_lanes.pop(0)
+                # The lowest lane: a lone client keeps the drafters and planner
+                # that learned the most (lane 0's, as with parallel 1).
+                gen.lane = min(self._free_lanes)
+                self._free_lanes.remove(gen.lane)
                 # Weakly: a stream its consumer dropped is freed and gives the engine back.
                 self._running[gen.lane] = weakref.ref(gen)
                 gen.owner = me
@@ -1037,6 +1040,8 @@ class Engine:
         generation's own."""
         backend, batcher = self.backend, self._batcher
         planner = self._lane_planner(lane) if drafters else None
+        if planner is not None:
+            planner.shared = 0   # alone until a batch says otherwise
         # An offloaded MoE's planner weighs the expert reads each step waits for.
         weigh_reads = bool(drafters) and planner.experts is not None
         t0 = time.perf_counter()
@@ -1080,6 +1085,8 @@ class Engine:
                 else:
                     evaluated = batcher.step(step)
                     logits, batch_tokens = evaluated.address, evaluated.batch_tokens
+                    if planner is not None:   # the next draft is weighed in a batch like this one
+                        planner.shared = batch_tokens - len(pending) - len(draft)
                 # Finish: verify, drop what was rejected, learn, yield.
                 new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs, masks)
                 if constraint:
