@@ -21,9 +21,10 @@ round: aggregate tokens/s of each way, their ratio, each client's time to
 its first token, and whether every concurrent answer equals its serial one;
 beside them the ceiling that batching the N streams' steps could reach on
 this machine (N / the measured cost of an N-token batch in units of a
-one-token step, edgespec.costs). Also one client alone on that server
-against one client on a ``--parallel 1`` server of the same model, in the
-same rounds: what serving several costs a lone user.
+one-token step, edgespec.costs). Also, in the same rounds, the N clients at
+once on a ``--parallel 1`` server of the same model (one at a time, as
+before), and one client alone on each server: what serving several costs a
+lone user.
 
     python benchmarks/bench_server.py --model qwen2.5-coder-0.5b --clients 4 --rounds 3
 """
@@ -173,7 +174,7 @@ def concurrency(args) -> None:
 
     n = args.clients
     prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(n)]
-    ways = ("serial", "concurrent", "one client", "one client, --parallel 1")
+    ways = ("serial", "concurrent", "concurrent, --parallel 1", "one client", "one client, --parallel 1")
     rows = {way: [] for way in ways}
     options = dict(threads=args.threads, n_ctx=1024, drafter=args.drafter, slots=n)
     with Engine(args.model, parallel=args.parallel or n, **options) as engine, \
@@ -188,6 +189,7 @@ def concurrency(args) -> None:
             for _ in range(args.rounds):
                 rows["serial"].append(clients(many, prompts, args.tokens, together=False))
                 rows["concurrent"].append(clients(many, prompts, args.tokens, together=True))
+                rows["concurrent, --parallel 1"].append(clients(single, prompts, args.tokens, together=True))
                 rows["one client"].append(clients(many, prompts[:1], args.tokens, together=True))
                 rows["one client, --parallel 1"].append(clients(single, prompts[:1], args.tokens, together=True))
         finally:
@@ -199,7 +201,8 @@ def concurrency(args) -> None:
     ratios = [c["tokens_per_s"] / s["tokens_per_s"] for s, c in zip(rows["serial"], rows["concurrent"])]
     lone_ratios = [a["tokens_per_s"] / b["tokens_per_s"]
                    for a, b in zip(rows["one client"], rows["one client, --parallel 1"])]
-    same = all(c["texts"] == s["texts"] for s, c in zip(rows["serial"], rows["concurrent"])) and \
+    same = all(r["texts"] == s["texts"] for s, *others in zip(rows["serial"], rows["concurrent"],
+                                                              rows["concurrent, --parallel 1"]) for r in others) and \
         all(a["texts"] == b["texts"] for a, b in zip(rows["one client"], rows["one client, --parallel 1"]))
     print(f"model {args.model}, {args.threads} threads, drafter {args.drafter}, {n} clients x {args.tokens} tokens, "
           f"--parallel {args.parallel or n}, {args.rounds} rounds (medians)")

@@ -43,7 +43,7 @@ class Evaluated:
     batch_tokens: int  # tokens of the whole batch
 
 
-@dataclass
+@dataclass(eq=False)   # queued steps are told apart by identity
 class _Entry:
     step: GroupStep
     since: float

@@ -10,7 +10,7 @@ and Engine.stream's keyword arguments), then::
     job.close()                               # job.result: the engine's Result
 
 Each generation runs in a worker thread holding a turn of its runner
-(``runner.lock.turn()``): as many at once as the engine's ``parallel`` (one
+(``runner.turns.turn()``): as many at once as the engine's ``parallel`` (one
 unless ``serve --parallel``; several then decode together, one batch per
 step), the others queued; the event loop never blocks on the engine. The
 runner admits jobs on top of the Engine's own lanes because a queued job,
@@ -18,8 +18,8 @@ once its turn comes, must still be droppable (its client gone, the server
 stopping) before the engine does any work for it, and shutdown waits for
 every runner's turns to end to know that no generation runs. The worker
 counts the prompt's tokens before it takes a turn, so a prompt over the
-context is refused without waiting for the running generations. Pieces cross from the worker to the loop
-through a queue. A client that goes away (``http.disconnect``) cancels its
+context is refused without waiting for the running generations. Pieces
+cross from the worker to the loop through a queue. A client that goes away (``http.disconnect``) cancels its
 job: a queued one never starts, a running one ends after its next piece (a
 token, at most a step).
 
@@ -112,7 +112,7 @@ class Runner:
         self.name = name                 # the model id clients send
         self.metrics = metrics
         self.log = log or (lambda line: None)
-        self.lock = Turns(lambda: self.engine.parallel, self._count_running)   # the generations' turns
+        self.turns = Turns(lambda: self.engine.parallel, self._count_running)   # the generations' turns
         self.created = int(time.time())
         self.cache: dict = {}            # facts about the model endpoints compute once
         self.stopping = False            # set on shutdown: generations end at their next piece
@@ -401,7 +401,7 @@ class Job:
                 n = r.count_prompt(c)
                 # clients send large values meaning "as much as fits"
                 c.options["max_tokens"] = min(c.options["max_tokens"], (c.options.get("n_ctx") or r.n_ctx) - n)
-                with r.lock.turn():
+                with r.turns.turn():
                     if r.stopping:
                         self._post(ApiError(503, "the server is shutting down", type="server_error"))
                     elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
@@ -517,7 +517,7 @@ class Runners:
         for r in self:
             r.stop()
         for r in self:
-            r.lock.drain()
+            r.turns.drain()
 
 
 class ClientGone(Exception):
