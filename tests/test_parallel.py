@@ -22,13 +22,19 @@ PROMPTS = ["Once upon a time", "The lighthouse keeper climbed", "In the beginnin
 
 
 def at_once(engine: Engine, prompts: list[str], **options) -> list:
-    """Each prompt's Result, generated in a thread of its own, all started together."""
+    """Each prompt's Result, generated in a thread of its own; all of them
+    running together once each has its first piece (as many prompts as the
+    engine has lanes)."""
     results = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
+    started = threading.Barrier(len(prompts))
 
     def run(i):
-        start.wait()
-        results[i] = engine.generate(prompts[i], **options)
+        gen = engine.stream(prompts[i], **options)
+        next(gen, None)
+        started.wait()
+        for _ in gen:
+            pass
+        results[i] = gen.result
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -46,9 +52,9 @@ def test_concurrent_greedy_generations_equal_their_serial_answers(tiny_llama_pat
     monkeypatch.setattr(batching, "AWAY_GRACE_S", 0.5)
     with Engine(tiny_llama_path, backend="native", threads=2, parallel=3, drafter=drafter) as engine:
         assert engine.parallel == 3 and engine.backend.n_slots >= 3
-        serial = [engine.generate(p, max_tokens=48).tokens for p in PROMPTS]
+        serial = [engine.generate(p, max_tokens=48).tokens for p in PROMPTS[:3]]
         alone = engine._batcher.batched_steps
-        together = at_once(engine, PROMPTS, max_tokens=48)
+        together = at_once(engine, PROMPTS[:3], max_tokens=48)
         assert [r.tokens for r in together] == serial
         batched = engine._batcher.batched_steps - alone
         assert batched > 0 and engine._batcher.batches < engine._batcher.batched_steps  # some batches held several
@@ -111,7 +117,17 @@ def test_a_backend_that_cannot_group_runs_generations_one_at_a_time(tiny_llama_p
     with Engine(tiny_llama_path, backend="llama", threads=2, parallel=3) as engine:
         assert engine.parallel == 1 and engine._batcher is None
         serial = [engine.generate(p, max_tokens=24).tokens for p in PROMPTS[:3]]
-        assert [r.tokens for r in at_once(engine, PROMPTS[:3], max_tokens=24)] == serial
+        got = [None] * 3
+
+        def run(i):
+            got[i] = engine.generate(PROMPTS[i], max_tokens=24).tokens
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got == serial
 
 
 def test_parallel_none_is_chosen_from_the_cost_curve_and_memory():
