@@ -424,13 +424,11 @@ class Backend(Closing, ABC):
         if total > self.n_batch:
             raise InvalidArgumentError(f"a group of {total} tokens does not fit one batch of {self.n_batch}")
         addresses = self._evaluate_group(batches)
-        for s in steps:
-            record = self._records[s.slot]
+        for s in steps:   # as decode (a chain is recorded whole) or decode_tree would
+            self._records[s.slot].extend(s.pending)
             if s.parents is None:
-                record.extend(s.pending)
-                record.extend(s.tokens)
+                self._records[s.slot].extend(s.tokens)
             else:
-                record.extend(s.pending)
                 self._trees[s.slot] = len(s.tokens)
         return addresses
 
