@@ -263,8 +263,9 @@ int32_t es_context_n_past(const es_context * ctx);  // tokens held in the KV cac
 int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents,
               int32_t n, int32_t logits_from);
 
-// The (n - logits_from, n_vocab) logits of the last es_decode; owned by ctx,
-// valid until the next es_decode or es_context_free. NULL with embeddings.
+// The (n - logits_from, n_vocab) logits of the last es_decode (or
+// es_decode_group ctx was a member of); owned by ctx, valid until the next
+// one or es_context_free. NULL with embeddings.
 const float * es_context_logits(const es_context * ctx);
 
 // With es_context_params.embeddings: the (n - logits_from, n_embd) hidden
