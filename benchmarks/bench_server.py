@@ -186,12 +186,13 @@ def concurrency(args) -> None:
             for server in (many, single):   # warm-up: pages, every prompt's prefix in some slot
                 for p in prompts:
                     stream_client(server, p, 4, time.perf_counter(), {})
-            for _ in range(args.rounds):
+            for i in range(args.rounds):
                 rows["serial"].append(clients(many, prompts, args.tokens, together=False))
                 rows["concurrent"].append(clients(many, prompts, args.tokens, together=True))
                 rows["concurrent, --parallel 1"].append(clients(single, prompts, args.tokens, together=True))
-                rows["one client"].append(clients(many, prompts[:1], args.tokens, together=True))
-                rows["one client, --parallel 1"].append(clients(single, prompts[:1], args.tokens, together=True))
+                lone = [("one client", many), ("one client, --parallel 1", single)]
+                for way, server in lone if i % 2 == 0 else lone[::-1]:   # either first in turn
+                    rows[way].append(clients(server, prompts[:1], args.tokens, together=True))
         finally:
             for server, thread in servers.values():
                 server.shutdown()

@@ -1105,9 +1105,11 @@ class Engine:
                         io1 = backend.expert_stats()
                         io = dict(misses=(io1["lookups"] - io1["hits"]) - (io0["lookups"] - io0["hits"]),
                                   stall_s=(io1["stall_ns"] - io0["stall_ns"]) / 1e9)
-                    # A batch's time: the cost of its tokens, whoever's they were.
-                    seconds = step.seconds if batcher is None else evaluated.seconds
-                    planner.record_step_time(seconds, batch_tokens, **io)
+                    # The curve is of lone steps: a batch shared with other
+                    # generations (their attention, their caches) says nothing of it.
+                    if batch_tokens == len(pending) + len(draft):
+                        seconds = step.seconds if batcher is None else evaluated.seconds
+                        planner.record_step_time(seconds, batch_tokens, **io)
                     planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
                     verified = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
                     for d in drafters:
