@@ -15,11 +15,16 @@ Measured, interleaved round by round so that machine drift cancels:
 
 With ``--clients N``, several users at once instead (issue 30): N greedy
 clients streaming different prompts at the same moment against the same N
-requests served one after another, on the current server, interleaved round
-by round: aggregate tokens/s of each way, their ratio, and each client's
-time to its first token; beside them the ceiling that batching the N
-streams' steps together could reach on this machine (N / the measured cost
-of an N-token batch in units of a one-token step, edgespec.costs).
+requests served one after another, on a server of ``--parallel`` (default N:
+their steps decoded together, one batch per step), interleaved round by
+round: aggregate tokens/s of each way, their ratio, each client's time to
+its first token, and whether every concurrent answer equals its serial one;
+beside them the ceiling that batching the N streams' steps could reach on
+this machine (N / the measured cost of an N-token batch in units of a
+one-token step, edgespec.costs). Also, in the same rounds, the N clients at
+once on a ``--parallel 1`` server of the same model (one at a time, as
+before), and one client alone on each server: what serving several costs a
+lone user.
 
     python benchmarks/bench_server.py --model qwen2.5-coder-0.5b --clients 4 --rounds 3
 """
@@ -126,72 +131,97 @@ CLIENT_PROMPTS = ("def fibonacci(n):", "class Stack:\n    def __init__(self):", 
 
 def stream_client(server, prompt: str, tokens: int, t0: float, out: dict) -> None:
     """One client: a streamed greedy completion; ``out`` gets its first-token
-    time (from ``t0``) and its token count (from the final usage)."""
+    time (from ``t0``), its text and its token count (from the final usage)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=600)
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
+    text = []
     for line in resp:
         if not line.startswith(b"data: {"):
             continue
         chunk = json.loads(line[6:])
-        if chunk["choices"] and chunk["choices"][0]["text"] and "first_s" not in out:
-            out["first_s"] = time.perf_counter() - t0
+        if chunk["choices"] and chunk["choices"][0]["text"]:
+            out.setdefault("first_s", time.perf_counter() - t0)
+            text.append(chunk["choices"][0]["text"])
         if chunk.get("usage"):
             out["tokens"] = chunk["usage"]["completion_tokens"]
+    out["text"] = "".join(text)
     conn.close()
+
+
+def clients(server, prompts: list[str], tokens: int, together: bool) -> dict:
+    """The prompts' streams, all at once or one after another: aggregate
+    tokens/s, each client's first-token time and text."""
+    outs = [{} for _ in prompts]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=stream_client, args=(server, p, tokens, t0, o)) for p, o in zip(prompts, outs)]
+    for t in threads:
+        t.start()
+        if not together:
+            t.join()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": sum(o["tokens"] for o in outs) / wall, "first_s": [o["first_s"] for o in outs],
+            "texts": [o["text"] for o in outs]}
 
 
 def concurrency(args) -> None:
     """N clients at once against the same requests one after another (see the module docstring)."""
     from edgespec.server import make_server
 
-    prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(args.clients)]
-    rows = {"serial": [], "concurrent": []}
-    with Engine(args.model, threads=args.threads, n_ctx=1024, drafter=args.drafter, slots=args.clients) as engine:
-        costs = engine.batch_costs()
-        server, thread = start(make_server, engine)
-        try:
-            for p in prompts:   # warm-up: pages, every prompt's prefix in some slot
-                stream_client(server, p, 4, time.perf_counter(), {})
-            for _ in range(args.rounds):
-                for way in ("serial", "concurrent"):
-                    outs = [{} for _ in prompts]
-                    t0 = time.perf_counter()
-                    if way == "serial":
-                        for p, o in zip(prompts, outs):
-                            stream_client(server, p, args.tokens, t0, o)
-                    else:
-                        threads = [threading.Thread(target=stream_client, args=(server, p, args.tokens, t0, o))
-                                   for p, o in zip(prompts, outs)]
-                        for t in threads:
-                            t.start()
-                        for t in threads:
-                            t.join()
-                    wall = time.perf_counter() - t0
-                    rows[way].append({"tokens_per_s": sum(o["tokens"] for o in outs) / wall,
-                                      "first_s": [o["first_s"] for o in outs]})
-        finally:
-            server.shutdown()
-            server.server_close()
-            thread.join(10)
     n = args.clients
+    prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(n)]
+    ways = ("serial", "concurrent", "concurrent, --parallel 1", "one client", "one client, --parallel 1")
+    rows = {way: [] for way in ways}
+    options = dict(threads=args.threads, n_ctx=1024, drafter=args.drafter, slots=n)
+    with Engine(args.model, parallel=args.parallel or n, **options) as engine, \
+            Engine(args.model, parallel=1, **options) as lone:
+        costs = engine.batch_costs()
+        servers = {"many": start(make_server, engine), "lone": start(make_server, lone)}
+        many, single = servers["many"][0], servers["lone"][0]
+        try:
+            for server in (many, single):   # warm-up: pages, every prompt's prefix in some slot
+                for p in prompts:
+                    stream_client(server, p, 4, time.perf_counter(), {})
+            for i in range(args.rounds):
+                rows["serial"].append(clients(many, prompts, args.tokens, together=False))
+                rows["concurrent"].append(clients(many, prompts, args.tokens, together=True))
+                rows["concurrent, --parallel 1"].append(clients(single, prompts, args.tokens, together=True))
+                lone = [("one client", many), ("one client, --parallel 1", single)]
+                for way, server in lone if i % 2 == 0 else lone[::-1]:   # either first in turn
+                    rows[way].append(clients(server, prompts[:1], args.tokens, together=True))
+        finally:
+            for server, thread in servers.values():
+                server.shutdown()
+                server.server_close()
+                thread.join(10)
     ceiling = n / costs[min(n, len(costs) - 1)]
     ratios = [c["tokens_per_s"] / s["tokens_per_s"] for s, c in zip(rows["serial"], rows["concurrent"])]
+    lone_ratios = [a["tokens_per_s"] / b["tokens_per_s"]
+                   for a, b in zip(rows["one client"], rows["one client, --parallel 1"])]
+    same = all(r["texts"] == s["texts"] for s, *others in zip(rows["serial"], rows["concurrent"],
+                                                              rows["concurrent, --parallel 1"]) for r in others) and \
+        all(a["texts"] == b["texts"] for a, b in zip(rows["one client"], rows["one client, --parallel 1"]))
     print(f"model {args.model}, {args.threads} threads, drafter {args.drafter}, {n} clients x {args.tokens} tokens, "
-          f"{args.rounds} rounds (medians)")
+          f"--parallel {args.parallel or n}, {args.rounds} rounds (medians)")
     for way, rs in rows.items():
-        firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(n)]
-        print(f"  {way:<10} {statistics.median(r['tokens_per_s'] for r in rs):7.1f} tok/s aggregate; "
+        firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(len(rs[0]["first_s"]))]
+        print(f"  {way:<26} {statistics.median(r['tokens_per_s'] for r in rs):7.1f} tok/s aggregate; "
               f"first token per client (s): {', '.join(f'{f:.2f}' for f in firsts)}")
     print(f"  concurrent / serial: {statistics.median(ratios):.2f}x "
           f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(f"  one client, --parallel {args.parallel or n} / --parallel 1: {statistics.median(lone_ratios):.3f}x "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in lone_ratios)})")
+    print(f"  greedy answers identical every way: {same}")
     print(f"  ceiling of batching {n} streams' steps: {ceiling:.2f}x "
           f"(an {n}-token batch costs {costs[min(n, len(costs) - 1)]:.2f} one-token steps here)")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "threads": args.threads, "clients": n,
                                          "tokens": args.tokens, "rounds": rows, "ratios": ratios,
+                                         "lone_ratios": lone_ratios, "identical": same,
                                          "batch_costs": costs, "ceiling": ceiling}, indent=1))
 
 
@@ -207,6 +237,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=0, help="several users at once: this many concurrent clients "
                     "against the same requests one after another (see above)")
     ap.add_argument("--drafter", default="none", help="with --clients: the engine's drafter (default none)")
+    ap.add_argument("--parallel", type=int, default=None, help="with --clients: the server's --parallel "
+                    "(default: the number of clients)")
     args = ap.parse_args()
     if args.clients:
         return concurrency(args)

@@ -30,6 +30,8 @@ MAX_DRAFT = 64            # draft_max < min(n_batch, MAX_DRAFT)
 MIN_CTX = 16              # smaller caches trip llama.cpp's asserts, and hold no useful text
 MAX_CTX = 2**31 - 1       # positions are int32 in every backend
 MAX_SLOTS = 64            # KV-cache slots per backend
+MAX_PARALLEL = 16         # generations decoding together in one batch per step
+AUTO_PARALLEL = 4         # the most parallel=None chooses
 MAX_PREFETCH = 64         # expert prefetch depth, in layers
 THREADS_PER_CPU = 4       # more threads per CPU than this needs force_threads
 
@@ -78,6 +80,13 @@ class EngineConfig:
     slots: int = option(1, "--slots", minimum=1, maximum=MAX_SLOTS,
                         help=f"KV-cache slots, [1, {MAX_SLOTS}]: each keeps one conversation's prefix (a context "
                              "of --ctx tokens each, made when first used).")
+    parallel: int | None = option(
+        1, "--parallel", minimum=1, maximum=MAX_PARALLEL, metavar="N",
+        help=f"Generations decoding together, [1, {MAX_PARALLEL}]: concurrent requests each run in a slot of "
+             "their own (slots are raised to N) and their steps, drafts included, are evaluated in one batch "
+             "(native backend; on the others requests run one at a time) (default: 1; for serve, and None in "
+             "Python, chosen at load from this machine's batch cost curve: the most sequences, up to 4, each "
+             "adding at most half a lone step's cost, whose KV caches fit in half the memory available).")
     gpu_layers: int = option(0, "--gpu-layers", minimum=0,
                              help="Layers to offload to Metal/CUDA/Vulkan if llama.cpp was built with one, >= 0 "
                                   "(llama backend).")
@@ -185,7 +194,7 @@ def _refuse(option: str, message: str) -> InvalidArgumentError:
 def _check_field(f: dataclasses.Field, value: Any) -> None:
     """One field's own range or choices (InvalidArgumentError naming it)."""
     m = f.metadata
-    if value is None and f.default is None:
+    if value is None and (f.default is None or str(f.type).endswith("| None")):   # None: chosen at load
         return
     name = f.name
     if m.get("choices") is not None:

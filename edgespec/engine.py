@@ -11,12 +11,15 @@ waiting), and ``cancel()`` from any thread stops the running one within one
 target step or one chunk of prompt evaluation. With ``slots=N`` it keeps N
 KV caches (one context each over the one loaded model): each generation runs
 in the slot holding the longest prefix of its prompt (else an empty or the
-least recently used one), so N conversations keep their prefixes.
+least recently used one), so N conversations keep their prefixes. With
+``parallel=N`` (native backend) up to N generations run at once, each in a
+slot of its own, their steps evaluated in one batch (edgespec.batching).
 
     vectors = engine.embed(["first text", "second text"])   # (2, n_embd), unit length
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,11 +35,13 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import drafters as drafting
-from .backends import Interrupted, default_backend, open_backend
+from .backends import GroupStep, Interrupted, default_backend, open_backend
+from .backends.base import kv_cache_bytes
+from .batching import Batcher, evaluate
 from .chat import template as chat_templates
 from .chat import tools as chat_tools
-from .config import EngineConfig
-from .costs import batch_costs
+from .config import AUTO_PARALLEL, EngineConfig
+from .costs import available_memory, batch_costs
 from .drafters import Draft, Drafter, DrafterConfig, Verified, routed
 from .drafters.router import open_router
 from .errors import (ContextOverflowError, EdgespecError, EngineBusyError, EngineClosedError,
@@ -55,6 +60,7 @@ TREE_SEQS = 8          # KV sequences for draft-tree branches (leaves per tree)
 # absent or 0 (none): the mean.
 POOLING = {0: "mean", 1: "mean", 2: "cls", 3: "last"}
 SLOT_MAGIC = b"edgespec-slot 1\n"   # a saved slot's first line; a JSON header line, then the state
+_ALONE = contextlib.nullcontext()   # a lone generation's backend calls take no lock
 
 
 
@@ -94,6 +100,30 @@ class _Outcome:
     result: Result | None = None
 
 
+@dataclass
+class _Lane:
+    """One of an engine's ``parallel`` places for a running generation: its
+    drafters and planner (drafters keep a generation's state), and the slot
+    its generation runs in. Lane 0's drafters are the engine's ``_drafters``,
+    its planner the engine's ``_planner``."""
+
+    drafters: dict[str, Drafter] = field(default_factory=dict)
+    planner: Planner | None = None
+    slot: int = 0
+
+
+def auto_parallel(costs: list[float], kv_bytes: int | None, memory: int | None) -> int:
+    """``parallel=None``'s choice: the most generations, up to AUTO_PARALLEL,
+    whose one-token steps batched cost each at most half a lone step more
+    (``costs[n]``: a batch of n tokens, a lone token 1.0), and whose KV caches
+    (``kv_bytes`` each) fit in half of ``memory``."""
+    n = 1
+    while (n < AUTO_PARALLEL and n + 1 < len(costs) and costs[n + 1] <= 1.0 + 0.5 * n
+           and (kv_bytes is None or memory is None or (n + 1) * kv_bytes <= memory // 2)):
+        n += 1
+    return n
+
+
 class Generation(Iterator[str]):
     """A generation in progress: iterating yields its text pieces (never a
     split UTF-8 character); ``result`` holds the whole Result once it ends.
@@ -117,6 +147,7 @@ class Generation(Iterator[str]):
         self._done = False
         self._ended_by: EdgespecError | None = None   # raised on resuming one the engine ended
         self.owner: threading.Thread | None = None    # the thread that started it
+        self.lane = 0                                 # the engine's lane it runs in (_take)
 
     @property
     def result(self) -> Result | None:
@@ -144,7 +175,7 @@ class Generation(Iterator[str]):
                 raise StopIteration
             if self._pieces is None:
                 self._engine._take(self, self._blocking)
-                self._pieces = self._engine._pieces(self._request, self._outcome)
+                self._pieces = self._engine._pieces(self._request, self._outcome, self.lane)
             try:
                 piece = next(self._pieces)
             except BaseException:
@@ -188,7 +219,7 @@ class Generation(Iterator[str]):
     def _finish(self) -> None:
         if not self._done:
             self._done = True
-            self._engine._give_back()
+            self._engine._give_back(self)
 
     def __del__(self):
         self.close()
@@ -229,7 +260,9 @@ class Engine:
     where it is at least llama.cpp's speed, else llama; a file of a variant
     the native engine does not read falls back to llama). With a ``drafter``
     other than none the machine's costs are measured now, once per machine
-    (edgespec.costs), never inside a generation.
+    (edgespec.costs), never inside a generation. ``parallel=N``: up to N
+    generations at once (see the module docstring; None chooses N from the
+    cost curve, ``auto_parallel``); a backend that cannot group runs one.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, config: EngineConfig | None = None,
@@ -251,8 +284,11 @@ class Engine:
         if c.ep is not None and "onnx" not in (backend, c.draft_backend):
             raise InvalidArgumentError("an execution provider (ep) applies to the onnx backend: "
                                        "use it with backend onnx or draft_backend onnx")
+        # Each running generation needs a slot of its own; slots are made on
+        # first use, so those parallel=None may not use cost nothing.
+        slots = max(c.slots, c.parallel or AUTO_PARALLEL)
         options = dict(n_ctx=c.n_ctx, n_batch=c.n_batch, threads=c.threads, gpu_layers=c.gpu_layers,
-                       n_seq=TREE_SEQS, slots=c.slots, ctx_extend=c.ctx_extend, experts=c.expert_cache,
+                       n_seq=TREE_SEQS, slots=slots, ctx_extend=c.ctx_extend, experts=c.expert_cache,
                        verbose=c.verbose)
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
@@ -274,28 +310,60 @@ class Engine:
         self._chat_template: str | None = None
         self._capabilities: tuple[str, ...] | None = None
         self._llg_tokenizer = None  # the grammar engine's view of the vocabulary, built on first use
-        # Sharing between threads: _busy is held by the running generation;
-        # _state guards the fields below it and lets close() wait for readers.
-        self._busy = threading.Lock()
-        self._state = threading.Condition()
-        self._running: weakref.ref[Generation] | None = None
-        self._readers = 0       # calls reading the model outside a generation (tokenizing)
-        self._closed = False
-        if self.drafter != "none":
-            try:
+        self._lanes = [_Lane(self._drafters)]
+        try:
+            if self.drafter != "none":
                 self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
                 # The machine is measured now, if it must be, never inside a generation.
                 self._planner = self._new_planner()
-            except BaseException:
-                self._free()
-                raise
+            self.parallel = self._parallel(c.parallel)
+        except BaseException:
+            self._free()
+            raise
+        # Sharing between threads: each running generation holds one of
+        # _busy's permits (a short exclusive call all of them, taken under
+        # _gather); _state guards the fields below it and lets close() wait
+        # for readers. With parallel > 1 every backend call of a generation
+        # is made under _backend, its slot selected, and steps meet in _batcher.
+        self._busy = threading.BoundedSemaphore(self.parallel)
+        self._gather = threading.Lock()
+        self._state = threading.Condition()
+        self._running: dict[int, weakref.ref[Generation]] = {}   # lane -> its generation
+        self._free_lanes = list(range(self.parallel))
+        self._readers = 0       # calls reading the model outside a generation (tokenizing)
+        self._closed = False
+        self._backend = threading.Condition()
+        self._batcher = Batcher(self.backend, self._backend) if self.parallel > 1 else None
+        self._lanes += [_Lane() for _ in range(self.parallel - 1)]
 
-    def _open_drafters(self, name: str) -> list[Drafter]:
+    def _parallel(self, asked: int | None) -> int:
+        """How many generations run at once: ``asked`` (None: ``auto_parallel``
+        on this machine's cost curve), 1 where the backend cannot group."""
+        if not self.backend.groups:
+            return 1
+        if asked is not None:
+            return asked
+        kv = kv_cache_bytes(self.backend.metadata, self.backend.n_ctx)
+        return auto_parallel(self._batch_costs(), kv, available_memory())
+
+    def _open_drafters(self, name: str, lane: int = 0) -> list[Drafter]:
+        """Lane ``lane``'s drafters of ``name`` (opened on first use)."""
         names = {"none": [], "auto": drafting.auto_members(self._drafter_config)}.get(name, [name])
+        drafters = self._lanes[lane].drafters
         for n in names:
-            if n not in self._drafters:
-                self._drafters[n] = drafting.open_drafter(n, self._drafter_config)
-        return [self._drafters[n] for n in names]
+            if n not in drafters:
+                drafters[n] = drafting.open_drafter(n, self._drafter_config)
+        return [drafters[n] for n in names]
+
+    def _lane_planner(self, lane: int) -> Planner:
+        """Lane ``lane``'s planner, made on first use."""
+        if lane == 0:
+            if self._planner is None:
+                self._planner = self._new_planner()
+            return self._planner
+        if self._lanes[lane].planner is None:
+            self._lanes[lane].planner = self._new_planner()
+        return self._lanes[lane].planner
 
     def batch_costs(self, remeasure: bool = False) -> list[float]:
         """This machine's target batch cost curve (see edgespec.planner)."""
@@ -390,43 +458,80 @@ class Engine:
     # -- sharing between threads --------------------------------------------
 
     def _take(self, gen: Generation | None, blocking: bool = True) -> None:
-        """Hold the engine for ``gen`` (None: a short exclusive call). A stream
-        this thread left suspended is ended first: it can never resume
-        correctly once another generation has used the cache."""
+        """Hold the engine for ``gen`` (a lane of it), or, for None, all of it
+        for a short exclusive call. A stream this thread left suspended is
+        ended first: it can never resume correctly once another generation
+        has used the cache, and a step loop would wait for it."""
         me = threading.current_thread()
-        self._end_suspended(me)
-        if not self._busy.acquire(blocking):
+        self._end_suspended(me, every=gen is None)
+        permits = 1 if gen is not None else self.parallel
+        if not self._acquire(permits, blocking):
             raise EngineBusyError("the engine is running another generation (blocking=False)")
         with self._state:
             if self._closed:
-                self._busy.release()
+                self._release(permits)
                 raise EngineClosedError("the engine was closed")
-            # Weakly: a stream its consumer dropped is freed and gives the engine back.
-            self._running = weakref.ref(gen) if gen is not None else None
             if gen is not None:
+                # The lowest lane: a lone client keeps the drafters and planner
+                # that learned the most (lane 0's, as with parallel 1).
+                gen.lane = min(self._free_lanes)
+                self._free_lanes.remove(gen.lane)
+                # Weakly: a stream its consumer dropped is freed and gives the engine back.
+                self._running[gen.lane] = weakref.ref(gen)
                 gen.owner = me
 
-    def _give_back(self) -> None:
-        """Called by the holder of ``_busy``: the running generation, or a short exclusive call."""
-        with self._state:
-            self._running = None
-        self._busy.release()
+    def _acquire(self, permits: int, blocking: bool) -> bool:
+        if permits == 1:
+            return self._busy.acquire(blocking)
+        with self._gather:   # one gatherer at a time: two would each hold some and wait forever
+            taken = 0
+            while taken < permits and self._busy.acquire(blocking):
+                taken += 1
+            if taken < permits:
+                self._release(taken)
+            return taken == permits
 
-    def _end_suspended(self, thread: threading.Thread) -> None:
-        """End the running generation if ``thread`` left it suspended. A method
-        of its own so that no reference to it outlives the call: a thread
-        waiting for the engine must not keep a dropped stream alive."""
+    def _release(self, permits: int) -> None:
+        for _ in range(permits):
+            self._busy.release()
+
+    def _give_back(self, gen: Generation | None = None) -> None:
+        """Called by the holder: a generation, or (None) a short exclusive call."""
+        with self._state:
+            if gen is not None:
+                self._running.pop(gen.lane, None)
+                self._free_lanes.append(gen.lane)
+        self._release(1 if gen is not None else self.parallel)
+
+    def _end_suspended(self, thread: threading.Thread, every: bool = True) -> None:
+        """End the running generations ``thread`` left suspended; for another
+        generation (not ``every`` lane wanted) only when no lane is free
+        (parallel: each runs in a slot of its own, and this thread must not
+        wait for itself). A method of its own so that no reference to them
+        outlives the call: a thread waiting for the engine must not keep a
+        dropped stream alive."""
         with self._state:
             self._check_open()
-            stale = self._current()
-        if stale is not None and stale.owner is thread:
-            stale._end_if_idle(GenerationAbandonedError(
+            if not every and self.parallel > 1 and self._free_lanes:
+                return
+            stale = [g for g in self._current() if g.owner is thread]
+        for g in stale:
+            g._end_if_idle(GenerationAbandonedError(
                 "this stream was left suspended and ended when its thread started another "
                 "generation (its result holds what it generated)"))
 
-    def _current(self) -> Generation | None:
-        """The running generation, if it is still referenced (under ``_state``)."""
-        return self._running() if self._running is not None else None
+    def _current(self) -> list[Generation]:
+        """The running generations still referenced (under ``_state``)."""
+        return [g for ref in self._running.values() if (g := ref()) is not None]
+
+    def running_slots(self) -> list[int]:
+        """The slots the running generations are in."""
+        return self._busy_slots(-1)
+
+    def _busy_slots(self, lane: int) -> list[int]:
+        """The slots of the running generations but lane ``lane``'s."""
+        with self._state:
+            return [self._lanes[other].slot for other in self._running if other != lane]
 
     @contextmanager
     def _exclusive(self):
@@ -442,15 +547,14 @@ class Engine:
             raise EngineClosedError("the engine was closed")
 
     def cancel(self) -> bool:
-        """Stop the running generation within one step (thread-safe; one
-        waiting between pieces ends now); its result says
+        """Stop the running generations within one step (thread-safe; one
+        waiting between pieces ends now); their results say
         ``stop_reason="cancelled"``. Returns whether one was running."""
         with self._state:
-            gen = self._current()
-        if gen is None:
-            return False
-        gen.cancel()
-        return True
+            running = self._current()
+        for gen in running:
+            gen.cancel()
+        return bool(running)
 
     # -- lifetime -------------------------------------------------------------
 
@@ -463,19 +567,24 @@ class Engine:
                 return
             self._closed = True
             running = self._current()
-        if running is not None:
-            running._outcome.cancel.set()
-            running._end_if_idle(EngineClosedError("the engine was closed"))
-            del running   # waiting below must not keep a dropped stream alive
-        with self._busy:
+        while running:
+            gen = running.pop()
+            gen._outcome.cancel.set()
+            gen._end_if_idle(EngineClosedError("the engine was closed"))
+            del gen   # waiting below must not keep a dropped stream alive
+        self._acquire(self.parallel, True)
+        try:
             with self._state:
                 self._state.wait_for(lambda: self._readers == 0)
             self._free()
+        finally:
+            self._release(self.parallel)
 
     def _free(self) -> None:
-        for d in self._drafters.values():
-            d.close()
-        self._drafters.clear()
+        for lane in self._lanes:
+            for d in lane.drafters.values():
+                d.close()
+            lane.drafters.clear()
         self.backend.close()
 
     def __enter__(self):
@@ -904,82 +1013,132 @@ class Engine:
             self._llg_tokenizer = tokenizer_for(self.backend)
         return Constraint(grammar, self._llg_tokenizer, self.backend.n_vocab)
 
-    def _steps(self, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
+    def _on_slot(self, lane: int):
+        """What a generation's backend calls run under: nothing for a lone
+        generation (parallel 1), else the backend lock with its slot selected."""
+        return _ALONE if self._batcher is None else self._slot_held(self._lanes[lane].slot)
+
+    @contextmanager
+    def _slot_held(self, slot: int):
+        with self._backend:
+            self.backend.select_slot(slot)
+            yield
+
+    def _steps(self, lane: int, prompt_tokens: list[int], sampler: Sampler, drafters: list[Drafter],
                may_skip: bool, max_tokens: int, cancel: threading.Event,
                constraint: Constraint | None = None, logprobs: int | None = None,
                n_ctx: int | None = None) -> Iterator[Step]:
         """The speculative loop as a step generator: the first step evaluates
         the prompt (reusing the cache's common prefix) and samples one token;
-        every later step evaluates the last token plus a draft (possibly
-        empty) and yields what verification keeps. The backend's record of its
-        cache is settled whenever a step is yielded. Under a grammar
-        (``constraint``) the draft loses the nodes the grammar rejects and
-        every logits row is verified inside its mask."""
-        backend, planner = self.backend, self._planner
+        every later step plans a draft (possibly empty), evaluates the last
+        token plus the draft, and yields what verification keeps. The
+        backend's record of its cache is settled whenever a step is yielded.
+        Under a grammar (``constraint``) the draft loses the nodes the grammar
+        rejects and every logits row is verified inside its mask. With
+        generations running at once (``parallel``), the step's evaluation
+        joins theirs in one batch (the batcher); everything else is the
+        generation's own."""
+        backend, batcher = self.backend, self._batcher
+        planner = self._lane_planner(lane) if drafters else None
+        if planner is not None:
+            planner.shared = 0   # alone until a batch says otherwise
         # An offloaded MoE's planner weighs the expert reads each step waits for.
         weigh_reads = bool(drafters) and planner.experts is not None
         t0 = time.perf_counter()
-        kept = backend.reuse_prefix(prompt_tokens, n_ctx)
-        logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
-        masks = constraint.masks(Draft())[1] if constraint else None
-        new = sampler.verify(logits, [], masks_addr=masks)
-        if constraint:
-            constraint.advance(new)
-        context = prompt_tokens + new
-        produced = len(new)
-        yield Step(new, time.perf_counter() - t0, cached=kept,
-                   logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
-        while len(context) < backend.context and not cancel.is_set():
-            # Tokens of the text not in the cache yet: the root (the last one),
-            # preceded by a tree step's accepted path.
-            pending = context[backend.n_past:]
-            room = min(max_tokens - produced - 1, backend.context - len(context) - 1,
-                       backend.n_batch - len(pending))
-            draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
-                                    backend.exact_trees) if drafters and room > 0 else Draft())
-            io0 = backend.expert_stats() if weigh_reads else None
-            ts = time.perf_counter()
-            masks = None
-            if constraint:
-                draft, masks = constraint.masks(draft)
-            if draft.parents is not None:
-                logits = backend.decode_tree(pending, draft.tokens, draft.parents, draft.node_depths())
-            else:
-                logits = backend.decode(pending + draft.tokens, logits_from=len(pending) - 1)
-            new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs, masks)
+        with self._backend if batcher is not None else _ALONE:
+            kept = backend.reuse_prefix(prompt_tokens, n_ctx, self._busy_slots(lane) if batcher else ())
+            self._lanes[lane].slot = backend.slot
+            logits = backend.decode(prompt_tokens[kept:], cancel=cancel.is_set)
+            if batcher is not None:
+                batcher.join(backend.slot)
+        try:
+            masks = constraint.masks(Draft())[1] if constraint else None
+            new = sampler.verify(logits, [], masks_addr=masks)
             if constraint:
                 constraint.advance(new)
-            n_acc = len(new) - 1
-            if draft.parents is not None:
-                backend.drop_tree()
-            else:
-                backend.truncate(backend.n_past - (len(draft) - n_acc))  # the rejected tail
-            step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source,
-                        logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
-            if drafters:
-                io = {}
-                if io0 is not None:   # an expert cache: what the step waited for its reads
-                    io1 = backend.expert_stats()
-                    io = dict(misses=(io1["lookups"] - io1["hits"]) - (io0["lookups"] - io0["hits"]),
-                              stall_s=(io1["stall_ns"] - io0["stall_ns"]) / 1e9)
-                planner.record_step_time(step.seconds, len(pending) + len(draft), **io)
-                planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
-                verified = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
-                for d in drafters:
-                    d.accept(verified)
-            context.extend(new)
-            produced += len(new)
-            yield step
+            context = prompt_tokens + new
+            produced = len(new)
+            yield from self._away(lane, Step(new, time.perf_counter() - t0, cached=kept,
+                                             logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new,
+                                                                     logprobs)))
+            while not cancel.is_set():
+                # Plan: the tokens of the text not in the cache yet (the root,
+                # the last one, preceded by a tree step's accepted path) and a draft.
+                with self._on_slot(lane):
+                    n_past, size, n_batch = backend.n_past, backend.context, backend.n_batch
+                if len(context) >= size:
+                    break
+                pending = context[n_past:]
+                room = min(max_tokens - produced - 1, size - len(context) - 1, n_batch - len(pending))
+                draft = (planner.choose(drafters, context, min(self.draft_max, room), room, may_skip,
+                                        backend.exact_trees) if drafters and room > 0 else Draft())
+                io0 = backend.expert_stats() if weigh_reads else None
+                ts = time.perf_counter()
+                masks = None
+                if constraint:
+                    draft, masks = constraint.masks(draft)
+                # Decode: alone, or in the batch of the generations running at once.
+                step = GroupStep(self._lanes[lane].slot, pending, draft.tokens, draft.parents,
+                                 draft.node_depths() if draft.parents is not None else None)
+                if batcher is None:
+                    logits, batch_tokens = evaluate(backend, step), len(pending) + len(draft)
+                else:
+                    evaluated = batcher.step(step)
+                    logits, batch_tokens = evaluated.address, evaluated.batch_tokens
+                    if planner is not None:   # the next draft is weighed in a batch like this one
+                        planner.shared = batch_tokens - len(pending) - len(draft)
+                # Finish: verify, drop what was rejected, learn, yield.
+                new = sampler.verify(logits, draft.tokens, draft.parents, draft.probs, masks)
+                if constraint:
+                    constraint.advance(new)
+                n_acc = len(new) - 1
+                with self._on_slot(lane):
+                    if draft.parents is not None:
+                        backend.drop_tree()
+                    else:
+                        backend.truncate(backend.n_past - (len(draft) - n_acc))  # the rejected tail
+                step = Step(new, time.perf_counter() - ts, len(draft), n_acc, draft.source,
+                            logprobs=token_logprobs(logits, backend.n_vocab, sampler.rows, new, logprobs))
+                if drafters:
+                    io = {}
+                    if io0 is not None:   # an expert cache: what the step waited for its reads
+                        io1 = backend.expert_stats()
+                        io = dict(misses=(io1["lookups"] - io1["hits"]) - (io0["lookups"] - io0["hits"]),
+                                  stall_s=(io1["stall_ns"] - io0["stall_ns"]) / 1e9)
+                    # The curve is of lone steps: a batch shared with other
+                    # generations (their attention, their caches) says nothing of it.
+                    if batch_tokens == len(pending) + len(draft):
+                        seconds = step.seconds if batcher is None else evaluated.seconds
+                        planner.record_step_time(seconds, batch_tokens, **io)
+                    planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
+                    verified = Verified(draft, n_acc, new, logits, [context[-1]] + draft.tokens)
+                    for d in drafters:
+                        d.accept(verified)
+                context.extend(new)
+                produced += len(new)
+                yield from self._away(lane, step)
+        finally:
+            if batcher is not None:
+                batcher.leave(self._lanes[lane].slot)
 
-    def _pieces(self, request: _Request, outcome: _Outcome) -> Iterator[str]:
-        """Runs under the engine: turns steps into text pieces, stopping exactly
-        where plain decoding would (end of generation, stop string,
-        max_tokens, full context, cancel)."""
-        drafters = self._open_drafters(request.drafter)
-        if drafters and self._planner is None:
-            self._planner = self._new_planner()
+    def _away(self, lane: int, step: Step) -> Iterator[Step]:
+        """Yield ``step``; meanwhile the batch does not wait for this generation
+        longer than its grace (its consumer holds the piece)."""
+        if self._batcher is None:
+            yield step
+            return
+        self._batcher.away(self._lanes[lane].slot)
+        yield step
+        self._batcher.back(self._lanes[lane].slot)
+
+    def _pieces(self, request: _Request, outcome: _Outcome, lane: int = 0) -> Iterator[str]:
+        """Runs under the engine, in lane ``lane``: turns steps into text
+        pieces, stopping exactly where plain decoding would (end of
+        generation, stop string, max_tokens, full context, cancel)."""
+        drafters = self._open_drafters(request.drafter, lane)
+        planner = self._lane_planner(lane) if drafters else None
         for d in drafters:
-            d.planner = self._planner
+            d.planner = planner
         backend = self.backend
         prompt = request.prompt_tokens
         stats = GenerationStats(prompt_tokens=len(prompt), seed=request.sampling.seed, drafter=request.drafter)
@@ -996,14 +1155,14 @@ class Engine:
                 d.route(request.text)
                 d.begin(prompt, request.sampling)
                 d.constrain(constraint)
-            steps = self._steps(prompt, sampler, drafters, request.drafter == "auto",
+            steps = self._steps(lane, prompt, sampler, drafters, request.drafter == "auto",
                                 request.max_tokens, outcome.cancel, constraint, request.logprobs, request.n_ctx)
             try:
                 for step in steps:
                     if t_decode is None:
                         t_decode = time.perf_counter()
                         stats.prefill_s, stats.cached_tokens = step.seconds, step.cached
-                        stats.slot = backend.slot
+                        stats.slot = self._lanes[lane].slot
                     elif spec is not None:
                         spec.count(step.source, step.drafted, step.accepted)
                     for i, token in enumerate(step.tokens):
@@ -1039,7 +1198,7 @@ class Engine:
                     stats.stop_reason = "cancelled"
                 stats.experts = backend.expert_stats()
                 if spec is not None:
-                    spec.planner = self._planner.summary()
+                    spec.planner = planner.summary()
                     spec.drafters = {d.name: d.stats() for d in drafters}
                 parsed = (chat_tools.parse(text.text, request.tool_style, request.tools)
                           if request.tools else None)

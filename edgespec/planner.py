@@ -277,13 +277,24 @@ class Planner:
         self.acceptance: dict[str, Acceptance] = {}
         self.drafters: dict[str, DrafterCosts] = {}   # costly drafters by name
         self.plain_steps = 0                          # plain steps since the last draft
+        # Tokens of other generations in the batch this one's steps join
+        # (an engine's parallel generations): what this one's tokens cost is
+        # what they add to that batch.
+        self.shared = 0
 
     # -- what things cost ------------------------------------------------------------
 
     def cost(self, n_tokens: int) -> float:
         """A batch of n_tokens in plain steps: its compute, and on an
         offloaded MoE the expert reads it waits for (a plain step's own
-        included, so that plain decoding still costs 1)."""
+        included, so that plain decoding still costs 1). In a batch shared
+        with ``shared`` other tokens: the batch with these n_tokens against
+        the batch with one of them."""
+        if self.shared:
+            return self._cost(self.shared + n_tokens) / self._cost(self.shared + 1)
+        return self._cost(n_tokens)
+
+    def _cost(self, n_tokens: int) -> float:
         compute = self.costs(n_tokens)
         t = self.t_token
         if self.experts is None or not t:

@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Sequence
 from .backends import default_backend
 from .onnx import resolve_model
 from .backends.base import available_memory, kv_cache_bytes
-from .config import DEFAULT_CTX, EngineConfig
+from .config import AUTO_PARALLEL, DEFAULT_CTX, EngineConfig
 from .engine import Engine
 from .errors import EdgespecError, EngineBusyError, InvalidArgumentError, ModelNotFoundError
 from .models import registry
@@ -138,8 +138,9 @@ class EnginePool:
         self.pull = pull
         self._opener = opener
         self.config = config.but(**options) if config is not None and options else config or EngineConfig.of(**options)
-        # contexts per model: a slot each, and the embeddings context
-        self._contexts = self.config.slots + 1
+        # contexts per model: a slot each (at least one per generation running
+        # at once; parallel None chooses at most AUTO_PARALLEL), and the embeddings context
+        self._contexts = max(self.config.slots, self.config.parallel or AUTO_PARALLEL) + 1
         self.keep_alive = None if keep_alive is None or keep_alive < 0 else float(keep_alive)
         self._lock = threading.Lock()
         self._clock = 0

@@ -34,9 +34,10 @@ def serving(model: Path, *args: str):
     proc = subprocess.Popen([sys.executable, "-m", "edgespec", "serve", "--model", str(model), "--port", "0",
                              "-q", *args], stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stderr.readline()
-        found = re.search(r"http://([\d.]+):(\d+)", line)
-        assert found, line + proc.stderr.read()
+        lines = []   # notices first (a first load measures this machine's costs), then the address
+        while not (found := re.search(r"http://([\d.]+):(\d+)", line := proc.stderr.readline())) and line:
+            lines.append(line)
+        assert found, "".join(lines)
         yield proc, found.group(1), int(found.group(2))
     finally:
         if proc.poll() is None:

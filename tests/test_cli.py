@@ -98,6 +98,8 @@ def test_every_engine_command_checks_engine_options_before_loading(tmp_path, com
     (["chat"], ["--top-p", "0"], "top_p"),  # chat takes the sampling options generate takes
     (["chat"], ["--min-p", "1"], "min_p"),
     (["serve"], ["--draft-max", "0"], "--draft-max must be in [1, 63], got 0"),
+    (["serve"], ["--parallel", "0"], "--parallel must be in [1, 16], got 0"),
+    (["serve"], ["--parallel", "17"], "--parallel must be in [1, 16], got 17"),
 ])
 def test_shared_options_out_of_range(tmp_path, command, args, message):
     one_line_error(run(*command, "--model", str(tmp_path / "absent.gguf"), *args), message)

@@ -30,6 +30,20 @@ def test_cheap_batches_and_good_acceptance_draft_deep():
     assert len(cut) == 16 and value > 5
 
 
+def test_in_a_shared_batch_a_draft_costs_what_it_adds_to_it():
+    # Flat up to 5 tokens, then each token costs 0.3 of a step: alone, a
+    # 4-token draft rides the flat part; beside 4 other generations' tokens it
+    # pays for the slope, which drafts accepted one time in four do not repay.
+    curve = [0.0] + [1.0] * 5 + [1.0 + 0.3 * (n - 5) for n in range(6, MAX_BATCH + 1)]
+    p = Planner(curve)
+    for i in range(40):
+        p.record("k", 4, 4 if i % 4 == 0 else 0)
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 4
+    p.shared = 4
+    assert p.cost(1) == 1.0 and p.cost(5) == curve[9] / curve[5]
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 0
+
+
 def offloaded(misses, per_miss: float = 0.005) -> Planner:
     """A planner on an offloaded MoE (8 experts, top 2) whose compute alone
     makes batches nearly free (10 ms a token, FLAT), with scripted steps of

@@ -394,8 +394,10 @@ def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
                              "--model-name", MODEL],
                             stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stderr.readline()
-        host, port = re.search(r"http://([\d.]+):(\d+)", line).groups()
+        # notices first (a first load measures this machine's costs), then the address
+        while not (found := re.search(r"http://([\d.]+):(\d+)", line := proc.stderr.readline())):
+            assert line, "serve ended before listening"
+        host, port = found.groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("POST", "/api/generate", body=json.dumps(     # the random model never ends by itself
             {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}))

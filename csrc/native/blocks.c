@@ -200,7 +200,6 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     const es_model * m = ctx->model;
     const es_layer * L = &m->layers[job->il];
     const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
-    const int32_t n_past = ctx->n_past;
     float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
     float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
     float * qa  = qr + hd;               // (hd floats of room) qr in the F16 dot's activation
@@ -209,15 +208,20 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     for (int32_t task = ith; task < ctx->n * n_head; task += nth) {
         const int32_t t = task / n_head, h = task % n_head, g = h / group;
         const int32_t p = ctx->pos[t];
-        const size_t head = ((size_t) job->il * m->n_head_kv + g) * (size_t) ctx->n_ctx;
-        const uint16_t * K = ctx->k_cache + head * hd;  // (n_ctx, hd)
-        const uint16_t * V = ctx->v_cache + head * hd;  // (n_ctx, hd)
+        // The token's sequence: its own KV cache, the row's index within it.
+        const es_seq_rows * seq = &ctx->seqs[ctx->row_seq[t]];
+        const es_context * kv = seq->kv;
+        const int32_t n_past = kv->n_past;
+        const int32_t * cell_pos = kv->cell_pos;
+        const size_t head = ((size_t) job->il * m->n_head_kv + g) * (size_t) kv->n_ctx;
+        const uint16_t * K = kv->k_cache + head * hd;  // (n_ctx, hd)
+        const uint16_t * V = kv->v_cache + head * hd;  // (n_ctx, hd)
         const uint8_t * sees = ctx->sees + (size_t) t * ctx->n_batch;
-        const int32_t end = n_past + t + 1;  // the token's own cell is its last candidate
+        const int32_t end = n_past + (t - seq->r0) + 1;  // the token's own cell is its last candidate
         // Cells before c0 fall out of a sliding window.
         int32_t c0 = 0;
         if (L->swa) {
-            while (c0 < n_past && p - ctx->cell_pos[c0] >= m->n_swa) c0++;
+            while (c0 < n_past && p - cell_pos[c0] >= m->n_swa) c0++;
         }
         const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
         for (int32_t d = 0; d < hd; d++) qr[d] = es_half_to_f32(es_f32_to_half(q[d]));
@@ -227,7 +231,7 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
         float max = -INFINITY;
         for (int32_t c = c0; c < end; c++) {
             const bool seen = c < n_past ? true : sees[c - n_past] != 0;
-            if (!seen || (L->swa && p - ctx->cell_pos[c] >= m->n_swa)) {
+            if (!seen || (L->swa && p - cell_pos[c] >= m->n_swa)) {
                 scores[c] = -INFINITY;
                 continue;
             }
@@ -269,15 +273,17 @@ int es__attention_inputs(es_context * ctx, int32_t il) {
 void es__attention(es_context * ctx, int32_t il, float kq_scale) {
     const es_model * m = ctx->model;
     const int32_t hd = m->head_dim, n_kv = m->n_head_kv;
-    // The batch's K and V into its cells, as F16 (llama.cpp's cache type).
+    // The batch's K and V into its sequences' cells, as F16 (llama.cpp's cache type).
     for (int32_t t = 0; t < ctx->n; t++) {
+        const es_seq_rows * seq = &ctx->seqs[ctx->row_seq[t]];
+        es_context * kv = seq->kv;
         for (int32_t g = 0; g < n_kv; g++) {
-            const size_t cell = (((size_t) il * n_kv + g) * ctx->n_ctx + ctx->n_past + t) * hd;
+            const size_t cell = (((size_t) il * n_kv + g) * kv->n_ctx + kv->n_past + (t - seq->r0)) * hd;
             const float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
             const float * v = ctx->v + ((size_t) t * n_kv + g) * hd;
             for (int32_t d = 0; d < hd; d++) {
-                ctx->k_cache[cell + d] = es_f32_to_half(k[d]);
-                ctx->v_cache[cell + d] = es_f32_to_half(v[d]);
+                kv->k_cache[cell + d] = es_f32_to_half(k[d]);
+                kv->v_cache[cell + d] = es_f32_to_half(v[d]);
             }
         }
     }

@@ -282,8 +282,9 @@ int32_t es_context_n_past(const es_context * ctx);  // tokens held in the KV cac
 int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents,
               int32_t n, int32_t logits_from);
 
-// The (n - logits_from, n_vocab) logits of the last es_decode; owned by ctx,
-// valid until the next es_decode or es_context_free. NULL with embeddings.
+// The (n - logits_from, n_vocab) logits of the last es_decode (or
+// es_decode_group ctx was a member of); owned by ctx, valid until the next
+// one or es_context_free. NULL with embeddings.
 const float * es_context_logits(const es_context * ctx);
 
 // With es_context_params.embeddings: the (n - logits_from, n_embd) hidden
@@ -306,6 +307,52 @@ int es_context_truncate(es_context * ctx, int32_t n_keep);
 size_t es_context_state_size(const es_context * ctx);
 int    es_context_state_get(es_context * ctx, void * buf, size_t cap);
 int    es_context_state_set(es_context * ctx, const void * buf, size_t size, int32_t n_past);
+
+/* ---- groups: several sequences in one batch ------------------------------- */
+
+// An es_group evaluates several contexts' batches at once (continuous
+// batching: one request per context): the weight products run over all
+// members' rows stacked, so each weight is read once for the group, while
+// attention and the KV writes stay each member's own. Every row's result is
+// what its own es_decode would give, bit for bit (batch invariance). The
+// group owns the batch buffers, the thread pool and the logits of its
+// decodes; the members' own pools and buffers stay idle meanwhile.
+typedef struct es_group es_group;
+
+typedef struct es_group_params {
+    int32_t n_batch;    // most tokens of all members together in one es_decode_group; default 64
+    int32_t n_ctx;      // the largest member context (attention scratch); <= 0: the model's
+                        // training context; default 4096
+    int32_t n_threads;  // worker threads; <= 0: one per online CPU; default 0
+} es_group_params;
+
+es_group_params es_group_default_params(void);
+
+// Makes a group for model, which must outlive it. *out is set on ES_OK only.
+// ES_ERR_INVALID_ARG: NULL model or out, n_batch <= 0; ES_ERR_NO_MEMORY.
+int  es_group_init(es_model * model, const es_group_params * params, es_group ** out);
+void es_group_free(es_group * group);
+int32_t es_group_n_batch(const es_group * group);
+
+// One member of a group decode: what es_decode(ctx, tokens, parents, n,
+// logits_from) would evaluate. The arrays are the caller's, read during the call.
+typedef struct es_group_seq {
+    es_context     * ctx;          // its KV cache; a context of the group's model, without embeddings
+    const es_token * tokens;       // (n)
+    const int32_t  * parents;      // (n) as es_decode's (within the member's own tokens); NULL: a chain
+    int32_t          n;
+    int32_t          logits_from;  // the member's logits rows: tokens [logits_from, n)
+} es_group_seq;
+
+// Evaluates n_seqs members in one batch, each appended to its own context's
+// cache. ES_ERR_INVALID_ARG: a member of another model, an embeddings
+// context, one whose n_ctx exceeds the group's, a context given twice, bad
+// tokens, parents or logits_from, or more than es_group_n_batch tokens in
+// all; ES_ERR_CONTEXT_FULL: a member's cache would overflow; ES_ERR_IO: an
+// expert read failed; ES_ERR_NO_MEMORY. On error every member's cache is as
+// before. On success each member's logits are its context's
+// (es_context_logits), as after its own es_decode.
+int es_decode_group(es_group * group, const es_group_seq * seqs, int32_t n_seqs);
 
 /* ---- expert cache (expert_cache.c) ---------------------------------------- */
 

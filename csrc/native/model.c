@@ -448,42 +448,45 @@ static void * alloc_lines(size_t bytes) {
     return posix_memalign(&p, 64, bytes ? bytes : 1) == 0 ? p : NULL;
 }
 
-int es_context_init(es_model * m, const es_context_params * params, es_context ** out) {
-    if (!m || !out) return ES_ERR_INVALID_ARG;
-    *out = NULL;
-    const es_context_params p = params ? *params : es_context_default_params();
-    int32_t n_ctx = p.n_ctx > 0 ? p.n_ctx : m->n_ctx_train;
-    if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
-    int32_t n_threads = p.n_threads;
-    if (n_threads <= 0) {
-        const long n = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
-    }
-    const int32_t n_batch = p.n_batch < n_ctx ? p.n_batch : n_ctx;
+static int32_t threads_or_cpus(int32_t n_threads) {
+    if (n_threads > 0) return n_threads;
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int32_t) (n < 256 ? n : 256) : 1;
+}
 
+// A context of n_batch token rows; with_kv: its own KV cache of n_ctx cells
+// (an es_context), else none (a group's work context, whose n_ctx only
+// sizes the attention scratch: the longest member cache it can read).
+static int context_new(es_model * m, int32_t n_ctx, int32_t n_batch, int32_t n_threads,
+                       bool embeddings, bool with_kv, es_context ** out) {
     es_context * c = calloc(1, sizeof *c);
     if (!c) return ES_ERR_NO_MEMORY;
     c->model = m;
     c->n_ctx = n_ctx;
     c->n_batch = n_batch;
     c->n_threads = n_threads;
-    c->embeddings = p.embeddings;
+    c->embeddings = embeddings;
     int rc = es_pool_init(n_threads, &c->pool);
     if (rc == ES_OK && m->experts) rc = es_moe_init(m->experts, n_batch, &c->moe);
     if (rc != ES_OK) { es_context_free(c); return rc; }
 
     const size_t B = (size_t) n_batch, D = (size_t) m->n_embd, HD = (size_t) m->head_dim;
     // The cache is the one allocation a large n_ctx could make overflow size_t.
-    if ((double) m->n_layer * m->n_head_kv * n_ctx * (double) HD > (double) (SIZE_MAX / 8)) {
+    if ((double) m->n_layer * m->n_head_kv * n_ctx * (double) HD > (double) (SIZE_MAX / 8) ||
+        (double) B * (double) B > (double) (SIZE_MAX / 8)) {
         es_context_free(c);
         return ES_ERR_NO_MEMORY;
     }
-    const size_t kv = (size_t) m->n_layer * (size_t) m->n_head_kv * (size_t) n_ctx * HD;
+    const size_t kv = with_kv ? (size_t) m->n_layer * (size_t) m->n_head_kv * (size_t) n_ctx * HD : 0;
     const size_t ff = m->n_ff > 0 ? (size_t) m->n_ff : 1;
     c->act_row  = widest_act_row(m);
-    c->k_cache  = calloc(kv, sizeof *c->k_cache);
-    c->v_cache  = calloc(kv, sizeof *c->v_cache);
-    c->cell_pos = calloc((size_t) n_ctx, sizeof *c->cell_pos);
+    if (with_kv) {
+        c->k_cache  = calloc(kv, sizeof *c->k_cache);
+        c->v_cache  = calloc(kv, sizeof *c->v_cache);
+        c->cell_pos = calloc((size_t) n_ctx, sizeof *c->cell_pos);
+    }
+    c->seqs     = malloc(B * sizeof *c->seqs);
+    c->row_seq  = malloc(B * sizeof *c->row_seq);
     c->pos      = malloc(B * sizeof *c->pos);
     c->sees     = malloc(B * B);
     c->x        = alloc_lines(B * D * sizeof *c->x);
@@ -497,7 +500,8 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     c->out      = alloc_lines(B * D * sizeof *c->out);
     c->act      = malloc(3 * B * (c->act_row ? c->act_row : 1));
     c->scratch  = malloc((size_t) n_threads * ((size_t) n_ctx + 3 * HD) * sizeof *c->scratch);
-    if (!c->act_row || !c->k_cache || !c->v_cache || !c->cell_pos || !c->pos || !c->sees ||
+    if (!c->act_row || (with_kv && (!c->k_cache || !c->v_cache || !c->cell_pos)) || !c->seqs ||
+        !c->row_seq || !c->pos || !c->sees ||
         !c->x || !c->xn || !c->q || !c->k || !c->v || !c->att || !c->ff_gate || !c->ff_up ||
         !c->out || !c->act || !c->scratch) {
         es_context_free(c);
@@ -505,6 +509,16 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     }
     *out = c;
     return ES_OK;
+}
+
+int es_context_init(es_model * m, const es_context_params * params, es_context ** out) {
+    if (!m || !out) return ES_ERR_INVALID_ARG;
+    *out = NULL;
+    const es_context_params p = params ? *params : es_context_default_params();
+    int32_t n_ctx = p.n_ctx > 0 ? p.n_ctx : m->n_ctx_train;
+    if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
+    const int32_t n_batch = p.n_batch < n_ctx ? p.n_batch : n_ctx;
+    return context_new(m, n_ctx, n_batch, threads_or_cpus(p.n_threads), p.embeddings, true, out);
 }
 
 void es_context_free(es_context * c) {
@@ -524,6 +538,8 @@ void es_context_free(es_context * c) {
     free(c->x);
     free(c->sees);
     free(c->pos);
+    free(c->row_seq);
+    free(c->seqs);
     free(c->cell_pos);
     free(c->v_cache);
     free(c->k_cache);
@@ -595,27 +611,31 @@ int es_context_state_set(es_context * c, const void * buf, size_t size, int32_t 
     return ES_OK;
 }
 
-/* ---- es_decode -------------------------------------------------------------- */
+/* ---- es_decode, es_decode_group ------------------------------------------ */
 
-// Positions and visibility: token i sits at its parent's position + 1 and
-// sees its ancestors in the batch and itself.
-static int plan_batch(es_context * ctx, const int32_t * parents, int32_t n) {
-    const int32_t base = ctx->n_past > 0 ? ctx->cell_pos[ctx->n_past - 1] + 1 : 0;
-    const size_t B = (size_t) ctx->n_batch;
-    for (int32_t i = 0; i < n; i++) {
+// Positions and visibility of sequence s of w's batch: its token i sits at its
+// parent's position + 1 (the first at its cache's next position) and sees its
+// ancestors in the sequence and itself. Writes the cells' positions in s->kv.
+static int plan_seq(es_context * w, const es_seq_rows * s, const int32_t * parents) {
+    es_context * kv = s->kv;
+    const int32_t base = kv->n_past > 0 ? kv->cell_pos[kv->n_past - 1] + 1 : 0;
+    const size_t B = (size_t) w->n_batch;
+    for (int32_t i = 0; i < s->n; i++) {
         const int32_t par = parents ? parents[i] : i - 1;
         if (par < -1 || par >= i) return ES_ERR_INVALID_ARG;
-        uint8_t * row = ctx->sees + (size_t) i * B;
+        const int32_t r = s->r0 + i;
+        uint8_t * row = w->sees + (size_t) r * B;   // (s->n) columns: the sequence's tokens
         if (par < 0) {
-            memset(row, 0, (size_t) n);
-            ctx->pos[i] = base;
+            memset(row, 0, (size_t) s->n);
+            w->pos[r] = base;
         } else {
-            memcpy(row, ctx->sees + (size_t) par * B, (size_t) n);
-            ctx->pos[i] = ctx->pos[par] + 1;
+            memcpy(row, w->sees + (size_t) (s->r0 + par) * B, (size_t) s->n);
+            w->pos[r] = w->pos[s->r0 + par] + 1;
         }
         row[i] = 1;
+        w->row_seq[r] = (int32_t) (s - w->seqs);
     }
-    for (int32_t i = 0; i < n; i++) ctx->cell_pos[ctx->n_past + i] = ctx->pos[i];
+    for (int32_t i = 0; i < s->n; i++) kv->cell_pos[kv->n_past + i] = w->pos[s->r0 + i];
     return ES_OK;
 }
 
@@ -632,74 +652,193 @@ static int reserve_logits(es_context * ctx, int32_t rows) {
     return ES_OK;
 }
 
+// Evaluates the batch planned in w (w->n rows in w->n_seqs sequences, the
+// logits buffer reserved): embeddings, every layer, then the final norm of
+// each sequence's kept rows and (without embeddings) their vocabulary
+// projection into w->logits, the sequences' rows one after another. Each
+// sequence's cache then holds its tokens; on error every cache is as before.
+static int forward(es_context * w) {
+    const es_model * m = w->model;
+    const int64_t D = m->n_embd;
+    const size_t emb_row = es_type_row_bytes(m->tok_embd.type, D);
+    w->n_embd_rows = 0;
+
+    // Token embeddings.
+    for (int32_t s = 0; s < w->n_seqs; s++) {
+        const es_seq_rows * seq = &w->seqs[s];
+        for (int32_t i = 0; i < seq->n; i++) {
+            float * x = w->x + (size_t) (seq->r0 + i) * D;
+            es_dequantize_row(m->tok_embd.type, (const uint8_t *) m->tok_embd.data +
+                              (size_t) seq->tokens[i] * emb_row, x, D);
+            if (m->embd_scale != 1.0f) for (int64_t k = 0; k < D; k++) x[k] *= m->embd_scale;
+        }
+    }
+    int rc = ES_OK;
+    for (int32_t il = 0; il < m->n_layer && rc == ES_OK; il++) rc = m->arch->layer(w, il);
+    if (rc != ES_OK) { w->n = 0; return rc; }
+
+    // Output rows: the kept rows moved to the front of x (a row only ever
+    // moves down, past rows already moved), final norm, then the vocabulary
+    // projection (hidden states for embeddings stop at the norm).
+    int32_t rows = 0;
+    for (int32_t s = 0; s < w->n_seqs; s++) {
+        const es_seq_rows * seq = &w->seqs[s];
+        for (int32_t i = seq->keep_from; i < seq->n; i++, rows++) {
+            const int32_t r = seq->r0 + i;
+            if (r != rows) memmove(w->x + (size_t) rows * D, w->x + (size_t) r * D, (size_t) D * sizeof *w->x);
+        }
+    }
+    es__rms_norm(w->x, &m->output_norm, w->xn, rows, D, m->norm_eps);
+    if (!w->embeddings) {
+        // The kept rows of a restricted output layer (es_model_set_output_rows)
+        // go to w->kept and are spread out, the others -infinity.
+        const bool restricted = m->n_output_rows > 0;
+        const es_weight * out_w = restricted ? &m->output_rows : &m->output;
+        const int64_t width = restricted ? m->n_output_rows : m->n_vocab;
+        if (restricted && (size_t) rows * (size_t) width > w->kept_cap) {
+            float * k = malloc((size_t) rows * (size_t) width * sizeof *k);
+            if (!k) { w->n = 0; return ES_ERR_NO_MEMORY; }
+            free(w->kept);
+            w->kept = k;
+            w->kept_cap = (size_t) rows * (size_t) width;
+        }
+        float * out = restricted ? w->kept : w->logits;
+        rc = es__matmul(w, 1, &out_w, w->xn, &out, rows);
+        if (rc != ES_OK) { w->n = 0; return rc; }
+        if (m->final_softcap > 0.0f) {
+            const float c = m->final_softcap, inv = 1.0f / c;
+            const size_t nl = (size_t) rows * (size_t) width;
+            for (size_t i = 0; i < nl; i++) out[i] = tanhf(out[i] * inv) * c;
+        }
+        for (int32_t r = 0; restricted && r < rows; r++) {
+            float * row = w->logits + (size_t) r * (size_t) m->n_vocab;
+            for (int64_t i = 0; i < m->n_vocab; i++) row[i] = -INFINITY;
+            for (int64_t i = 0; i < width; i++) row[m->output_ids[i]] = w->kept[(size_t) r * (size_t) width + i];
+        }
+    } else {
+        w->n_embd_rows = rows;
+    }
+    for (int32_t s = 0; s < w->n_seqs; s++) w->seqs[s].kv->n_past += w->seqs[s].n;
+    w->n = 0;
+    return ES_OK;
+}
+
+static bool tokens_in_vocab(const es_model * m, const es_token * tokens, int32_t n) {
+    for (int32_t i = 0; i < n; i++) {
+        if (tokens[i] < 0 || tokens[i] >= m->n_vocab) return false;
+    }
+    return true;
+}
+
 int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents, int32_t n,
               int32_t logits_from) {
-    if (!ctx || !tokens || n <= 0 || n > ctx->n_batch || logits_from < 0 || logits_from > n) {
+    if (!ctx || !tokens || n <= 0 || n > ctx->n_batch || logits_from < 0 || logits_from > n ||
+        !tokens_in_vocab(ctx->model, tokens, n)) {
         return ES_ERR_INVALID_ARG;
     }
-    const es_model * m = ctx->model;
-    for (int32_t i = 0; i < n; i++) {
-        if (tokens[i] < 0 || tokens[i] >= m->n_vocab) return ES_ERR_INVALID_ARG;
-    }
     if (ctx->n_past + n > ctx->n_ctx) return ES_ERR_CONTEXT_FULL;
-    int rc = plan_batch(ctx, parents, n);
+    // One sequence, the context's own.
+    ctx->seqs[0] = (es_seq_rows) { .kv = ctx, .tokens = tokens, .r0 = 0, .n = n, .keep_from = logits_from };
+    ctx->n_seqs = 1;
+    int rc = plan_seq(ctx, &ctx->seqs[0], parents);
     if (rc == ES_OK && !ctx->embeddings) rc = reserve_logits(ctx, n - logits_from);
     if (rc != ES_OK) return rc;
     ctx->n = n;
-    ctx->n_embd_rows = 0;
+    return forward(ctx);
+}
 
-    // Token embeddings.
-    const int64_t D = m->n_embd;
-    const size_t emb_row = es_type_row_bytes(m->tok_embd.type, D);
-    for (int32_t t = 0; t < n; t++) {
-        float * x = ctx->x + (size_t) t * D;
-        es_dequantize_row(m->tok_embd.type, (const uint8_t *) m->tok_embd.data +
-                          (size_t) tokens[t] * emb_row, x, D);
-        if (m->embd_scale != 1.0f) for (int64_t i = 0; i < D; i++) x[i] *= m->embd_scale;
-    }
-    for (int32_t il = 0; il < m->n_layer; il++) {
-        rc = m->arch->layer(ctx, il);
-        if (rc != ES_OK) { ctx->n = 0; return rc; }
-    }
+/* ---- groups ------------------------------------------------------------------ */
 
-    // Output rows: final norm, then the vocabulary projection (hidden states
-    // for embeddings stop at the norm).
-    const int32_t rows = n - logits_from;
-    float * xo = ctx->x + (size_t) logits_from * D;
-    es__rms_norm(xo, &m->output_norm, ctx->xn, rows, D, m->norm_eps);
-    if (ctx->embeddings) {
-        ctx->n_embd_rows = rows;
-        ctx->n_past += n;
-        ctx->n = 0;
-        return ES_OK;
-    }
-    // The kept rows of a restricted output layer (es_model_set_output_rows)
-    // go to ctx->kept and are spread out, the others -infinity.
-    const bool restricted = m->n_output_rows > 0;
-    const es_weight * out_w = restricted ? &m->output_rows : &m->output;
-    const int64_t width = restricted ? m->n_output_rows : m->n_vocab;
-    if (restricted && (size_t) rows * (size_t) width > ctx->kept_cap) {
-        float * k = malloc((size_t) rows * (size_t) width * sizeof *k);
-        if (!k) { ctx->n = 0; return ES_ERR_NO_MEMORY; }
-        free(ctx->kept);
-        ctx->kept = k;
-        ctx->kept_cap = (size_t) rows * (size_t) width;
-    }
-    float * out = restricted ? ctx->kept : ctx->logits;
-    rc = es__matmul(ctx, 1, &out_w, ctx->xn, &out, rows);
-    if (rc != ES_OK) { ctx->n = 0; return rc; }
-    if (m->final_softcap > 0.0f) {
-        const float c = m->final_softcap, inv = 1.0f / c;
-        const size_t nl = (size_t) rows * (size_t) width;
-        for (size_t i = 0; i < nl; i++) out[i] = tanhf(out[i] * inv) * c;
-    }
-    for (int32_t r = 0; restricted && r < rows; r++) {
-        float * row = ctx->logits + (size_t) r * (size_t) m->n_vocab;
-        for (int64_t i = 0; i < m->n_vocab; i++) row[i] = -INFINITY;
-        for (int64_t i = 0; i < width; i++) row[m->output_ids[i]] = ctx->kept[(size_t) r * (size_t) width + i];
-    }
+struct es_group {
+    es_context * work;   // owned: batch buffers, thread pool, the batch's logits; no KV cache
+};
 
-    ctx->n_past += n;
-    ctx->n = 0;
+es_group_params es_group_default_params(void) {
+    return (es_group_params) { .n_batch = 64, .n_ctx = 4096, .n_threads = 0 };
+}
+
+int es_group_init(es_model * m, const es_group_params * params, es_group ** out) {
+    if (!m || !out) return ES_ERR_INVALID_ARG;
+    *out = NULL;
+    const es_group_params p = params ? *params : es_group_default_params();
+    const int32_t n_ctx = p.n_ctx > 0 ? p.n_ctx : m->n_ctx_train;
+    if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
+    es_group * g = calloc(1, sizeof *g);
+    if (!g) return ES_ERR_NO_MEMORY;
+    const int rc = context_new(m, n_ctx, p.n_batch, threads_or_cpus(p.n_threads), false, false, &g->work);
+    if (rc != ES_OK) {
+        es_group_free(g);
+        return rc;
+    }
+    *out = g;
+    return ES_OK;
+}
+
+void es_group_free(es_group * g) {
+    if (!g) return;
+    es_context_free(g->work);
+    free(g);
+}
+
+int32_t es_group_n_batch(const es_group * g) { return g ? g->work->n_batch : 0; }
+
+// A member es_decode_group refuses with ES_ERR_INVALID_ARG: another model's
+// context, an embeddings context, one longer than the group's n_ctx, a
+// context given twice, bad tokens or logits_from.
+static bool member_ok(const es_group * g, const es_group_seq * seqs, int32_t i) {
+    const es_group_seq * q = &seqs[i];
+    const es_context * w = g->work;
+    if (!q->ctx || q->ctx->model != w->model || q->ctx->embeddings || q->ctx->n_ctx > w->n_ctx ||
+        !q->tokens || q->n <= 0 || q->logits_from < 0 || q->logits_from > q->n ||
+        !tokens_in_vocab(w->model, q->tokens, q->n)) {
+        return false;
+    }
+    for (int32_t j = 0; j < i; j++) {
+        if (seqs[j].ctx == q->ctx) return false;
+    }
+    return true;
+}
+
+int es_decode_group(es_group * g, const es_group_seq * seqs, int32_t n_seqs) {
+    if (!g || !seqs || n_seqs <= 0 || n_seqs > g->work->n_batch) return ES_ERR_INVALID_ARG;
+    es_context * w = g->work;
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        if (!member_ok(g, seqs, i)) return ES_ERR_INVALID_ARG;
+        total += seqs[i].n;
+    }
+    if (total > w->n_batch) return ES_ERR_INVALID_ARG;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        if (seqs[i].ctx->n_past + seqs[i].n > seqs[i].ctx->n_ctx) return ES_ERR_CONTEXT_FULL;
+    }
+    // The members' rows one after another, each planned against its own
+    // cache; room for every member's logits in its own context first.
+    int32_t r0 = 0, rows = 0;
+    int rc = ES_OK;
+    w->n_seqs = n_seqs;
+    for (int32_t i = 0; i < n_seqs && rc == ES_OK; i++) {
+        const es_group_seq * q = &seqs[i];
+        w->seqs[i] = (es_seq_rows) { .kv = q->ctx, .tokens = q->tokens, .r0 = r0, .n = q->n,
+                                     .keep_from = q->logits_from };
+        rc = plan_seq(w, &w->seqs[i], q->parents);
+        if (rc == ES_OK) rc = reserve_logits(q->ctx, q->n - q->logits_from);
+        r0 += q->n;
+        rows += q->n - q->logits_from;
+    }
+    if (rc == ES_OK) rc = reserve_logits(w, rows);
+    if (rc != ES_OK) return rc;
+    w->n = r0;
+    rc = forward(w);
+    if (rc != ES_OK) return rc;
+    // Each member's rows into its own context, where es_context_logits finds
+    // them as after its own es_decode (the copy is a small fraction of the
+    // batch's work; a member's rows then outlive the group's next decode).
+    const size_t row = (size_t) w->model->n_vocab;
+    rows = 0;
+    for (int32_t i = 0; i < n_seqs; i++) {
+        const int32_t kept = seqs[i].n - seqs[i].logits_from;
+        if (kept > 0) memcpy(seqs[i].ctx->logits, w->logits + (size_t) rows * row, (size_t) kept * row * sizeof *w->logits);
+        rows += kept;
+    }
     return ES_OK;
 }

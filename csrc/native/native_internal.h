@@ -453,8 +453,21 @@ const es_arch * es__arch(const char * name);
 
 extern const es_arch * const es__archs[];  // NULL-terminated
 
+// One sequence of the batch being evaluated: rows [r0, r0 + n) of the
+// batch buffers, whose K and V go to kv's cache after its n_past cells.
+// A context's own es_decode has one (kv: the context itself); a group's
+// es_decode_group one per member.
+typedef struct es_seq_rows {
+    es_context     * kv;         // its KV cache, n_past, cell_pos
+    const es_token * tokens;     // (n)
+    int32_t          r0, n;
+    int32_t          keep_from;  // its rows [keep_from, n) give logits (or hidden states)
+} es_seq_rows;
+
 // What the shared blocks and the architectures' layers work on. Batch
-// buffers hold up to n_batch token rows; ctx->n rows are in use.
+// buffers hold up to n_batch token rows; ctx->n rows are in use, split into
+// ctx->n_seqs sequences. A group's work context (es_group) has no KV cache
+// of its own: k_cache, v_cache and cell_pos are NULL there.
 struct es_context {
     es_model * model;
     es_pool  * pool;       // owned
@@ -467,9 +480,14 @@ struct es_context {
     uint16_t * v_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16
     int32_t  * cell_pos;   // (n_ctx) position of the token in each cell
     // The batch being evaluated.
-    int32_t    n;          // tokens; their cells are n_past .. n_past + n - 1
+    int32_t    n;          // tokens, all sequences'
+    es_seq_rows * seqs;    // (n_batch) the batch's sequences; row t's cell in seqs[s].kv is
+                           // its n_past + t - seqs[s].r0, s = row_seq[t]
+    int32_t    n_seqs;
+    int32_t  * row_seq;    // (n_batch) the sequence of each row
     int32_t  * pos;        // (n_batch) positions
-    uint8_t  * sees;       // (n_batch, n_batch) sees[i * n_batch + j]: token i attends to batch token j
+    uint8_t  * sees;       // (n_batch, n_batch) sees[i * n_batch + j]: token i attends to token j
+                           // of its own sequence (j counted from the sequence's first row)
     float    * x;          // (n_batch, n_embd) residual stream
     float    * xn;         // (n_batch, n_embd) a block's normed input; after an es_decode with
                            // embeddings: the (n_embd_rows, n_embd) final-normed output rows
@@ -541,8 +559,9 @@ int  es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, cons
 int  es__attention_inputs(es_context * ctx, int32_t il);
 // RoPE in place on x (ctx->n, n_heads * head_dim), at ctx->pos, with layer il's base/scale.
 void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads);
-// Attention of layer il: stores ctx->k, ctx->v (after RoPE) in the cache, then
-// ctx->att = softmax(q k^T * kq_scale) v over the cells each token sees.
+// Attention of layer il: stores ctx->k, ctx->v (after RoPE) in each row's
+// sequence's cache, then ctx->att = softmax(q k^T * kq_scale) v over the
+// cells each token sees (its sequence's cache, its ancestors and itself).
 void es__attention(es_context * ctx, int32_t il, float kq_scale);
 // ctx->out = down(act(gate(xn)) * up(xn)) for layer il's dense FFN.
 int  es__ffn(es_context * ctx, int32_t il, int32_t act);

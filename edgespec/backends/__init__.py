@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..config import BACKENDS  # noqa: F401  (re-exported: one list, the config's)
 from ..errors import InvalidArgumentError
-from .base import Backend, Interrupted, default_threads  # noqa: F401  (the contract, re-exported)
+from .base import Backend, GroupStep, Interrupted, default_threads  # noqa: F401  (the contract, re-exported)
 
 # Architectures the native engine decodes at least as fast as llama.cpp
 # (benchmarks/bench_native.py speed, 2 threads, native / llama.cpp: llama

@@ -35,6 +35,14 @@ The rules, the same on every backend:
 * An evaluation that fails or is interrupted leaves the cache holding what
   the record says.
 
+Groups. A backend that sets ``groups`` (native) evaluates several slots'
+steps in one batch: ``decode_group([GroupStep(slot, pending, tokens,
+parents, depths), ...])`` appends each slot's pending tokens and draft (a
+chain, or a tree as ``decode_tree`` takes it) to that slot's cache, as one
+``decode``/``decode_tree`` per slot would, bit for bit; a tree is followed by
+``drop_tree`` on its slot, a chain by ``truncate``. It supplies
+``_evaluate_group(batches)``.
+
 Slots. A backend opened with ``slots=N`` keeps N KV caches over one loaded
 model (a context each, made when first used), each with its own record.
 A slot's context holds ``n_ctx`` tokens unless a generation asks for
@@ -113,6 +121,19 @@ def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:
     return 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
 
 
+@dataclass(frozen=True)
+class GroupStep:
+    """One slot's step in ``Backend.decode_group``: its ``pending`` tokens
+    (ending with the root), then its draft: a chain (``parents`` None) or a
+    tree as ``decode_tree`` takes it (``parents`` with -1 = the root, ``depths``)."""
+
+    slot: int
+    pending: Sequence[int]
+    tokens: Sequence[int] = ()
+    parents: Sequence[int] | None = None
+    depths: Sequence[int] | None = None
+
+
 class Interrupted(Exception):
     """Raised by ``decode`` when its ``cancel`` callable said stop between chunks."""
 
@@ -158,8 +179,8 @@ class Backend(Closing, ABC):
     resizable = False   # a slot's context may be made at another size (_select_slot)
     embeds = False      # hidden_states works (_hidden)
     ctx_extend = False  # contexts beyond the training context are allowed
+    groups = False      # decode_group works (_evaluate_group)
     _closed = False   # class defaults: close() works on a half-made backend too
-    _tree_cells = 0   # cells of an evaluated draft tree, after the record
 
     def __init__(self, slots: int = 1):
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
@@ -170,6 +191,7 @@ class Backend(Closing, ABC):
         self._stats = [SlotStats(i) for i in range(slots)]
         self._last_used = [0] * slots   # LRU clock value of each slot's last generation
         self._sizes: list[int | None] = [None] * slots   # a slot's context size; None: n_ctx
+        self._trees = [0] * slots       # per slot: cells of an evaluated draft tree, after the record
         self._clock = 0
         self.slot = 0
         self._cells = self._records[0]
@@ -205,6 +227,13 @@ class Backend(Closing, ABC):
         ``n_tokens`` cells; InvalidArgumentError (the cache emptied) when they
         do not fit it."""
         raise UnsupportedModelError(f"the {self.name} backend cannot restore a KV cache")
+
+    def _evaluate_group(self, batches: list[tuple[int, list[int], list[int] | None, int]]) -> list[int]:
+        """One batch of several slots' tokens: ``(slot, tokens, parents,
+        logits_from)`` each, as ``_evaluate`` takes them for that slot (every
+        slot's context made). Returns each one's logits address. On failure
+        every slot's cache is as before."""
+        raise UnsupportedModelError(f"the {self.name} backend evaluates one slot at a time")
 
     def _hidden(self, pieces: list[list[int]], fresh: bool) -> np.ndarray:
         """One batch on the embeddings context: ``fresh``, each piece is a
@@ -268,14 +297,14 @@ class Backend(Closing, ABC):
             raise EngineClosedError(f"the {self.name} backend is closed")
 
     def _settle(self) -> None:
-        """Drop a draft tree's cells, if any: the cache then holds the record."""
-        if self._tree_cells:
-            self._tree_cells = 0
+        """Drop the selected slot's draft tree's cells, if any: its cache then holds the record."""
+        if self._trees[self.slot]:
+            self._trees[self.slot] = 0
             self._truncate(len(self._cells))
 
     def _resync(self) -> None:
         """After a failure: make the cache hold the record again, or clear both."""
-        self._tree_cells = 0
+        self._trees[self.slot] = 0
         try:
             self._truncate(len(self._cells))
         except Exception:
@@ -362,8 +391,46 @@ class Backend(Closing, ABC):
             self._resync()
             raise
         self._cells.extend(pending)
-        self._tree_cells = n
+        self._trees[self.slot] = n
         return address
+
+    def decode_group(self, steps: Sequence[GroupStep]) -> list[int]:
+        """Evaluate several slots' steps in one batch (see Groups in the
+        module docstring). Returns, per step, the address of its
+        ``(len(tokens) + 1, n_vocab)`` rows: its root's (the last pending
+        token's), then its draft's. Leaves the last step's slot selected."""
+        self._check_open()
+        if not self.groups:
+            raise UnsupportedModelError(f"the {self.name} backend evaluates one slot at a time")
+        slots = [s.slot for s in steps]
+        if not steps or len(set(slots)) != len(slots):
+            raise InvalidArgumentError(f"a group needs distinct slots, got {slots}")
+        batches, total = [], 0
+        for s in steps:
+            self.select_slot(s.slot)
+            self._settle()
+            k, n = len(s.pending), len(s.tokens)
+            if k == 0:
+                raise InvalidArgumentError(f"slot {s.slot}'s step needs its root token")
+            self._check_tokens(list(s.pending) + list(s.tokens))
+            depth = n if s.parents is None else max(s.depths, default=0)
+            if len(self._cells) + k + depth > self.context:
+                raise ContextOverflowError(f"slot {s.slot}: {len(self._cells) + k + depth} tokens do not fit "
+                                           f"the context of {self.context}")
+            parents = (None if s.parents is None else
+                       list(range(-1, k - 1)) + [k - 1 if p < 0 else k + p for p in s.parents])
+            batches.append((s.slot, list(s.pending) + list(s.tokens), parents, k - 1))
+            total += k + n
+        if total > self.n_batch:
+            raise InvalidArgumentError(f"a group of {total} tokens does not fit one batch of {self.n_batch}")
+        addresses = self._evaluate_group(batches)
+        for s in steps:   # as decode (a chain is recorded whole) or decode_tree would
+            self._records[s.slot].extend(s.pending)
+            if s.parents is None:
+                self._records[s.slot].extend(s.tokens)
+            else:
+                self._trees[s.slot] = len(s.tokens)
+        return addresses
 
     def drop_tree(self) -> None:
         """After ``decode_tree``: drop the tree's cells (the pending tokens stay)."""
@@ -379,7 +446,7 @@ class Backend(Closing, ABC):
         if n_keep >= len(self._cells):
             self._settle()
             return
-        self._tree_cells = 0
+        self._trees[self.slot] = 0
         try:
             self._truncate(n_keep)
         except BaseException:
@@ -387,15 +454,16 @@ class Backend(Closing, ABC):
             raise
         del self._cells[n_keep:]
 
-    def reuse_prefix(self, tokens: Sequence[int], n_ctx: int | None = None) -> int:
+    def reuse_prefix(self, tokens: Sequence[int], n_ctx: int | None = None, busy: Sequence[int] = ()) -> int:
         """Select the slot for a generation of ``tokens`` in a context of
-        ``n_ctx`` tokens (None: the backend's; see the module docstring) and
-        keep the longest prefix its cache shares with them, short of their
+        ``n_ctx`` tokens (None: the backend's; see the module docstring; never
+        one of the ``busy`` slots, other generations' under way) and keep the
+        longest prefix its cache shares with them, short of their
         last token (which is always evaluated again: its row gives the next
         token). Returns how many tokens are kept; the caller decodes
         ``tokens[kept:]``."""
         self._check_open()
-        self.use_slot(self.choose_slot(tokens, n_ctx), n_ctx)
+        self.use_slot(self.choose_slot(tokens, n_ctx, busy), n_ctx)
         keep = common_prefix(self._cells, tokens, len(tokens) - 1)
         self.truncate(keep)
         self._clock += 1
@@ -406,15 +474,19 @@ class Backend(Closing, ABC):
         stats.reused += keep
         return keep
 
-    def choose_slot(self, tokens: Sequence[int], n_ctx: int | None = None) -> int:
+    def choose_slot(self, tokens: Sequence[int], n_ctx: int | None = None, busy: Sequence[int] = ()) -> int:
         """The slot a generation of ``tokens`` would run in (see the module
         docstring): among the slots of its context size, else an empty one
-        (made again at that size), else the least recently used."""
+        (made again at that size), else the least recently used; never a
+        ``busy`` one."""
         size = n_ctx or self.n_ctx
         if self.n_slots == 1:
             return 0
         limit = len(tokens) - 1
-        fits = [i for i in range(self.n_slots) if (self._sizes[i] or self.n_ctx) == size]
+        free = [i for i in range(self.n_slots) if i not in busy]
+        if not free:
+            raise InvalidArgumentError(f"all {self.n_slots} slots are busy")
+        fits = [i for i in free if (self._sizes[i] or self.n_ctx) == size]
         empty = [i for i in fits if not self._records[i]]
         # The largest share of a slot's tokens a match may discard.
         share = 0.1 if empty else 0.5
@@ -423,10 +495,10 @@ class Backend(Closing, ABC):
                    and len(self._records[i]) - n <= share * len(self._records[i])]
         if matches:
             return max(matches)[2]
-        empty = empty or [i for i, record in enumerate(self._records) if not record]
+        empty = empty or [i for i in free if not self._records[i]]
         if empty:
             return empty[0]
-        return min(range(self.n_slots), key=lambda i: self._last_used[i])
+        return min(free, key=lambda i: self._last_used[i])
 
     def use_slot(self, i: int, n_ctx: int | None = None) -> None:
         """Select slot i, its context holding ``n_ctx`` tokens (None: n_ctx;
@@ -447,10 +519,14 @@ class Backend(Closing, ABC):
         self.slot = i
         self._cells = self._records[i]
 
+    def select_slot(self, i: int) -> None:
+        """Select slot i at the size it holds (``use_slot`` never resizes it then)."""
+        self.use_slot(i, self._sizes[i] if 0 <= i < self.n_slots else None)
+
     def slot_state(self, i: int) -> tuple[list[int], int, bytes]:
         """Slot i's tokens, context size and KV cache state (the backend's own
         bytes), to restore later with ``restore_slot``."""
-        self.use_slot(i, self._sizes[i])
+        self.select_slot(i)
         self._settle()
         return list(self._cells), self.context, self._state()
 
@@ -458,7 +534,7 @@ class Backend(Closing, ABC):
         """Make slot i hold ``tokens`` from a state ``slot_state`` gave (of
         this model, in a context of slot i's size); on a refusal the slot is
         left empty."""
-        self.use_slot(i, self._sizes[i])
+        self.select_slot(i)
         self._settle()
         self._check_tokens(tokens)
         self._cells.clear()
@@ -471,7 +547,7 @@ class Backend(Closing, ABC):
 
     def erase_slot(self, i: int) -> int:
         """Empty slot i's cache; returns the tokens it held."""
-        self.use_slot(i, self._sizes[i])
+        self.select_slot(i)
         n = self.n_past
         self.clear()
         return n
@@ -493,7 +569,7 @@ class Backend(Closing, ABC):
         """Empty every slot's cache; slot 0 is selected afterwards."""
         for i in reversed(range(self.n_slots)):
             if self._records[i] or i == 0:
-                self.use_slot(i, self._sizes[i])
+                self.select_slot(i)
                 self.clear()
 
     # -- embeddings --------------------------------------------------------------

@@ -157,7 +157,7 @@ class NativeContext(Owned):
     def decode(self, tokens: list[int], parents: list[int] | None, logits_from: int) -> int:
         """One es_decode; returns the address of the first kept logits row."""
         self._decode(tokens, parents, logits_from)
-        return int(ffi.cast("uintptr_t", lib.es_context_logits(self._ptr)))
+        return self.logits
 
     def hidden(self, tokens: list[int], parents: list[int] | None) -> np.ndarray:
         """One es_decode on an embeddings context: the (n, n_embd) hidden states, a copy."""
@@ -174,9 +174,12 @@ class NativeContext(Owned):
                                n, logits_from)
         if status == lib.ES_ERR_CONTEXT_FULL:
             raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}")
-        if status == lib.ES_ERR_IO:
-            raise BackendError(f"es_decode: expert weights: {self.model.expert_error() or 'I/O error'}")
-        check(status, "es_decode")
+        _check_decode(status, self.model, "es_decode")
+
+    @property
+    def logits(self) -> int:
+        """The address of the last decode's first kept logits row."""
+        return int(ffi.cast("uintptr_t", lib.es_context_logits(self._ptr)))
 
     def truncate(self, n_keep: int) -> None:
         check(lib.es_context_truncate(self._ptr, n_keep), f"truncate to {n_keep} tokens")
@@ -192,6 +195,49 @@ class NativeContext(Owned):
               f"a saved state of {n_past} cells")
 
 
+def _check_decode(status: int, model: NativeModel, where: str) -> None:
+    if status == lib.ES_ERR_IO:
+        raise BackendError(f"{where}: expert weights: {model.expert_error() or 'I/O error'}")
+    check(status, where)
+
+
+class NativeGroup(Owned):
+    """An es_group: several NativeContexts' batches evaluated as one (its
+    own batch buffers and thread pool), each context's logits then its own."""
+
+    _free = lib.es_group_free
+
+    def __init__(self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int):
+        params = lib.es_group_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_threads = threads
+        out = ffi.new("es_group **")
+        check(lib.es_group_init(model._ptr, ffi.new("es_group_params *", params), out),
+              f"native group of {n_batch} tokens")
+        self._ptr = out[0]
+        self.model = model  # must outlive the group
+        self.n_ctx = n_ctx
+
+    def decode(self, members: list[tuple[NativeContext, list[int], list[int] | None, int]]) -> list[int]:
+        """One es_decode_group of ``(context, tokens, parents, logits_from)``
+        members; returns each context's logits address."""
+        seqs = ffi.new("es_group_seq[]", len(members))
+        keep = []   # the arrays the call reads
+        for seq, (ctx, tokens, parents, logits_from) in zip(seqs, members):
+            seq.ctx = ctx._ptr
+            seq.tokens = t = ffi.new("es_token[]", tokens)
+            seq.parents = p = ffi.new("int32_t[]", parents) if parents is not None else ffi.NULL
+            seq.n = len(tokens)
+            seq.logits_from = logits_from
+            keep += [t, p]
+        status = lib.es_decode_group(self._ptr, seqs, len(members))
+        if status == lib.ES_ERR_CONTEXT_FULL:
+            raise ContextOverflowError("a group member's tokens do not fit its context")
+        _check_decode(status, self.model, "es_decode_group")
+        return [ctx.logits for ctx, *_ in members]
+
+
 class NativeBackend(VocabMixin, Backend):
     """One es_model; an es_context per KV-cache slot (made on first use) and
     one more, with embeddings, for hidden states."""
@@ -199,7 +245,8 @@ class NativeBackend(VocabMixin, Backend):
     name = "native"
     resizable = True
     embeds = True
-    _ctx = _model = _embed_ctx = _vocab = None
+    groups = True
+    _ctx = _model = _embed_ctx = _vocab = _group = None
     _contexts: list = []
     output_rows = 0   # restrict_output: the output layer's rows computed (0: all)
 
@@ -267,6 +314,18 @@ class NativeBackend(VocabMixin, Backend):
     def _truncate(self, n_keep: int) -> None:
         self._ctx.truncate(n_keep)
 
+    def _evaluate_group(self, batches: list[tuple[int, list[int], list[int] | None, int]]) -> list[int]:
+        # The group's attention scratch covers the largest member context;
+        # made when first used, again for a larger one.
+        n_ctx = max(self._contexts[slot].n_ctx for slot, *_ in batches)
+        if self._group is None or self._group.n_ctx < n_ctx:
+            if self._group is not None:
+                self._group.close()
+                self._group = None
+            self._group = NativeGroup(self._model, n_ctx=n_ctx, n_batch=self.n_batch, threads=self.threads)
+        return self._group.decode([(self._contexts[slot], tokens, parents, logits_from)
+                                   for slot, tokens, parents, logits_from in batches])
+
     def _select_slot(self, i: int, n_ctx: int) -> None:
         old = self._contexts[i]
         if old is None or (self._sizes[i] or self.n_ctx) != n_ctx:
@@ -319,10 +378,10 @@ class NativeBackend(VocabMixin, Backend):
         return self._model.expert_cache if self._model is not None else None
 
     def _close(self) -> None:
-        for c in (self._embed_ctx, *self._contexts):
+        for c in (self._group, self._embed_ctx, *self._contexts):
             if c is not None:
                 c.close()
-        self._ctx = self._embed_ctx = None
+        self._ctx = self._embed_ctx = self._group = None
         self._contexts = []
         if self._vocab is not None:
             self._vocab.close()

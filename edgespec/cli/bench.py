@@ -18,7 +18,7 @@ def _list(value: str | None) -> list[str] | None:
 
 
 @app.command()
-@engine_options(exclude=("drafter", "drafter_dir", "slots"))   # --drafters: the configurations here
+@engine_options(exclude=("drafter", "drafter_dir", "slots", "parallel"))   # --drafters: the configurations here
 def bench(
     engine: EngineConfig = ...,
     suite: str = typer.Option("code,multilingual,edit,chat", "--suite",

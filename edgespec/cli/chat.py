@@ -11,7 +11,7 @@ from .options import SamplingOptions, engine_options, sampling_options, with_cha
 
 
 @app.command()
-@engine_options(exclude=("slots",))
+@engine_options(exclude=("slots", "parallel"))
 @sampling_options
 def chat(
     engine: EngineConfig = ...,

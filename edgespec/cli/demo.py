@@ -132,7 +132,7 @@ def run_prompt(engine: Engine, p: DemoPrompt, drafter: str) -> dict:
 
 
 @app.command()
-@engine_options(exclude=("backend", "slots"))
+@engine_options(exclude=("backend", "slots", "parallel"))
 def demo(engine: EngineConfig = ...,
          demo_backend: str = typer.Option("native", "--backend", help="llama, native or onnx (default: native, "
                                           "whose greedy output is the same whatever the draft, so the side by "

@@ -66,7 +66,7 @@ def experts_summary(x: dict) -> str:
 
 
 @app.command()
-@engine_options(exclude=("slots",))
+@engine_options(exclude=("slots", "parallel"))
 @sampling_options
 def generate(
     prompt: str = typer.Argument(..., help="The prompt text (UTF-8)."),

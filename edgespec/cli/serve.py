@@ -2,7 +2,8 @@
 edgespec.server and edgespec.pool): OpenAI's and Ollama's APIs, /metrics and
 a chat page. The first model loads at start; the others when first asked
 for, the least recently used idle one unloaded when a load would pass
---max-loaded-bytes. Every option may also come from
+--max-loaded-bytes. Requests to one model run --parallel at once, their
+steps decoded together in one batch. Every option may also come from
 its EDGESPEC_* environment variable or the [serve] table of the config file
 (edgespec.cli.config). Ctrl-C stops it after the running generation's next piece."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _opt(*args, **kwargs):
 
 
 @app.command()
-@engine_options(envvars=True, exclude=("model",), defaults={"slots": DEFAULT_SLOTS})
+@engine_options(envvars=True, exclude=("model",), defaults={"slots": DEFAULT_SLOTS, "parallel": None})
 def serve(
     engine: EngineConfig = ...,
     models: Optional[list[str]] = _opt(None, "--model", "-m", help=MODEL_HELP + " Repeatable: every one "
@@ -77,7 +78,7 @@ def serve(
     idle = keep_alive_seconds(keep_alive)
     with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes, keep_alive=idle) as pool:
         with pool.engine() as e:   # the first model now: a bad file or option fails here
-            drafter = e.drafter
+            drafter, parallel, slots = e.drafter, e.parallel, e.backend.n_slots
         try:
             server = make_server(pool, host, port, api_key=api_key, quiet=quiet,
                                  max_request_bytes=max_request_bytes, cors_origins=tuple(cors_origin or ()),
@@ -85,8 +86,8 @@ def serve(
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
         budget = f"{pool.budget / 2**30:.1f} GiB" if pool.budget else "none"
-        typer.echo(f"serving {', '.join(pool.names)} (drafter {drafter}, {engine.slots} slots each, memory budget "
-                   f"{budget}) at {server.url} (chat page), {server.url}/v1 (OpenAI), {server.url}/api (Ollama)"
+        typer.echo(f"serving {', '.join(pool.names)} (drafter {drafter}, {parallel} at once, {slots} slots each, "
+                   f"memory budget {budget}) at {server.url} (chat page), {server.url}/v1 (OpenAI), {server.url}/api (Ollama)"
                    f"{' with an API key' if server.api_key else ''}; Ctrl-C to stop", err=True)
         server.serve_until_interrupted()
         typer.echo("stopped", err=True)

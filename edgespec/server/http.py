@@ -203,7 +203,7 @@ class Server:
 
     # what the tests and callers read
     engine = property(lambda self: self.runner.engine)
-    engine_lock = property(lambda self: self.runner.lock)
+    engine_lock = property(lambda self: self.runner.turns)   # `with`: no generation runs meanwhile
     model_name = property(lambda self: self.runner.name)
     api_key = property(lambda self: self.settings.api_key)
     max_request_bytes = property(lambda self: self.settings.max_request_bytes)

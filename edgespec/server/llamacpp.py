@@ -483,7 +483,7 @@ async def props(request: Request):
               "speculative": engine.drafter != "none", "drafter": engine.drafter}
     return JSONResponse({
         "default_generation_settings": {"params": params, "n_ctx": runner.n_ctx},
-        "total_slots": b.n_slots, "model_alias": runner.name, "model_path": str(engine.model_path),
+        "total_slots": b.n_slots, "parallel": engine.parallel, "model_alias": runner.name, "model_path": str(engine.model_path),
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
         "chat_template": engine.chat_template or "",
@@ -499,11 +499,11 @@ async def slots(request: Request):
     runner = pick_runner(request, request.query_params.get("model"))
     await runner.ready()
     engine = runner.engine
-    busy = runner.lock.locked()
+    busy = engine.running_slots()
     sizes = engine.backend.slot_sizes()
     return JSONResponse([{"id": s["slot"], "id_task": -1, "n_ctx": sizes[s["slot"]],
                           "speculative": engine.drafter != "none",
-                          "is_processing": busy and engine.backend.slot == s["slot"],
+                          "is_processing": s["slot"] in busy,
                           "n_prompt_tokens": s["tokens"], "n_prompt_tokens_cache": s["reused"],
                           "uses": s["uses"], "prefix_hits": s["prefix_hits"]}
                          for s in engine.slot_stats()])

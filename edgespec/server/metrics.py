@@ -4,8 +4,8 @@
 Requests by endpoint and status; per generation: prompt, cached-prefix and
 generated tokens, decode time (rate(tokens) / rate(seconds) is tokens/s over
 any window), drafted and accepted draft tokens (acceptance), prefix-cache
-hits; and the last generation's tokens/s, acceptance and estimated speedup
-over plain decoding as gauges."""
+hits; the generations running now, and the last generation's tokens/s,
+acceptance and estimated speedup over plain decoding as gauges."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -38,6 +38,8 @@ class Metrics:
         self.accepted = counter("accepted_tokens", "Draft tokens accepted.")
         self.tokens_per_s = gauge("last_tokens_per_second", "Tokens/s of the last generation.")
         self.acceptance = gauge("last_acceptance_rate", "Accepted / drafted tokens of the last generation.")
+        self.running = gauge("generations_running", "Generations running now, each in a KV-cache slot of its "
+                             "own (at most the model's --parallel; the others wait).")
         self.estimated_speedup = gauge("last_estimated_speedup", "Estimated speed of the last generation over "
                                        "plain decoding on this machine (from its measured batch-cost curve).")
 

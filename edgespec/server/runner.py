@@ -9,15 +9,17 @@ and Engine.stream's keyword arguments), then::
     async for piece in job.pieces(): ...      # text pieces as the engine makes them
     job.close()                               # job.result: the engine's Result
 
-Generations run one at a time, each in a worker thread holding
-``runner.lock``, in the order they take it; the event loop never blocks on
-the engine. The runner keeps this lock on top of the Engine's own because a
-queued job, once its turn comes, must still be droppable (its client gone,
-the server stopping) before the engine does any work for it, and shutdown
-takes every runner's lock to know that no generation runs. The worker counts the prompt's tokens before
-it takes the lock, so a prompt over the context is refused without waiting
-for the running generation. Pieces cross from the worker to the loop
-through a queue. A client that goes away (``http.disconnect``) cancels its
+Each generation runs in a worker thread holding a turn of its runner
+(``runner.turns.turn()``): as many at once as the engine's ``parallel`` (one
+unless ``serve --parallel``; several then decode together, one batch per
+step), the others queued; the event loop never blocks on the engine. The
+runner admits jobs on top of the Engine's own lanes because a queued job,
+once its turn comes, must still be droppable (its client gone, the server
+stopping) before the engine does any work for it, and shutdown waits for
+every runner's turns to end to know that no generation runs. The worker
+counts the prompt's tokens before it takes a turn, so a prompt over the
+context is refused without waiting for the running generations. Pieces
+cross from the worker to the loop through a queue. A client that goes away (``http.disconnect``) cancels its
 job: a queued one never starts, a running one ends after its next piece (a
 token, at most a step).
 
@@ -110,7 +112,7 @@ class Runner:
         self.name = name                 # the model id clients send
         self.metrics = metrics
         self.log = log or (lambda line: None)
-        self.lock = threading.Lock()     # held by the running generation
+        self.turns = Turns(lambda: self.engine.parallel, self._count_running)   # the generations' turns
         self.created = int(time.time())
         self.cache: dict = {}            # facts about the model endpoints compute once
         self.stopping = False            # set on shutdown: generations end at their next piece
@@ -186,6 +188,10 @@ class Runner:
                 raise ApiError(400, f"model {self.name!r} does not serve embeddings: {e}", param="model")
         return vectors, sum(len(s) for s in sequences)
 
+    def _count_running(self, n: int) -> None:
+        if self.metrics is not None:
+            self.metrics.running.labels(self.name).set(n)
+
     def stop(self) -> None:
         """Shut down: running generations end at their next piece, queued ones
         never start; returns once no prompt is being tokenized."""
@@ -250,6 +256,58 @@ class Runner:
         job.estimated_speedup = estimated_speedup(stats, costs)
         if self.metrics is not None:
             self.metrics.generation(stats, job.estimated_speedup, self.name)
+
+
+class Turns:
+    """A runner's turns to generate: at most ``limit()`` at once (the
+    engine's ``parallel``; read once a job holds its model), the others
+    waiting. ``with turns:`` holds them all (no generation runs meanwhile);
+    ``locked()``: a turn is held; ``drain()``: none is given any more, once
+    the running ones have ended."""
+
+    def __init__(self, limit, on_change=lambda n: None):
+        self._limit = limit
+        self._on_change = on_change   # called with the number running, under the lock
+        self._cond = threading.Condition()
+        self._running = 0
+        self._held = False      # all of them, by a ``with`` block
+        self._drained = False
+
+    @contextmanager
+    def turn(self):
+        limit = self._limit()
+        with self._cond:
+            self._cond.wait_for(lambda: self._running < limit and not self._held and not self._drained)
+            self._change(+1)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._change(-1)
+
+    def _change(self, by: int) -> None:
+        self._running += by
+        self._on_change(self._running)
+        self._cond.notify_all()
+
+    def __enter__(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._running == 0 and not self._held)
+            self._held = True
+        return self
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def locked(self) -> bool:
+        return self._running > 0 or self._held
+
+    def drain(self) -> None:
+        with self._cond:
+            self._drained = True
+            self._cond.wait_for(lambda: self._running == 0 and not self._held)
 
 
 _STARTED, _END = object(), object()
@@ -343,7 +401,7 @@ class Job:
                 n = r.count_prompt(c)
                 # clients send large values meaning "as much as fits"
                 c.options["max_tokens"] = min(c.options["max_tokens"], (c.options.get("n_ctx") or r.n_ctx) - n)
-                with r.lock:
+                with r.turns.turn():
                     if r.stopping:
                         self._post(ApiError(503, "the server is shutting down", type="server_error"))
                     elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
@@ -454,12 +512,12 @@ class Runners:
             r.stopping = True
 
     def stop(self) -> None:
-        """Shut every runner down (see Runner.stop) and take their locks: no
+        """Shut every runner down (see Runner.stop) and drain their turns: no
         generation runs once this returns."""
         for r in self:
             r.stop()
         for r in self:
-            r.lock.acquire()
+            r.turns.drain()
 
 
 class ClientGone(Exception):
