@@ -91,11 +91,13 @@ class CostCurve:
         self.steps: dict[int, Timings] = {}   # batch size -> seconds of recent steps
         self._table: list[float] | None = None  # the corrected curve, rebuilt after new timings
         self._plain_since_rebuild = 0
+        self._t_token: tuple[float | None] | None = None   # t_token until the next timing (asked often per step)
 
     def record(self, seconds: float, n_tokens: int) -> None:
         n = min(n_tokens, MAX_BATCH)
         timings = self.steps.setdefault(n, Timings())
         timings.add(seconds)
+        self._t_token = None
         # A plain step moves the unit (the median one-token time) only a
         # little: the curve is rebuilt after a batch's timing, or every
         # REBUILD_EVERY plain steps, so that declining to draft stays cheap.
@@ -108,11 +110,14 @@ class CostCurve:
     def t_token(self) -> float | None:
         """Seconds of a one-token step: the median of recent plain steps, else
         what the recent steps of other sizes say through the curve."""
-        one = self.steps.get(1)
-        if one is not None and one.median is not None:
-            return one.median
-        recent = [s / self.prior[n] for n, t in self.steps.items() for s in t.window]
-        return statistics.median(recent) if recent else None
+        if self._t_token is None:
+            one = self.steps.get(1)
+            if one is not None and one.median is not None:
+                self._t_token = (one.median,)
+            else:
+                recent = [s / self.prior[n] for n, t in self.steps.items() for s in t.window]
+                self._t_token = (statistics.median(recent) if recent else None,)
+        return self._t_token[0]
 
     def table(self) -> list[float]:
         if self._table is None:
@@ -296,8 +301,10 @@ class Planner:
 
     def _cost(self, n_tokens: int) -> float:
         compute = self.costs(n_tokens)
+        if self.experts is None:
+            return compute
         t = self.t_token
-        if self.experts is None or not t:
+        if not t:
             return compute
         return (compute + self.experts.seconds(n_tokens) / t) / (1.0 + self.experts.seconds(1) / t)
 
