@@ -307,9 +307,9 @@ def int8_peak(threads: int, *, remeasure: bool = False) -> tuple[float, str]:
     """(int8 MACs/s, kernel set) of this machine with ``threads`` threads and
     the kernel set in use in this process (es_kernels_select; the native
     backend selects EDGESPEC_KERNELS'): cached as ``bandwidth`` is."""
-    from .capi import ffi, lib
+    from .capi import kernel_set
 
-    kernels = ffi.string(lib.es_kernels_name()).decode()
+    kernels = kernel_set()
     peak = cached_measurement(INT8_PEAK_FILE, f"{cpu_name()}:{threads}:{kernels}", "macs_per_s",
                               lambda: measure_int8_peak(threads),
                               lambda v: isinstance(v, (int, float)) and v > 0, remeasure=remeasure,

@@ -104,8 +104,8 @@ class _Outcome:
 class _Lane:
     """One of an engine's ``parallel`` places for a running generation: its
     drafters and planner (drafters keep a generation's state), and the slot
-    its generation runs in. Lane 0's drafters are the engine's ``_drafters``,
-    its planner the engine's ``_planner``."""
+    its generation runs in. Lane 0's are the engine's ``_drafters`` and
+    ``_planner`` (a lone generation's, as with parallel 1)."""
 
     drafters: dict[str, Drafter] = field(default_factory=dict)
     planner: Planner | None = None
@@ -303,14 +303,12 @@ class Engine:
         self._drafter_config = DrafterConfig(n_vocab=self.backend.n_vocab, target=self.backend, options=c,
                                              paired_draft=registry.paired_draft(self.model_ref),
                                              specialized=tuple(specialized), n_ctx=self.backend.n_ctx)
-        self._drafters: dict[str, Drafter] = {}
+        self._lanes = [_Lane()]
         self._costs: list[float] | None = None
-        self._planner: Planner | None = None
         self.last_result: Result | None = None
         self._chat_template: str | None = None
         self._capabilities: tuple[str, ...] | None = None
         self._llg_tokenizer = None  # the grammar engine's view of the vocabulary, built on first use
-        self._lanes = [_Lane(self._drafters)]
         try:
             if self.drafter != "none":
                 self._open_drafters(self.drafter)  # fail early on a bad draft model or cache
@@ -357,13 +355,21 @@ class Engine:
 
     def _lane_planner(self, lane: int) -> Planner:
         """Lane ``lane``'s planner, made on first use."""
-        if lane == 0:
-            if self._planner is None:
-                self._planner = self._new_planner()
-            return self._planner
         if self._lanes[lane].planner is None:
             self._lanes[lane].planner = self._new_planner()
         return self._lanes[lane].planner
+
+    @property
+    def _drafters(self) -> dict[str, Drafter]:
+        return self._lanes[0].drafters
+
+    @property
+    def _planner(self) -> Planner | None:
+        return self._lanes[0].planner
+
+    @_planner.setter
+    def _planner(self, planner: Planner | None) -> None:
+        self._lanes[0].planner = planner
 
     def batch_costs(self, remeasure: bool = False) -> list[float]:
         """This machine's target batch cost curve (see edgespec.planner)."""

@@ -154,7 +154,7 @@ static void repack_run(void * arg, int32_t ith, int32_t nth) {
 // (the block layouts) and the engine's version: what a repack cache file
 // must have been written for.
 static uint64_t packed_layout(const es_model * m, const es_weight * const * ws, int32_t nw) {
-    uint64_t h = es__fnv1a(0xcbf29ce484222325ULL, ES_VERSION, strlen(ES_VERSION));
+    uint64_t h = es__fnv1a(ES_FNV_OFFSET, ES_VERSION, strlen(ES_VERSION));
     for (int32_t t = 0; t <= ES_TYPE_BF16; t++) {
         const size_t group = es_repack_bytes(t, 256 * 32, ES_GROUP_ROWS);  // a width every type divides
         h = es__fnv1a(h, &group, sizeof group);

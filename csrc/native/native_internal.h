@@ -22,6 +22,7 @@
 #ifndef EDGESPEC_NATIVE_H
 #define EDGESPEC_NATIVE_H
 
+#include "es_common.h"
 #include "native/es_native.h"
 
 #include <stddef.h>
@@ -274,7 +275,6 @@ typedef struct es_packed_key {
     uint64_t bytes;   // of the repacked weights
 } es_packed_key;
 
-uint64_t es__fnv1a(uint64_t h, const void * data, size_t n);
 // The GGUF at path as it is now: its size, times and inode, its header, and
 // samples of its tensor data; 0 when path no longer holds the file g maps.
 uint64_t es__packed_source(const es_gguf * g, const char * path);

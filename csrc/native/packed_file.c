@@ -50,13 +50,6 @@ static uint64_t weights_digest(const void * data, size_t n) {
     return es__fnv1a(n, h, sizeof h);
 }
 
-uint64_t es__fnv1a(uint64_t h, const void * data, size_t n) {
-    const uint8_t * p = data;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ULL;
-    return h;
-}
-
-#define FNV_OFFSET 0xcbf29ce484222325ULL
 #define SAMPLES    16     // pages of tensor data hashed, evenly spread
 #define SAMPLE     4096
 
@@ -67,7 +60,7 @@ uint64_t es__packed_source(const es_gguf * g, const char * path) {
     // The samples are read, not touched through the mapping: a fault there
     // maps the page cache's whole folio around it (megabytes of experts an
     // expert cache keeps out of the process).
-    uint64_t h = FNV_OFFSET;
+    uint64_t h = ES_FNV_OFFSET;
     size_t size;
     const uint8_t * bytes = es__gguf_bytes(g, &size);
     const size_t start = (size_t) es_gguf_data_offset(g), span = size - start;
@@ -123,6 +116,7 @@ int es__packed_file_begin(const char * path, size_t bytes, es_packed_writer * w,
     // each write theirs, and the last rename wins with a whole file.
     *w = (es_packed_writer) { .fd = -1 };
     *weights = NULL;
+    // mkstemp fills in the X's; a path too long for the name is the caller's error.
     if (snprintf(w->part, sizeof w->part, "%s.part-XXXXXX", path) >= (int) sizeof w->part) return ES_ERR_INVALID_ARG;
     w->fd = mkstemp(w->part);
     if (w->fd < 0) return ES_ERR_IO;

@@ -6,6 +6,7 @@
  * Both hash token n-grams the same way (ngram_hash below) and keep their
  * tables at most half full, so linear probing stays short.
  */
+#include "es_common.h"
 #include "speculative/es_spec.h"
 
 #include <stdio.h>
@@ -21,12 +22,10 @@
  * as a prefix of a 3-gram never share a key.
  * ------------------------------------------------------------------------ */
 
-#define FNV_OFFSET 0xcbf29ce484222325ULL  // FNV-1a's offset basis: where every hash starts
-#define FNV_PRIME  0x100000001b3ULL
 
 // Extends a hash by one token to the left.
 static uint64_t hash_step(uint64_t h, es_token t) {
-    return (h ^ (uint32_t) t) * FNV_PRIME;
+    return (h ^ (uint32_t) t) * ES_FNV_PRIME;
 }
 
 // The key of an n-gram from its running hash (murmur3's 64-bit finaliser,
@@ -183,7 +182,7 @@ int es_ngram_index_append(es_ngram_index * idx, const es_token * tokens, int32_t
         const int32_t i = idx->n_tokens;
         seq[i] = tokens[k];
         const int32_t n_top = i < idx->params.n_max ? i : idx->params.n_max;
-        uint64_t h = FNV_OFFSET;
+        uint64_t h = ES_FNV_OFFSET;
         for (int32_t n = 1; n <= n_top; n++) {
             h = hash_step(h, seq[i - n]);
             if (n >= idx->params.n_min) index_put(idx, hash_key(h, n), n, i);
@@ -219,7 +218,7 @@ int32_t es_ngram_index_draft(const es_ngram_index * idx, es_token * out, int32_t
     const int32_t len = idx->n_tokens;
     const int32_t n_top = len - 1 < idx->params.n_max ? len - 1 : idx->params.n_max;
     uint64_t keys[17];
-    uint64_t h = FNV_OFFSET;
+    uint64_t h = ES_FNV_OFFSET;
     for (int32_t n = 1; n <= n_top; n++) {
         h = hash_step(h, idx->tokens[len - n]);
         keys[n] = hash_key(h, n);
@@ -404,7 +403,7 @@ int es_ngram_cache_add(es_ngram_cache * c, const es_token * tokens, int32_t n_to
         if (rc != ES_OK) return rc;
         for (int32_t i = b; i < end; i++) {
             const int32_t n_top = i < c->n_max ? i : c->n_max;
-            uint64_t h = FNV_OFFSET;
+            uint64_t h = ES_FNV_OFFSET;
             for (int32_t n = 1; n <= n_top; n++) {
                 h = hash_step(h, tokens[i - n]);
                 const uint64_t key = hash_key(h, n);
@@ -456,7 +455,7 @@ int32_t es_ngram_cache_draft(const es_ngram_cache * cache, const es_ngram_cache 
         // Keys of the window's suffixes, then the longest known context,
         // the primary cache first at each length.
         uint64_t keys[CACHE_MAX_N + 1];
-        uint64_t h = FNV_OFFSET;
+        uint64_t h = ES_FNV_OFFSET;
         for (int32_t n = 1; n <= n_win; n++) {
             h = hash_step(h, win[n_win - n]);
             keys[n] = hash_key(h, n);
@@ -497,11 +496,6 @@ static const char CACHE_MAGIC[8] = {'E', 'S', 'N', 'G', 'R', 'A', 'M', '1'};
 
 static size_t record_size(int32_t n_max) { return 4 * (size_t) (10 + n_max); }
 
-static uint64_t fnv1a(uint64_t h, const unsigned char * p, size_t n) {
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * FNV_PRIME;
-    return h;
-}
-
 static void put_u32(unsigned char * p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char) (v >> (8 * i));
 }
@@ -520,7 +514,7 @@ static uint64_t get_u64(const unsigned char * p) {
 
 // Writes n bytes and folds them into the checksum.
 static bool write_hashed(FILE * f, const unsigned char * p, size_t n, uint64_t * h) {
-    *h = fnv1a(*h, p, n);
+    *h = es__fnv1a(*h, p, n);
     return fwrite(p, 1, n, f) == n;
 }
 
@@ -529,7 +523,7 @@ int es_ngram_cache_save(const es_ngram_cache * c, const char * path) {
     FILE * f = fopen(path, "wb");
     if (!f) return ES_ERR_IO;
 
-    uint64_t h = FNV_OFFSET;
+    uint64_t h = ES_FNV_OFFSET;
     unsigned char head[CACHE_HEADER_SIZE];
     memcpy(head, CACHE_MAGIC, 8);
     put_u32(head + 8, CACHE_VERSION);
@@ -586,7 +580,7 @@ static int load_record(es_ngram_cache * c, const unsigned char * p) {
     }
     if (e.total == 0 || sum != e.total) return ES_ERR_FORMAT;
 
-    uint64_t h = FNV_OFFSET;
+    uint64_t h = ES_FNV_OFFSET;
     for (int32_t k = 1; k <= (int32_t) n; k++) h = hash_step(h, ctx[n - k]);
     e.key = hash_key(h, (int32_t) n);
     const size_t slot = cache_slot(c, e.key, ctx, (int32_t) n);
@@ -598,7 +592,7 @@ static int load_record(es_ngram_cache * c, const unsigned char * p) {
 // Reads n bytes (all of them, else ES_ERR_IO) and folds them into the checksum.
 static int read_hashed(FILE * f, unsigned char * p, size_t n, uint64_t * h) {
     if (fread(p, 1, n, f) != n) return ES_ERR_IO;
-    *h = fnv1a(*h, p, n);
+    *h = es__fnv1a(*h, p, n);
     return ES_OK;
 }
 
@@ -611,7 +605,7 @@ static int load_file(FILE * f, es_ngram_cache ** out) {
     if ((unsigned long) file_len < CACHE_HEADER_SIZE + CACHE_TRAILER) return ES_ERR_FORMAT;
 
     // 2. header
-    uint64_t h = FNV_OFFSET;
+    uint64_t h = ES_FNV_OFFSET;
     unsigned char head[CACHE_HEADER_SIZE];
     int rc = read_hashed(f, head, sizeof head, &h);
     if (rc != ES_OK) return rc;

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..capi import ERR_CAP, Owned, check, check_file, ffi, lib
+from ..capi import ERR_CAP, Owned, check, check_file, ffi, kernel_set, lib
 from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
 from .. import moe
 from ..config import DEFAULT_BATCH
@@ -53,6 +53,16 @@ def select_kernels() -> None:
                                    f"(available: auto, {', '.join(available)})")
 
 
+def repack_mode() -> str | None:
+    """EDGESPEC_REPACK's choice: "cached", "memory" or None (no repacking)."""
+    repack = os.environ.get("EDGESPEC_REPACK", "")
+    if repack not in _REPACK:
+        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights and keeps them in the "
+                                   "cache between loads (the default), memory repacks them at every load, "
+                                   "0 does not repack")
+    return _REPACK[repack]
+
+
 def model_params(experts: moe.ExpertCache | None = None):
     """es_model_params from the environment (EDGESPEC_EXPERTS, EDGESPEC_REPACK)
     and the expert cache settings (None: experts served from the mapping)."""
@@ -62,12 +72,7 @@ def model_params(experts: moe.ExpertCache | None = None):
         raise InvalidArgumentError(f"EDGESPEC_EXPERTS={mode} is not an expert provider of this "
                                    "build (f32, or unset)")
     params.experts = _EXPERTS_MODES[mode]
-    repack = os.environ.get("EDGESPEC_REPACK", "")
-    if repack not in _REPACK:
-        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights and keeps them in the "
-                                   "cache between loads (the default), memory repacks them at every load, "
-                                   "0 does not repack")
-    params.repack = _REPACK[repack] is not None
+    params.repack = repack_mode() is not None
     if experts is not None:
         params.expert_cache_bytes = experts.budget_bytes
         params.expert_precision = moe.PRECISIONS.index(experts.precision)
@@ -95,8 +100,8 @@ class NativeModel(Owned):
             keep = ffi.new("char[]", str(sidecar).encode())
             params.expert_sidecar = keep
         select_kernels()
-        cache = (registry.repacked_file(path, ffi.string(lib.es_kernels_name()).decode())
-                 if _REPACK[os.environ.get("EDGESPEC_REPACK", "")] == "cached" else None)
+        cache = (registry.repacked_file(path, kernel_set())
+                 if repack_mode() == "cached" else None)
         if cache is not None:
             keep_cache = ffi.new("char[]", os.fsencode(cache))
             params.repack_cache = keep_cache
@@ -298,7 +303,7 @@ class NativeBackend(VocabMixin, Backend):
     @property
     def kernels(self) -> str:
         """The kernel set the weights' products run on (es_kernels_name)."""
-        return ffi.string(lib.es_kernels_name()).decode()
+        return kernel_set()
 
     def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
         return NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,

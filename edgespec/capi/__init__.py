@@ -22,6 +22,12 @@ def check(status: int, where: str) -> int:
     raise _BY_STATUS.get(status, NativeError)(status, where, text)
 
 
+def kernel_set() -> str:
+    """The name of the kernel set the native engine runs in this process
+    (es_kernels_name: "avx512", "avx2", "neon" or "scalar")."""
+    return ffi.string(lib.es_kernels_name()).decode()
+
+
 ERR_CAP = 512  # bytes of the err buffers handed to es_gguf_open / es_model_load
 
 

@@ -122,8 +122,13 @@ def repacked_file(model: Path, kernels: str) -> Path | None:
             return None
     except OSError:
         return None
-    key = hashlib.sha256(os.fsencode(model)).hexdigest()[:16]
-    return folder / f"{model.stem}-{key}-{kernels}.pack"
+    return folder / f"{_repacked_prefix(model)}{kernels}.pack"
+
+
+def _repacked_prefix(model: Path) -> str:
+    """The start of every repacked file's name for the (resolved) GGUF path
+    ``model``: its stem and a hash of the path, before the kernel set."""
+    return f"{model.stem}-{hashlib.sha256(os.fsencode(model)).hexdigest()[:16]}-"
 
 
 def repacked_used(pack: Path, model: Path, written: bool) -> None:
@@ -159,9 +164,8 @@ def _prune_repacked(folder: Path) -> None:
 
 def remove_repacked(model: Path) -> None:
     """Delete the repacked weights kept for the GGUF at ``model``."""
-    model = Path(model).resolve()
-    key = hashlib.sha256(os.fsencode(model)).hexdigest()[:16]
-    for f in (home() / REPACKED_DIR).glob(f"{glob_escape(model.stem)}-{key}-*"):
+    prefix = _repacked_prefix(Path(model).resolve())
+    for f in (home() / REPACKED_DIR).glob(f"{glob_escape(prefix)}*"):
         f.unlink(missing_ok=True)
 
 
