@@ -3,6 +3,7 @@ against the results schema, the greedy check and failing peers."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -179,6 +180,21 @@ def test_llama_cpp_binary_output_is_parsed_and_failures_named(tmp_path):
     assert r.decode_tps == pytest.approx(50.0) and r.prefill_tps == pytest.approx(200.0)
     with pytest.raises(PeerError, match="needs a draft model"):
         LlamaCppBinary("llama.cpp:speculative", tmp_path, tmp_path / "m.gguf", threads=2, n_ctx=512)
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_a_peer_binarys_peak_memory_is_its_own(tmp_path):
+    from edgespec.bench.peers import _run_child
+
+    # This process reaches a 600 MB peak; Linux carries that peak into a child's
+    # getrusage figure across vfork and exec, the binary's own is a few MB.
+    ballast = bytearray(600 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])
+    del ballast
+    _fake_binary(tmp_path, "peer", "sleep 0.3\necho done\n")
+    rc, log, peak = _run_child([str(tmp_path / "peer")], timeout=30)
+    assert (rc, log) == (0, "done\n")
+    assert 0 < peak < 100, peak
 
 
 # -- what the harness reads from the engine ----------------------------------------

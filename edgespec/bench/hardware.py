@@ -114,3 +114,22 @@ class PeakRSS:
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
+
+
+def process_peak_rss_mib(pid: int) -> float | None:
+    """A running process's peak resident memory in MiB (Linux's VmHWM, which
+    belongs to its memory map and so starts afresh at exec), or None where
+    /proc has no figure (another OS, or the process has exited).
+
+    A child's getrusage peak (wait4) is no measure of the child on Linux: it
+    starts from its parent's peak, carried across vfork and exec, so a llama.cpp
+    binary run by a benchmark that holds a 1 GB model would "use" 1 GB at once.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .hardware import process_peak_rss_mib
+
 PEERS = ("llama-cpp-python", "llama-cpp-python:prompt-lookup", "llama.cpp", "llama.cpp:lookup",
          "llama.cpp:speculative")
 DRAFT_MAX = 8          # draft tokens per step for the peers' drafters (llama.cpp's examples' own default range)
@@ -118,12 +120,16 @@ PERF_EVAL = re.compile(r"_print:\s+eval time =\s*([\d.]+) ms /\s*(\d+) runs")
 
 
 def _run_child(argv: list[str], timeout: float) -> tuple[int, str, float]:
-    """(exit code, stdout + stderr, peak RSS of the child in MiB). The child is
-    reaped with wait4, which returns its own resource usage."""
+    """(exit code, stdout + stderr, peak RSS of the child in MiB). The peak is
+    the child's own high-water mark, read while it runs (the last reading
+    before it exits); where /proc has none, wait4's figure, which on Linux
+    would include this process's own peak."""
     with tempfile.TemporaryFile() as out:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
+        peak = None
         while True:
+            peak = process_peak_rss_mib(p.pid) or peak
             pid, status, usage = os.wait4(p.pid, os.WNOHANG)
             if pid:
                 break
@@ -136,7 +142,7 @@ def _run_child(argv: list[str], timeout: float) -> tuple[int, str, float]:
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         log = out.read().decode("utf-8", "replace")
-    return p.returncode, log, usage.ru_maxrss / 1024
+    return p.returncode, log, peak if peak is not None else usage.ru_maxrss / 1024
 
 
 class LlamaCppBinary:
