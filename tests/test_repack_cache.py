@@ -11,6 +11,7 @@ import os
 import time
 
 import numpy as np
+import gguf
 import pytest
 from gguf import GGMLQuantizationType as Q
 
@@ -69,6 +70,39 @@ def test_written_once_then_mapped_with_the_same_logits(home, q4k_model):
     assert (in_memory, unpacked) == (lib.ES_PACKED_REPACKED, lib.ES_PACKED_NONE)
     assert np.array_equal(first, again) and np.array_equal(first, memory_logits) and np.array_equal(first, plain)
     assert len(packs(home)) == 1
+
+
+def resident_bytes(path) -> int:
+    """Bytes of ``path``'s mappings in this process's resident memory (Linux)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("repack", [None, "memory"])
+def test_the_source_rows_a_repack_serves_leave_resident_memory(home, q4k_model, repack):
+    """The checks at open read every block's scales; the rows the repacked
+    copy serves (mapped from the cache, or repacked in memory) are then
+    released, leaving the few the engine still reads (embeddings, norms)."""
+    run(q4k_model)  # the cache file written: the next load maps it
+    path = q4k_model.resolve()
+    if repack is not None:
+        os.environ["EDGESPEC_REPACK"] = repack
+    try:
+        with open_backend("native", path, n_ctx=64, threads=2) as b:
+            assert b._model.packed_from == (lib.ES_PACKED_MAPPED if repack is None else lib.ES_PACKED_REPACKED)
+            weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
+                          if t.name.startswith("blk.") and "norm" not in t.name)
+            assert weights > 0.5 * path.stat().st_size
+            assert resident_bytes(path) < path.stat().st_size - 0.9 * weights, (resident_bytes(path), weights)
+    finally:
+        os.environ.pop("EDGESPEC_REPACK", None)
 
 
 @pytest.mark.parametrize("damage", ["flip a weight byte", "cut short", "another model's file"])

@@ -204,6 +204,13 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
     if (total > 0 && cache &&
         es__packed_file_map(cache, &key, &mapped, &m->packed_map, &m->packed_map_size) == ES_OK) {
         bind_packed(m, ws, nw, mapped);
+        // The checks at open read every block's scales: the source rows the
+        // file now serves leave the process's resident memory, as a repack's do.
+        for (int32_t j = 0; j < nw; j++) {
+            if (!repacks(m, ws[j])) continue;
+            const size_t packed_rows = (size_t) (ws[j]->n_out / ES_GROUP_ROWS * ES_GROUP_ROWS);
+            es_gguf_release(m->gguf, ws[j]->data, packed_rows * es_type_row_bytes(ws[j]->type, ws[j]->n_in));
+        }
         m->packed_from = ES_PACKED_MAPPED;
         free(ws);
         return ES_OK;
