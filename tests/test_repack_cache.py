@@ -10,8 +10,8 @@ import ctypes
 import os
 import time
 
-import numpy as np
 import gguf
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
@@ -86,23 +86,20 @@ def resident_bytes(path) -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc")
 @pytest.mark.parametrize("repack", [None, "memory"])
-def test_the_source_rows_a_repack_serves_leave_resident_memory(home, q4k_model, repack):
+def test_the_source_rows_a_repack_serves_leave_resident_memory(home, q4k_model, repack, monkeypatch):
     """The checks at open read every block's scales; the rows the repacked
     copy serves (mapped from the cache, or repacked in memory) are then
     released, leaving the few the engine still reads (embeddings, norms)."""
     run(q4k_model)  # the cache file written: the next load maps it
     path = q4k_model.resolve()
     if repack is not None:
-        os.environ["EDGESPEC_REPACK"] = repack
-    try:
-        with open_backend("native", path, n_ctx=64, threads=2) as b:
-            assert b._model.packed_from == (lib.ES_PACKED_MAPPED if repack is None else lib.ES_PACKED_REPACKED)
-            weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
-                          if t.name.startswith("blk.") and "norm" not in t.name)
-            assert weights > 0.5 * path.stat().st_size
-            assert resident_bytes(path) < path.stat().st_size - 0.9 * weights, (resident_bytes(path), weights)
-    finally:
-        os.environ.pop("EDGESPEC_REPACK", None)
+        monkeypatch.setenv("EDGESPEC_REPACK", repack)
+    with open_backend("native", path, n_ctx=64, threads=2) as b:
+        assert b._model.packed_from == (lib.ES_PACKED_MAPPED if repack is None else lib.ES_PACKED_REPACKED)
+        weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
+                      if t.name.startswith("blk.") and "norm" not in t.name)
+        assert weights > 0.5 * path.stat().st_size
+        assert resident_bytes(path) < path.stat().st_size - 0.9 * weights, (resident_bytes(path), weights)
 
 
 @pytest.mark.parametrize("damage", ["flip a weight byte", "cut short", "another model's file"])

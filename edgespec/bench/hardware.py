@@ -107,10 +107,9 @@ class PeakRSS:
     def read(self) -> float:
         """Peak resident memory in MiB."""
         if self.method.startswith("VmHWM"):
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) / 1024
+            peak = process_peak_rss_mib(os.getpid())
+            if peak is not None:
+                return peak
         import resource
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
