@@ -87,6 +87,11 @@ class EngineConfig:
              "(native backend; on the others requests run one at a time) (default: 1; for serve, and None in "
              "Python, chosen at load from this machine's batch cost curve: the most sequences, up to 4, each "
              "adding at most half a lone step's cost, whose KV caches fit in half the memory available).")
+    stream_idle_ms: int = option(
+        10_000, minimum=1, metavar="MS",
+        help="A stream left idle between pieces (its consumer holds it without asking for the next) for longer "
+             "than this while another thread waits for the engine is ended for that thread; resuming it raises "
+             "GenerationAbandonedError (default: 10000 ms).")
     gpu_layers: int = option(0, "--gpu-layers", minimum=0,
                              help="Layers to offload to Metal/CUDA/Vulkan if llama.cpp was built with one, >= 0 "
                                   "(llama backend).")

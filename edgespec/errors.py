@@ -77,3 +77,11 @@ class GrammarError(InvalidArgumentError):
 class GenerationAbandonedError(EdgespecError):
     """A stream resumed after the engine ended it: its thread left it suspended
     and started another generation (the cache no longer holds its text)."""
+
+
+def check_whole(name: str, value, minimum: int) -> int:
+    """``value`` if it is a whole number (not a bool) >= ``minimum``, else
+    InvalidArgumentError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be a whole number >= {minimum}, got {value!r}"[:200])
+    return value

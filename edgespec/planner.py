@@ -175,6 +175,14 @@ class ExpertMisses:
         if misses > 0:
             self.per_miss.add(stall_s / misses)
 
+    @staticmethod
+    def waited(before: dict, after: dict) -> dict:
+        """The misses and stall seconds of a step, from the expert cache's
+        counters (Backend.expert_stats) read before and after it: the
+        keywords of Planner.record_step_time."""
+        return dict(misses=(after["lookups"] - after["hits"]) - (before["lookups"] - before["hits"]),
+                    stall_s=(after["stall_ns"] - before["stall_ns"]) / 1e9)
+
     def _union(self, n: int) -> float:
         return self.n_expert * (1.0 - (1.0 - self.top_k / self.n_expert) ** n)
 

@@ -319,7 +319,7 @@ def test_planner_stops_asking_a_draft_model_slower_than_measured(tiny_llama_path
         assert spec.tokens == plain.tokens
         asked = spec.stats.spec.drafters["model"]["drafts"]
         assert MIN_SAMPLES <= asked <= MIN_SAMPLES + 2, f"the slowed draft model was asked {asked} times"
-        assert engine._planner.drafter_cost("model").per_token > 1.0
+        assert engine.lanes[0].planner.drafter_cost("model").per_token > 1.0
 
 
 def test_draft_cost_is_measured_once_and_cached(tiny_llama_path, monkeypatch, tmp_path):
@@ -362,7 +362,7 @@ def test_paired_draft_model_greedy_identity(qwen_coder_15b_path, qwen_coder_05b_
         spec = _identical_past_256(engine, "model")
         drafter = spec.stats.spec.drafters["model"]
         assert drafter["draft_model"] == "qwen2.5-coder-0.5b" and drafter["mode"] == model_drafter.SAME_VOCAB
-        assert engine._drafters["model"].backend.name == "native"
+        assert engine.lanes[0].drafters["model"].backend.name == "native"
         assert spec.stats.spec.per_drafter["model"]["accepted"] > 0
 
 
@@ -389,7 +389,7 @@ def test_runner_up_leaves_on_a_cheap_cost_curve_keep_greedy_identity(tiny_llama_
     write_tiny_llama(other, tiny_vocab_path, seed=5)
     with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="model",
                 draft_model=str(other), draft_max=6) as engine:
-        engine._planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
+        engine.lanes[0].planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
         plain = engine.generate(LONG_TEXT[:200], max_tokens=48, drafter="none")
         spec = engine.generate(LONG_TEXT[:200], max_tokens=48)
         assert spec.tokens == plain.tokens
@@ -578,7 +578,7 @@ def test_a_trimmed_draft_head_drafts_only_its_tokens_and_keeps_greedy_output(tin
             model_drafter.ModelDrafter.draft = real
         assert spec.tokens == plain.tokens
         assert drafted and set(drafted) <= kept
-        assert engine._drafters["model"].backend.output_rows == 256
+        assert engine.lanes[0].drafters["model"].backend.output_rows == 256
 
 
 def test_draft_vocab_refusals(tiny_llama_path, other_vocab_llama, head_ranking, tmp_path, monkeypatch):

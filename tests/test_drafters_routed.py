@@ -168,7 +168,7 @@ def test_auto_routes_each_request_to_one_drafter_and_keeps_greedy_output(tiny_ll
                    {"role": "user", "content": GERMAN}]
     with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
                 drafter_dir=str(drafter_set)) as e:
-        e._planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
+        e.lanes[0].planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
         for request, lang in ((PYTHON, "python"), (GERMAN, "deu"), (JAPANESE, "jpn"), (german_chat, "deu"),
                               (e.prompt_tokens(PYTHON), "python"), (RUSSIAN, None)):
             spec = _generate(e, request)

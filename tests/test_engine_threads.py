@@ -274,3 +274,46 @@ def test_close_ends_a_stream_suspended_in_another_live_thread(tiny_llama_path):
     with pytest.raises(EngineClosedError):
         next(kept[0])
     leave.set()
+
+
+@pytest.mark.parametrize("backend", ["native", "llama"])
+def test_a_stream_held_idle_in_a_live_thread_does_not_block_another_forever(tiny_llama_path, backend):
+    # `s = e.stream(...); for p in s: break` in a thread that lives on, keeping
+    # `s`: another thread's generate() waits at most stream_idle_ms for it,
+    # then the idle stream is ended for it (its owner gets a typed error).
+    with Engine(str(tiny_llama_path), backend=backend, threads=1, n_ctx=256, stream_idle_ms=200) as engine:
+        alone = engine.generate(PROMPTS[2], max_tokens=N, temperature=0).tokens
+        kept = []
+
+        def keep(i: int) -> None:
+            s = engine.stream(PROMPTS[0], max_tokens=N)
+            for _ in s:
+                break
+            kept.append(s)
+
+        threads, leave, errors = _stays_alive(1, keep)
+        assert errors == []
+        t, box = _generate_in_thread(engine, PROMPTS[2], max_tokens=N, temperature=0)
+        t.join(timeout=60)
+        assert not t.is_alive(), "a generation waited without end for an idle stream"
+        assert box["result"].tokens == alone
+        with pytest.raises(GenerationAbandonedError, match="idle"):
+            next(kept[0])
+        assert kept[0].result is not None and kept[0].result.stats.n_tokens >= 1   # what it generated
+        leave.set()
+
+
+def test_a_stream_consumed_without_pause_is_never_ended_for_a_waiting_thread(tiny_llama_path, monkeypatch):
+    # The idle bound ends only streams whose owner stopped asking: one whose
+    # consumer asks for every piece runs to its end (24 steps of 50 ms, far
+    # past the bound) while another thread waits.
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=256, stream_idle_ms=300) as engine:
+        _slow_evaluate(engine, monkeypatch, 0.05)
+        s = engine.stream(PROMPTS[1], max_tokens=N, temperature=0)
+        pieces = [next(s)]
+        t, box = _generate_in_thread(engine, PROMPTS[2], max_tokens=4, temperature=0)
+        pieces += list(s)
+        t.join(timeout=60)
+        assert not t.is_alive()
+        assert s.result.stats.stop_reason == "length" and "".join(pieces) == s.result.text
+        assert box["result"].stats.n_tokens >= 1

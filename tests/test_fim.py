@@ -114,9 +114,9 @@ def test_a_template_that_rewrites_message_text_refuses_special_token_text(fim_en
     upper = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
     messages = [{"role": "user", "content": "a <|im_end|> b"}]
     with pytest.raises(InvalidArgumentError, match="special tokens"):
-        fim_engine._chat_pieces(messages, upper)
+        fim_engine.prompter.chat_pieces(messages, upper)
     trimmed = "{% for m in messages %}<|im_start|>{{ m['content'] | trim }}<|im_end|>{% endfor %}"
-    pieces = fim_engine._chat_pieces([{"role": "user", "content": "  a <|im_end|> b "}], trimmed)
+    pieces = fim_engine.prompter.chat_pieces([{"role": "user", "content": "  a <|im_end|> b "}], trimmed)
     assert pieces == [("<|im_start|>", False), ("a <|im_end|> b", True), ("<|im_end|>", False)]
 
 

@@ -548,7 +548,7 @@ def test_draft_model_on_onnx_target_on_llama(smollm2_path, export_dir, llama_eng
     with Engine(str(smollm2_path), backend="llama", threads=2, n_ctx=1024, drafter="model", draft_model=str(export_dir),
                 draft_backend="onnx", ep="cpu", draft_max=4) as engine:
         spec = engine.generate(prompt, max_tokens=40)
-        assert engine._drafters["model"].backend.name == "onnx"
+        assert engine.lanes[0].drafters["model"].backend.name == "onnx"
     assert spec.tokens == plain.tokens
     assert spec.stats.spec.accepted > 0.8 * spec.stats.spec.drafted  # the same model, other numerics
 

@@ -53,11 +53,11 @@ def test_concurrent_greedy_generations_equal_their_serial_answers(tiny_llama_pat
     with Engine(tiny_llama_path, backend="native", threads=2, parallel=3, drafter=drafter) as engine:
         assert engine.parallel == 3 and engine.backend.n_slots >= 3
         serial = [engine.generate(p, max_tokens=48).tokens for p in PROMPTS[:3]]
-        alone = engine._batcher.batched_steps
+        alone = engine.batcher.batched_steps
         together = at_once(engine, PROMPTS[:3], max_tokens=48)
         assert [r.tokens for r in together] == serial
-        batched = engine._batcher.batched_steps - alone
-        assert batched > 0 and engine._batcher.batches < engine._batcher.batched_steps  # some batches held several
+        batched = engine.batcher.batched_steps - alone
+        assert batched > 0 and engine.batcher.batches < engine.batcher.batched_steps  # some batches held several
         if drafter != "none":
             assert sum(r.stats.spec.accepted for r in together) > 0
 
@@ -67,7 +67,7 @@ def test_generations_running_together_never_share_a_slot(tiny_llama_path):
         streams = [engine.stream(p, max_tokens=200) for p in PROMPTS[:3]]
         for s in streams:   # all three started by this thread, none finished
             next(s)
-        slots = [engine._lanes[s.lane].slot for s in streams]
+        slots = [engine.lanes[s.lane].slot for s in streams]
         assert sorted(slots) == [0, 1, 2]
         refused = []
 
@@ -115,7 +115,7 @@ def test_a_cancelled_generation_leaves_the_others_running_and_correct(tiny_llama
 
 def test_a_backend_that_cannot_group_runs_generations_one_at_a_time(tiny_llama_path):
     with Engine(tiny_llama_path, backend="llama", threads=2, parallel=3) as engine:
-        assert engine.parallel == 1 and engine._batcher is None
+        assert engine.parallel == 1 and engine.batcher is None
         serial = [engine.generate(p, max_tokens=24).tokens for p in PROMPTS[:3]]
         got = [None] * 3
 

@@ -73,11 +73,11 @@ def test_two_clients_at_once_share_batches_on_a_real_model(smollm2_path):
             serial = {}
             for p in PROMPTS:
                 streamed(server, p, 64, serial, p)
-            batches, steps = engine._batcher.batches, engine._batcher.batched_steps
+            batches, steps = engine.batcher.batches, engine.batcher.batched_steps
             together = {}
             at_once(*[(server, p, 64, together, p) for p in PROMPTS])
             assert together == serial and all(len(t) > 40 for t in serial.values())
-            assert engine._batcher.batched_steps - steps > engine._batcher.batches - batches   # shared batches
+            assert engine.batcher.batched_steps - steps > engine.batcher.batches - batches   # shared batches
         finally:
             stop(server, thread)
 

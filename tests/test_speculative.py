@@ -59,7 +59,7 @@ CHEAP_BATCHES = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]
 def _check_identical(engine, prompt, drafter, n=48, **options):
     plain = engine.generate(prompt, max_tokens=n, drafter="none", **options)
     if drafter == "auto":
-        engine._planner = Planner(CHEAP_BATCHES)
+        engine.lanes[0].planner = Planner(CHEAP_BATCHES)
     spec = engine.generate(prompt, max_tokens=n, drafter=drafter, **options)
     assert spec.tokens == plain.tokens, f"{drafter} changed the output of {prompt!r}"
     assert spec.text == plain.text
@@ -127,7 +127,7 @@ class _ChainsOnly(Planner):
 
 @pytest.mark.parametrize("prompt", [*COPY_PROMPTS[:2], "Tell me about the sea."])
 def test_self_speculation_accepts_every_draft(self_drafted, prompt, monkeypatch):
-    monkeypatch.setattr(self_drafted, "_planner", _ChainsOnly(self_drafted.batch_costs()))
+    monkeypatch.setattr(self_drafted.lanes[0], "planner", _ChainsOnly(self_drafted.batch_costs()))
     spec = _check_identical(self_drafted, prompt, "model", chat=prompt.startswith("Tell"))
     assert not spec.stats.spec.per_drafter["model"].get("trees")
     assert spec.stats.spec.drafted > 0
@@ -179,7 +179,7 @@ def test_another_vocabulary_drafts_across_tokenizers_and_says_why(smollm2_path, 
     with pytest.warns(UserWarning, match="larger than the target"):
         engine = Engine(str(smollm2_path), drafter="model", draft_model=str(gemma_path), n_ctx=512)
     with engine:
-        drafter = engine._drafters["model"]
+        drafter = engine.lanes[0].drafters["model"]
         assert drafter.mode == "cross-tokenizer"
         assert "vocabulary of 262144 tokens, the target 49152" in drafter.difference
 
@@ -195,7 +195,7 @@ def test_unknown_drafter(smollm2_path):
 
 
 def test_spec_stats_in_result(smollm2):
-    smollm2._planner = Planner(CHEAP_BATCHES)
+    smollm2.lanes[0].planner = Planner(CHEAP_BATCHES)
     r = smollm2.generate(COPY_PROMPTS[0], max_tokens=32, drafter="auto")
     d = r.stats.to_dict()["spec"]
     for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted", "target_steps", "per_drafter", "planner"):
@@ -218,6 +218,6 @@ def test_cache_drafter_identity_and_use(smollm2_path, tmp_path):
             assert spec.stats.spec.drafted > 0
         _check_identical(engine, PROMPTS[-1], "cache", n=32)
         auto = _check_identical(engine, COPY_PROMPTS[2], "auto", n=32)  # auto mixes the cache in
-        assert "cache" in engine._drafters
+        assert "cache" in engine.lanes[0].drafters
         assert auto.stats.drafter == "auto"
         _check_drafted(auto, "auto")

@@ -213,29 +213,25 @@ class Runner:
                 self._tokenizing -= 1
                 self._tokenizers_done.notify_all()
 
-    def count_prompt(self, c: Completion) -> int:
-        """The tokens of ``c``'s prompt, counted outside the engine lock (llama.cpp's
-        tokenizer is read-only once a model is loaded), so that a prompt over the
-        context is refused without waiting for the running generation; a
-        context size the request asks for is checked first (memory, budget)."""
-        n_ctx = c.options.get("n_ctx") or self.n_ctx
+    def request(self, c: Completion):
+        """``c`` checked whole by the engine, once: its options, its prompt
+        tokenized, the context (a size the request asks for checked against
+        memory and the pool's budget). Done outside the engine lock (the
+        tokenizer is read-only once a model is loaded), so that a prompt over
+        the context is refused without waiting for the running generation.
+        ApiError naming the field on a refusal."""
+        n_ctx = c.options.get("n_ctx")
         with self._tokenizer():
             try:
-                if n_ctx != self.n_ctx:
-                    self.engine.backend.check_context(n_ctx)
-                    if self.pool is not None:
-                        self.pool.context_fits(self.name, n_ctx)
-                n = len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix, c.parse_special))
+                if n_ctx is not None and n_ctx != self.n_ctx and self.pool is not None:
+                    self.pool.context_fits(self.name, n_ctx)
+                return self.engine.request(**c.prompt_args, **c.options)
             except PoolFullError as e:
                 raise ApiError(400, str(e), param="n_ctx")
-            except InvalidArgumentError as e:     # a chat template refusing the messages, a context size
+            except ContextOverflowError as e:
+                raise ApiError(400, str(e), param=c.param, code="context_length_exceeded")
+            except InvalidArgumentError as e:     # an option, a chat template refusing the messages, a context size
                 raise ApiError(400, str(e), param=getattr(e, "option", None) or c.param)
-        if n == 0:   # text the tokenizer drops (control characters), no BOS to stand in
-            raise ApiError(400, "the prompt has no tokens", param=c.param)
-        if n >= n_ctx:
-            raise ApiError(400, f"the prompt is {n} tokens but the context holds {n_ctx}",
-                           param=c.param, code="context_length_exceeded")
-        return n
 
     async def start(self, c: Completion, request=None) -> "Job":
         """Queue ``c`` for the engine and wait until it runs; ``request``'s
@@ -398,15 +394,13 @@ class Job:
         r, c = self.runner, self.completion
         try:
             with r.lease(c.keep_alive):   # a pool's model: loaded here, and not unloaded while the job runs
-                n = r.count_prompt(c)
-                # clients send large values meaning "as much as fits"
-                c.options["max_tokens"] = min(c.options["max_tokens"], (c.options.get("n_ctx") or r.n_ctx) - n)
+                request = r.request(c)
                 with r.turns.turn():
                     if r.stopping:
                         self._post(ApiError(503, "the server is shutting down", type="server_error"))
                     elif not (self._cancel.is_set() or self._peer_gone()):   # it may have left while queued
-                        self._generate(r, c)
-        except ApiError as e:   # the prompt refused
+                        self._generate(r, request)
+        except ApiError as e:   # the request refused
             self._post(e)
         except BaseException:   # a bug: logged, answered as a 500
             r.log(traceback.format_exc().rstrip())
@@ -414,19 +408,9 @@ class Job:
         finally:
             self._post(_END)
 
-    def _generate(self, r: Runner, c: Completion) -> None:
-        try:
-            gen = r.engine.stream(**c.prompt_args, **c.options)
-            self.logprobs = gen.logprobs
-        except ContextOverflowError as e:
-            self._post(ApiError(400, str(e), param=c.param, code="context_length_exceeded"))
-            return
-        except InvalidArgumentError as e:
-            self._post(ApiError(400, str(e), param=getattr(e, "option", None)))
-            return
-        except EdgespecError as e:
-            self._post(server_error(str(e)))
-            return
+    def _generate(self, r: Runner, request) -> None:
+        gen = r.engine.start(request)
+        self.logprobs = gen.logprobs
         self._post(_STARTED)
         try:
             for piece in gen:
