@@ -7,14 +7,19 @@
 from .errors import (  # noqa: F401
     BackendError,
     ContextOverflowError,
+    DrafterError,
     EdgespecError,
+    EngineBusyError,
+    EngineClosedError,
     GenerationAbandonedError,
     GrammarError,
+    IncompatibleDraftModelError,
     InvalidArgumentError,
     ModelFetchError,
     ModelFormatError,
     ModelNotFoundError,
     NativeError,
+    UnsupportedModelError,
 )
 
 __version__ = "0.1.0"
@@ -26,6 +31,18 @@ _LAZY = {"Engine": "engine", "EngineConfig": "config", "Result": "results", "Gen
          # Making specialized drafters: distill_model(model, out, DistillParams(...)), train_model(model, data, out, TrainParams(...)).
          "DistillParams": "training.distill", "distill_model": "training.distill",
          "TrainParams": "training.train", "train_model": "training.train"}
+
+
+_ERRORS = ["BackendError", "ContextOverflowError", "DrafterError", "EdgespecError", "EngineBusyError",
+           "EngineClosedError", "GenerationAbandonedError", "GrammarError", "IncompatibleDraftModelError",
+           "InvalidArgumentError", "ModelFetchError", "ModelFormatError", "ModelNotFoundError", "NativeError",
+           "UnsupportedModelError"]
+__all__ = ["__version__", *_ERRORS, *_LAZY]
+
+
+def __dir__():
+    """The lazy names too, so that IDEs and ``dir(edgespec)`` complete them."""
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def __getattr__(name):
