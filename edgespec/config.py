@@ -92,6 +92,12 @@ class EngineConfig:
         help="A stream left idle between pieces (its consumer holds it without asking for the next) for longer "
              "than this while another thread waits for the engine is ended for that thread; resuming it raises "
              "GenerationAbandonedError (default: 10000 ms).")
+    context_shift: bool = option(
+        False, "--context-shift",
+        help="When a generation fills its context, keep the prompt's first n_keep tokens (a request's "
+             "n_keep / num_keep; default 0, the BOS token kept), drop the oldest half of the rest and go on, as "
+             "llama-server's --context-shift and Ollama do; the kept part is evaluated again (default: off, "
+             "the generation ends; a request's context_shift / shift overrides it).")
     gpu_layers: int = option(0, "--gpu-layers", minimum=0,
                              help="Layers to offload to Metal/CUDA/Vulkan if llama.cpp was built with one, >= 0 "
                                   "(llama backend).")

@@ -453,7 +453,8 @@ class Engine:
         InvalidArgumentError or ContextOverflowError naming what is wrong.
         Thread-safe; it does not wait for a running generation."""
         self._share.check_open()
-        return check_request(self.prompter, self.drafter, prompt, **options)
+        return check_request(self.prompter, self.drafter, prompt, **{"context_shift": self.config.context_shift,
+                                                                      **options})
 
     def _constraint(self, grammar: Grammar) -> Constraint:
         """A grammar's state for one generation (runs under the engine)."""

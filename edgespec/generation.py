@@ -46,6 +46,8 @@ class Request:
     logprobs: int | None = None       # None: off; k: each token's logprob and the top k
     text: str | None = None           # what the request is about, for routing (None: its tokens say)
     n_ctx: int | None = None          # the context it runs in (None: the backend's)
+    context_shift: bool = False       # a full context drops the oldest half after the kept start, and goes on
+    n_keep: int = 0                   # the start a shift keeps, in tokens
 
 
 @dataclass
@@ -128,7 +130,8 @@ def check_request(prompter: Prompter, default_drafter: str, prompt: str | Sequen
                   chat: bool = False, seed: int | None = None, drafter: str | None = None,
                   json_schema=None, grammar: Grammar | str | None = None,
                   tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-                  parse_special: bool = False, n_ctx: int | None = None, **sampling) -> Request:
+                  parse_special: bool = False, n_ctx: int | None = None, context_shift: bool = False,
+                  n_keep: int = 0, **sampling) -> Request:
     """A request checked whole, before anything runs (see ``Engine.generate``
     for the options): every option, the grammar or tool call it implies, the
     prompt's tokens against the context. InvalidArgumentError (or
@@ -163,7 +166,22 @@ def check_request(prompter: Prompter, default_drafter: str, prompt: str | Sequen
         raise ContextOverflowError(f"prompt is {len(tokens)} tokens but the context holds {room} "
                                    "(raise n_ctx or shorten the prompt)")
     return Request(tokens, params, max_tokens, list(stop or ()), name, grammar, tools, style, logprobs,
-                   routing_text(prompt, messages, suffix), n_ctx)
+                   routing_text(prompt, messages, suffix), n_ctx, *_shift_rule(prompter, context_shift, n_keep,
+                                                                             tokens, room))
+
+
+def _shift_rule(prompter: Prompter, context_shift, n_keep, tokens: list[int], room: int) -> tuple[bool, int]:
+    """(context_shift, the tokens a shift keeps): ``n_keep`` tokens of the
+    prompt after its BOS (-1: the whole prompt), as llama-server's n_keep."""
+    if not isinstance(context_shift, bool):
+        raise InvalidArgumentError(f"context_shift must be true or false, got {context_shift!r}"[:200])
+    if n_keep != -1:
+        check_whole("n_keep", n_keep, -1)
+    keep = len(tokens) if n_keep == -1 else min(n_keep + (tokens[0] == prompter.backend.bos_token), len(tokens))
+    if context_shift and keep >= room - 2:
+        raise InvalidArgumentError(f"n_keep keeps {keep} tokens of a context of {room}: a context shift "
+                                   "would have nothing to drop (keep fewer)")
+    return context_shift, keep
 
 
 # -- the iterator a stream returns ----------------------------------------------------
@@ -314,6 +332,7 @@ def steps(lane: Lane, request: Request, sampler: Sampler, drafters: list[Drafter
         if constraint:
             constraint.advance(new)
         context = prompt + new
+        produced = len(new)
         yield from lane.away(Step(new, time.perf_counter() - t0, cached=kept,
                                   logprobs=token_logprobs(logits, n_vocab, sampler.rows, new, request.logprobs)))
         may_skip = request.drafter == "auto"
@@ -321,18 +340,44 @@ def steps(lane: Lane, request: Request, sampler: Sampler, drafters: list[Drafter
             # Plan: the tokens of the text not in the cache yet (the root, the
             # last one, preceded by a tree step's accepted path) and a draft.
             n_past, size, n_batch = lane.position()
-            if len(context) >= size:
-                break
+            shifted = len(context) >= size
+            if shifted:
+                if not (request.context_shift and _shift(lane, context, request, drafters, cancel)):
+                    break
+                n_past, size, n_batch = lane.position()
             pending = context[n_past:]
-            room = min(request.max_tokens - (len(context) - len(prompt)) - 1, size - len(context) - 1,
+            room = min(request.max_tokens - produced - 1, size - len(context) - 1,
                        n_batch - len(pending))
             draft = (planner.choose(drafters, context, min(draft_max, room), room, may_skip,
                                     lane.backend.exact_trees) if drafters and room > 0 else Draft())
             step = _step(lane, planner, drafters, sampler, constraint, context, pending, draft, request.logprobs)
+            step.shifted = shifted
             context.extend(step.tokens)
+            produced += len(step.tokens)
             yield from lane.away(step)
     finally:
         lane.leave()
+
+
+def _shift(lane: Lane, context: list[int], request: Request, drafters: list[Drafter],
+           cancel: threading.Event) -> bool:
+    """The context is full: keep its first ``request.n_keep`` tokens, drop the
+    oldest half of the rest, and evaluate the kept tail again at its new
+    positions (the native engine rotates K when it writes it, so evaluating
+    again is what re-positions them: one prefill of the kept part, as
+    llama.cpp's own re-evaluation after a shift). Plain decoding shifts at
+    the same token (a draft never runs past the context), so speculation
+    stays exact against it. The drafters start again on the new text.
+    False where nothing can be dropped."""
+    keep = request.n_keep
+    n_discard = (len(context) - keep) // 2
+    if n_discard < 1:
+        return False
+    del context[keep:keep + n_discard]
+    lane.evaluate_again(context, keep, cancel.is_set)
+    for d in drafters:
+        d.begin(context, request.sampling)
+    return True
 
 
 def _step(lane: Lane, planner: Planner | None, drafters: list[Drafter], sampler: Sampler,
@@ -434,6 +479,7 @@ def _text(loop: Iterator[Step], lane: Lane, request: Request, outcome: Outcome, 
                 stats.prefill_s, stats.cached_tokens, stats.slot = step.seconds, step.cached, lane.slot
             elif stats.spec is not None:
                 stats.spec.count(step.source, step.drafted, step.accepted)
+            stats.context_shifts += step.shifted
             for i, token in enumerate(step.tokens):
                 if backend.is_eog(token):
                     stats.stop_reason = "eos"

@@ -122,6 +122,14 @@ class Lane:
         address = evaluate(self.backend, step)
         return Evaluated(address, time.perf_counter() - t0, len(step.pending) + len(step.tokens))
 
+    def evaluate_again(self, context: list[int], keep: int, cancel) -> None:
+        """Make the cache hold ``context`` but its last token (pending, as after
+        any step), its first ``keep`` tokens kept and the rest evaluated again."""
+        with self.on_slot():
+            self.backend.truncate(keep)
+            if len(context) - 1 > keep:
+                self.backend.decode(context[keep:-1], cancel=cancel)
+
     def settle(self, tree: bool, rejected: int) -> None:
         """Drop what verification rejected: a tree's cells, or a chain's tail."""
         with self.on_slot():

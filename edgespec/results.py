@@ -72,6 +72,7 @@ class GenerationStats:
     drafter: str = "none"
     spec: SpecStats | None = None   # None for plain decoding
     experts: dict | None = None     # the expert cache's counters over this generation (moe.stats_dict)
+    context_shifts: int = 0         # times a full context dropped its oldest half (context_shift) and went on
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,3 +118,4 @@ class Step:
     source: str = ""         # the drafter of the draft ("" for a plain step)
     cached: int = 0          # the first step: prompt tokens whose K/V the cache already held
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+    shifted: bool = False    # the context was shifted before this step (context_shift)
