@@ -491,7 +491,7 @@ def _text(loop: Iterator[Step], lane: Lane, request: Request, outcome: Outcome, 
                 if piece:
                     yield piece
                 if text.stopped:
-                    stats.stop_reason = "stop"
+                    stats.stop_reason, stats.stop_string = "stop", text.matched
                     break
                 if len(out) >= request.max_tokens:
                     stats.stop_reason = "length"

@@ -68,6 +68,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stop_reason: str = ""          # "eos", "stop", "length", "context", "cancelled"; "" if closed early
+    stop_string: str | None = None  # with stop_reason "stop": the stop string that ended it
     seed: int = 0
     drafter: str = "none"
     spec: SpecStats | None = None   # None for plain decoding

@@ -38,6 +38,7 @@ class TextStream:
         self._held = ""       # decoded text not yet emitted
         self.text = ""        # everything emitted so far
         self.stopped = False
+        self.matched: str | None = None   # the stop string that stopped it
 
     def push(self, piece: bytes) -> str:
         if self.stopped:
@@ -57,6 +58,7 @@ class TextStream:
         cut = min((i for i in (held.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
+            self.matched = next(s for s in self._stop if held.find(s) == cut)
             out, self._held = held[:cut], ""
         elif final or not self._stop:
             out, self._held = held, ""

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import llamacpp, ollama, openai
+from . import anthropic, llamacpp, ollama, openai, responses
 from .errors import OLLAMA, OPENAI, ApiError
 from .request import Settings, endpoint, error_response
 from .runner import Runners
@@ -170,8 +170,11 @@ def create_app(runners: Runners, settings: Settings, metrics, log) -> Starlette:
         Route("/", endpoint(page, keyed=False), methods=["GET"]),
         Route("/page/{name}", endpoint(page, keyed=False), methods=["GET"]),
         Route("/health", endpoint(health, keyed=False), methods=["GET"]),
+        Route("/v1/health", endpoint(health, keyed=False), methods=["GET"]),   # llama-server's second name
         Route("/metrics", endpoint(metrics_text), methods=["GET"]),
         *openai.routes(),
+        *anthropic.routes(),
+        *responses.routes(),
         *ollama.routes(),
         *llamacpp.routes(),
     ]
@@ -179,6 +182,7 @@ def create_app(runners: Runners, settings: Settings, metrics, log) -> Starlette:
     state = app.state
     state.runners, state.settings, state.metrics, state.log = runners, settings, metrics, log
     state.routes = routes
+    state.responses = responses.Stored()   # /v1/responses' conversations, for previous_response_id
     # add_middleware wraps what is there: CORS answers preflights before the
     # routes, the Host check comes before both, the log (outermost) sees every answer
     app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),

@@ -1,11 +1,16 @@
 """Refusals, in the shape of the API asked: OpenAI's {"error": {message, type,
-param, code}} or Ollama's {"error": message}; and the checks request parsers
+param, code}}, Ollama's {"error": message} or Anthropic's {"type": "error",
+"error": {type, message}}; and the checks request parsers
 share."""
 from __future__ import annotations
 
 import math
 
-OPENAI, OLLAMA = "openai", "ollama"   # error shapes
+OPENAI, OLLAMA, ANTHROPIC = "openai", "ollama", "anthropic"   # error shapes
+# Anthropic's error types by status (its API's error shape names the kind, not the field).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error"}
 
 
 class ApiError(Exception):
@@ -20,6 +25,9 @@ class ApiError(Exception):
     def body(self, shape: str = OPENAI) -> dict:
         if shape == OLLAMA:
             return {"error": self.message}
+        if shape == ANTHROPIC:
+            kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

@@ -55,7 +55,7 @@ def engine_options(body: dict, chat: bool) -> dict:
     opts.update(logit_bias(body))
     grammar = structured(body)
     if chat:
-        opts.update(_tools(body, grammar))
+        opts.update(tool_options(body, grammar))
     elif body.get("tools") is not None or body.get("tool_choice") is not None:
         raise bad("tools", "tools are for /v1/chat/completions")
     if grammar is not None:
@@ -144,7 +144,8 @@ def structured(body: dict) -> Grammar | None:
         raise bad(name, str(e)) from None
 
 
-def _tools(body: dict, grammar: Grammar | None) -> dict:
+def tool_options(body: dict, grammar: Grammar | None) -> dict:
+    """The engine's tools and tool_choice of OpenAI's fields (checked; 400 naming the field)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     ptc = body.get("parallel_tool_calls")
     if ptc is not None and not isinstance(ptc, bool):

@@ -110,7 +110,9 @@ def _check_key(request: Request) -> None:
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    if scheme.lower() != "bearer":   # Anthropic's SDK sends its key as x-api-key
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 

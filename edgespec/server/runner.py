@@ -233,6 +233,16 @@ class Runner:
             except InvalidArgumentError as e:     # an option, a chat template refusing the messages, a context size
                 raise ApiError(400, str(e), param=getattr(e, "option", None) or c.param)
 
+    def count_tokens(self, c: Completion) -> int:
+        """The tokens of ``c``'s prompt as a generation would evaluate them
+        (a chat rendered through its template, with its tools), whatever the
+        context holds; ApiError naming the field on a refusal."""
+        with self._tokenizer():
+            try:
+                return len(self.engine.prompt_tokens(c.prompt, c.messages, c.tools, c.suffix, c.parse_special))
+            except InvalidArgumentError as e:
+                raise ApiError(400, str(e), param=getattr(e, "option", None) or c.param)
+
     async def start(self, c: Completion, request=None) -> "Job":
         """Queue ``c`` for the engine and wait until it runs; ``request``'s
         client is watched for going away. ApiError if the engine refused it,
@@ -315,6 +325,7 @@ class Job:
     def __init__(self, runner: Runner, completion: Completion, request=None):
         self.runner, self.completion = runner, completion
         self.result = None               # the engine's Result once it ended
+        self.prompt_tokens = 0           # the request's prompt, in tokens, once the engine checked it
         self.logprobs: list = []         # the generation's logprobs so far, when asked for
         self.estimated_speedup = 1.0   # modelled from the cost curve, not measured
         self.client_gone = False
@@ -395,6 +406,7 @@ class Job:
         try:
             with r.lease(c.keep_alive):   # a pool's model: loaded here, and not unloaded while the job runs
                 request = r.request(c)
+                self.prompt_tokens = len(request.prompt_tokens)
                 with r.turns.turn():
                     if r.stopping:
                         self._post(ApiError(503, "the server is shutting down", type="server_error"))
