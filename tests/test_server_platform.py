@@ -476,3 +476,27 @@ def test_bad_config_is_one_line_exit_2(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and p.stderr.startswith(f"error: {config}: serve.port")
     p = cli("models", "list", env={"EDGESPEC_CONFIG": str(tmp_path / "missing.toml")})
     assert p.returncode == 2 and "no such config file" in p.stderr
+
+
+def test_metrics_carry_llama_servers_names(server):
+    """Dashboards made for llama-server read its unlabelled llamacpp:* names."""
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3, 4,", "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": 8}}
+    before = metrics(server)
+    answer = json.loads(post(server, "/api/generate", body)[2])
+    after = metrics(server)
+
+    def delta(name):
+        return after.get((name, ()), 0) - before.get((name, ()), 0)
+
+    spec = answer["edgespec"]["spec"]
+    assert delta("llamacpp:tokens_predicted_total") == answer["eval_count"] > 0
+    cached = answer["prompt_eval_count"] - delta("llamacpp:prompt_tokens_total")
+    assert delta("llamacpp:prompt_tokens_cached_total") == cached >= 0
+    assert delta("llamacpp:tokens_predicted_seconds_total") > 0
+    assert delta("llamacpp:spec_decode_num_draft_tokens_total") == spec["drafted"]
+    assert delta("llamacpp:spec_decode_num_accepted_tokens_total") == spec["accepted"]
+    assert delta("llamacpp:n_decode_total") == 1 + spec["target_steps"]
+    assert after[("llamacpp:predicted_tokens_seconds", ())] > 0
+    assert after[("llamacpp:requests_processing", ())] == 0 and after[("llamacpp:requests_deferred", ())] == 0
+    assert after[("llamacpp:n_tokens_max", ())] >= answer["prompt_eval_count"] + answer["eval_count"]

@@ -5,12 +5,18 @@ Requests by endpoint and status; per generation: prompt, cached-prefix and
 generated tokens, decode time (rate(tokens) / rate(seconds) is tokens/s over
 any window), drafted and accepted draft tokens (acceptance), prefix-cache
 hits; the generations running now, and the last generation's tokens/s,
-acceptance and estimated speedup over plain decoding as gauges."""
+acceptance and estimated speedup over plain decoding as gauges.
+
+Beside them, llama-server's own names (``llamacpp:prompt_tokens_total``,
+``llamacpp:tokens_predicted_total``, ``llamacpp:predicted_tokens_seconds``,
+``llamacpp:requests_processing``, the ``spec_decode`` counters, ...) over all
+the server's models, so that dashboards made for llama-server read it."""
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 PREFIX = "edgespec"
+LLAMACPP = "llamacpp:"   # llama-server's prefix (its metrics carry no labels)
 
 
 class Metrics:
@@ -43,6 +49,46 @@ class Metrics:
         self.estimated_speedup = gauge("last_estimated_speedup", "Estimated speed of the last generation over "
                                        "plain decoding on this machine (from its measured batch-cost curve).")
 
+        self._llamacpp(r)
+
+    def _llamacpp(self, r: CollectorRegistry) -> None:
+        """llama-server's metrics (tools/server: server_task_result_metrics::to_metrics)."""
+        def counter(name, doc):
+            return Counter(f"{LLAMACPP}{name}", doc, registry=r)
+
+        def gauge(name, doc, value):
+            g = Gauge(f"{LLAMACPP}{name}", doc, registry=r)
+            g.set_function(value)
+            return g
+
+        self.lc_prompt = counter("prompt_tokens", "Number of prompt tokens processed, excluding cached tokens")
+        self.lc_cached = counter("prompt_tokens_cached", "Number of prompt tokens reused from the cache")
+        self.lc_prompt_s = counter("prompt_seconds", "Total time spent processing prompts")
+        self.lc_predicted = counter("tokens_predicted", "Number of generation tokens processed")
+        self.lc_predicted_s = counter("tokens_predicted_seconds", "Total time spent generating tokens")
+        self.lc_decodes = counter("n_decode", "Total number of target evaluations (prompts and steps)")
+        self.lc_drafted = counter("spec_decode_num_draft_tokens", "Speculative: Total draft tokens generated")
+        self.lc_accepted = counter("spec_decode_num_accepted_tokens",
+                                   "Speculative: Total draft tokens accepted by the target model")
+        self.lc_drafts = counter("spec_decode_num_drafts", "Speculative: Total speculative decoding verification steps")
+        self._n_tokens_max = 0
+        self._turns: dict[str, tuple[int, int]] = {}   # model -> (running, waiting)
+        self._sums = {"prompt": 0.0, "prompt_s": 0.0, "predicted": 0.0, "predicted_s": 0.0}
+
+        def per_second(what):
+            return lambda: self._sums[what] / self._sums[f"{what}_s"] if self._sums[f"{what}_s"] > 0 else 0.0
+
+        gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s", per_second("prompt"))
+        gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s", per_second("predicted"))
+        gauge("requests_processing", "Number of requests processing", lambda: sum(r for r, _ in self._turns.values()))
+        gauge("requests_deferred", "Number of requests deferred", lambda: sum(w for _, w in self._turns.values()))
+        gauge("n_tokens_max", "Largest observed sequence length (prompt + generation)", lambda: self._n_tokens_max)
+
+    def turns(self, model: str, running: int, waiting: int) -> None:
+        """A model's generations running now and those waiting for a turn."""
+        self.running.labels(model).set(running)
+        self._turns[model] = running, waiting
+
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
@@ -61,6 +107,20 @@ class Metrics:
             self.drafted.labels(m).inc(stats.spec.drafted)
             self.accepted.labels(m).inc(stats.spec.accepted)
             self.acceptance.labels(m).set(stats.spec.acceptance_rate)
+        added = {"prompt": stats.prompt_tokens - stats.cached_tokens, "prompt_s": stats.prefill_s,
+                 "predicted": stats.n_tokens, "predicted_s": stats.decode_s}
+        for key, counter in (("prompt", self.lc_prompt), ("prompt_s", self.lc_prompt_s),
+                             ("predicted", self.lc_predicted), ("predicted_s", self.lc_predicted_s)):
+            self._sums[key] += added[key]
+            counter.inc(added[key])
+        self.lc_cached.inc(stats.cached_tokens)
+        steps = stats.spec.target_steps if stats.spec is not None else max(stats.n_tokens - 1, 0)
+        self.lc_decodes.inc(1 + steps)
+        if stats.spec is not None:
+            self.lc_drafted.inc(stats.spec.drafted)
+            self.lc_accepted.inc(stats.spec.accepted)
+            self.lc_drafts.inc(stats.spec.spec_steps)
+        self._n_tokens_max = max(self._n_tokens_max, stats.prompt_tokens + stats.n_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -188,9 +188,9 @@ class Runner:
                 raise ApiError(400, f"model {self.name!r} does not serve embeddings: {e}", param="model")
         return vectors, sum(len(s) for s in sequences)
 
-    def _count_running(self, n: int) -> None:
+    def _count_running(self, running: int, waiting: int) -> None:
         if self.metrics is not None:
-            self.metrics.running.labels(self.name).set(n)
+            self.metrics.turns(self.name, running, waiting)
 
     def stop(self) -> None:
         """Shut down: running generations end at their next piece, queued ones
@@ -271,11 +271,12 @@ class Turns:
     ``locked()``: a turn is held; ``drain()``: none is given any more, once
     the running ones have ended."""
 
-    def __init__(self, limit, on_change=lambda n: None):
+    def __init__(self, limit, on_change=lambda running, waiting: None):
         self._limit = limit
-        self._on_change = on_change   # called with the number running, under the lock
+        self._on_change = on_change   # called with the numbers running and waiting, under the lock
         self._cond = threading.Condition()
         self._running = 0
+        self._waiting = 0
         self._held = False      # all of them, by a ``with`` block
         self._drained = False
 
@@ -283,7 +284,11 @@ class Turns:
     def turn(self):
         limit = self._limit()
         with self._cond:
-            self._cond.wait_for(lambda: self._running < limit and not self._held and not self._drained)
+            self._waiting += 1
+            try:
+                self._cond.wait_for(lambda: self._running < limit and not self._held and not self._drained)
+            finally:
+                self._waiting -= 1
             self._change(+1)
         try:
             yield
@@ -293,7 +298,7 @@ class Turns:
 
     def _change(self, by: int) -> None:
         self._running += by
-        self._on_change(self._running)
+        self._on_change(self._running, self._waiting)
         self._cond.notify_all()
 
     def __enter__(self):
