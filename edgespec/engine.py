@@ -422,7 +422,8 @@ class Engine:
         the grammar engine cannot compile raises GrammarError naming the construct.
         Tools (chats only): ``tools`` (OpenAI's list of functions) and
         ``tool_choice`` ("auto", "none", "required" or a function name / object;
-        a required call is constrained by a grammar); ``result.tool_calls``
+        a required call is constrained by a grammar: one call, or up to 8 one
+        after another with ``parallel_tool_calls=True``); ``result.tool_calls``
         holds the calls parsed from the reply. ``logprobs``: None, or k in
         [0, 20] to get each token's logprob and the k most likely alternatives.
         """
@@ -464,7 +465,7 @@ class Engine:
 
     def _pieces(self, request: Request, outcome: Outcome, lane: Lane) -> Iterator[str]:
         """A generation's pieces, run holding ``lane`` (edgespec.generation.pieces)."""
-        busy = self._share.busy_slots(self.lanes.index(lane)) if lane.batched else []
+        busy = partial(self._share.busy_slots, self.lanes.index(lane))
         return pieces(lane, request, outcome, draft_max=self.draft_max, busy_slots=busy,
                       constraint=self._constraint, done=self._done)
 

@@ -105,9 +105,12 @@ def _grammar(json_schema, grammar) -> Grammar | None:
     return grammar
 
 
-def _tools(prompter: Prompter, messages, tools, tool_choice, grammar):
+def _tools(prompter: Prompter, messages, tools, tool_choice, grammar, parallel_tool_calls):
     """(tools, their style, the grammar) once tools and tool_choice are checked:
-    a required call is constrained by a grammar of its own."""
+    a required call is constrained by a grammar of its own (of up to
+    MAX_CALLS calls with ``parallel_tool_calls``, else one)."""
+    if not isinstance(parallel_tool_calls, bool):
+        raise InvalidArgumentError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}"[:200])
     if tools is None and tool_choice is None:
         return None, "", grammar
     if messages is None:
@@ -120,7 +123,8 @@ def _tools(prompter: Prompter, messages, tools, tool_choice, grammar):
     if choice not in (None, "none", "auto"):
         if grammar is not None:
             raise InvalidArgumentError("a required tool call cannot be combined with json_schema or grammar")
-        grammar = Grammar.from_text(chat_tools.call_grammar(tools, choice, style, *prompter.tool_tags(style)))
+        most = chat_tools.MAX_CALLS if parallel_tool_calls else 1
+        grammar = Grammar.from_text(chat_tools.call_grammar(tools, choice, style, *prompter.tool_tags(style), most=most))
     return tools, style, grammar
 
 
@@ -129,8 +133,8 @@ def check_request(prompter: Prompter, default_drafter: str, prompt: str | Sequen
                   max_tokens: int = 256, stop: Sequence[str] | str | None = None,
                   chat: bool = False, seed: int | None = None, drafter: str | None = None,
                   json_schema=None, grammar: Grammar | str | None = None,
-                  tools: list[dict] | None = None, tool_choice=None, logprobs: int | None = None,
-                  parse_special: bool = False, n_ctx: int | None = None, context_shift: bool = False,
+                  tools: list[dict] | None = None, tool_choice=None, parallel_tool_calls: bool = False,
+                  logprobs: int | None = None, parse_special: bool = False, n_ctx: int | None = None, context_shift: bool = False,
                   n_keep: int = 0, **sampling) -> Request:
     """A request checked whole, before anything runs (see ``Engine.generate``
     for the options): every option, the grammar or tool call it implies, the
@@ -151,7 +155,8 @@ def check_request(prompter: Prompter, default_drafter: str, prompt: str | Sequen
     name = drafting.check_name(drafter or default_drafter)
     if logprobs is not None and check_whole("logprobs", logprobs, 0) > 20:
         raise InvalidArgumentError(f"logprobs must be in [0, 20], got {logprobs}")
-    tools, style, grammar = _tools(prompter, messages, tools, tool_choice, _grammar(json_schema, grammar))
+    tools, style, grammar = _tools(prompter, messages, tools, tool_choice, _grammar(json_schema, grammar),
+                                   parallel_tool_calls)
     if not isinstance(parse_special, bool):
         raise InvalidArgumentError(f"parse_special must be true or false, got {parse_special!r}"[:200])
     tokens = prompter.prompt_tokens(prompt, messages, tools, suffix, parse_special)
@@ -309,7 +314,8 @@ class Generation(Iterator[str]):
 
 
 def steps(lane: Lane, request: Request, sampler: Sampler, drafters: list[Drafter], draft_max: int,
-          cancel: threading.Event, constraint: Constraint | None, busy_slots: list[int]) -> Iterator[Step]:
+          cancel: threading.Event, constraint: Constraint | None,
+          busy_slots: Callable[[], list[int]]) -> Iterator[Step]:
     """The speculative loop as a step generator: the first step evaluates the
     prompt (reusing the cache's common prefix) and samples one token; every
     later step plans a draft (possibly empty), evaluates the last token plus
@@ -421,7 +427,7 @@ def _step(lane: Lane, planner: Planner | None, drafters: list[Drafter], sampler:
 # -- steps into text ------------------------------------------------------------------
 
 
-def pieces(lane: Lane, request: Request, outcome: Outcome, *, draft_max: int, busy_slots: list[int],
+def pieces(lane: Lane, request: Request, outcome: Outcome, *, draft_max: int, busy_slots: Callable[[], list[int]],
            constraint: Callable[[Grammar], Constraint], done: Callable[[Result], None]) -> Iterator[str]:
     """Runs holding ``lane``: turns steps into text pieces, stopping exactly
     where plain decoding would (end of generation, stop string, max_tokens,

@@ -99,11 +99,14 @@ class Lane:
 
     # -- the step loop's backend calls ------------------------------------------
 
-    def prefill(self, tokens: list[int], n_ctx: int | None, busy_slots: list[int], cancel) -> tuple[int, int]:
-        """Evaluate ``tokens`` after the longest prefix a slot holds (the
-        slot becomes this lane's); returns (prompt tokens reused, rows' address)."""
+    def prefill(self, tokens: list[int], n_ctx: int | None, busy_slots: Callable[[], list[int]],
+                cancel) -> tuple[int, int]:
+        """Evaluate ``tokens`` after the longest prefix a slot holds but the
+        ``busy_slots()`` of the other running generations (asked under the
+        backend lock, where the others choose theirs); the slot becomes this
+        lane's. Returns (prompt tokens reused, rows' address)."""
         with self._lock if self._batcher is not None else _ALONE:
-            kept = self.backend.reuse_prefix(tokens, n_ctx, busy_slots if self._batcher else ())
+            kept = self.backend.reuse_prefix(tokens, n_ctx, busy_slots() if self._batcher else ())
             self.slot = self.backend.slot
             logits = self.backend.decode(tokens[kept:], cancel=cancel)
             if self._batcher is not None:

@@ -317,3 +317,40 @@ def test_draft_model_chains_under_a_grammar(tiny_llama_path):
             r = e.generate("Data:", json_schema=schema, max_tokens=120, drafter="model", temperature=1.0, seed=seed)
             assert r.stats.stop_reason == "eos" and r.stats.spec.drafted > 0
             jsonschema.validate(json.loads(r.text), schema)
+
+
+# -- several calls in one reply (parallel tool calls) -------------------------------------
+
+def _block(call: dict) -> str:
+    return f"<tool_call>\n{json.dumps(call, separators=(',', ':'))}\n</tool_call>"
+
+
+@pytest.mark.parametrize("most, n_calls, fits", [(8, 1, True), (8, 2, True), (8, 8, True), (8, 9, False),
+                                                 (1, 1, True), (1, 2, False)])
+def test_a_required_call_grammar_takes_up_to_most_calls(tiny_llama_path, most, n_calls, fits):
+    from edgespec.grammar import Constraint, tokenizer_for
+
+    call = {"name": "add", "arguments": {"a": 1, "b": 2}}
+    text = "\n".join(_block(call) for _ in range(n_calls))
+    with Engine(str(tiny_llama_path), threads=1) as engine:
+        grammar = Grammar.from_text(chat_tools.call_grammar(TOOLS, "required", "tags", most=most))
+        constraint = Constraint(grammar, tokenizer_for(engine.backend), engine.backend.n_vocab)
+        tokens = engine.tokenize(text, add_special=False) + [engine.backend.eos_token]
+        if fits:
+            constraint.advance(tokens)   # every token in the grammar, the end of generation too
+        else:
+            with pytest.raises(GrammarError):
+                constraint.advance(tokens)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_calls_follow_parallel_tool_calls(tiny_llama_path, parallel):
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=2048, ctx_extend=True) as engine:
+        engine.chat_template = TAGS_TEMPLATE
+        for seed in range(3):
+            r = engine.generate(messages=[{"role": "user", "content": "Add 1 and 2, and 3 and 4"}], tools=TOOLS,
+                                tool_choice="required", parallel_tool_calls=parallel, temperature=0.8, seed=seed,
+                                max_tokens=600)
+            assert 1 <= len(r.tool_calls) <= (chat_tools.MAX_CALLS if parallel else 1), r.text
+            for call in r.tool_calls:
+                _check_call(call)

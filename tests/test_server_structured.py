@@ -80,7 +80,7 @@ def test_json_object_and_grammar_fields(client):
         "type": "object", "properties": {"a": {"not": {}}}}}}}, "response_format"),
     ({"temperature": 2.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logprobs": True, "top_logprobs": 40}, "top_logprobs"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -278,3 +278,13 @@ def test_a_required_tool_call_on_the_smallest_model_returns_a_parsed_call(smollm
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city"}   # no keys beside the listed ones
+
+
+def test_parallel_tool_calls_lets_a_required_reply_make_several_calls(client, template):
+    kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=1500, temperature=0.8)
+    one = client.chat.completions.create(seed=3, **kw)
+    assert len(one.choices[0].message.tool_calls) == 1          # one call unless asked for several
+    several = client.chat.completions.create(seed=3, parallel_tool_calls=True, **kw)
+    calls = several.choices[0].message.tool_calls
+    assert several.choices[0].finish_reason == "tool_calls" and 1 <= len(calls) <= 8
+    _check_calls(calls)

@@ -24,6 +24,7 @@ from ..errors import InvalidArgumentError
 from ..grammar import bounded_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALLS = 8   # calls one reply may make with parallel tool calls: a weak model must not call forever
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -157,21 +158,31 @@ def call_schema(tools: list[dict], choice: str) -> dict:
 
 
 def call_grammar(tools: list[dict], choice: str, style: str, open_token: int | None = None,
-                 close_token: int | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) for a reply that is exactly one
-    call (several calls in one reply stay possible with "auto"). ``open_token``/``close_token``: the
-    vocabulary's own ``<tool_call>`` tokens, when it has them, as alternatives
-    to the spelled-out text."""
+                 close_token: int | None = None, most: int = 1) -> str:
+    """A Lark grammar (llguidance's dialect) for a reply that is a call, or
+    up to ``most`` calls (parallel tool calls): the tags form's blocks one after
+    another, the JSON form's calls as a list. ``open_token``/``close_token``:
+    the vocabulary's own ``<tool_call>`` tokens, when it has them, as
+    alternatives to the spelled-out text."""
     # compact JSON: a flexible-whitespace grammar lets a weak model pad forever; bounded: nor
     # may it write digits or argument keys forever
     schema = json.dumps({**bounded_schema(call_schema(tools, choice)), "x-guidance": {"whitespace_flexible": False}})
+    call = f"call: %json {schema}\n"
     if style == "json":
-        return f"start: call\ncall: %json {schema}\n"
+        if most == 1:
+            return "start: call\n" + call
+        return 'start: call | "[" call more1 "]"\n' + call + _more_rules('"," call', most)
 
     def tag(text: str, token: int | None) -> str:
         return f'("{text}" | <[{token}]>)' if token is not None else f'"{text}"'
-    return (f'start: {tag(OPEN, open_token)} "\\n" call "\\n" {tag(CLOSE, close_token)}\n'
-            f"call: %json {schema}\n")
+    return (f"start: block{' more1' if most > 1 else ''}\n"
+            f'block: {tag(OPEN, open_token)} "\\n" call "\\n" {tag(CLOSE, close_token)}\n'
+            + call + _more_rules('"\\n" block', most))
+
+
+def _more_rules(item: str, most: int) -> str:
+    """``more1`` .. ``more{most-1}``: each one more ``item``, optional, then the next."""
+    return "".join(f"more{k}: ({item}{f' more{k + 1}' if k + 1 < most else ''})?\n" for k in range(1, most))
 
 
 # -- reply side -------------------------------------------------------------------

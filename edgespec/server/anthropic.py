@@ -123,8 +123,11 @@ def _tools(body: dict) -> dict:
         if kind not in ("auto", "any", "tool", "none") or (kind == "tool" and not isinstance(choice.get("name"), str)):
             raise bad("tool_choice", 'tool_choice must be {"type": "auto" | "any" | "none"} or '
                       '{"type": "tool", "name": ...}')
+        # several calls in one reply when the client says so (disable_parallel_tool_use: false)
+        parallel = choice.get("disable_parallel_tool_use") is False or None
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
             {"type": "function", "function": {"name": choice["name"]}}
+        return fields.tool_options({"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}, None)
     return fields.tool_options({"tools": tools, "tool_choice": choice}, None)
 
 

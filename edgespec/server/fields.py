@@ -162,7 +162,7 @@ def tool_options(body: dict, grammar: Grammar | None) -> dict:
         raise bad("tool_choice", str(e)) from None
     if grammar is not None and chosen not in (None, "none", "auto"):
         raise bad("tool_choice", "a required tool call cannot be combined with response_format")
-    return {"tools": checked, "tool_choice": choice}
+    return {"tools": checked, "tool_choice": choice, **({"parallel_tool_calls": ptc} if ptc is not None else {})}
 
 
 # -- replies ----------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Defaults where OpenAI's differ from the engine's: ``temperature`` is 1.0 when
 omitted (OpenAI's default; send 0 for greedy, reproducible output),
 ``max_tokens`` (or its newer name ``max_completion_tokens``; both with different
 values are a 400) is 256, capped at the room the prompt leaves in the context.
-``n`` must be 1. OpenAI fields this server cannot honour (audio, prediction,
+``n`` (at most 16) choices run as concurrent generations, batched on a
+``--parallel`` server and queued beyond it; choice i > 0 uses seed + i.
+OpenAI fields this server cannot honour (audio, prediction,
 web_search_options, the deprecated functions, reasoning_effort, verbosity,
 store: true, modalities other than text) are a 400 naming them; user,
 metadata, service_tier, prompt_cache_key and safety_identifier say nothing
@@ -28,7 +30,9 @@ that does not parse is returned as text with finish_reason "stop" and a
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import json
 import time
 import uuid
@@ -49,6 +53,7 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
 MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
 MAX_STOP = 16                 # stop strings per request
+MAX_N = 16                    # choices per request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
 
@@ -110,10 +115,18 @@ def options(body: dict) -> dict:
                       "non-empty strings")
         opts["stop"] = stops
 
-    n = body.get("n")
-    if n is not None and not (is_int(n) and n == 1):
-        raise bad("n", f"only n = 1 is supported, got {show(n)}")
     return opts
+
+
+def choices(body: dict) -> int:
+    """``n``: the choices to generate, each in a generation of its own (run at
+    once, batched, as far as the server's --parallel allows; queued beyond it)."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if not (is_int(n) and 1 <= n <= MAX_N):
+        raise bad("n", f"n must be an integer in [1, {MAX_N}], got {show(n)}")
+    return n
 
 
 def messages(body: dict) -> list[dict]:
@@ -199,7 +212,7 @@ def _refuse_unserved(body: dict, chat: bool) -> None:
 
 
 def completion(body: dict, chat: bool) -> tuple[Completion, bool, bool]:
-    """(the Completion, stream, include_usage) of a request body."""
+    """(the Completion, stream, include_usage) of a request body (its ``n``: ``choices``)."""
     opts = options(body)
     opts.update(fields.engine_options(body, chat))
     stream = body.get("stream", False)
@@ -278,47 +291,78 @@ async def _complete(request: Request, chat: bool):
     body = await read_json(request)
     runner = pick_runner(request, model_field(body))
     c, stream, include_usage = completion(body, chat)
-    job = await runner.start(c, request)
+    jobs = await _start(runner, [_variant(c, i) for i in range(choices(body))], request)
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
             "created": int(time.time()), "model": runner.name}
     if stream:
-        return Stream(_events(request, job, head, chat, include_usage), "text/event-stream")
+        return Stream(_events(request, jobs, head, chat, include_usage), "text/event-stream")
     try:
-        text = "".join([piece async for piece in job.pieces()])
+        texts = [await _text(job) for job in jobs]
     finally:
-        job.close()
-    if job.client_gone:
+        for job in jobs:
+            job.close()
+    if any(job.client_gone for job in jobs):
         raise ClientGone()
-    usage, extra = extras(request, job)
+    choices_ = [_choice(job, text, i, chat) for i, (job, text) in enumerate(zip(jobs, texts))]
+    usage, extra = extras(request, jobs)
+    return JSONResponse({**head, "choices": choices_, "usage": usage, "edgespec": extra})
+
+
+def _variant(c: Completion, i: int) -> Completion:
+    """Choice ``i`` of a request: its own seed (the request's + i) after the first."""
+    if i == 0 or c.options.get("seed") is None:
+        return c
+    return dataclasses.replace(c, options={**c.options, "seed": (c.options["seed"] + i) % 2**64})
+
+
+async def _start(runner, completions: list[Completion], request: Request) -> list[Job]:
+    """Each completion's job, started together (they share the batch as
+    concurrent users do); if one is refused, the others are closed."""
+    started = await asyncio.gather(*(runner.start(c, request) for c in completions), return_exceptions=True)
+    failed = next((s for s in started if isinstance(s, BaseException)), None)
+    if failed is not None:
+        for s in started:
+            if isinstance(s, Job):
+                s.close()
+        raise failed
+    return started
+
+
+async def _text(job: Job) -> str:
+    return "".join([piece async for piece in job.pieces()])
+
+
+def _choice(job: Job, text: str, index: int, chat: bool) -> dict:
     r = job.result
     finish = FINISH_REASON.get(r.stats.stop_reason, "stop")
     engine = job.runner.engine
     if chat:
         message = {"role": "assistant", "content": text}
         logprobs = fields.chat_logprobs(engine, r.logprobs) if r.logprobs is not None else None
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         if r.parsed is not None:
             choice["message"], calls = fields.tool_message(r.parsed)
             choice["finish_reason"] = calls or ("stop" if r.parsed.warning else finish)
             if r.parsed.warning:
                 choice["warning"] = r.parsed.warning
-    else:
-        logprobs = fields.completion_logprobs(engine, r.logprobs) if r.logprobs is not None else None
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return JSONResponse({**head, "choices": [choice], "usage": usage, "edgespec": extra})
+        return choice
+    logprobs = fields.completion_logprobs(engine, r.logprobs) if r.logprobs is not None else None
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def extras(request: Request, job: Job) -> tuple[dict, dict]:
-    """(usage, edgespec) of a finished generation; notes it for the log line."""
-    s = job.result.stats
-    usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.n_tokens,
-             "total_tokens": s.prompt_tokens + s.n_tokens,
-             "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
-    extra = {"drafter": s.drafter, "tokens_per_s": round(s.tokens_per_s, 3), "estimated_speedup": round(job.estimated_speedup, 3),
-             "slot": s.slot,
-             "spec": s.spec.to_dict() if s.spec is not None else None}
-    note(request, f"{s.n_tokens} tokens {s.tokens_per_s:.1f} tok/s")
+def extras(request: Request, jobs: list[Job]) -> tuple[dict, dict]:
+    """(usage, edgespec) of finished generations (one request's choices: the
+    prompt counted once, the completions summed); notes it for the log line."""
+    first = jobs[0].result.stats
+    n_tokens = sum(job.result.stats.n_tokens for job in jobs)
+    usage = {"prompt_tokens": first.prompt_tokens, "completion_tokens": n_tokens,
+             "total_tokens": first.prompt_tokens + n_tokens,
+             "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+    extra = {"drafter": first.drafter, "tokens_per_s": round(first.tokens_per_s, 3),
+             "estimated_speedup": round(jobs[0].estimated_speedup, 3), "slot": first.slot,
+             "spec": first.spec.to_dict() if first.spec is not None else None}
+    note(request, f"{n_tokens} tokens {first.tokens_per_s:.1f} tok/s" + (f" ({len(jobs)} choices)" if len(jobs) > 1 else ""))
     return usage, extra
 
 
@@ -327,10 +371,46 @@ def _event(obj) -> bytes:
     return f"data: {data}\n\n".encode("utf-8")
 
 
-async def _events(request: Request, job: Job, head: dict, chat: bool, include_usage: bool):
-    """The server-sent events of a streamed completion: a chunk per piece,
-    a final chunk with finish_reason and the edgespec stats, usage on request,
-    [DONE]. A failure mid-generation is an error event, without [DONE]."""
+async def _events(request: Request, jobs: list[Job], head: dict, chat: bool, include_usage: bool):
+    """The server-sent events of a streamed completion: each choice's chunks
+    (``_choice_events``) as they come, choices interleaved; usage on
+    request, [DONE]. A failure mid-generation is an error event, without
+    [DONE]; a client that left gets nothing more."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async for item in _choice_events(request, job, head, chat, i):
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        ended = 0
+        while ended < len(jobs):
+            item = await queue.get()
+            if item is None:
+                ended += 1
+            elif item == b"":   # a choice failed (its error event was sent) or the client left
+                return
+            else:
+                yield item
+        usage, _ = extras(request, jobs)
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": usage})
+        yield _event("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        for job in jobs:
+            job.close()
+
+
+async def _choice_events(request: Request, job: Job, head: dict, chat: bool, index: int):
+    """One choice's chunks: a chunk per piece, then a final chunk with
+    finish_reason and the edgespec stats; an error event then b"" when the
+    generation fails, b"" alone when the client left."""
 
     engine = job.runner.engine
     want_logprobs = job.completion.options.get("logprobs") is not None
@@ -351,44 +431,40 @@ async def _events(request: Request, job: Job, head: dict, chat: bool, include_us
 
     def chunk(delta_or_text, finish=None, logprobs=None) -> dict:
         if chat:
-            choice = {"index": 0, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": delta_or_text, "logprobs": logprobs, "finish_reason": finish}
         return {**head, "choices": [choice]}
 
     tools = job.completion.tools if chat else None
     calls = chat_tools.ToolCallStream(chat_tools.style_of(engine.chat_template or ""), tools) if tools else None
-    try:
-        if chat:
-            yield _event(chunk({"role": "assistant", "content": ""}))
-        async for piece in stream_pieces(request, job):
-            if isinstance(piece, ApiError):
-                yield _event({"error": piece.body()["error"]})
-                return
-            text = calls.push(piece) if calls else piece
-            lps = new_logprobs()
-            if text or lps:
-                yield _event(chunk({"content": text} if chat else text, logprobs=lps))
-        if job.client_gone:
+    if chat:
+        yield _event(chunk({"role": "assistant", "content": ""}))
+    async for piece in stream_pieces(request, job):
+        if isinstance(piece, ApiError):
+            yield _event({"error": piece.body()["error"]})
+            yield b""
             return
-        usage, extra = extras(request, job)
-        finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
-        warning = None
-        if calls:
-            tail, parsed = calls.finish()
-            if tail:
-                yield _event(chunk({"content": tail}))
-            for i, call in enumerate(parsed.tool_calls):
-                yield _event(chunk({"tool_calls": [call.to_openai(index=i)]}))
-            finish = "tool_calls" if parsed.tool_calls else "stop" if parsed.warning else finish
-            warning = parsed.warning
-        final = chunk({} if chat else "", finish, new_logprobs())
-        if warning:
-            final["choices"][0]["warning"] = warning
-        final["edgespec"] = extra
-        yield _event(final)
-        if include_usage:
-            yield _event({**head, "choices": [], "usage": usage})
-        yield _event("[DONE]")
-    finally:
-        job.close()
+        text = calls.push(piece) if calls else piece
+        lps = new_logprobs()
+        if text or lps:
+            yield _event(chunk({"content": text} if chat else text, logprobs=lps))
+    if job.client_gone:
+        yield b""
+        return
+    _, extra = extras(request, [job])
+    finish = FINISH_REASON.get(job.result.stats.stop_reason, "stop")
+    warning = None
+    if calls:
+        tail, parsed = calls.finish()
+        if tail:
+            yield _event(chunk({"content": tail}))
+        for i, call in enumerate(parsed.tool_calls):
+            yield _event(chunk({"tool_calls": [call.to_openai(index=i)]}))
+        finish = "tool_calls" if parsed.tool_calls else "stop" if parsed.warning else finish
+        warning = parsed.warning
+    final = chunk({} if chat else "", finish, new_logprobs())
+    if warning:
+        final["choices"][0]["warning"] = warning
+    final["edgespec"] = extra
+    yield _event(final)
