@@ -30,7 +30,7 @@ from . import fields
 from .errors import ANTHROPIC, ApiError, bad, is_int, is_number, show
 from .openai import MAX_STOP
 from .request import Stream, endpoint, note, pick_runner, read_json, stream_pieces
-from .runner import ClientGone, Completion, Job
+from .runner import Completion, Job
 
 DEFAULT_TEMPERATURE = 1.0   # Anthropic's default
 STOP_REASON = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "context": "max_tokens",
@@ -216,12 +216,7 @@ async def messages(request: Request):
     head = _head(job, runner)
     if stream:
         return Stream(_events(request, job, head), "text/event-stream")
-    try:
-        text = "".join([piece async for piece in job.pieces()])
-    finally:
-        job.close()
-    if job.client_gone:
-        raise ClientGone()
+    text = await job.text()
     parsed = job.result.parsed
     calls = parsed.tool_calls if parsed is not None else []
     content = parsed.content if parsed is not None and calls else text

@@ -63,7 +63,7 @@ from ..sampling import SamplingParams
 from . import fields
 from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import OLLAMA, ApiError, is_int, is_number, show
-from .runner import FINISH_REASON, ClientGone, Completion, Job
+from .runner import FINISH_REASON, Completion, Job
 
 # The Ollama API version whose shapes are served (clients check it for features).
 OLLAMA_VERSION = "0.9.0"
@@ -482,12 +482,7 @@ async def _answer(request: Request, runner, c: Completion, model: str, stream: b
         style = chat_tools.style_of(runner.engine.chat_template or "")
         calls = chat_tools.ToolCallStream(style, c.tools) if c.tools else None
         return Stream(_lines(request, job, piece_obj, calls), NDJSON)
-    try:
-        text = "".join([piece async for piece in job.pieces()])
-    finally:
-        job.close()
-    if job.client_gone:
-        raise ClientGone()
+    text = await job.text()
     obj = piece_obj(text)
     if job.result.logprobs is not None:
         obj["logprobs"] = fields.chat_logprobs(runner.engine, job.result.logprobs)["content"]

@@ -47,7 +47,7 @@ from ..chat import tools as chat_tools
 from . import fields
 from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import ApiError, bad, is_int, is_number, show
-from .runner import FINISH_REASON, ClientGone, Completion, Job
+from .runner import FINISH_REASON, Completion, Job
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
@@ -298,12 +298,10 @@ async def _complete(request: Request, chat: bool):
     if stream:
         return Stream(_events(request, jobs, head, chat, include_usage), "text/event-stream")
     try:
-        texts = [await _text(job) for job in jobs]
+        texts = [await job.text() for job in jobs]
     finally:
         for job in jobs:
             job.close()
-    if any(job.client_gone for job in jobs):
-        raise ClientGone()
     choices_ = [_choice(job, text, i, chat) for i, (job, text) in enumerate(zip(jobs, texts))]
     usage, extra = extras(request, jobs)
     return JSONResponse({**head, "choices": choices_, "usage": usage, "edgespec": extra})
@@ -327,10 +325,6 @@ async def _start(runner, completions: list[Completion], request: Request) -> lis
                 s.close()
         raise failed
     return started
-
-
-async def _text(job: Job) -> str:
-    return "".join([piece async for piece in job.pieces()])
 
 
 def _choice(job: Job, text: str, index: int, chat: bool) -> dict:

@@ -37,7 +37,7 @@ from . import fields
 from .errors import ApiError, bad, is_int, show
 from .openai import DEFAULT_TEMPERATURE, options as chat_options
 from .request import Stream, endpoint, note, pick_runner, read_json, stream_pieces
-from .runner import ClientGone, Completion, Job
+from .runner import Completion, Job
 
 KEPT = 256   # responses whose conversations stay in memory for previous_response_id
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -259,12 +259,7 @@ async def create(request: Request):
     head = _head(body, runner, c)
     if stream:
         return Stream(_events(request, body, job, head, c), "text/event-stream")
-    try:
-        text = "".join([piece async for piece in job.pieces()])
-    finally:
-        job.close()
-    if job.client_gone:
-        raise ClientGone()
+    text = await job.text()
     text, calls = _reply(job, text)
     response = _response(head, job, _output(text, calls), "completed")
     _keep(request, body, response, c, text, calls)

@@ -371,6 +371,17 @@ class Job:
                 raise item
             yield item
 
+    async def text(self) -> str:
+        """The whole text of a non-streamed answer, the job closed after it;
+        ClientGone if the client left."""
+        try:
+            text = "".join([piece async for piece in self.pieces()])
+        finally:
+            self.close()
+        if self.client_gone:
+            raise ClientGone()
+        return text
+
     def cut_error(self) -> ApiError:
         """How a stream cut by the shutdown ends: an error event, not a clean stop."""
         n = self.result.stats.n_tokens if self.result is not None else 0
