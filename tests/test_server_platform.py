@@ -54,11 +54,12 @@ def server(engine):
 
 
 def request(server, method, path, body=None, headers=None):
-    """(status, headers, body bytes) of one plain HTTP request."""
+    """(status, headers, body bytes) of one plain HTTP request (a body as JSON)."""
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
     try:
         data = json.dumps(body) if isinstance(body, dict) else body
-        conn.request(method, path, body=data, headers=headers or {})
+        json_type = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers={**json_type, **(headers or {})})
         resp = conn.getresponse()
         return resp.status, resp.headers, resp.read()
     finally:
