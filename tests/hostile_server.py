@@ -6,6 +6,7 @@ benchmarks/probe_hardening.py.
         idle = rss(proc.pid)
         status = huge_header(host, port, 200 << 20)     # 431 after the first chunk
         status = chat(host, port, "hi")                 # (status, body)
+        status, sent, seconds = drip(host, port)        # a byte at a time until the server answers
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gguf_mutants import STR, Mutant, Value, Workbench, read_layout
@@ -101,6 +103,27 @@ def huge_header(host: str, port: int, total: int, chunk: int = 1 << 20) -> tuple
         return (int(found.group(1)) if found else None), sent
     finally:
         sock.close()
+
+
+def drip(host: str, port: int, every: float = 2.0, seconds: float = 60.0) -> tuple[int | None, int, float]:
+    """A slowloris client: a request's head one byte every ``every`` seconds
+    until the server answers or closes (or ``seconds`` pass): (the answer's
+    status or None, bytes sent, seconds it took)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" * 100
+    t0 = time.monotonic()
+    sent, data = 0, b""
+    with socket.create_connection((host, port), timeout=seconds) as sock:
+        sock.settimeout(every)
+        with contextlib.suppress(OSError):   # the server closed after answering
+            while time.monotonic() - t0 < seconds and sent < len(head):
+                try:
+                    data = sock.recv(4096)
+                    break   # an answer, or the server closed
+                except (TimeoutError, socket.timeout):
+                    sock.sendall(head[sent:sent + 1])
+                    sent += 1
+    found = re.match(rb"HTTP/1\.1 (\d+)", data)
+    return (int(found.group(1)) if found else None), sent, time.monotonic() - t0
 
 
 def with_template(model: Path, template: str, workdir: Path) -> contextlib.AbstractContextManager:

@@ -401,7 +401,8 @@ def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
         host, port = found.groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("POST", "/api/generate", body=json.dumps(     # the random model never ends by itself
-            {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}))
+            {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}),
+            headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert json.loads(resp.readline())["done"] is False
         proc.send_signal(signal.SIGINT)

@@ -61,16 +61,16 @@ def serve(
     allow_pull_from_hub: bool = _opt(False, "--allow-pull-from-hub",
                                      help="Let /api/create and /api/copy fetch hf:owner/repo/file.gguf from the "
                                           "Hugging Face Hub (default: refused with 403; the command line fetches)."),
-    max_slot_files: int = _opt(DEFAULT_MAX_SLOT_FILES, "--max-slot-files", min=0,
+    max_slot_files: int = _opt(DEFAULT_MAX_SLOT_FILES, "--max-slot-files",
                                help="Slot files /slots/N?action=save keeps, every model's together, >= 0 "
                                     f"({DEFAULT_MAX_SLOT_FILES}; a save past it gets 409)."),
-    max_slot_bytes: int = _opt(DEFAULT_MAX_SLOT_BYTES, "--max-slot-bytes", min=0,
+    max_slot_bytes: int = _opt(DEFAULT_MAX_SLOT_BYTES, "--max-slot-bytes",
                                help=f"Their bytes in all, >= 0 ({DEFAULT_MAX_SLOT_BYTES >> 30} GiB; a save past it "
                                     "gets 409)."),
-    max_connections: int = _opt(DEFAULT_MAX_CONNECTIONS, "--max-connections", min=1,
+    max_connections: int = _opt(DEFAULT_MAX_CONNECTIONS, "--max-connections",
                                 help=f"Connections open at once, >= 1 ({DEFAULT_MAX_CONNECTIONS}; one more is "
                                      "answered 503 and closed)."),
-    request_timeout: float = _opt(DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout", min=0.1,
+    request_timeout: float = _opt(DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout",
                                   help=f"Seconds a request may take to arrive, from its first byte, > 0 "
                                        f"({DEFAULT_REQUEST_TIMEOUT_S:g}; plus {REQUEST_S_PER_KIB:g} s per KiB received, "
                                        f"at most {REQUEST_MAX_S:g} s; else 408 and the connection closes)."),
@@ -83,8 +83,12 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
-    if max_request_bytes <= 0:
-        raise fail(f"--max-request-bytes must be > 0, got {max_request_bytes}")
+    for flag, value, low in (("--max-request-bytes", max_request_bytes, 1), ("--max-slot-files", max_slot_files, 0),
+                             ("--max-slot-bytes", max_slot_bytes, 0), ("--max-connections", max_connections, 1)):
+        if value < low:
+            raise fail(f"{flag} must be >= {low}, got {value}")
+    if not request_timeout > 0:
+        raise fail(f"--request-timeout must be > 0, got {request_timeout}")
     if max_loaded_bytes is not None and max_loaded_bytes < 0:
         raise fail(f"--max-loaded-bytes must be >= 0, got {max_loaded_bytes}")
     refs: list = list(dict.fromkeys(models or []))
