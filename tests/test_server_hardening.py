@@ -419,6 +419,16 @@ def test_slow_and_silent_connections_are_dropped_after_the_deadline(engine):
         for status, sent, seconds in results:
             assert status == 408 and seconds < 4, (status, sent, seconds)
         assert time.monotonic() - t0 < 6
+        # the same after a first request on a kept-alive connection
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            data = b""
+            while not data.endswith(b'{"status":"ok"}'):   # the whole answer (head and body come apart)
+                data += sock.recv(4096)
+            t1 = time.monotonic()
+            sock.sendall(b"POST /v1/comp")
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - t1 < 3, answer
         # a slow client that keeps sending gets more time per KiB: 4 KiB over ~3 s arrives
         body = json.dumps({"content": "x" * 4000}).encode()
         with socket.create_connection((host, port), timeout=30) as sock:

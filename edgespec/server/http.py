@@ -108,8 +108,9 @@ class Protocol(HttpToolsProtocol):
 
     def _check_deadline(self) -> None:
         self._deadline = None
-        if self._discard is not None or (self.cycle is not None and self.cycle.response_started):
-            return   # answered: the answer ends the connection
+        answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        if self._discard is not None or answering:
+            return   # answered before the request arrived whole: the answer ends the connection
         now = self.loop.time()
         if self.flow.read_paused:   # we are not reading: the clock starts again when we do
             self._started, self._received = now, 0
