@@ -6,7 +6,7 @@ benchmarks/probe_hardening.py.
         idle = rss(proc.pid)
         status = huge_header(host, port, 200 << 20)     # 431 after the first chunk
         status = chat(host, port, "hi")                 # (status, body)
-        status, sent, seconds = drip(host, port)        # a byte at a time until the server answers
+        ends = slowloris(host, port, 100)               # [(status, seconds until dropped), ...]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import re
+import selectors
 import signal
 import socket
 import subprocess
@@ -105,25 +106,58 @@ def huge_header(host: str, port: int, total: int, chunk: int = 1 << 20) -> tuple
         sock.close()
 
 
-def drip(host: str, port: int, every: float = 2.0, seconds: float = 60.0) -> tuple[int | None, int, float]:
-    """A slowloris client: a request's head one byte every ``every`` seconds
-    until the server answers or closes (or ``seconds`` pass): (the answer's
-    status or None, bytes sent, seconds it took)."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" * 100
+def slowloris(host: str, port: int, n: int, every: float = 2.0,
+              seconds: float = 60.0) -> list[tuple[int | None, float | None]]:
+    """``n`` slowloris clients at once, in this thread: each a connection
+    sending a request's head one byte every ``every`` seconds until the
+    server answers or closes it, for at most ``seconds``. Per connection: (the
+    answer's status, or None for a close without one; seconds until the
+    server ended it, or None if it was still open at the end)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" * 1000
     t0 = time.monotonic()
-    sent, data = 0, b""
-    with socket.create_connection((host, port), timeout=seconds) as sock:
-        sock.settimeout(every)
-        with contextlib.suppress(OSError):   # the server closed after answering
-            while time.monotonic() - t0 < seconds and sent < len(head):
-                try:
-                    data = sock.recv(4096)
-                    break   # an answer, or the server closed
-                except (TimeoutError, socket.timeout):
-                    sock.sendall(head[sent:sent + 1])
-                    sent += 1
-    found = re.match(rb"HTTP/1\.1 (\d+)", data)
-    return (int(found.group(1)) if found else None), sent, time.monotonic() - t0
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection((host, port), timeout=30)
+        sock.setblocking(False)
+        socks.append(sock)
+    data = {s: b"" for s in socks}
+    ended: dict = {}
+    sent = 0
+
+    def end(sock) -> None:
+        ended[sock] = time.monotonic() - t0
+        sock.close()
+
+    try:
+        with selectors.DefaultSelector() as sel:
+            for sock in socks:
+                sel.register(sock, selectors.EVENT_READ)
+            tick = t0
+            while len(ended) < n and time.monotonic() - t0 < seconds:
+                if time.monotonic() >= tick:   # one more byte on every open connection
+                    for sock in socks:
+                        if sock not in ended:
+                            try:
+                                sock.send(head[sent:sent + 1])
+                            except OSError:   # reset: the server closed it
+                                sel.unregister(sock)
+                                end(sock)
+                    sent, tick = sent + 1, tick + every
+                for key, _ in sel.select(timeout=max(0.0, min(tick, t0 + seconds) - time.monotonic())):
+                    sock = key.fileobj
+                    try:
+                        more = sock.recv(65536)
+                    except OSError:
+                        more = b""
+                    data[sock] += more
+                    if not more:   # the server closed it (after its answer, if any)
+                        sel.unregister(sock)
+                        end(sock)
+    finally:
+        for sock in socks:
+            sock.close()
+    return [(int(m.group(1)) if (m := re.match(rb"HTTP/1\.1 (\d+)", data[s])) else None, ended.get(s))
+            for s in socks]
 
 
 def with_template(model: Path, template: str, workdir: Path) -> contextlib.AbstractContextManager:
