@@ -20,8 +20,8 @@ edgespec's handling of what a parser refuses and of bodies left unread.
   REQUEST_MAX_S: else a 408 and the connection closes. A client dripping a
   byte now and then (slowloris) or saying nothing holds a connection for
   seconds, not for ever; one that uploads at a few hundred bytes a second
-  still gets there. Time the server itself stops reading (a pipelined
-  request waiting for the one before) does not count.
+  still gets there. Time a request waits on the server (a pipelined
+  request while the one before is answered) does not count.
 * At most ``max_connections`` are open at once: past it a new connection is
   answered 503 and closed (lingering as a refusal does, or at once past
   REFUSING_ROOM more), so that the process never runs out of file
@@ -108,14 +108,16 @@ class Protocol(HttpToolsProtocol):
 
     def _check_deadline(self) -> None:
         self._deadline = None
-        answering = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
-        if self._discard is not None or answering:
-            return   # answered before the request arrived whole: the answer ends the connection
+        if self._discard is not None:
+            return   # answered (refused) already: the connection is ending
         now = self.loop.time()
-        if self.flow.read_paused:   # we are not reading: the clock starts again when we do
+        # the request before it still being answered, or reading paused: it waits on us, not on
+        # the client, and its clock starts again
+        if self.flow.read_paused or (self.cycle is not None and self.cycle.response_started
+                                     and not self.cycle.response_complete):
             self._started, self._received = now, 0
         allowed = min(REQUEST_MAX_S, self.settings.request_timeout_s + REQUEST_S_PER_KIB * self._received / 1024)
-        if self.flow.read_paused or now < self._started + allowed:
+        if now < self._started + allowed:
             self._deadline = self.loop.call_at(self._started + allowed, self._check_deadline)
             return
         self._refuse(ApiError(408, f"the request did not arrive within {allowed:.0f} s ({self._received} bytes "
