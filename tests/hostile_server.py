@@ -6,6 +6,7 @@ benchmarks/probe_hardening.py.
         idle = rss(proc.pid)
         status = huge_header(host, port, 200 << 20)     # 431 after the first chunk
         status = chat(host, port, "hi")                 # (status, body)
+        ends = slowloris(host, port, 100)               # [(status, seconds until dropped), ...]
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import contextlib
 import http.client
 import json
 import re
+import selectors
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gguf_mutants import STR, Mutant, Value, Workbench, read_layout
@@ -101,6 +104,60 @@ def huge_header(host: str, port: int, total: int, chunk: int = 1 << 20) -> tuple
         return (int(found.group(1)) if found else None), sent
     finally:
         sock.close()
+
+
+def slowloris(host: str, port: int, n: int, every: float = 2.0,
+              seconds: float = 60.0) -> list[tuple[int | None, float | None]]:
+    """``n`` slowloris clients at once, in this thread: each a connection
+    sending a request's head one byte every ``every`` seconds until the
+    server answers or closes it, for at most ``seconds``. Per connection: (the
+    answer's status, or None for a close without one; seconds until the
+    server ended it, or None if it was still open at the end)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" * 1000
+    t0 = time.monotonic()
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection((host, port), timeout=30)
+        sock.setblocking(False)
+        socks.append(sock)
+    data = {s: b"" for s in socks}
+    ended: dict = {}
+    sent = 0
+
+    def end(sock) -> None:
+        ended[sock] = time.monotonic() - t0
+        sock.close()
+
+    try:
+        with selectors.DefaultSelector() as sel:
+            for sock in socks:
+                sel.register(sock, selectors.EVENT_READ)
+            tick = t0
+            while len(ended) < n and time.monotonic() - t0 < seconds:
+                if time.monotonic() >= tick:   # one more byte on every open connection
+                    for sock in socks:
+                        if sock not in ended:
+                            try:
+                                sock.send(head[sent:sent + 1])
+                            except OSError:   # reset: the server closed it
+                                sel.unregister(sock)
+                                end(sock)
+                    sent, tick = sent + 1, tick + every
+                for key, _ in sel.select(timeout=max(0.0, min(tick, t0 + seconds) - time.monotonic())):
+                    sock = key.fileobj
+                    try:
+                        more = sock.recv(65536)
+                    except OSError:
+                        more = b""
+                    data[sock] += more
+                    if not more:   # the server closed it (after its answer, if any)
+                        sel.unregister(sock)
+                        end(sock)
+    finally:
+        for sock in socks:
+            sock.close()
+    return [(int(m.group(1)) if (m := re.match(rb"HTTP/1\.1 (\d+)", data[s])) else None, ended.get(s))
+            for s in socks]
 
 
 def with_template(model: Path, template: str, workdir: Path) -> contextlib.AbstractContextManager:

@@ -105,6 +105,17 @@ def test_shared_options_out_of_range(tmp_path, command, args, message):
     one_line_error(run(*command, "--model", str(tmp_path / "absent.gguf"), *args), message)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+    (["--max-slot-files", "-1"], "--max-slot-files must be >= 0, got -1"),
+    (["--max-slot-bytes", "-1"], "--max-slot-bytes must be >= 0, got -1"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0, got 0.0"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1, got 0"),
+])
+def test_serve_limits_checked_before_loading(tmp_path, args, message):
+    one_line_error(run("serve", "--model", str(tmp_path / "absent.gguf"), *args), message)
+
+
 # -- bytes that are not UTF-8 ------------------------------------------------------
 
 

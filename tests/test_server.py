@@ -388,7 +388,8 @@ def test_over_context_prompt_refused_without_the_engine_lock(server):
                            ("/v1/completions", {"prompt": text})):
             host, port = server.server_address[:2]
             conn = http.client.HTTPConnection(host, port, timeout=30)
-            conn.request("POST", path, body=json.dumps({**body, "max_tokens": 1}))
+            conn.request("POST", path, body=json.dumps({**body, "max_tokens": 1}),
+                         headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             err = json.loads(resp.read())["error"]
             conn.close()
@@ -461,7 +462,8 @@ def test_range_edges_are_served(server):
 # -- hardening: HTTP framing and the API key --------------------------------------------
 
 def _post_head(length_headers: str, extra: str = "") -> str:
-    return f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n{extra}{length_headers}\r\n"
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"{extra}{length_headers}\r\n")
 
 
 def test_request_framing(server):

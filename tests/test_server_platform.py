@@ -54,11 +54,12 @@ def server(engine):
 
 
 def request(server, method, path, body=None, headers=None):
-    """(status, headers, body bytes) of one plain HTTP request."""
+    """(status, headers, body bytes) of one plain HTTP request (a body as JSON)."""
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
     try:
         data = json.dumps(body) if isinstance(body, dict) else body
-        conn.request(method, path, body=data, headers=headers or {})
+        json_type = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers={**json_type, **(headers or {})})
         resp = conn.getresponse()
         return resp.status, resp.headers, resp.read()
     finally:
@@ -400,7 +401,8 @@ def test_ctrl_c_ends_the_running_generation_and_exits(tiny_llama_path):
         host, port = found.groups()
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("POST", "/api/generate", body=json.dumps(     # the random model never ends by itself
-            {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}))
+            {"model": MODEL, "prompt": "x", "raw": True, "options": {"num_predict": -2, "temperature": 0}}),
+            headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert json.loads(resp.readline())["done"] is False
         proc.send_signal(signal.SIGINT)

@@ -204,7 +204,8 @@ def test_ollama_format(server):
         for fmt in ("json", schema):
             conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
             conn.request("POST", path, json.dumps({"model": "tiny", "stream": False, "format": fmt,
-                                                   "options": {"num_predict": 200, "seed": 1}, **body}))
+                                                   "options": {"num_predict": 200, "seed": 1}, **body}),
+                         {"Content-Type": "application/json"})
             reply = json.loads(conn.getresponse().read())
             conn.close()
             text = reply["response"] if path == "/api/generate" else reply["message"]["content"]

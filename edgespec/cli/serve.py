@@ -12,7 +12,8 @@ from typing import Optional
 
 import typer
 
-from ..server import DEFAULT_MAX_REQUEST_BYTES
+from ..server.request import (DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_SLOT_BYTES,
+                              DEFAULT_MAX_SLOT_FILES, DEFAULT_REQUEST_TIMEOUT_S, REQUEST_MAX_S, REQUEST_S_PER_KIB)
 from .base import app, fail
 from ..config import MODEL_HELP, EngineConfig
 from .options import engine_options, with_chat_model, with_envvar
@@ -47,7 +48,8 @@ def serve(
     cors_origin: Optional[list[str]] = _opt(None, "--cors-origin",
                                             help="Browser origin allowed to call the server, e.g. "
                                                  "http://localhost:3000, or '*' for any (repeatable; default: "
-                                                 "http://localhost:* and http://127.0.0.1:*)."),
+                                                 "http://localhost:* and http://127.0.0.1:*). A POST or DELETE "
+                                                 "from a page of any other origin but the server's own gets 403."),
     allowed_host: Optional[list[str]] = _opt(None, "--allowed-host",
                                              help="A Host header name to answer besides the bound address, "
                                                   "localhost, 127.0.0.1 and [::1] (repeatable; a guard against "
@@ -56,6 +58,22 @@ def serve(
     max_request_bytes: int = _opt(DEFAULT_MAX_REQUEST_BYTES, "--max-request-bytes",
                                   help="Largest request body accepted, in bytes, > 0 (4 MiB; "
                                        "a larger one gets 413 without being read)."),
+    allow_pull_from_hub: bool = _opt(False, "--allow-pull-from-hub",
+                                     help="Let /api/create and /api/copy fetch hf:owner/repo/file.gguf from the "
+                                          "Hugging Face Hub (default: refused with 403; the command line fetches)."),
+    max_slot_files: int = _opt(DEFAULT_MAX_SLOT_FILES, "--max-slot-files",
+                               help="Slot files /slots/N?action=save keeps, every model's together, >= 0 "
+                                    f"({DEFAULT_MAX_SLOT_FILES}; a save past it gets 409)."),
+    max_slot_bytes: int = _opt(DEFAULT_MAX_SLOT_BYTES, "--max-slot-bytes",
+                               help=f"Their bytes in all, >= 0 ({DEFAULT_MAX_SLOT_BYTES >> 30} GiB; a save past it "
+                                    "gets 409)."),
+    max_connections: int = _opt(DEFAULT_MAX_CONNECTIONS, "--max-connections",
+                                help=f"Connections open at once, >= 1 ({DEFAULT_MAX_CONNECTIONS}; one more is "
+                                     "answered 503 and closed)."),
+    request_timeout: float = _opt(DEFAULT_REQUEST_TIMEOUT_S, "--request-timeout",
+                                  help=f"Seconds a request may take to arrive, from its first byte, > 0 "
+                                       f"({DEFAULT_REQUEST_TIMEOUT_S:g}; plus {REQUEST_S_PER_KIB:g} s per KiB received, "
+                                       f"at most {REQUEST_MAX_S:g} s; else 408 and the connection closes)."),
     quiet: bool = _opt(False, "--quiet", "-q", help="No per-request log lines on stderr."),
 ):
     """Serve models over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
@@ -65,8 +83,12 @@ def serve(
 
     if not 0 <= port <= 65535:
         raise fail(f"--port must be in [0, 65535], got {port}")
-    if max_request_bytes <= 0:
-        raise fail(f"--max-request-bytes must be > 0, got {max_request_bytes}")
+    for flag, value, low in (("--max-request-bytes", max_request_bytes, 1), ("--max-slot-files", max_slot_files, 0),
+                             ("--max-slot-bytes", max_slot_bytes, 0), ("--max-connections", max_connections, 1)):
+        if value < low:
+            raise fail(f"{flag} must be >= {low}, got {value}")
+    if not request_timeout > 0:
+        raise fail(f"--request-timeout must be > 0, got {request_timeout}")
     if max_loaded_bytes is not None and max_loaded_bytes < 0:
         raise fail(f"--max-loaded-bytes must be >= 0, got {max_loaded_bytes}")
     refs: list = list(dict.fromkeys(models or []))
@@ -82,7 +104,9 @@ def serve(
         try:
             server = make_server(pool, host, port, api_key=api_key, quiet=quiet,
                                  max_request_bytes=max_request_bytes, cors_origins=tuple(cors_origin or ()),
-                                 allowed_hosts=tuple(allowed_host or ()))
+                                 allowed_hosts=tuple(allowed_host or ()), allow_pull_from_hub=allow_pull_from_hub,
+                                 max_slot_files=max_slot_files, max_slot_bytes=max_slot_bytes,
+                                 max_connections=max_connections, request_timeout_s=request_timeout)
         except OSError as err:
             raise fail(f"cannot listen on {host}:{port}: {err.strerror or err}")
         budget = f"{pool.budget / 2**30:.1f} GiB" if pool.budget else "none"

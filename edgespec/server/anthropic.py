@@ -28,7 +28,6 @@ from starlette.routing import Route
 from ..chat import tools as chat_tools
 from . import fields
 from .errors import ANTHROPIC, ApiError, bad, is_int, is_number, show
-from .openai import MAX_STOP
 from .request import Stream, endpoint, note, pick_runner, read_json, stream_pieces
 from .runner import Completion, Job
 
@@ -152,8 +151,8 @@ def options(body: dict) -> dict:
         opts["top_k"] = top_k
     stop = body.get("stop_sequences")
     if stop is not None:
-        if not (isinstance(stop, list) and len(stop) <= MAX_STOP and all(isinstance(s, str) and s for s in stop)):
-            raise bad("stop_sequences", f"stop_sequences must be a list of at most {MAX_STOP} non-empty strings")
+        if not (isinstance(stop, list) and len(stop) <= fields.MAX_STOP and all(isinstance(s, str) and s for s in stop)):
+            raise bad("stop_sequences", f"stop_sequences must be a list of at most {fields.MAX_STOP} non-empty strings")
         opts["stop"] = stop
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":

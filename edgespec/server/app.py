@@ -4,7 +4,9 @@ ollama.py and metrics.py, over request.py's shared helpers; each parses its
 request into a runner.Completion and leaves the engine to runner.py.
 
 Every endpoint goes through ``request.endpoint()``: the API key is checked on the
-headers before anything else; an ApiError is answered in the shape of the
+headers before anything else, then, on a request that acts (POST, DELETE),
+its Origin (this server's page, a --cors-origin one, or none) and its
+Content-Type (JSON), so that no web page makes a browser act on it; an ApiError is answered in the shape of the
 endpoint's API (OpenAI's or Ollama's); anything else is a logged 500. A
 request whose announced body was not read (refused from its headers) is
 answered with ``Connection: close``; the connection then stops reading it
@@ -25,19 +27,14 @@ from starlette.routing import Route
 
 from . import anthropic, llamacpp, ollama, openai, responses
 from .errors import OLLAMA, OPENAI, ApiError
-from .request import Settings, endpoint, error_response
+from .request import LOCAL_NAMES, LOCAL_ORIGINS, Settings, endpoint, error_response, host_name
 from .runner import Runners
 
-# Browser pages that may call the API by default: any port on this machine.
-LOCAL_ORIGINS = r"http://(localhost|127\.0\.0\.1)(:\d+)?"
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "chat.js": "text/javascript; charset=utf-8",
               "markdown.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8"}
 
 
 # -- the Host header (DNS rebinding) ------------------------------------------------------
-
-LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
-
 
 def allowed_hosts(host: str, extra: tuple[str, ...] = ()) -> frozenset[str] | None:
     """The Host header names a server bound to ``host`` answers. A page on a
@@ -52,18 +49,7 @@ def allowed_hosts(host: str, extra: tuple[str, ...] = ()) -> frozenset[str] | No
         loopback = False
     if not loopback and not extra:
         return None
-    return frozenset(_host_name(h) for h in (host, *LOCAL_NAMES, *extra))
-
-
-def _host_name(value: str) -> str:
-    """A Host header's name: without its port or an IPv6 address's brackets,
-    lower case, no trailing dot."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        value = value[1:value.find("]")] if "]" in value else value[1:]
-    elif value.count(":") == 1:
-        value = value.partition(":")[0]
-    return value.rstrip(".")
+    return frozenset(host_name(h) for h in (host, *LOCAL_NAMES, *extra))
 
 
 class HostCheck:
@@ -78,7 +64,7 @@ class HostCheck:
         allowed = self.state.settings.allowed_hosts
         if scope["type"] == "http" and allowed is not None:
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
-            if host is not None and _host_name(host) not in allowed:
+            if host is not None and host_name(host) not in allowed:
                 e = ApiError(403, f"Host {host[:100]!r} is not a name this server answers to (a guard against "
                              "DNS rebinding); serve with --allowed-host NAME to add it", code="host_not_allowed")
                 shape = OLLAMA if scope["path"].startswith("/api/") else OPENAI

@@ -18,6 +18,7 @@ MAX_TOP_LOGPROBS = 20        # chat completions
 MAX_COMPLETION_LOGPROBS = 5  # legacy completions
 MAX_BIAS = 100.0             # OpenAI's logit_bias range: [-100, 100]
 MAX_BIASED = 1024            # tokens one logit_bias may name
+MAX_STOP = 16                # stop strings per request (OpenAI's stop, Ollama's options.stop, llama-server's)
 MIN_TEMPERATURE = 1e-6       # the sampler's smallest; below it is greedy
 MIN_TOP_P = 1e-6             # the sampler's top_p is in (0, 1]; this keeps the top token only
 

@@ -14,12 +14,26 @@ edgespec's handling of what a parser refuses and of bodies left unread.
 * A client that ends its side before its body is complete gets a 400 naming
   the bytes that came; once its body is complete, ending its side counts as
   going away (its generation stops).
+* A request must arrive whole (request line, headers, body) within
+  ``request_timeout_s`` from its first byte (for the first request, from the
+  connection's start), plus REQUEST_S_PER_KIB per KiB received, at most
+  REQUEST_MAX_S: else a 408 and the connection closes. A client dripping a
+  byte now and then (slowloris) or saying nothing holds a connection for
+  seconds, not for ever; one that uploads at a few hundred bytes a second
+  still gets there. Time a request waits on the server (a pipelined
+  request while the one before is answered) does not count.
+* At most ``max_connections`` are open at once: past it a new connection is
+  answered 503 and closed (lingering as a refusal does, or at once past
+  REFUSING_ROOM more), so that the process never runs out of file
+  descriptors and accept() never fails; the file limit is raised to hold
+  them if it can be (else Server refuses the setting).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -34,7 +48,7 @@ from ..errors import InvalidArgumentError
 from ..pool import EnginePool, model_name as served_name
 from .app import allowed_hosts as hosts_answered
 from .app import create_app
-from .request import DEFAULT_MAX_REQUEST_BYTES, Settings
+from .request import REQUEST_MAX_S, REQUEST_S_PER_KIB, Settings
 from .errors import ApiError
 from .metrics import Metrics
 from .runner import SOCKET, Runners, log_to_stderr
@@ -42,6 +56,8 @@ from .runner import SOCKET, Runners, log_to_stderr
 LINGER_S = 1.0          # at most this long discarding an unread body after the answer
 MAX_HEADER_BYTES = 64 * 1024   # a request line and headers, at most (a browser's are ~1-8 KiB)
 KEEP_ALIVE_S = 30       # an idle connection is closed after this long
+REFUSING_ROOM = 64      # refused connections that may linger beyond max_connections
+FILES_RESERVED = 256    # open files kept for the process besides its connections (models, slots, pipes)
 
 
 class _Transport:
@@ -64,12 +80,60 @@ class _Transport:
 class Protocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 connection with the refusals described above."""
 
-    def __init__(self, *args, max_request_bytes: int, **kwargs):
+    def __init__(self, *args, settings: Settings, **kwargs):
         super().__init__(*args, **kwargs)
-        self.max_request_bytes = max_request_bytes
+        self.settings = settings
+        self.max_request_bytes = settings.max_request_bytes
         self._discard: int | None = None    # lingering: bytes still to discard
         self._linger = None
         self._head: int | None = 0          # bytes of the request line and headers so far; None: in a body
+        self._deadline = None               # the timer of the request arriving, while it does
+        self._started = 0.0                 # when the request (or the connection) began, loop time
+        self._received = 0                  # bytes of it so far
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        over = len(self.connections) - self.settings.max_connections
+        if over > 0:
+            self._refuse(ApiError(503, f"this server has {self.settings.max_connections} connections open, the most "
+                                  "it holds (edgespec serve --max-connections); try again shortly",
+                                  type="server_error", code="too_many_connections"), linger=over <= REFUSING_ROOM)
+            return
+        self._await_request()
+
+    def _await_request(self) -> None:
+        """Start the clock of a request arriving (see the module docstring)."""
+        self._started, self._received = self.loop.time(), 0
+        self._deadline = self.loop.call_at(self._started + self.settings.request_timeout_s, self._check_deadline)
+
+    def _check_deadline(self) -> None:
+        self._deadline = None
+        if self._discard is not None:
+            return   # answered (refused) already: the connection is ending
+        now = self.loop.time()
+        # the request before it still being answered, or reading paused: it waits on us, not on
+        # the client, and its clock starts again
+        if self.flow.read_paused or (self.cycle is not None and self.cycle.response_started
+                                     and not self.cycle.response_complete):
+            self._started, self._received = now, 0
+        allowed = min(REQUEST_MAX_S, self.settings.request_timeout_s + REQUEST_S_PER_KIB * self._received / 1024)
+        if now < self._started + allowed:
+            self._deadline = self.loop.call_at(self._started + allowed, self._check_deadline)
+            return
+        self._refuse(ApiError(408, f"the request did not arrive within {allowed:.0f} s ({self._received} bytes "
+                              f"came; a request gets {self.settings.request_timeout_s:g} s and "
+                              f"{REQUEST_S_PER_KIB:g} s more per KiB, at most {REQUEST_MAX_S:g} s)",
+                              code="request_timeout"))
+
+    def _stop_clock(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:   # a later request on the connection (the first's clock runs from the start)
+            self._await_request()
 
     def on_headers_complete(self) -> None:
         self._head = None
@@ -80,9 +144,11 @@ class Protocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._head = 0   # a pipelined request's head may follow
+        self._stop_clock()
         super().on_message_complete()
 
     def data_received(self, data: bytes) -> None:
+        self._received += len(data)
         if self._discard is None:
             if self._head is not None and not self._head_fits(data):
                 self._refuse(ApiError(431, f"request headers of more than {MAX_HEADER_BYTES // 1024} KiB",
@@ -115,6 +181,7 @@ class Protocol(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         if self._linger is not None:
             self._linger.cancel()
+        self._stop_clock()
         super().connection_lost(exc)
 
     def close_after_answer(self) -> None:
@@ -139,13 +206,18 @@ class Protocol(HttpToolsProtocol):
             e = ApiError(400, f"malformed HTTP request: {reason}")
         self._refuse(e)
 
-    def _refuse(self, e: ApiError) -> None:
-        """Answer ``e`` before the request was parsed, then close the
-        connection once what the client still sends is discarded (lingering)."""
+    def _refuse(self, e: ApiError, linger: bool = True) -> None:
+        """Answer ``e`` before the request was parsed (or whole), then close the
+        connection once what the client still sends is discarded (lingering),
+        or at once."""
+        self._stop_clock()
         body = json.dumps(e.body()).encode()
         self.transport.write(f"HTTP/1.1 {e.status} {HTTPStatus(e.status).phrase}"
                              f"\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
                              "connection: close\r\n\r\n".encode() + body)
+        if not linger:
+            self.transport.close()
+            return
         self._discard = self.max_request_bytes
         if self.transport.can_write_eof():
             self.transport.write_eof()
@@ -168,6 +240,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _hold_open_files(n: int) -> None:
+    """Let this process open ``n`` files, raising its soft limit up to the
+    hard one if needed; InvalidArgumentError when even that is too few."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or n <= soft:
+        return
+    if hard != resource.RLIM_INFINITY and n > hard:
+        raise InvalidArgumentError(f"max_connections: {n} open files needed (connections and {FILES_RESERVED} "
+                                   f"for the process), and this process may open at most {hard} (ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+
 class _Uvicorn(uvicorn.Server):
     def __init__(self, config, runners: Runners):
         super().__init__(config)
@@ -184,8 +268,7 @@ class Server:
     Ctrl-C (from the main thread); ``server_close()`` releases the socket."""
 
     def __init__(self, engine, host: str, port: int, *, model_name: str, settings: Settings):
-        if settings.max_request_bytes <= 0:
-            raise InvalidArgumentError(f"max_request_bytes must be > 0, got {settings.max_request_bytes}")
+        _hold_open_files(settings.max_connections + REFUSING_ROOM + FILES_RESERVED)
         self.settings = settings
         self.metrics = Metrics(model_name)
         self.runners = Runners(engine, model_name, self.metrics, log_to_stderr)
@@ -197,7 +280,7 @@ class Server:
         config = uvicorn.Config(self.app, lifespan="off", ws="none", log_config=None, access_log=False,
                                 server_header=False, headers=[("server", "edgespec")],
                                 timeout_keep_alive=KEEP_ALIVE_S,
-                                http=lambda **kw: Protocol(max_request_bytes=settings.max_request_bytes, **kw))
+                                http=lambda **kw: Protocol(settings=settings, **kw))
         self._uvicorn = _Uvicorn(config, self.runners)
         self._served = threading.Event()
 
@@ -259,17 +342,16 @@ def default_model_name(engine) -> str:
     return served_name(engine.model_ref)
 
 
-def make_server(engine, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-                model_name: str | None = None, quiet: bool = False,
-                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                cors_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ()) -> Server:
+def make_server(engine, host: str = "127.0.0.1", port: int = 8080, *, model_name: str | None = None,
+                allowed_hosts: tuple[str, ...] = (), **settings) -> Server:
     """Bind a server for ``engine`` (an Engine or an EnginePool) without
-    serving (port 0 picks a free one). ``allowed_hosts``: Host header names
-    answered besides the bound address and this machine's local names (see
-    app.allowed_hosts)."""
-    settings = Settings(api_key=api_key or None, max_request_bytes=max_request_bytes,
-                        cors_origins=tuple(cors_origins), quiet=quiet,
-                        allowed_hosts=hosts_answered(host, tuple(allowed_hosts)))
+    serving (port 0 picks a free one). ``settings``: Settings' fields
+    (api_key, max_request_bytes, cors_origins, quiet, max_connections, ...).
+    ``allowed_hosts``: Host header names answered besides the bound address
+    and this machine's local names (see app.allowed_hosts)."""
+    settings = Settings(**{**settings, "api_key": settings.get("api_key") or None,
+                           "cors_origins": tuple(settings.get("cors_origins", ())),
+                           "allowed_hosts": hosts_answered(host, tuple(allowed_hosts))})
     return Server(engine, host, port, model_name=model_name or default_model_name(engine), settings=settings)
 
 

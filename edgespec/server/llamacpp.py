@@ -9,7 +9,8 @@ llama-server's (``content``, ``stop``, ``tokens_predicted``, ``timings``,
 model reads it), ``GET /props``, ``GET /slots`` and ``POST
 /slots/{id}?action=save|restore|erase`` (a slot's KV cache to and from a
 file under ``$EDGESPEC_HOME/slots/<model>/``; a file made for another
-model, backend or context size is refused, saying which).
+model, backend or context size is refused, saying which; a save that would
+pass --max-slot-files or --max-slot-bytes is a 409).
 
 Fields are llama-server's, with its defaults (temperature 0.8, top_k 40,
 top_p 0.95, min_p 0.05, n_predict -1 = as much as fits; n_predict 0
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+from pathlib import Path
 
 import anyio
 from starlette.requests import Request
@@ -38,6 +41,7 @@ from starlette.routing import Route
 
 from .. import __version__
 from ..errors import EdgespecError, InvalidArgumentError
+from ..files import atomic_output
 from ..models import registry
 from . import fields, openai
 from .errors import ApiError, bad, is_int, is_number, show
@@ -120,8 +124,8 @@ def options(body: dict, n_ctx: int) -> dict:
         opts["seed"] = seed
     stop = body.get("stop")
     if stop is not None:
-        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise bad("stop", "stop must be a list of strings")
+        if not (isinstance(stop, list) and len(stop) <= fields.MAX_STOP and all(isinstance(s, str) for s in stop)):
+            raise bad("stop", f"stop must be a list of at most {fields.MAX_STOP} strings")
         opts["stop"] = [s for s in stop if s]
     grammar = fields.structured(body)
     if grammar is not None:
@@ -510,6 +514,35 @@ async def slots(request: Request):
 
 
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_SAVING = threading.Lock()   # one save at a time: each is checked against what the others left
+
+
+def _save_capped(engine, slot: int, path: Path, settings) -> dict:
+    """Engine.save_slot(slot, path) unless the slot files of every model
+    (``<slots>/<model>/<file>``; ``path`` replaced counts as gone) would then
+    pass ``settings.max_slot_files`` or ``max_slot_bytes``: a 409 naming the
+    cap instead. The file is written aside and renamed once its size is
+    known, so a refused save leaves nothing and an old file of its name as it
+    was."""
+    with _SAVING:
+        kept = [f for f in path.parent.parent.glob("*/*") if SLOT_FILE.fullmatch(f.name) and f != path and f.is_file()]
+        held = sum(f.stat().st_size for f in kept)
+        if len(kept) >= settings.max_slot_files:
+            raise _slots_full(path, f"{len(kept)} slot files are kept, the most this server keeps "
+                              f"(edgespec serve --max-slot-files {settings.max_slot_files})")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as aside:
+            done = engine.save_slot(slot, aside)
+            if held + done["bytes"] > settings.max_slot_bytes:
+                raise _slots_full(path, f"this slot's {done['bytes']} bytes would bring the slot files to "
+                                  f"{held + done['bytes']}, over this server's cap (edgespec serve --max-slot-bytes "
+                                  f"{settings.max_slot_bytes})")
+        return done
+
+
+def _slots_full(path: Path, why: str) -> ApiError:
+    return ApiError(409, f"{path.name} was not saved: {why}; save under a kept name to replace it, or delete "
+                    f"files in {path.parent.parent}", param="filename", code="slot_files_full")
 
 
 async def slot_action(request: Request):
@@ -538,8 +571,8 @@ async def slot_action(request: Request):
     t0 = time.perf_counter()
     try:
         if action == "save":
-            folder.mkdir(parents=True, exist_ok=True)
-            done = await anyio.to_thread.run_sync(engine.save_slot, slot, folder / name)
+            done = await anyio.to_thread.run_sync(_save_capped, engine, slot, folder / name,
+                                                  request.app.state.settings)
         else:
             if not (folder / name).is_file():
                 raise ApiError(404, f"no saved slot named {name}", param="filename", code="not_found")

@@ -267,8 +267,9 @@ def _options(body: dict, runner) -> dict:
         elif key == "num_ctx":
             out["n_ctx"] = value
         elif key == "stop":
-            if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
-                raise _bad("option stop must be a list of non-empty strings")
+            if not (isinstance(value, list) and len(value) <= fields.MAX_STOP
+                    and all(isinstance(s, str) and s for s in value)):
+                raise _bad(f"option stop must be a list of at most {fields.MAX_STOP} non-empty strings")
             out["stop"] = value
         else:
             raise _bad(f"option {show(key)} is not an option this server knows (docs/server.md lists them)")
@@ -627,7 +628,7 @@ async def pull(request: Request):
 CREATE_UNSERVED = ("quantize", "adapters", "template", "system", "parameters", "messages", "license")
 
 
-def _create_source(body: dict) -> Path:
+def _create_source(request: Request, body: dict) -> Path:
     """The GGUF file a create request names: ``from`` (a path, or a model
     this server has), ``files`` (one .gguf, by path or by the sha256 of a
     model file it has), or a Modelfile's ``FROM``."""
@@ -666,9 +667,22 @@ def _create_source(body: dict) -> Path:
     if path.is_file():
         return path
     try:
-        return registry.resolve(value.removesuffix(":latest"), pull_missing=False)
+        return _model_here(request, value)
     except EdgespecError:
         raise _bad(f"{given[0]}: no GGUF file at {value[:200]} and no model of that name here") from None
+
+
+def _model_here(request: Request, ref: str) -> Path:
+    """The file of ``ref``, a model this machine has (a local name, a
+    downloaded built-in one, a path); ModelNotFoundError else. A Hugging Face
+    reference (registry.resolve's ``hf:``) is fetched only when the server was
+    started with --allow-pull-from-hub: else any client, a web page's too,
+    could make it download whatever it names."""
+    if ref.startswith("hf:") and not request.app.state.settings.allow_pull_from_hub:
+        raise ApiError(403, f"{ref[:200]} is on the Hugging Face Hub: this server fetches from it only when started "
+                       "with --allow-pull-from-hub (the command line fetches it: edgespec models path REF)",
+                       code="hub_not_allowed")
+    return registry.resolve(ref.removesuffix(":latest"), pull_missing=False)
 
 
 async def create(request: Request):
@@ -680,7 +694,7 @@ async def create(request: Request):
     for field in CREATE_UNSERVED:
         if body.get(field) not in (None, "", [], {}):
             raise _bad(f"{field} is not supported by create here (a GGUF file is served as it is)")
-    source = _create_source(body)
+    source = await anyio.to_thread.run_sync(_create_source, request, body)   # a Hub fetch may take minutes
     try:
         path = await anyio.to_thread.run_sync(registry.add_local, name, source)
     except EdgespecError as e:   # a bad name, a file that is not a model
@@ -702,7 +716,7 @@ async def copy(request: Request):
     if not (isinstance(source, str) and source and isinstance(destination, str) and destination):
         raise _bad("copy needs source and destination model names")
     try:
-        path = registry.resolve(source.removesuffix(":latest"), pull_missing=False)
+        path = await anyio.to_thread.run_sync(_model_here, request, source)
     except EdgespecError:
         raise ApiError(404, f"model {show(source)} does not exist here") from None
     try:

@@ -52,7 +52,6 @@ from .runner import FINISH_REASON, Completion, Job
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TEMPERATURE = 1.0     # OpenAI's default
 MAX_TEMPERATURE = 2.0         # OpenAI's range: [0, 2]
-MAX_STOP = 16                 # stop strings per request
 MAX_N = 16                    # choices per request
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
@@ -109,9 +108,9 @@ def options(body: dict) -> dict:
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not (isinstance(stops, list) and len(stops) <= MAX_STOP
+        if not (isinstance(stops, list) and len(stops) <= fields.MAX_STOP
                 and all(isinstance(s, str) and s for s in stops)):
-            raise bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP} "
+            raise bad("stop", f"stop must be a non-empty string or a list of at most {fields.MAX_STOP} "
                       "non-empty strings")
         opts["stop"] = stops
 
