@@ -148,7 +148,7 @@ class NativeContext(Owned):
         params.n_threads = threads
         params.embeddings = embeddings
         out = ffi.new("es_context **")
-        check(lib.es_context_init(model._ptr, ffi.new("es_context_params *", params), out),
+        check(lib.es_context_init(model.handle, ffi.new("es_context_params *", params), out),
               f"native context of {n_ctx} tokens")
         self._ptr = out[0]
         self.model = model  # must outlive the context
@@ -218,7 +218,7 @@ class NativeGroup(Owned):
         params.n_batch = n_batch
         params.n_threads = threads
         out = ffi.new("es_group **")
-        check(lib.es_group_init(model._ptr, ffi.new("es_group_params *", params), out),
+        check(lib.es_group_init(model.handle, ffi.new("es_group_params *", params), out),
               f"native group of {n_batch} tokens")
         self._ptr = out[0]
         self.model = model  # must outlive the group
@@ -230,7 +230,7 @@ class NativeGroup(Owned):
         seqs = ffi.new("es_group_seq[]", len(members))
         keep = []   # the arrays the call reads
         for seq, (ctx, tokens, parents, logits_from) in zip(seqs, members):
-            seq.ctx = ctx._ptr
+            seq.ctx = ctx.handle
             seq.tokens = t = ffi.new("es_token[]", tokens)
             seq.parents = p = ffi.new("int32_t[]", parents) if parents is not None else ffi.NULL
             seq.n = len(tokens)
@@ -373,7 +373,7 @@ class NativeBackend(VocabMixin, Backend):
         logits rows stay n_vocab wide. An empty ``ids`` computes every row again."""
         self._check_open()
         arr = np.ascontiguousarray(ids, dtype=np.int32)
-        check(lib.es_model_set_output_rows(self._model._ptr, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
+        check(lib.es_model_set_output_rows(self._model.handle, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
               "es_model_set_output_rows")
         self.output_rows = len(arr)
 
