@@ -365,7 +365,8 @@ class ModelDrafter(Drafter):
                                   f"get it with: edgespec models pull {ref}") from e
         # Its cache follows the target's text, also past its own training context
         # (an ONNX export's cache length is fixed when it is exported: ep instead).
-        extra = {"ep": config.options.ep} if name == "onnx" else {"ctx_extend": True}
+        extra = ({"ep": config.options.ep} if name == "onnx" else
+                 {"ctx_extend": True, **(config.options.native_options if name == "native" else {})})
         self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads, **extra)
         try:
             self._map = token_map(config.target, path, self.backend.n_vocab, ref)

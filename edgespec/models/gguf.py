@@ -106,17 +106,17 @@ class GGUFFile(Owned):
         err = ffi.new("char[]", ERR_CAP)
         check_file(lib.es_gguf_open(str(self.path).encode(), out, err, ERR_CAP), err, self.path,
                    "es_gguf_open")
-        self.handle = out[0]
+        self._ptr = out[0]
         self.file_size = self.path.stat().st_size
-        self.version = lib.es_gguf_version(self.handle)
-        self.alignment = lib.es_gguf_alignment(self.handle)
-        self.data_offset = lib.es_gguf_data_offset(self.handle)  # where tensor data starts
-        self.tensors = [GGUFTensor(self, lib.es_gguf_tensor_at(self.handle, i))
-                        for i in range(lib.es_gguf_n_tensors(self.handle))]
+        self.version = lib.es_gguf_version(self._ptr)
+        self.alignment = lib.es_gguf_alignment(self._ptr)
+        self.data_offset = lib.es_gguf_data_offset(self._ptr)  # where tensor data starts
+        self.tensors = [GGUFTensor(self, lib.es_gguf_tensor_at(self._ptr, i))
+                        for i in range(lib.es_gguf_n_tensors(self._ptr))]
         self._by_name = {t.name: t for t in self.tensors}
 
     def _require_open(self) -> None:
-        if self.handle is None:
+        if self._ptr is None:
             raise ModelFormatError(f"{self.path}: the GGUF file is closed")
 
     # -- metadata -------------------------------------------------------------
@@ -124,20 +124,20 @@ class GGUFFile(Owned):
     def keys(self) -> list[str]:
         """Metadata keys in file order."""
         self._require_open()
-        return [ffi.string(lib.es_gguf_key_at(self.handle, i)).decode("utf-8", "replace")
-                for i in range(lib.es_gguf_n_kv(self.handle))]
+        return [ffi.string(lib.es_gguf_key_at(self._ptr, i)).decode("utf-8", "replace")
+                for i in range(lib.es_gguf_n_kv(self._ptr))]
 
     def __contains__(self, key: str) -> bool:
         self._require_open()
-        return lib.es_gguf_find_key(self.handle, key.encode()) >= 0
+        return lib.es_gguf_find_key(self._ptr, key.encode()) >= 0
 
     def _value(self, key: str):
         self._require_open()
-        i = lib.es_gguf_find_key(self.handle, key.encode())
+        i = lib.es_gguf_find_key(self._ptr, key.encode())
         if i < 0:
             return None
         v = ffi.new("es_gguf_value *")
-        lib.es_gguf_value_at(self.handle, i, v)
+        lib.es_gguf_value_at(self._ptr, i, v)
         return v
 
     def value_type(self, key: str) -> int | None:
@@ -203,10 +203,10 @@ class GGUFFile(Owned):
         self._require_open()
         n = ffi.new("int32_t *")
         err = ffi.new("char[]", ERR_CAP)
-        check_file(lib.es_gguf_arch_shapes(self.handle, ffi.NULL, 0, n, err, ERR_CAP), err, self.path,
+        check_file(lib.es_gguf_arch_shapes(self._ptr, ffi.NULL, 0, n, err, ERR_CAP), err, self.path,
                    "es_gguf_arch_shapes")
         out = ffi.new("es_tensor_shape[]", max(n[0], 1))
-        check_file(lib.es_gguf_arch_shapes(self.handle, out, n[0], n, err, ERR_CAP), err, self.path,
+        check_file(lib.es_gguf_arch_shapes(self._ptr, out, n[0], n, err, ERR_CAP), err, self.path,
                    "es_gguf_arch_shapes")
         shapes = {}
         for t in out[0:n[0]]:
