@@ -244,7 +244,7 @@ def test_missing_and_truncated_files(tmp_path, tiny_llama_path):
 def test_native_load_checks_the_file_once(tmp_path, smollm2_path, monkeypatch):
     """The native backend resolves a model without the Python-side check:
     es_model_load validates the whole file (and still names it)."""
-    from edgespec.backends import resolve_model
+    from edgespec.models import resolve_model
     from edgespec.models import gguf as gguf_reader
 
     opened = []

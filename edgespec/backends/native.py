@@ -31,12 +31,6 @@ from .vocab import Vocab, VocabMixin
 _EXPERT_WEIGHTS = {"mapped": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
 
 
-def resolve_model(ref: str) -> Path:
-    """The GGUF file of ``ref``, not checked here: es_model_load validates all
-    of it before anything else (llama.cpp's vocabulary load included) reads it."""
-    return registry.resolve(ref)
-
-
 def select_kernels(name: str) -> None:
     """Make kernel set ``name`` (EngineConfig.kernels; auto: the best this CPU
     runs) the whole process's. A set the CPU lacks is an InvalidArgumentError."""

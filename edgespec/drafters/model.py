@@ -43,7 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from ..backends import open_backend
-from ..onnx import resolve_model
+from .. import onnx  # noqa: F401  (extends resolve_model to the onnx backend)
+from ..models import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
 from ..costs import draft_cost
