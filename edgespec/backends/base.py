@@ -561,6 +561,12 @@ class Backend(Closing, ABC):
         self.clear()
         return n
 
+    def slot_tokens(self, i: int) -> list[int]:
+        """A copy of the tokens slot i's KV cache holds, in order (selected or not)."""
+        if not 0 <= i < self.n_slots:
+            raise InvalidArgumentError(f"slot {i} is outside [0, {self.n_slots})")
+        return list(self._records[i])
+
     def slot_sizes(self) -> list[int]:
         """Each slot's context size."""
         return [size or self.n_ctx for size in self._sizes]

@@ -279,6 +279,12 @@ class NativeBackend(VocabMixin, Backend):
             return self._vocab
 
     @property
+    def packed_from(self) -> int:
+        """Where the repacked weights came from (enum es_packed_from: repacked
+        at this load, written to the cache, mapped from it, or none)."""
+        return self._model.packed_from
+
+    @property
     def kernels(self) -> str:
         """The kernel set the weights' products run on (es_kernels_name)."""
         return kernel_set()
