@@ -16,7 +16,7 @@ class SamplingParams:
     field that the command line takes carries its flags and help, as
     EngineConfig's do (edgespec.config.option); the ranges are checked here."""
 
-    temperature: float = option(0.0, "--temp", "--temperature",
+    temperature: float = option(0.0, "--temperature", "--temp",
                                 help="0 = greedy; otherwise >= 1e-6, sampled (default: 0).")
     top_k: int = option(0, "--top-k", help="Keep the k most likely tokens, >= 0; 0 = off.")
     top_p: float = option(1.0, "--top-p", help="Nucleus mass in (0, 1]; 1 = off.")
