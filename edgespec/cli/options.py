@@ -1,7 +1,9 @@
 """The option sets the commands share, each defined once: the engine options
 (every command that opens an Engine takes them: the fields of
 edgespec.config.EngineConfig that have flags) and the sampling options
-(every command that generates with one fixed set of sampling settings).
+(every command that generates with one fixed set of sampling settings: the
+fields of edgespec.sampling.SamplingParams that have flags, stop strings and
+a grammar file).
 
 A command names a set with its decorator and receives it as one frozen
 dataclass in the parameter of that name; the set's options take the place of
