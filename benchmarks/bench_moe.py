@@ -3,7 +3,7 @@ expert cache against llama.cpp's memory map, under a real memory limit.
 
 Two parts (both by default):
 
-  speed    a synthetic Mixtral-style MoE (edgespec.moe.synth; written once
+  speed    a synthetic Mixtral-style MoE (edgespec.training.moe_tools.synth; written once
            into --work) about 2x the limit. Every engine runs as its own
            process in a cgroup-v1 memory group (memory.limit_in_bytes, as
            root) sized to hold the non-expert weights plus half the experts,
@@ -20,7 +20,7 @@ Two parts (both by default):
            speculative run (drafter ngram) on the cached engine: a
            verification batch needs the union of its tokens' experts.
   quality  built-in dense models (--upcycle) upcycled to MoEs
-           (edgespec.moe.upcycle, exact experts compute the dense model) and
+           (edgespec.training.moe_tools.upcycle, exact experts compute the dense model) and
            their --low-type sidecars (Q2_K or Q3_K; Q4_0 where rows are no
            whole 256-value super-block, as smollm2's 576-wide and
            qwen2.5-coder-0.5b's 896-wide gate and up): `balanced` and `fast`
@@ -135,6 +135,7 @@ def sidecar_for(model: Path, low_type: str) -> Path:
     """The model's sidecar of low_type copies, (re)written when absent or of
     another type."""
     from edgespec import moe
+    from edgespec.training import moe_tools
     import gguf
 
     path = moe.sidecar_path(model)
@@ -142,7 +143,7 @@ def sidecar_for(model: Path, low_type: str) -> Path:
     head = path.read_bytes()[:88] if path.exists() else b""
     types = {int.from_bytes(head[12:16], "little"), int.from_bytes(head[72:76], "little")} if head else set()
     if want not in types:
-        moe.prepare(model, qtype=low_type)
+        moe_tools.prepare(model, qtype=low_type)
     return path
 
 def sizes(path: Path) -> tuple[int, int]:
@@ -157,7 +158,7 @@ def sizes(path: Path) -> tuple[int, int]:
 def synth_for(limit_mb: int, work: Path, tokenizer: str) -> Path:
     """A synthetic MoE whose experts are about 2x limit_mb (8 experts, top 2,
     Q4_0, Mixtral's 4096 x 14336; 1024 x 3584 when that gives fewer than 2 layers)."""
-    from edgespec import moe
+    from edgespec.training import moe_tools
     from edgespec.models import registry
 
     embd, ff, experts = 4096, 14336, 8
@@ -169,7 +170,7 @@ def synth_for(limit_mb: int, work: Path, tokenizer: str) -> Path:
         layers = max(2, round(2 * limit_mb * 1e6 / per_layer))
     path = work / f"synth-{experts}x{layers}-{embd}-{ff}-q4_0.gguf"
     if not path.exists():
-        moe.synth(path, registry.resolve(tokenizer), experts=experts, top_k=2, layers=layers, embd=embd,
+        moe_tools.synth(path, registry.resolve(tokenizer), experts=experts, top_k=2, layers=layers, embd=embd,
                   ff=ff, qtype="q4_0")
     return path
 
@@ -294,6 +295,7 @@ def quality_one(args, name: str) -> dict:
     by every engine in turn (the order rotating) and timed; `balanced` and
     `fast` against `exact`, `exact` against the dense model as context."""
     from edgespec import moe
+    from edgespec.training import moe_tools
     from edgespec.backends import open_backend
     from edgespec.models import registry
 
@@ -302,7 +304,7 @@ def quality_one(args, name: str) -> dict:
     dense = registry.resolve(name)
     up = work / f"{dense.stem}-moe{args.experts}-top{args.top_k}-r{args.router_scale:g}.gguf"
     if not up.exists():
-        moe.upcycle(dense, up, experts=args.experts, top_k=args.top_k, router_scale=args.router_scale)
+        moe_tools.upcycle(dense, up, experts=args.experts, top_k=args.top_k, router_scale=args.router_scale)
     sidecar = sidecar_for(up, args.low_type or "q3_k")
     expert_bytes, _ = sizes(up)
     cache_mb = max(1, int(expert_bytes * args.cache_fraction) // 1_000_000)

@@ -22,7 +22,7 @@ from .errors import (  # noqa: F401
     UnsupportedModelError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The engine pulls in llama.cpp and the compiled C core; import it on first use
 # so that `edgespec models ...` and the registry stay light.

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from .capi import lib
+from .capi import ffi, lib
 from .errors import InvalidArgumentError
 from .moe import DEFAULT_PREFETCH, POLICIES, PRECISIONS, ExpertCache
 
@@ -35,20 +35,44 @@ AUTO_PARALLEL = 4         # the most parallel=None chooses
 MAX_PREFETCH = 64         # expert prefetch depth, in layers
 THREADS_PER_CPU = 4       # more threads per CPU than this needs force_threads
 
+# The native engine's kernel sets on this CPU, best first ("auto": the best).
+KERNEL_SETS = ("auto", *(ffi.string(lib.es_kernels_available(i)).decode()
+                         for i in range(16) if lib.es_kernels_available(i) != ffi.NULL))
+REPACK_MODES = ("cached", "memory", "off")
+EXPERT_WEIGHTS = ("mapped", "f32")
+
 _C_CONTEXT = lib.es_context_default_params()
 DEFAULT_CTX = int(_C_CONTEXT.n_ctx)      # the KV cache size when none is asked for (capped at the training context)
 DEFAULT_BATCH = int(_C_CONTEXT.n_batch)
 
 
 def option(default: Any, *flags: str, help: str, minimum: int | None = None, maximum: int | None = None,
-           choices: tuple[str, ...] | None = None, metavar: str | None = None, cli_default: Any = ...) -> Any:
+           choices: tuple[str, ...] | None = None, metavar: str | None = None, cli_default: Any = ...,
+           factory: Callable[[], Any] | None = None) -> Any:
     """A config field: its default, command-line ``flags`` (none: not on the
     command line), ``help`` (saying the default and range), the range or
     choices it is checked against, and ``cli_default`` where the command line's
-    default differs from the library's (``--drafter``: auto, Engine: none)."""
-    return field(default=default, metadata={
-        "flags": flags, "help": help, "minimum": minimum, "maximum": maximum, "choices": choices,
-        "metavar": metavar, "cli_default": default if cli_default is ... else cli_default})
+    default differs from the library's (``--drafter``: auto, Engine: none).
+    ``factory`` makes the default when a config is made instead (from_env).
+    EngineConfig's fields and SamplingParams' are declared with it; the
+    command line's options are derived from them (edgespec.cli.options)."""
+    metadata = {"flags": flags, "help": help, "minimum": minimum, "maximum": maximum, "choices": choices,
+                "metavar": metavar, "cli_default": default if cli_default is ... else cli_default}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def from_env(variable: str, meanings: dict[str, str], takes: str) -> Callable[[], str]:
+    """A field's default read from the environment when a config is made:
+    the meaning of ``variable``'s value (unset: ""), or an InvalidArgumentError
+    naming the variable and what it ``takes``."""
+    def read() -> str:
+        value = os.environ.get(variable, "")
+        if value not in meanings:
+            raise InvalidArgumentError(f"{variable}={value}: {takes}"[:300])
+        return meanings[value]
+    return read
 
 
 MODEL_HELP = "Built-in model name, GGUF path, or hf:owner/repo/file.gguf (default: the built-in default)."
@@ -70,8 +94,9 @@ class EngineConfig:
         help="ONNX Runtime execution provider of whichever model runs on the onnx backend: cpu, qnn, openvino, "
              "dml, coreml or cuda (default: cpu); openvino:CPU, openvino:NPU or openvino:GPU picks OpenVINO's "
              "device.")
-    threads: int | None = option(None, "--threads", minimum=1,
-                                 help="CPU threads, > 0 (default: physical cores).")
+    threads: int | None = option(None, "--threads", "-t", minimum=1,
+                                 help="CPU threads, > 0 (default: every logical CPU up to 4, half of them "
+                                      "beyond).")
     n_ctx: int | None = option(
         None, "--ctx", minimum=MIN_CTX, maximum=MAX_CTX,
         help=f"Context window in tokens, >= {MIN_CTX} (default: {DEFAULT_CTX}, or the model's training context "
@@ -150,6 +175,29 @@ class EngineConfig:
                                   help=f"Most layers ahead whose experts are predicted and read early, "
                                        f"[0, {MAX_PREFETCH}]; 0 = off.")
 
+    # The native engine's switches, read from the environment unless given.
+    kernels: str = option(
+        None, choices=KERNEL_SETS,
+        factory=from_env("EDGESPEC_KERNELS", {"": "auto", **{k: k for k in KERNEL_SETS}},
+                         f"not a kernel set this CPU runs (available: {', '.join(KERNEL_SETS)})"),
+        help="The native engine's kernel set, for the whole process: auto (the best this CPU runs) or one of "
+             f"{', '.join(KERNEL_SETS[1:])} (default: $EDGESPEC_KERNELS, else auto).")
+    repack: str = option(
+        None, choices=REPACK_MODES,
+        factory=from_env("EDGESPEC_REPACK", {"": "cached", "1": "cached", "memory": "memory", "0": "off"},
+                         "1 repacks the weights and keeps them in the cache between loads (the default), "
+                         "memory repacks them at every load, 0 does not repack"),
+        help="Weights repacked at load for the native engine's tile kernels: cached (kept in a file of the "
+             "cache between loads), memory (repacked at every load) or off (default: $EDGESPEC_REPACK: "
+             "1 cached, memory, 0 off; else cached).")
+    expert_weights: str = option(
+        None, choices=EXPERT_WEIGHTS,
+        factory=from_env("EDGESPEC_EXPERTS", {"": "mapped", "f32": "f32"},
+                         "not an expert provider of this build (f32, or unset)"),
+        help="How the native engine serves a MoE model's expert matrices: mapped (from the file) or f32 (F32 "
+             "copies made on demand, as a cache of experts hands out buffers of its own) (default: "
+             "$EDGESPEC_EXPERTS, else mapped).")
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
@@ -185,6 +233,24 @@ class EngineConfig:
     def but(self, **changes) -> "EngineConfig":
         """This config with ``changes`` (checked like ``of``)."""
         return EngineConfig.of(**{**dataclasses.asdict(self), **changes})
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """Field ``name``'s default, as a config made now would have it (the
+        environment's, for the native engine's switches)."""
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+    @classmethod
+    def check(cls, name: str, value: Any) -> Any:
+        """``value`` checked as field ``name``'s (InvalidArgumentError naming it)."""
+        _check_field(next(f for f in dataclasses.fields(cls) if f.name == name), value)
+        return value
+
+    @property
+    def native_options(self) -> dict:
+        """The native backend's own options (open_backend keyword arguments)."""
+        return {"kernels": self.kernels, "repack": self.repack, "expert_weights": self.expert_weights}
 
     @property
     def expert_cache(self) -> ExpertCache | None:

@@ -53,17 +53,8 @@ def cost_key(backend) -> str:
     expert-cache settings, the rows of a trimmed output layer, and
     COSTS_VERSION."""
     st = Path(backend.path).stat()
-    device = f"@{backend.ep}" if getattr(backend, "ep", None) else ""  # onnx: execution provider
-    # An expert cache's batches read the union of their tokens' experts from
-    # disk: a curve of its own for each setting.
-    cache = getattr(backend, "expert_cache", None)
-    experts = (f":experts-{cache.budget_mb}MB-{cache.precision}-{cache.policy}-{cache.prefetch}:compute"
-               if cache is not None else "")
-    rows = getattr(backend, "output_rows", 0)   # a draft head trimmed to its most used tokens
-    head = f":rows-{rows}" if rows else ""
-    kernels = getattr(backend, "kernels", None)   # native: the kernel set in use
-    device += f"@{kernels}" if kernels else ""
-    return (f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{experts}{head}"
+    device, settings = backend.speed_variant()
+    return (f"{backend.name}{device}:{Path(backend.path).name}:{st.st_size}:{backend.threads}{settings}"
             f":v{COSTS_VERSION}")
 
 
@@ -85,7 +76,7 @@ def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int
     alone, without the reads the batch waited for (the planner weighs those
     as it measures them: edgespec.planner.ExpertMisses)."""
     tokens = _filler(backend, prefix + max(sizes))
-    fresh = getattr(backend, "expert_cache", None) is not None
+    fresh = backend.expert_cache is not None
     rng = random.Random(0)
     backend.clear()
     backend.decode(tokens[:prefix])

@@ -42,8 +42,8 @@ from .errors import InvalidArgumentError, UnsupportedModelError
 from .generation import Generation, Outcome, Request, check_request, pieces
 from .grammar import Constraint, Grammar, tokenizer_for
 from .lanes import Lane, Lanes
-from .models import registry
-from .onnx import resolve_model
+from . import onnx  # noqa: F401  (extends resolve_model to the onnx backend: an export made on first use)
+from .models import registry, resolve_model
 from .planner import ExpertMisses, Planner
 from .prompting import Prompter, is_token
 from .results import Result
@@ -146,6 +146,7 @@ class Engine:
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
             self.backend = open_backend(backend, self.model_path, **options,
+                                        **(c.native_options if backend == "native" else {}),
                                         ep=c.ep if backend == "onnx" else None)
         except UnsupportedModelError:
             if not (auto and backend == "native"):

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .backends import default_backend
-from .onnx import resolve_model
+from . import onnx  # noqa: F401  (extends resolve_model to the onnx backend)
+from .models import resolve_model
 from .backends.base import available_memory, kv_cache_bytes
 from .config import AUTO_PARALLEL, DEFAULT_CTX, EngineConfig
 from .engine import Engine

@@ -1,4 +1,4 @@
-"""A one-line progress display on stderr (model downloads, benchmark runs).
+"""A one-line progress display on stderr (model downloads, exports, benchmark runs).
 
 On a terminal the line is redrawn in place: ``name  12.3/98.4 MB  12%  status``.
 Elsewhere (a log file, CI) it is silent unless ``lines`` asks for one line
@@ -49,3 +49,10 @@ class Progress:
             print(file=sys.stderr, flush=True)
             self._shown = -1
             self._width = 0
+
+
+class ByteProgress(Progress):
+    """Progress counted in bytes, shown in MB: `name  12.3/98.4 MB  12%`."""
+
+    def counter(self) -> str:
+        return f"{self.count / 1e6:.1f}/{self.total / 1e6:.1f} MB"

@@ -6,22 +6,29 @@ import math
 from dataclasses import dataclass, field
 
 from .capi import Owned, check, ffi, lib
+from .config import option
 from .errors import BackendError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. ``temperature=0`` is greedy decoding."""
+    """How tokens are chosen. ``temperature=0`` is greedy decoding. Each
+    field that the command line takes carries its flags and help, as
+    EngineConfig's do (edgespec.config.option); the ranges are checked here."""
 
-    temperature: float = 0.0
-    top_k: int = 0            # 0: off
-    top_p: float = 1.0        # (0, 1]; 1: off
-    min_p: float = 0.0        # [0, 1); 0: off
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0   # subtracted once from each recent token's logit
-    frequency_penalty: float = 0.0  # subtracted per occurrence of a recent token
+    temperature: float = option(0.0, "--temperature", "--temp",
+                                help="0 = greedy; otherwise >= 1e-6, sampled (default: 0).")
+    top_k: int = option(0, "--top-k", help="Keep the k most likely tokens, >= 0; 0 = off.")
+    top_p: float = option(1.0, "--top-p", help="Nucleus mass in (0, 1]; 1 = off.")
+    min_p: float = option(0.0, "--min-p", help="Drop tokens below min_p x p(best), [0, 1); 0 = off.")
+    repeat_penalty: float = option(1.0, "--repeat-penalty", help="Repetition penalty, > 0; 1 = off.")
+    presence_penalty: float = option(0.0, "--presence-penalty",
+                                     help="Subtracted from the logit of each recent token; 0 = off.")
+    frequency_penalty: float = option(0.0, "--frequency-penalty",
+                                      help="Subtracted per occurrence of a recent token; 0 = off.")
     repeat_last_n: int = 64   # the window the three penalties see
-    seed: int = 0
+    seed: int = option(0, "--seed", cli_default=None,
+                       help="RNG seed for sampling, [0, 2**64) (default: random).")
     # (token, bias) pairs added to the logits before the penalties (a dict is
     # taken too); -inf bans a token
     logit_bias: tuple[tuple[int, float], ...] = ()

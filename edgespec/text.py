@@ -25,6 +25,19 @@ def utf8_text(text: str, what: str) -> str:
         raise InvalidArgumentError(f"{what} is not valid UTF-8 ({where})") from None
 
 
+def complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character."""
+    n = len(data)
+    for back in range(1, min(4, n) + 1):
+        b = data[n - back]
+        if b < 0x80:
+            return n if back == 1 else n - back + 1
+        if b >= 0xC0:  # a lead byte: is its character complete?
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return n if back >= need else n - back
+    return n
+
+
 class TextStream:
     """Feed token pieces (bytes) in; get out text that is safe to show.
 

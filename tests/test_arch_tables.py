@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgespec import moe
+from edgespec.training import moe_tools
 from edgespec.bench.reference import Reference
 from edgespec.errors import UnsupportedModelError
 from edgespec.models.gguf import DIMS, GGUFFile, arch_tensors, architectures
@@ -28,7 +28,7 @@ def test_every_architecture_has_a_table_starting_with_its_embeddings():
 
 @pytest.fixture
 def moe_path(tmp_path, tiny_vocab_path):
-    return moe.synth(tmp_path / "synth.gguf", tiny_vocab_path, experts=4, top_k=2, layers=2, embd=64, ff=64,
+    return moe_tools.synth(tmp_path / "synth.gguf", tiny_vocab_path, experts=4, top_k=2, layers=2, embd=64, ff=64,
                      qtype="q8_0", progress=False)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,19 @@ def test_shared_options_out_of_range(tmp_path, command, args, message):
 ])
 def test_serve_limits_checked_before_loading(tmp_path, args, message):
     one_line_error(run("serve", "--model", str(tmp_path / "absent.gguf"), *args), message)
+
+
+def test_t_is_threads_and_temp_is_temperature(tmp_path):
+    """-t is --threads on every command that takes it (llama.cpp's meaning);
+    the temperature is --temp (llama.cpp's name) or --temperature."""
+    absent = str(tmp_path / "absent.gguf")
+    one_line_error(run("generate", "Hello", "--model", absent, "-t", "0"), "--threads must be >= 1, got 0")
+    for flag in ("--temp", "--temperature"):
+        one_line_error(run("generate", "Hello", "--model", absent, flag, "-1"),
+                       "temperature must be 0 (greedy) or in [1e-6, inf), got -1")
+    for command in (["chat"], ["drafter", "distill"], ["drafter", "train"]):
+        p = run(*command, "--help")
+        assert p.returncode == 0 and re.search(r"--threads\s*-t\b|-t,\s*--threads", p.stdout), command
 
 
 # -- bytes that are not UTF-8 ------------------------------------------------------

@@ -23,6 +23,7 @@ from edgespec.drafters import model as model_drafter
 from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from edgespec.models import registry
 from edgespec.sampling import Sampler, SamplingParams
+from edgespec.text import complete_utf8
 from tiny_gguf import SPECIAL_TOKENS, write_tiny_llama, write_tiny_vocab, write_trimmed_drafter
 
 LONG_TEXT = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
@@ -227,10 +228,10 @@ def test_text_bridge_retokenizes_incrementally_and_keeps_the_anchor(tiny_llama_p
 
 def test_complete_utf8_cuts_a_split_character():
     text = "aé🙂".encode()
-    assert model_drafter._complete_utf8(text) == len(text)
-    assert model_drafter._complete_utf8(text[:-1]) == 3
-    assert model_drafter._complete_utf8(text[:2]) == 1
-    assert model_drafter._complete_utf8(b"") == 0
+    assert complete_utf8(text) == len(text)
+    assert complete_utf8(text[:-1]) == 3
+    assert complete_utf8(text[:2]) == 1
+    assert complete_utf8(b"") == 0
 
 
 # -- exact sampling with a deterministic proposal ------------------------------------

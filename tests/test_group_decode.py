@@ -110,7 +110,7 @@ def test_group_refusals_leave_every_slot_as_it_was(backend):
     fill(b, steps_for(text, 2))
     b.select_slot(1)
     b.decode([text[0]] * (N_CTX - b.n_past - 1))   # one cell left
-    before = [b._records[slot][:] for slot in range(SLOTS)]
+    before = [b.slot_tokens(slot) for slot in range(SLOTS)]
     with pytest.raises(InvalidArgumentError, match="distinct slots"):
         b.decode_group([GroupStep(0, text[:1]), GroupStep(0, text[1:2])])
     with pytest.raises(InvalidArgumentError, match="does not fit one batch of 32"):
@@ -123,7 +123,7 @@ def test_group_refusals_leave_every_slot_as_it_was(backend):
         b.decode_group([GroupStep(SLOTS, text[:1])])
     with pytest.raises(ContextOverflowError, match="slot 1"):
         b.decode_group([GroupStep(0, text[:1]), GroupStep(1, text[:2])])
-    assert [b._records[slot] for slot in range(SLOTS)] == before
+    assert [b.slot_tokens(slot) for slot in range(SLOTS)] == before
     for slot in range(SLOTS):
         b.select_slot(slot)
         assert b.n_past == len(before[slot])

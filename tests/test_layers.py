@@ -54,6 +54,62 @@ def imports(name: str, path: Path, known: dict) -> set[str]:
     return found
 
 
+def private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def reached_privates(name: str, path: Path, known: dict) -> list[str]:
+    """Where ``name`` takes another package module's ``_private`` name: ``from
+    m import _x``, or ``m._x`` on a name bound to an imported package module
+    (``self._x``, ``cls._x`` and the module's own names are its own)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    bound = {}   # local name -> the package module it names
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known:
+                    bound[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            if base not in known:
+                continue
+            for a in node.names:
+                if f"{base}.{a.name}" in known:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
+                elif private(a.name) and base != name:
+                    found.append(f"{name}:{node.lineno} imports {base}.{a.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                and bound.get(node.value.id, name) != name):
+            found.append(f"{name}:{node.lineno} reaches {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_another_modules_privates():
+    """A module's ``_names`` are its own: other modules use public names or seams."""
+    known = modules()
+    found = [hit for name, path in known.items() for hit in reached_privates(name, path, known)]
+    assert not found, "\n".join(sorted(found))
+
+
+def test_the_check_sees_a_reached_private(tmp_path):
+    """The checker itself: an imported private and a module's private reached
+    through its name are found; a private of one's own, of ``self`` or of a
+    module outside the package are not."""
+    path = tmp_path / "user.py"
+    path.write_text("import json\nfrom . import low\nfrom .low import _hidden, shown\n"
+                    "_mine = 1\n\nclass A:\n    def f(self):\n"
+                    "        return low._secret, self._x, _mine, json._default_decoder, shown\n")
+    known = {"edgespec": tmp_path / "__init__.py", "edgespec.user": path, "edgespec.low": tmp_path / "low.py"}
+    assert reached_privates("edgespec.user", path, known) == [
+        "edgespec.user:3 imports edgespec.low._hidden", "edgespec.user:8 reaches edgespec.low._secret"]
+
+
 def layer_of(name: str, table: dict[str, int]) -> int:
     """The layer of the longest prefix naming ``name`` (the package itself,
     "edgespec", names only its __init__: a module missing from the table fails)."""

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from edgespec import Engine, moe
+from edgespec.training import moe_tools
 from edgespec.backends import open_backend
 from edgespec.errors import BackendError, InvalidArgumentError, ModelFormatError, UnsupportedModelError
 from tiny_gguf import Q, write_moe_fixture, write_tiny_llama, write_tiny_qwen2
@@ -39,12 +40,12 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def synth_path(moe_dir, tiny_vocab_path):
-    return moe.synth(moe_dir / "synth.gguf", tiny_vocab_path, **SYNTH, progress=False)
+    return moe_tools.synth(moe_dir / "synth.gguf", tiny_vocab_path, **SYNTH, progress=False)
 
 
 @pytest.fixture(scope="module")
 def sidecar(synth_path):
-    return moe.prepare(synth_path, progress=False)
+    return moe_tools.prepare(synth_path, progress=False)
 
 
 def backend(path, experts=None, n_batch=64):
@@ -165,7 +166,7 @@ def test_planner_costs_a_cache_of_its_own(synth_path):
 @pytest.fixture(scope="module")
 def wide_path(moe_dir, tiny_vocab_path):
     """Experts of 835,584 bytes: two (top 2) need 1.68 MB."""
-    return moe.synth(moe_dir / "wide.gguf", tiny_vocab_path, experts=4, top_k=2, layers=2, embd=256,
+    return moe_tools.synth(moe_dir / "wide.gguf", tiny_vocab_path, experts=4, top_k=2, layers=2, embd=256,
                      ff=1024, qtype="q8_0", progress=False)
 
 
@@ -195,7 +196,7 @@ def test_an_expert_cache_on_a_dense_model_is_refused_naming_its_architecture(tin
 
 
 def test_balanced_needs_the_sidecar(moe_dir, tiny_vocab_path):
-    path = moe.synth(moe_dir / "bare.gguf", tiny_vocab_path, **SYNTH, seed=3, progress=False)
+    path = moe_tools.synth(moe_dir / "bare.gguf", tiny_vocab_path, **SYNTH, seed=3, progress=False)
     with pytest.raises(InvalidArgumentError, match="edgespec moe prepare"):
         Engine(path, backend="native", expert_cache_mb=2, expert_precision="balanced")
 
@@ -215,7 +216,7 @@ def test_sidecar_layout(synth_path, sidecar):
     assert stride == -(-(2 * 256 * 128 * 18 // 32 + 128 * 110) // 64) * 64
     assert len(data) == start + n_copies * stride
     sums = np.frombuffer(data[88:88 + 8 * n_copies], dtype="<u8")
-    assert [moe.checksum(data[start + i * stride:start + (i + 1) * stride]) for i in range(n_copies)] == \
+    assert [moe_tools.checksum(data[start + i * stride:start + (i + 1) * stride]) for i in range(n_copies)] == \
         sums.tolist()
     assert not list(synth_path.parent.glob(".*tmp*"))          # written atomically
 
@@ -246,7 +247,7 @@ def test_low_precision_reads_fewer_bytes(synth_path, sidecar, precision):
 
 @pytest.fixture(scope="module", params=["q2_k", "q3_k"])
 def wide_sidecar(request, wide_path, moe_dir):
-    return request.param, moe.prepare(wide_path, moe_dir / f"wide.{request.param}", qtype=request.param,
+    return request.param, moe_tools.prepare(wide_path, moe_dir / f"wide.{request.param}", qtype=request.param,
                                       progress=False)
 
 
@@ -307,16 +308,16 @@ def copy_model(src, dst):
 
 
 def test_mismatched_sidecar_is_refused(moe_dir, tiny_vocab_path, synth_path, sidecar):
-    other = moe.synth(moe_dir / "other.gguf", tiny_vocab_path, **{**SYNTH, "experts": 4}, progress=False)
+    other = moe_tools.synth(moe_dir / "other.gguf", tiny_vocab_path, **{**SYNTH, "experts": 4}, progress=False)
     shutil.copyfile(sidecar, moe.sidecar_path(other))
     with pytest.raises(ModelFormatError, match="made for another model: experts 8, this model has 4"):
         Engine(other, backend="native", expert_cache_mb=2, expert_precision="balanced")
     # Same shapes and metadata, other weights: the routers' checksums differ.
-    same_shape = moe.synth(moe_dir / "same-shape.gguf", tiny_vocab_path, **SYNTH, seed=5, progress=False)
+    same_shape = moe_tools.synth(moe_dir / "same-shape.gguf", tiny_vocab_path, **SYNTH, seed=5, progress=False)
     assert os.path.getsize(same_shape) == os.path.getsize(synth_path)
     shutil.copyfile(sidecar, moe.sidecar_path(same_shape))
     # both checksums named: the sidecar's model's (header offset 48) and this one's
-    own = moe.prepare(same_shape, moe_dir / "same-shape.own", progress=False)
+    own = moe_tools.prepare(same_shape, moe_dir / "same-shape.own", progress=False)
     want, got = (int.from_bytes(p.read_bytes()[48:56], "little") for p in (sidecar, own))
     with pytest.raises(ModelFormatError, match=f"checksum {want:016x} of its model's metadata and "
                                                f"routers, this model's {got:016x}"):
@@ -402,7 +403,7 @@ def test_peak_rss_stays_within_the_budget(moe_dir, tiny_vocab_path):
     """53 MB of experts, an 8 MB cache: the process grows by the cache and
     the non-expert weights, not the experts (which the mapped engine reads
     into memory)."""
-    path = moe.synth(moe_dir / "rss.gguf", tiny_vocab_path, experts=16, top_k=2, layers=4, embd=256,
+    path = moe_tools.synth(moe_dir / "rss.gguf", tiny_vocab_path, experts=16, top_k=2, layers=4, embd=256,
                      ff=1024, qtype="q8_0", progress=False)
     experts_mb = 16 * 4 * 3 * 1024 * 256 * 34 / 32 / 1e6
     mapped, cached = peak_rss(path, 0), peak_rss(path, 8)
@@ -428,7 +429,7 @@ def dense_f32(moe_dir, tiny_vocab_path):
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_upcycled_model_computes_the_dense_one(moe_dir, dense_f32, top_k):
-    out = moe.upcycle(dense_f32, moe_dir / f"upcycled-{top_k}.gguf", experts=4, top_k=top_k,
+    out = moe_tools.upcycle(dense_f32, moe_dir / f"upcycled-{top_k}.gguf", experts=4, top_k=top_k,
                       progress=False)
     with backend(dense_f32) as b:
         want = prompt_then_steps(b)
@@ -451,7 +452,7 @@ def test_upcycled_qwen2_computes_the_dense_one(moe_dir, tiny_vocab_path):
     order: equal within rounding, on both engines."""
     dense = moe_dir / "dense-qwen2.gguf"
     write_tiny_qwen2(dense, tiny_vocab_path, n_ctx=N_CTX, dtype=Q.F32)
-    up = moe.upcycle(dense, moe_dir / "upcycled-qwen2.gguf", experts=4, top_k=1, progress=False)
+    up = moe_tools.upcycle(dense, moe_dir / "upcycled-qwen2.gguf", experts=4, top_k=1, progress=False)
     for name in ("native", "llama"):
         with open_backend(name, dense, n_ctx=N_CTX, n_batch=64, threads=1) as b:
             want = logits(b, list(range(1, 65)), chunk=64)
@@ -462,7 +463,7 @@ def test_upcycled_qwen2_computes_the_dense_one(moe_dir, tiny_vocab_path):
 
 
 def test_llama_cpp_loads_upcycled_and_synthetic(moe_dir, dense_f32, synth_path):
-    up = moe.upcycle(dense_f32, moe_dir / "upcycled-llama.gguf", experts=4, top_k=1, progress=False)
+    up = moe_tools.upcycle(dense_f32, moe_dir / "upcycled-llama.gguf", experts=4, top_k=1, progress=False)
     with open_backend("llama", dense_f32, n_ctx=N_CTX, n_batch=64, threads=1) as b:
         want = logits(b, list(range(1, 65)), chunk=64)
     with open_backend("llama", up, n_ctx=N_CTX, n_batch=64, threads=1) as b:
@@ -477,12 +478,12 @@ def test_llama_cpp_loads_upcycled_and_synthetic(moe_dir, dense_f32, synth_path):
     assert (ours.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.9
 
 
-@pytest.mark.parametrize("arch", moe.SYNTH_ARCHS)
+@pytest.mark.parametrize("arch", moe_tools.SYNTH_ARCHS)
 def test_synth_layouts_decode_alike_on_both_engines(moe_dir, tiny_vocab_path, arch):
     """Each layout `moe synth` writes loads in llama.cpp and the native
     engine (through an expert cache too) with the same greedy text (F32
     weights: no activation rounding between the two)."""
-    path = moe.synth(moe_dir / f"synth-{arch}.gguf", tiny_vocab_path, experts=8, top_k=2, layers=2,
+    path = moe_tools.synth(moe_dir / f"synth-{arch}.gguf", tiny_vocab_path, experts=8, top_k=2, layers=2,
                      embd=128, ff=64, qtype="f32", arch=arch, progress=False)
     texts = []
     for name, kw in (("llama", {}), ("native", {}), ("native", dict(expert_cache_mb=1))):
@@ -494,21 +495,21 @@ def test_synth_layouts_decode_alike_on_both_engines(moe_dir, tiny_vocab_path, ar
 
 def test_upcycle_and_prepare_refuse(moe_dir, dense_f32, synth_path, tiny_vocab_path):
     with pytest.raises(UnsupportedModelError, match="not a MoE model"):
-        moe.prepare(dense_f32, moe_dir / "x.sidecar", progress=False)
+        moe_tools.prepare(dense_f32, moe_dir / "x.sidecar", progress=False)
     with pytest.raises(InvalidArgumentError, match="already a MoE model"):
-        moe.upcycle(synth_path, moe_dir / "x.gguf", experts=2, progress=False)
+        moe_tools.upcycle(synth_path, moe_dir / "x.gguf", experts=2, progress=False)
     with pytest.raises(InvalidArgumentError, match="--arch must be one of llama, qwen3moe"):
-        moe.synth(moe_dir / "x.gguf", tiny_vocab_path, experts=2, top_k=1, layers=1, embd=64, ff=64,
+        moe_tools.synth(moe_dir / "x.gguf", tiny_vocab_path, experts=2, top_k=1, layers=1, embd=64, ff=64,
                   arch="olmoe", progress=False)
     with pytest.raises(InvalidArgumentError, match=r"--top-k must be in \[1, --experts\]"):
-        moe.upcycle(dense_f32, moe_dir / "x.gguf", experts=2, top_k=3, progress=False)
+        moe_tools.upcycle(dense_f32, moe_dir / "x.gguf", experts=2, top_k=3, progress=False)
     assert not (moe_dir / "x.gguf").exists() and not (moe_dir / "x.sidecar").exists()
 
 
 def test_upcycled_smollm2_matches_dense(smollm2_path, tmp_path):
     """The upcycled built-in model greedy-decodes as the dense one (top 1:
     bit for bit), through a cache smaller than its experts too."""
-    up = moe.upcycle(smollm2_path, tmp_path / "smollm2-moe.gguf", experts=2, top_k=1, progress=False)
+    up = moe_tools.upcycle(smollm2_path, tmp_path / "smollm2-moe.gguf", experts=2, top_k=1, progress=False)
     prompt = "Write a haiku about the sea."
     with Engine(smollm2_path, backend="native", threads=2, n_ctx=N_CTX) as e:
         want = e.generate(prompt, max_tokens=24).tokens
@@ -521,7 +522,7 @@ def test_upcycled_smollm2_matches_dense(smollm2_path, tmp_path):
 def test_upcycled_qwen_coder_matches_dense(qwen_coder_05b_path, tmp_path):
     """Qwen2.5-coder upcycled (a llama MoE, its down matrices of two types
     as Q4_K_M gives them) greedy-decodes as the dense model on both engines."""
-    up = moe.upcycle(qwen_coder_05b_path, tmp_path / "qwen-moe.gguf", experts=2, top_k=1,
+    up = moe_tools.upcycle(qwen_coder_05b_path, tmp_path / "qwen-moe.gguf", experts=2, top_k=1,
                      progress=False)
     prompt = "def fibonacci(n):"
     for name, kw in (("native", dict(expert_cache_mb=60)), ("llama", {})):

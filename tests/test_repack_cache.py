@@ -50,7 +50,7 @@ def run(path, repack: str | None = None):
                 n = len(tokens[i:i + 4])
                 rows.append(np.ctypeslib.as_array((ctypes.c_float * (n * b.n_vocab)).from_address(addr))
                             .reshape(n, b.n_vocab).copy())
-            return b._model.packed_from, np.concatenate(rows)
+            return b.packed_from, np.concatenate(rows)
     finally:
         os.environ.pop("EDGESPEC_REPACK", None)
 
@@ -95,7 +95,7 @@ def test_the_source_rows_a_repack_serves_leave_resident_memory(home, q4k_model, 
     if repack is not None:
         monkeypatch.setenv("EDGESPEC_REPACK", repack)
     with open_backend("native", path, n_ctx=64, threads=2) as b:
-        assert b._model.packed_from == (lib.ES_PACKED_MAPPED if repack is None else lib.ES_PACKED_REPACKED)
+        assert b.packed_from == (lib.ES_PACKED_MAPPED if repack is None else lib.ES_PACKED_REPACKED)
         weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
                       if t.name.startswith("blk.") and "norm" not in t.name)
         assert weights > 0.5 * path.stat().st_size

@@ -48,19 +48,6 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def resolve_model(name: str, ref: str) -> Path:
-    """The GGUF file backend ``name`` opens for model reference ``ref``:
-    checked, unless the backend's own ``resolve_model`` says otherwise (the
-    native engine validates the whole file as it loads it). An ONNX export is
-    resolved a layer up (edgespec.onnx.resolve_model)."""
-    module = _module(name)
-    if hasattr(module, "resolve_model"):
-        return module.resolve_model(ref)
-    from ..models import registry
-
-    return registry.model_path_checked(ref)
-
-
 def check_model(ref: str) -> Path:
     """The file of ``ref``, checked as the backends check it before reading
     weights, so that `edgespec models info` gives the verdict `generate`

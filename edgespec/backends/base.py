@@ -180,6 +180,7 @@ class Backend(Closing, ABC):
     embeds = False      # hidden_states works (_hidden)
     ctx_extend = False  # contexts beyond the training context are allowed
     groups = False      # decode_group works (_evaluate_group)
+    expert_cache = None  # the native engine's moe.ExpertCache, where it keeps one
     _closed = False   # class defaults: close() works on a half-made backend too
 
     def __init__(self, slots: int = 1):
@@ -246,6 +247,14 @@ class Backend(Closing, ABC):
         """A MoE model's expert cache counters since the last reset (``reset``:
         start counting again); None where the backend has no expert cache."""
         return None
+
+    def speed_variant(self) -> tuple[str, str]:
+        """What this backend's speed depends on besides its name, model file
+        and threads, as two parts of its cost key (edgespec.costs.cost_key):
+        the device (``@cpu``: an ONNX execution provider; ``@avx2``: the
+        native kernel set) and the settings (``:rows-N``: a trimmed output
+        layer; an expert cache's). ("", "") here."""
+        return "", ""
 
     def _check_kv_memory(self, n_ctx: int) -> None:
         """Refuse a KV cache (F16 keys and values, every layer) larger than the
@@ -551,6 +560,12 @@ class Backend(Closing, ABC):
         n = self.n_past
         self.clear()
         return n
+
+    def slot_tokens(self, i: int) -> list[int]:
+        """A copy of the tokens slot i's KV cache holds, in order (selected or not)."""
+        if not 0 <= i < self.n_slots:
+            raise InvalidArgumentError(f"slot {i} is outside [0, {self.n_slots})")
+        return list(self._records[i])
 
     def slot_sizes(self) -> list[int]:
         """Each slot's context size."""

@@ -21,58 +21,31 @@ import numpy as np
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, kernel_set, lib
 from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
 from .. import moe
-from ..config import DEFAULT_BATCH
+from ..config import DEFAULT_BATCH, KERNEL_SETS, EngineConfig
 from ..models import registry
 from ..models.gguf import GGUFFile
 from .base import Backend, context_size, default_threads
 from .vocab import Vocab, VocabMixin
 
-# EDGESPEC_EXPERTS: how MoE experts' weights are served (unset: from the mapping).
-_EXPERTS_MODES = {"": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
-# EDGESPEC_REPACK: weights repacked for the tile kernels, kept in a file of
-# the cache between loads (unset, 1), repacked at every load (memory), or not (0).
-_REPACK = {"": "cached", "1": "cached", "memory": "memory", "0": None}
+# EngineConfig.expert_weights: how MoE experts' weights are served.
+_EXPERT_WEIGHTS = {"mapped": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
 
 
-def resolve_model(ref: str) -> Path:
-    """The GGUF file of ``ref``, not checked here: es_model_load validates all
-    of it before anything else (llama.cpp's vocabulary load included) reads it."""
-    return registry.resolve(ref)
-
-
-def select_kernels() -> None:
-    """The kernel set named by EDGESPEC_KERNELS (unset: the best this CPU
-    runs), for the whole process. A set the CPU lacks is an InvalidArgumentError."""
-    name = os.environ.get("EDGESPEC_KERNELS") or "auto"
+def select_kernels(name: str) -> None:
+    """Make kernel set ``name`` (EngineConfig.kernels; auto: the best this CPU
+    runs) the whole process's. A set the CPU lacks is an InvalidArgumentError."""
     if lib.es_kernels_select(name.encode()) != lib.ES_OK:
-        available, i = [], 0
-        while (k := lib.es_kernels_available(i)) != ffi.NULL:
-            available.append(ffi.string(k).decode())
-            i += 1
-        raise InvalidArgumentError(f"EDGESPEC_KERNELS={name}: not a kernel set this CPU runs "
-                                   f"(available: auto, {', '.join(available)})")
+        raise InvalidArgumentError(f"kernels {name}: not a kernel set this CPU runs "
+                                   f"(available: {', '.join(KERNEL_SETS)})")
 
 
-def repack_mode() -> str | None:
-    """EDGESPEC_REPACK's choice: "cached", "memory" or None (no repacking)."""
-    repack = os.environ.get("EDGESPEC_REPACK", "")
-    if repack not in _REPACK:
-        raise InvalidArgumentError(f"EDGESPEC_REPACK={repack}: 1 repacks the weights and keeps them in the "
-                                   "cache between loads (the default), memory repacks them at every load, "
-                                   "0 does not repack")
-    return _REPACK[repack]
-
-
-def model_params(experts: moe.ExpertCache | None = None):
-    """es_model_params from the environment (EDGESPEC_EXPERTS, EDGESPEC_REPACK)
-    and the expert cache settings (None: experts served from the mapping)."""
+def model_params(experts: moe.ExpertCache | None, expert_weights: str, repack: str):
+    """es_model_params from the native engine's options (EngineConfig's
+    expert_weights and repack) and the expert cache settings (None: experts
+    served from the mapping)."""
     params = lib.es_model_default_params()
-    mode = os.environ.get("EDGESPEC_EXPERTS", "")
-    if mode not in _EXPERTS_MODES:
-        raise InvalidArgumentError(f"EDGESPEC_EXPERTS={mode} is not an expert provider of this "
-                                   "build (f32, or unset)")
-    params.experts = _EXPERTS_MODES[mode]
-    params.repack = repack_mode() is not None
+    params.experts = _EXPERT_WEIGHTS[expert_weights]
+    params.repack = repack != "off"
     if experts is not None:
         params.expert_cache_bytes = experts.budget_bytes
         params.expert_precision = moe.PRECISIONS.index(experts.precision)
@@ -87,21 +60,21 @@ class NativeModel(Owned):
 
     _free = lib.es_model_free
 
-    def __init__(self, path: Path, experts: moe.ExpertCache | None = None):
+    def __init__(self, path: Path, experts: moe.ExpertCache | None = None, *, kernels: str = "auto",
+                 repack: str = "cached", expert_weights: str = "mapped"):
         if experts is not None:
             with GGUFFile(path) as f:
                 arch = f.get("general.architecture")
                 if not f.get(f"{arch}.expert_count", 0):
                     raise InvalidArgumentError(f"{Path(path).name} is a dense {arch} model (no experts): an "
                                                "expert cache (--expert-cache) is for mixture-of-experts models")
-        params = ffi.new("es_model_params *", model_params(experts))
+        params = ffi.new("es_model_params *", model_params(experts, expert_weights, repack))
         sidecar = experts.sidecar(path) if experts is not None else None
         if sidecar is not None:
             keep = ffi.new("char[]", str(sidecar).encode())
             params.expert_sidecar = keep
-        select_kernels()
-        cache = (registry.repacked_file(path, kernel_set())
-                 if repack_mode() == "cached" else None)
+        select_kernels(kernels)
+        cache = registry.repacked_file(path, kernel_set()) if repack == "cached" else None
         if cache is not None:
             keep_cache = ffi.new("char[]", os.fsencode(cache))
             params.repack_cache = keep_cache
@@ -148,7 +121,7 @@ class NativeContext(Owned):
         params.n_threads = threads
         params.embeddings = embeddings
         out = ffi.new("es_context **")
-        check(lib.es_context_init(model._ptr, ffi.new("es_context_params *", params), out),
+        check(lib.es_context_init(model.handle, ffi.new("es_context_params *", params), out),
               f"native context of {n_ctx} tokens")
         self._ptr = out[0]
         self.model = model  # must outlive the context
@@ -218,7 +191,7 @@ class NativeGroup(Owned):
         params.n_batch = n_batch
         params.n_threads = threads
         out = ffi.new("es_group **")
-        check(lib.es_group_init(model._ptr, ffi.new("es_group_params *", params), out),
+        check(lib.es_group_init(model.handle, ffi.new("es_group_params *", params), out),
               f"native group of {n_batch} tokens")
         self._ptr = out[0]
         self.model = model  # must outlive the group
@@ -230,7 +203,7 @@ class NativeGroup(Owned):
         seqs = ffi.new("es_group_seq[]", len(members))
         keep = []   # the arrays the call reads
         for seq, (ctx, tokens, parents, logits_from) in zip(seqs, members):
-            seq.ctx = ctx._ptr
+            seq.ctx = ctx.handle
             seq.tokens = t = ffi.new("es_token[]", tokens)
             seq.parents = p = ffi.new("int32_t[]", parents) if parents is not None else ffi.NULL
             seq.n = len(tokens)
@@ -258,12 +231,17 @@ class NativeBackend(VocabMixin, Backend):
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
                  threads: int | None = None, n_seq: int = 1, slots: int = 1,
                  ctx_extend: bool = False, experts: moe.ExpertCache | None = None,
+                 kernels: str | None = None, repack: str | None = None, expert_weights: str | None = None,
                  verbose: bool = False):
         # n_seq does not apply: draft trees need no sequences here (a tree is
-        # one batch with parents).
+        # one batch with parents). kernels, repack, expert_weights: EngineConfig's
+        # (None: its default, the environment's).
         super().__init__(slots)
         self.path = Path(path)
-        self._model = NativeModel(self.path, experts)
+        given = {"kernels": kernels, "repack": repack, "expert_weights": expert_weights}
+        self._model = NativeModel(self.path, experts, **{
+            name: EngineConfig.default(name) if value is None else EngineConfig.check(name, value)
+            for name, value in given.items()})
         self._contexts = [None] * slots
         self._verbose = verbose
         self._vocab_lock = threading.Lock()
@@ -301,9 +279,23 @@ class NativeBackend(VocabMixin, Backend):
             return self._vocab
 
     @property
+    def packed_from(self) -> int:
+        """Where the repacked weights came from (enum es_packed_from: repacked
+        at this load, written to the cache, mapped from it, or none)."""
+        return self._model.packed_from
+
+    @property
     def kernels(self) -> str:
         """The kernel set the weights' products run on (es_kernels_name)."""
         return kernel_set()
+
+    def speed_variant(self) -> tuple[str, str]:
+        # An expert cache's batches read the union of their tokens' experts
+        # from disk: a curve of its own for each setting.
+        cache = self.expert_cache
+        experts = (f":experts-{cache.budget_mb}MB-{cache.precision}-{cache.policy}-{cache.prefetch}:compute"
+                   if cache is not None else "")
+        return f"@{self.kernels}", experts + (f":rows-{self.output_rows}" if self.output_rows else "")
 
     def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
         return NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
@@ -373,7 +365,7 @@ class NativeBackend(VocabMixin, Backend):
         logits rows stay n_vocab wide. An empty ``ids`` computes every row again."""
         self._check_open()
         arr = np.ascontiguousarray(ids, dtype=np.int32)
-        check(lib.es_model_set_output_rows(self._model._ptr, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
+        check(lib.es_model_set_output_rows(self._model.handle, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
               "es_model_set_output_rows")
         self.output_rows = len(arr)
 

@@ -307,6 +307,9 @@ class OnnxBackend(VocabMixin, Backend):
         self._logits_bufs: dict[int, tuple[np.ndarray, object]] = {}
         self._n = 0  # cache slots written
 
+    def speed_variant(self) -> tuple[str, str]:
+        return f"@{self.ep}", ""
+
     def _check_static_shapes(self, cfg: dict) -> None:
         """A static graph whose inputs are not the shapes its config names (a
         model.onnx exported for another call shape) is refused with both."""

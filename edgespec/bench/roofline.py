@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..backends import open_backend
 from ..backends.native import select_kernels
+from ..config import EngineConfig
 from ..costs import bandwidth, int8_peak
 from ..errors import EdgespecError
 from ..models.gguf import GGUFFile
@@ -120,7 +121,7 @@ def measure_roofline(path: str | Path, backends: list[str], threads: int, *,
     and each backend's decode speed (and its share of the roofline), batch
     cost curve and fraction of the int8 peak per batch size."""
     bw = bandwidth(threads, remeasure=remeasure_bandwidth)
-    select_kernels()   # the set the native backend will run, measured at its peak
+    select_kernels(EngineConfig.default("kernels"))   # the set the native backend will run, measured at its peak
     peak, kernels = int8_peak(threads, remeasure=remeasure_bandwidth)
     need = bytes_per_token(path, PREFIX + n_decode // 2)
     macs = macs_per_token(path)

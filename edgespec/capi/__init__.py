@@ -75,6 +75,12 @@ class Owned(Closing):
     _ptr = None   # set by the subclass once its es_*_init succeeded
     _free = None  # the lib function that frees _ptr
 
+    @property
+    def handle(self):
+        """The C object, for another wrapper's calls that take it (its owner
+        keeps it alive; None once closed)."""
+        return self._ptr
+
     def close(self) -> None:
         if self._ptr is not None:
             type(self)._free(self._ptr)

@@ -23,7 +23,7 @@ import typer
 from ..config import EngineConfig
 from ..engine import Engine
 from .base import app
-from .generate import _summary
+from .generate import result_summary
 from .options import engine_options, with_chat_model
 
 DEMO_QUESTION = "Explain in three sentences why the sky is blue."
@@ -150,7 +150,7 @@ def demo(engine: EngineConfig = ...,
         for piece in e.stream(DEMO_QUESTION, chat=e.chat_template is not None, max_tokens=128, seed=0):
             print(piece, end="", file=out, flush=True)
         print(file=out)
-        typer.echo(_summary(e.last_result), err=True)
+        typer.echo(result_summary(e.last_result), err=True)
         if not as_json:
             typer.echo(f"\nplain vs speculative decoding (--drafter {drafter}), greedy, up to {DEMO_TOKENS} "
                        f"tokens, {e.backend.threads} threads:")

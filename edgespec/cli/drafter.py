@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from ..models import registry
 from ..backends.vocab import Vocab
 from .base import drafter_app
+from .options import ENGINE_OPTIONS
 from ..config import MODEL_HELP
 from ..drafters import routed
 from ..drafters.cache import N_MAX_LIMIT, build_ngram_cache
@@ -80,7 +82,7 @@ def distill_cmd(
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="generate mode: prompt tokens per sequence."),
     temperature: float = typer.Option(0.0, "--temperature", help="generate mode: 0 greedy, else sampled, [0, 2]."),
     backend: str = typer.Option(None, "--backend", help="native or llama (default: as generate chooses)."),
-    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads (default: the physical cores)."),
+    threads: Optional[int] = ENGINE_OPTIONS["threads"][1],
 ) -> None:
     """Label text with the target's own next-token probabilities (teacher forcing, top-k soft labels),
     for `edgespec drafter train`. Text shared with the benchmark suites is left out."""
@@ -133,7 +135,8 @@ def train_cmd(
     sources: list[str] = typer.Option(None, "--source", help="Plain text for pretraining, repeatable (as "
                                       "distill's --source; default: the distillation's sources)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
-    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for PyTorch (default: its own)."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for PyTorch (default: PyTorch's own, its "
+                                "count of physical cores)."),
     device: str = typer.Option("auto", "--device", help="auto (a CUDA GPU, else Apple's MPS, else the CPU), "
                                "cpu, cuda or mps."),
     restart: bool = typer.Option(False, "--restart", help="Start over, ignoring OUT.ckpt."),

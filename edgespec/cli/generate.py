@@ -38,7 +38,8 @@ def _result_json(engine, result) -> dict:
     }
 
 
-def _summary(result) -> str:
+def result_summary(result) -> str:
+    """The one-line account of a generation printed on stderr: speed, stop, speculation, experts."""
     s = result.stats
     line = (f"{s.n_tokens} tokens in {s.decode_s:.2f} s: {s.tokens_per_s:.1f} tokens/s decode, "
             f"prompt {s.prompt_tokens} tokens at {s.prefill_tokens_per_s:.1f} tokens/s, stop: {s.stop_reason}")
@@ -54,11 +55,11 @@ def _summary(result) -> str:
         if mode:
             line += f"; draft model {s.spec.drafters['model']['draft_model']} ({mode})"
     if s.experts is not None:
-        line += "; " + experts_summary(s.experts)
+        line += "; " + expertsresult_summary(s.experts)
     return line
 
 
-def experts_summary(x: dict) -> str:
+def expertsresult_summary(x: dict) -> str:
     """The expert cache's counters of one generation, in one phrase."""
     return (f"experts: {100 * x['hit_rate']:.0f}% hits, {x['bytes_read'] / 1e6:.1f} MB read, "
             f"{x['substitutions']} substituted, prefetch {100 * x['prefetch_accuracy']:.0f}% used, "
@@ -102,4 +103,4 @@ def generate(
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        typer.echo(_summary(e.last_result), err=True)
+        typer.echo(result_summary(e.last_result), err=True)

@@ -1,5 +1,6 @@
-"""``edgespec moe``: the files the expert cache works with (see edgespec.moe):
-an upcycled MoE of a dense model, a synthetic MoE of any shape, and the
+"""``edgespec moe``: the files the expert cache works with (made by
+edgespec.training.moe_tools; the cache's settings are edgespec.moe): an
+upcycled MoE of a dense model, a synthetic MoE of any shape, and the
 low-precision sidecar of a MoE model."""
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ def upcycle(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
     """A MoE GGUF made of a dense model: with exact experts it computes the dense model."""
-    from .. import moe
+    from ..training import moe_tools
     from ..models import registry
 
     path = registry.model_path_checked(model)
     t0 = time.perf_counter()
-    _done("upcycled MoE", moe.upcycle(path, out, experts=experts, top_k=top_k, seed=seed,
+    _done("upcycled MoE", moe_tools.upcycle(path, out, experts=experts, top_k=top_k, seed=seed,
                                       router_scale=router_scale, progress=not quiet), t0)
 
 
@@ -58,12 +59,12 @@ def synth(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ):
     """A random MoE GGUF of the given shape and layout (for speed measurements)."""
-    from .. import moe
+    from ..training import moe_tools
     from ..models import registry
 
     t0 = time.perf_counter()
     tok = registry.resolve(tokenizer)  # only its tokenizer.* keys are read
-    _done("synthetic MoE", moe.synth(out, tok, experts=experts, top_k=top_k, layers=layers, embd=embd,
+    _done("synthetic MoE", moe_tools.synth(out, tok, experts=experts, top_k=top_k, layers=layers, embd=embd,
                                      ff=ff, qtype=weight_type, seed=seed, arch=arch, progress=not quiet), t0)
 
 
@@ -79,9 +80,9 @@ def prepare(
 ):
     """Write the low-precision (Q2_K / Q3_K) copies of every expert that --expert-precision balanced
     and fast serve cache misses from."""
-    from .. import moe
+    from ..training import moe_tools
     from ..models import registry
 
     path = registry.model_path_checked(model)
     t0 = time.perf_counter()
-    _done("expert sidecar", moe.prepare(path, out, qtype=weight_type, progress=not quiet), t0)
+    _done("expert sidecar", moe_tools.prepare(path, out, qtype=weight_type, progress=not quiet), t0)

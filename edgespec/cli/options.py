@@ -1,7 +1,9 @@
 """The option sets the commands share, each defined once: the engine options
 (every command that opens an Engine takes them: the fields of
 edgespec.config.EngineConfig that have flags) and the sampling options
-(every command that generates with one fixed set of sampling settings).
+(every command that generates with one fixed set of sampling settings: the
+fields of edgespec.sampling.SamplingParams that have flags, stop strings and
+a grammar file).
 
 A command names a set with its decorator and receives it as one frozen
 dataclass in the parameter of that name; the set's options take the place of
@@ -36,32 +38,59 @@ from ..text import utf8_text
 from .base import fail
 
 
+def _cli_options(cls: type) -> dict:
+    """The command-line form of every field of ``cls`` (EngineConfig,
+    SamplingParams) that has flags: its type and a typer.Option with the
+    field's flags, help and command-line default."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        if m.get("flags"):
+            tp = hints[f.name]
+            if m["cli_default"] is None:   # typer wants Optional[X] for an option that may be absent
+                tp = Optional[next((a for a in typing.get_args(tp) if a is not type(None)), tp)]
+            out[f.name] = (tp, typer.Option(m["cli_default"], *m["flags"], help=m["help"], metavar=m["metavar"]))
+    return out
+
+
+ENGINE_OPTIONS = _cli_options(EngineConfig)
+SAMPLING_PARAMS = _cli_options(SamplingParams)   # the sampler's own options
+SAMPLING_OPTIONS = {
+    **SAMPLING_PARAMS,
+    "stop": (Optional[list[str]], typer.Option(None, "--stop", help="Stop string (repeatable).")),
+    "json_schema": (Optional[str], typer.Option(None, "--json-schema", help="JSON schema file: the output is "
+                                                                            "JSON valid against it.")),
+    "grammar": (Optional[str], typer.Option(None, "--grammar", help="Grammar file (Lark, or GBNF with ::=): "
+                                                                    "the output follows it.")),
+}
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
-    """How tokens are chosen: Engine.generate/stream keyword arguments."""
+    """How tokens are chosen, as the command line gives it: Engine.generate/stream
+    keyword arguments. ``params``: the SamplingParams fields that have flags
+    (seed None: random); stop strings; a grammar from a file."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    seed: Optional[int]
+    params: dict
     stop: tuple[str, ...]
     json_schema: Optional[str]   # file paths
     grammar: Optional[str]
 
     def __post_init__(self):
         # SamplingParams holds the ranges; checked here so that they fail before a model loads.
-        SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       repeat_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
-                       frequency_penalty=self.frequency_penalty, seed=0 if self.seed is None else self.seed)
+        SamplingParams(**{**self.params, "seed": self.params["seed"] or 0})
         for s in self.stop:
             utf8_text(s, "--stop")
         if self.json_schema and self.grammar:
             raise InvalidArgumentError("give --json-schema or --grammar, not both")
         object.__setattr__(self, "_grammar", self._read_grammar())
+
+    @classmethod
+    def of(cls, **values) -> "SamplingOptions":
+        """From the command line's values, one per SAMPLING_OPTIONS entry."""
+        return cls(params={name: values[name] for name in SAMPLING_PARAMS}, stop=tuple(values["stop"] or ()),
+                   json_schema=values["json_schema"], grammar=values["grammar"])
 
     def _read_grammar(self):
         from ..grammar import Grammar
@@ -77,48 +106,7 @@ class SamplingOptions:
         return Grammar.json_schema(text) if self.json_schema else Grammar.from_text(text)
 
     def kwargs(self) -> dict:
-        d = dataclasses.asdict(self)
-        del d["json_schema"]
-        return {**d, "stop": list(self.stop), "grammar": self._grammar}
-
-
-def _engine_options() -> dict:
-    """The command-line form of every EngineConfig field that has flags: its
-    type and a typer.Option with the field's flags, help and command-line
-    default."""
-    hints = typing.get_type_hints(EngineConfig)
-    out = {}
-    for f in dataclasses.fields(EngineConfig):
-        m = f.metadata
-        if m.get("flags"):
-            tp = hints[f.name]
-            if f.default is None:   # typer wants Optional[X] for an option that may be absent
-                tp = Optional[next(a for a in typing.get_args(tp) if a is not type(None))]
-            out[f.name] = (tp, typer.Option(m["cli_default"], *m["flags"], help=m["help"], metavar=m["metavar"]))
-    return out
-
-
-ENGINE_OPTIONS = _engine_options()
-
-SAMPLING_OPTIONS = {
-    "temperature": (float, typer.Option(0.0, "--temperature", "-t", help="0 = greedy; otherwise >= 1e-6, "
-                                                                          "sampled.")),
-    "top_k": (int, typer.Option(0, "--top-k", help="Keep the k most likely tokens, >= 0; 0 = off.")),
-    "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus mass in (0, 1]; 1 = off.")),
-    "min_p": (float, typer.Option(0.0, "--min-p", help="Drop tokens below min_p x p(best), [0, 1); 0 = off.")),
-    "repeat_penalty": (float, typer.Option(1.0, "--repeat-penalty", help="Repetition penalty, > 0; 1 = off.")),
-    "presence_penalty": (float, typer.Option(0.0, "--presence-penalty", help="Subtracted from the logit of each "
-                                                                            "recent token; 0 = off.")),
-    "frequency_penalty": (float, typer.Option(0.0, "--frequency-penalty", help="Subtracted per occurrence of a "
-                                                                              "recent token; 0 = off.")),
-    "seed": (Optional[int], typer.Option(None, "--seed", help="RNG seed for sampling, [0, 2**64) "
-                                                              "(default: random).")),
-    "stop": (Optional[list[str]], typer.Option(None, "--stop", help="Stop string (repeatable).")),
-    "json_schema": (Optional[str], typer.Option(None, "--json-schema", help="JSON schema file: the output is "
-                                                                            "JSON valid against it.")),
-    "grammar": (Optional[str], typer.Option(None, "--grammar", help="Grammar file (Lark, or GBNF with ::=): "
-                                                                    "the output follows it.")),
-}
+        return {**self.params, "stop": list(self.stop), "grammar": self._grammar}
 
 
 def envvar(info) -> str:
@@ -153,9 +141,10 @@ def with_envvar(info):
     return info
 
 
-def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], dict] = dict):
+def _option_set(param: str, make: Callable[..., object], options: dict):
     """A decorator that replaces a command's parameter ``param`` by ``options``
-    and calls the command with those values as one ``cls``. ``exclude`` leaves
+    and calls the command with those values made into one object by ``make``
+    (called with one keyword per option). ``exclude`` leaves
     options out of the command (they keep their defaults); ``envvars`` reads
     each from its environment variable too (see envvar); ``defaults`` gives
     this command's own defaults for some (serve keeps 3 slots)."""
@@ -183,7 +172,7 @@ def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], 
                 mine = {name: values.pop(name) if name in values else info.default
                         for name, (_, info) in own_options.items()}
                 try:
-                    chosen = cls(**convert(mine))
+                    chosen = make(**mine)
                 except InvalidArgumentError as e:   # one line, exit 2, from the app itself
                     raise fail(_by_flag(e, own_options)) from None
                 return command(**values, **{param: chosen})
@@ -199,8 +188,7 @@ def _option_set(param: str, cls: type, options: dict, convert: Callable[[dict], 
 
 
 engine_options = _option_set("engine", EngineConfig, ENGINE_OPTIONS)
-sampling_options = _option_set("sampling", SamplingOptions, SAMPLING_OPTIONS,
-                               lambda v: {**v, "stop": tuple(v["stop"] or ())})
+sampling_options = _option_set("sampling", SamplingOptions.of, SAMPLING_OPTIONS)
 
 
 def with_chat_model(engine: EngineConfig, *, quiet: bool = False) -> tuple[EngineConfig, str]:

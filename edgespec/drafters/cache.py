@@ -126,7 +126,7 @@ class CacheDrafter(Drafter):
         self._buf[start_copy:len(text)] = text[start_copy:]
         for j in range(max(start, 1), len(text)):
             lo = max(0, j - n_max)
-            check(lib.es_ngram_cache_add(self.dynamic._ptr, self._buf + lo, j + 1 - lo), "es_ngram_cache_add")
+            check(lib.es_ngram_cache_add(self.dynamic.handle, self._buf + lo, j + 1 - lo), "es_ngram_cache_add")
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         self.n_drafts = self.n_drafted = 0

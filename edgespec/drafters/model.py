@@ -43,7 +43,8 @@ from typing import Sequence
 import numpy as np
 
 from ..backends import open_backend
-from ..onnx import resolve_model
+from .. import onnx  # noqa: F401  (extends resolve_model to the onnx backend)
+from ..models import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
 from ..costs import draft_cost
@@ -51,6 +52,7 @@ from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFet
 from ..models import registry
 from ..models.gguf import GGUFFile
 from ..sampling import Sampler, SamplingParams
+from ..text import complete_utf8
 from . import Draft, Drafter, DrafterConfig, Verified, ranks, specialized
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
@@ -243,19 +245,6 @@ def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | No
     return TokenMap(to_target, unk, n_target)
 
 
-def _complete_utf8(data: bytes) -> int:
-    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character."""
-    n = len(data)
-    for back in range(1, min(4, n) + 1):
-        b = data[n - back]
-        if b < 0x80:
-            return n if back == 1 else n - back + 1
-        if b >= 0xC0:  # a lead byte: is its character complete?
-            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
-            return n if back >= need else n - back
-    return n
-
-
 def _valid_prefix(data: bytes) -> str:
     """The longest prefix of ``data`` that is valid UTF-8, as text."""
     try:
@@ -299,7 +288,7 @@ class _TextBridge:
             self.text += self._target_piece(t)
             self.t_tokens.append(t)
             self.t_ends.append(len(self.text))
-        end = _complete_utf8(bytes(self.text[-4:])) + max(0, len(self.text) - 4)
+        end = complete_utf8(bytes(self.text[-4:])) + max(0, len(self.text) - 4)
         if end != len(self.text):
             return False
         # Draft tokens ending at or before the first changed byte stay, less a margin.
@@ -365,7 +354,8 @@ class ModelDrafter(Drafter):
                                   f"get it with: edgespec models pull {ref}") from e
         # Its cache follows the target's text, also past its own training context
         # (an ONNX export's cache length is fixed when it is exported: ep instead).
-        extra = {"ep": config.options.ep} if name == "onnx" else {"ctx_extend": True}
+        extra = ({"ep": config.options.ep} if name == "onnx" else
+                 {"ctx_extend": True, **(config.options.native_options if name == "native" else {})})
         self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads, **extra)
         try:
             self._map = token_map(config.target, path, self.backend.n_vocab, ref)

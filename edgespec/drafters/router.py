@@ -101,7 +101,7 @@ class ProfileRouter(Router):
         return overlap * (1.0 - FIT_WEIGHT + FIT_WEIGHT * fit)
 
     def choose(self, text, drafters):
-        text = specialized._normalise(text[-ROUTING_CHARS:])
+        text = specialized.normalise(text[-ROUTING_CHARS:])
         n = specialized.PROFILE_N
         counts = Counter(text[i:i + n] for i in range(len(text) - n + 1))
         scripts = script_shares(text)

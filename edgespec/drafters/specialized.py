@@ -42,12 +42,14 @@ def char_profile(texts: Iterable[str], n: int = PROFILE_N, top: int = PROFILE_TO
     ties broken by the n-gram itself so the profile is deterministic."""
     counts: Counter[str] = Counter()
     for text in texts:
-        folded = _normalise(text)
+        folded = normalise(text)
         counts.update(folded[i:i + n] for i in range(len(folded) - n + 1))
     return [g for g, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
+    """``text`` as profiles compare it: case folded, each run of whitespace one
+    newline (if it holds one) or one space."""
     out: list[str] = []
     for ch in text.casefold():
         if ch.isspace():

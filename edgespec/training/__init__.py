@@ -6,7 +6,9 @@
   (teacher-forced, or on its own continuations), in checksummed shards;
 * ``train``: a small drafter (PyTorch) trained on them and exported as a
   GGUF that both engines load (edgespec.drafters.specialized holds the
-  contract between the file and the engine).
+  contract between the file and the engine);
+* ``moe_tools``: the expert cache's files (an upcycled or synthetic MoE,
+  the low-precision sidecar), the offline half of edgespec.moe.
 
 This package sits above the engine (distillation runs the target through
 it); nothing in the runtime imports it.

