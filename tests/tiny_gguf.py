@@ -5,6 +5,7 @@
     write_tiny_llama(path, source, n_expert=4, n_expert_used=2)   # Mixtral-style MoE
     write_tiny_qwen3moe(path, source)
     write_tiny_qwen2(path, source)                                # Q/K/V biases, NEOX RoPE
+    write_tiny_qwen3(path, source)                                # head norms, heads wider than n_embd
     write_tiny_gemma3(path, source)                               # head norms, post norms, GELU, windows
     copy_gguf(path, variant, drop=["blk.0.attn_q.bias"])          # a file a loader must refuse
 
@@ -14,7 +15,7 @@ applies the chat template) exactly as it does for the source, while a forward
 pass costs next to nothing. The source is a real model (SmolLM2's 49k-token
 tokenizer) or write_tiny_vocab's small byte-level BPE, which needs no
 download. Tensor names, shapes and hyperparameter keys are the ones
-llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3moe.cpp, gemma3.cpp);
+llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, qwen3moe.cpp, gemma3.cpp);
 numpy shapes below are GGUF's ne reversed: (rows, cols) = (ne1, ne0), and an
 expert stack (n_expert, rows, cols) = (ne2, ne1, ne0).
 
@@ -522,6 +523,34 @@ def write_tiny_qwen2(path: str | os.PathLike, tokenizer_source: str | os.PathLik
         m.norm(T.OUTPUT_NORM, None, n_embd)
     else:
         m.output(n_embd)
+    m.write()
+
+
+def write_tiny_qwen3(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
+                     n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                     head_dim: int = 32, n_ff: int = 128, n_ctx: int = 512, seed: int = 0,
+                     dtype: Q = Q.F16, norm_noise: float = 0.1) -> None:
+    """Write a random qwen3 (dense) model with `tokenizer_source`'s tokenizer to `path`.
+
+    As Qwen3's: per-head RMSNorm of Q and K before NEOX RoPE (base 1e6), a head
+    width of its own (head_dim, stored as key_length/value_length: here
+    n_head * head_dim = 2 n_embd, as in Qwen3-0.6B) and a dense SwiGLU FFN.
+    """
+    if n_head % n_head_kv:
+        raise ValueError("n_head must divide by n_head_kv")
+    m = _RandomModel(path, "qwen3", tokenizer_source, seed=seed, dtype=dtype,
+                     norm_noise=norm_noise)
+    m.common_keys(name="tiny-random-qwen3", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer,
+                  n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rms_eps=1e-6, rope_base=1e6)
+    m.writer.add_key_length(head_dim)
+    m.writer.add_value_length(head_dim)
+    m.embeddings(n_embd)
+    for i in range(n_layer):
+        m.attention(i, n_embd, n_head, n_head_kv, head_dim)
+        m.norm(T.ATTN_Q_NORM, i, head_dim)
+        m.norm(T.ATTN_K_NORM, i, head_dim)
+        m.dense_ffn(i, n_embd, n_ff)
+    m.output(n_embd)
     m.write()
 
 
