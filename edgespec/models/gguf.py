@@ -10,6 +10,7 @@ reader and turns what it hands out into Python values:
         f.get("general.architecture")            # "llama"
         f.get("tokenizer.ggml.tokens")           # list[str]
         t = f.tensor("token_embd.weight")        # name, type_name, shape, data (numpy view)
+        f.arch_shapes(), f.arch_traits()         # what the native engine reads of it, and computes
     check_gguf("model.gguf")                     # validate only
     info = model_info("model.gguf")              # the summary `edgespec models info` prints
 """

@@ -654,9 +654,9 @@ class _Builder:
             local = bool(cfg.swa_layers and cfg.swa_layers[i])
             q, k, v = self.qkv(i, x)
             if self.static:
-                attn = self.attention_ops(i, q, k, v, pos, biases[local], slots, ropes[tuple(cfg.rope[i])])
+                attn = self.attention_ops(i, q, k, v, pos, biases[local], slots, ropes[cfg.rope[i]])
             else:
-                attn = self.attention_gqa(i, q, k, v, pos, biases[local], seqlens, ropes[tuple(cfg.rope[i])])
+                attn = self.attention_gqa(i, q, k, v, pos, biases[local], seqlens, ropes[cfg.rope[i]])
             attn = self.linear(attn, [f"blk.{i}.attn_output.weight"])
             if cfg.post_norms:
                 attn = self.rms_norm(attn, self.vector(f"blk.{i}.post_attention_norm.weight"))
