@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from edgespec.models import registry
-from tiny_gguf import Q, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2, write_tiny_vocab
+from tiny_gguf import Q, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2, write_tiny_qwen3, write_tiny_vocab
 
 # The fixtures that download a built-in model on first use.
 MODEL_FIXTURES = {"smollm2_path", "gemma_path", "qwen_coder_05b_path", "qwen_coder_15b_path"}
@@ -92,6 +92,15 @@ def tiny_qwen2_path(tmp_path_factory, tiny_vocab_path):
     generated tokenizer."""
     path = tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf"
     write_tiny_qwen2(path, tiny_vocab_path, dtype=Q.F32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory, tiny_vocab_path):
+    """A 2-layer random qwen3 (F32; per-head Q/K norms, 4 heads of 32 on a
+    64-wide model) over the generated tokenizer."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny-qwen3.gguf"
+    write_tiny_qwen3(path, tiny_vocab_path, dtype=Q.F32)
     return path
 
 

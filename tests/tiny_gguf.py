@@ -5,6 +5,7 @@
     write_tiny_llama(path, source, n_expert=4, n_expert_used=2)   # Mixtral-style MoE
     write_tiny_qwen3moe(path, source)
     write_tiny_qwen2(path, source)                                # Q/K/V biases, NEOX RoPE
+    write_tiny_qwen3(path, source)                                # head norms, heads wider than n_embd
     write_tiny_gemma3(path, source)                               # head norms, post norms, GELU, windows
     copy_gguf(path, variant, drop=["blk.0.attn_q.bias"])          # a file a loader must refuse
 
@@ -14,7 +15,7 @@ applies the chat template) exactly as it does for the source, while a forward
 pass costs next to nothing. The source is a real model (SmolLM2's 49k-token
 tokenizer) or write_tiny_vocab's small byte-level BPE, which needs no
 download. Tensor names, shapes and hyperparameter keys are the ones
-llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3moe.cpp, gemma3.cpp);
+llama.cpp's loaders read (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, qwen3moe.cpp, gemma3.cpp);
 numpy shapes below are GGUF's ne reversed: (rows, cols) = (ne1, ne0), and an
 expert stack (n_expert, rows, cols) = (ne2, ne1, ne0).
 
@@ -332,7 +333,9 @@ class _RandomModel:
 
     def common_keys(self, *, name: str, n_ctx: int, n_embd: int, n_layer: int, n_ff: int,
                     n_head: int, n_head_kv: int, rms_eps: float,
-                    rope_base: float = 10000.0) -> None:
+                    rope_base: float = 10000.0, head_dim: int | None = None) -> None:
+        """The keys every architecture here reads; head_dim: a head width of
+        the model's own (key_length, value_length: n_head * head_dim need not be n_embd)."""
         w = self.writer
         w.add_name(name)
         w.add_context_length(n_ctx)
@@ -343,6 +346,9 @@ class _RandomModel:
         w.add_head_count_kv(n_head_kv)
         w.add_rope_freq_base(rope_base)
         w.add_layer_norm_rms_eps(rms_eps)
+        if head_dim is not None:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
 
     def attention(self, i: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int) -> None:
         self.norm(T.ATTN_NORM, i, n_embd)
@@ -350,6 +356,12 @@ class _RandomModel:
         self.matrix(T.ATTN_K, i, n_head_kv * head_dim, n_embd)     # (n_head_kv*hd, n_embd)
         self.matrix(T.ATTN_V, i, n_head_kv * head_dim, n_embd)     # (n_head_kv*hd, n_embd)
         self.matrix(T.ATTN_OUT, i, n_embd, n_head * head_dim)      # (n_embd, n_head*hd)
+
+    def normed_attention(self, i: int, n_embd: int, n_head: int, n_head_kv: int, head_dim: int) -> None:
+        """Attention with a per-head RMSNorm of Q and of K (qwen3, qwen3moe, gemma3)."""
+        self.attention(i, n_embd, n_head, n_head_kv, head_dim)
+        self.norm(T.ATTN_Q_NORM, i, head_dim)
+        self.norm(T.ATTN_K_NORM, i, head_dim)
 
     def dense_ffn(self, i: int, n_embd: int, n_ff: int) -> None:
         self.norm(T.FFN_NORM, i, n_embd)
@@ -405,6 +417,11 @@ class _RandomModel:
 def _check_heads(n_embd: int, n_head: int, n_head_kv: int) -> None:
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head, and n_head by n_head_kv")
+
+
+def _check_groups(n_head: int, n_head_kv: int) -> None:
+    if n_head % n_head_kv:
+        raise ValueError("n_head must divide by n_head_kv")
 
 
 def _check_experts(n_expert: int, n_expert_used: int) -> None:
@@ -469,8 +486,7 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
     SwiGLU experts of width n_ff_exp, routed by softmax, top n_expert_used and
     renormalization of the chosen weights. expert_order as for write_tiny_llama.
     """
-    if n_head % n_head_kv:
-        raise ValueError("n_head must divide by n_head_kv")
+    _check_groups(n_head, n_head_kv)
     _check_experts(n_expert, n_expert_used)
     m = _RandomModel(path, "qwen3moe", tokenizer_source, seed=seed, dtype=dtype,
                      norm_noise=norm_noise)
@@ -478,17 +494,13 @@ def write_tiny_qwen3moe(path: str | os.PathLike, tokenizer_source: str | os.Path
     # model whose every block is MoE; converters write it all the same.
     m.common_keys(name="tiny-random-qwen3moe", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer,
                   n_ff=n_ff_exp * n_expert_used, n_head=n_head, n_head_kv=n_head_kv,
-                  rms_eps=1e-6)
-    m.writer.add_key_length(head_dim)
-    m.writer.add_value_length(head_dim)
+                  rms_eps=1e-6, head_dim=head_dim)
     m.writer.add_expert_count(n_expert)
     m.writer.add_expert_used_count(n_expert_used)
     m.writer.add_expert_feed_forward_length(n_ff_exp)
     m.embeddings(n_embd)
     for i in range(n_layer):
-        m.attention(i, n_embd, n_head, n_head_kv, head_dim)
-        m.norm(T.ATTN_Q_NORM, i, head_dim)
-        m.norm(T.ATTN_K_NORM, i, head_dim)
+        m.normed_attention(i, n_embd, n_head, n_head_kv, head_dim)
         m.moe_ffn(i, n_embd, n_ff_exp, n_expert, expert_dtype, order=expert_order)
     m.output(n_embd)
     m.write()
@@ -525,6 +537,29 @@ def write_tiny_qwen2(path: str | os.PathLike, tokenizer_source: str | os.PathLik
     m.write()
 
 
+def write_tiny_qwen3(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
+                     n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                     head_dim: int = 32, n_ff: int = 128, n_ctx: int = 512, seed: int = 0,
+                     dtype: Q = Q.F16, norm_noise: float = 0.1) -> None:
+    """Write a random qwen3 (dense) model with `tokenizer_source`'s tokenizer to `path`.
+
+    As Qwen3's: per-head RMSNorm of Q and K before NEOX RoPE (base 1e6), a head
+    width of its own (head_dim, stored as key_length/value_length: here
+    n_head * head_dim = 2 n_embd, as in Qwen3-0.6B) and a dense SwiGLU FFN.
+    """
+    _check_groups(n_head, n_head_kv)
+    m = _RandomModel(path, "qwen3", tokenizer_source, seed=seed, dtype=dtype,
+                     norm_noise=norm_noise)
+    m.common_keys(name="tiny-random-qwen3", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff,
+                  n_head=n_head, n_head_kv=n_head_kv, rms_eps=1e-6, rope_base=1e6, head_dim=head_dim)
+    m.embeddings(n_embd)
+    for i in range(n_layer):
+        m.normed_attention(i, n_embd, n_head, n_head_kv, head_dim)
+        m.dense_ffn(i, n_embd, n_ff)
+    m.output(n_embd)
+    m.write()
+
+
 def write_tiny_gemma3(path: str | os.PathLike, tokenizer_source: str | os.PathLike, *,
                       n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 1,
                       head_dim: int = 32, n_ff: int = 128, n_ctx: int = 512, n_swa: int = 8,
@@ -539,21 +574,16 @@ def write_tiny_gemma3(path: str | os.PathLike, tokenizer_source: str | os.PathLi
     attention (base 1e6): with period swa_pattern the last layer of each period
     is global. A small window makes it matter on short prompts.
     """
-    if n_head % n_head_kv:
-        raise ValueError("n_head must divide by n_head_kv")
+    _check_groups(n_head, n_head_kv)
     m = _RandomModel(path, "gemma3", tokenizer_source, seed=seed, dtype=dtype,
                      norm_noise=norm_noise)
-    m.common_keys(name="tiny-random-gemma3", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer,
-                  n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv, rms_eps=1e-6, rope_base=1e6)
-    m.writer.add_key_length(head_dim)
-    m.writer.add_value_length(head_dim)
+    m.common_keys(name="tiny-random-gemma3", n_ctx=n_ctx, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff,
+                  n_head=n_head, n_head_kv=n_head_kv, rms_eps=1e-6, rope_base=1e6, head_dim=head_dim)
     m.writer.add_sliding_window(n_swa)
     m.writer.add_uint32("gemma3.attention.sliding_window_pattern", swa_pattern)
     m.embeddings(n_embd)
     for i in range(n_layer):
-        m.attention(i, n_embd, n_head, n_head_kv, head_dim)
-        m.norm(T.ATTN_Q_NORM, i, head_dim)
-        m.norm(T.ATTN_K_NORM, i, head_dim)
+        m.normed_attention(i, n_embd, n_head, n_head_kv, head_dim)
         m.norm(T.ATTN_POST_NORM, i, n_embd)
         m.dense_ffn(i, n_embd, n_ff)
         m.norm(T.FFN_POST_NORM, i, n_embd)

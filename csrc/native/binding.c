@@ -88,8 +88,6 @@ int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap) {
         return ES_ERR_FORMAT;
     }
     m->n_vocab = (int32_t) embd->ne[1];
-    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
-    if (!m->layers) return ES_ERR_NO_MEMORY;
     int64_t size[ES_DIM_COUNT];
     model_dims(m, size);
     int rc = ES_OK;
@@ -182,13 +180,80 @@ int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t er
     return rc;
 }
 
+// Which layers slide under ES_SWA_PATTERN: the flags of
+// attention.sliding_window_pattern (GGUF bool, uint8 or int32 elements, one
+// per layer), or its period p (default 6).
+static int swa_pattern(es_model * m, char * err, size_t err_cap) {
+    char key[96];
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", m->arch->name);
+    int32_t elem;
+    uint64_t count;
+    const void * data;
+    if (es_gguf_get_arr(m->gguf, key, &elem, &count, &data)) {
+        const size_t width = elem == 7 || elem == 0 || elem == 1 ? 1 : elem == 4 || elem == 5 ? 4 : 0;
+        if (width == 0 || count != (uint64_t) m->n_layer) {
+            es__set_err(err, err_cap, "metadata key %s: expected %d flags", key, (int) m->n_layer);
+            return ES_ERR_FORMAT;
+        }
+        for (int32_t il = 0; il < m->n_layer; il++) {
+            int32_t v = 0;
+            memcpy(&v, (const uint8_t *) data + (size_t) il * width, width);
+            m->layers[il].traits.swa = v != 0;
+        }
+        return ES_OK;
+    }
+    int32_t p = 6;
+    const int rc = es__key_i32(m, "attention.sliding_window_pattern", false, &p, err, err_cap);
+    for (int32_t il = 0; rc == ES_OK && il < m->n_layer; il++) {
+        m->layers[il].traits.swa = p == 0 || il % p < p - 1;
+    }
+    return rc;
+}
+
+// m->arch's traits resolved by the file's keys (m's attention hyperparameters
+// read): m->traits and every layer's (m->layers allocated).
+static int resolve_traits(es_model * m, float rope_base, float rope_scale, char * err, size_t err_cap) {
+    const es_arch_traits * a = &m->arch->traits;
+    es_model_traits * t = &m->traits;
+    *t = (es_model_traits) {
+        .arch = *a, .n_layer = m->n_layer,
+        .embd_scale = a->embd_scale ? sqrtf((float) m->n_embd) : 1.0f,
+        .attn_scale = 1.0f / sqrtf((float) m->head_dim),
+    };
+    // Gemma 3 27B scales queries by 1/sqrt(n_embd / n_head) (llama.cpp tells
+    // it by its 62 layers).
+    if (a->attn_scale == ES_ATTN_SCALE_Q_GEMMA3 && m->n_layer == 62) {
+        t->attn_scale = 1.0f / sqrtf((float) (m->n_embd / m->n_head));
+    }
+    m->layers = calloc((size_t) m->n_layer, sizeof *m->layers);
+    if (!m->layers) return ES_ERR_NO_MEMORY;
+    for (int32_t il = 0; il < m->n_layer; il++) {
+        m->layers[il].traits = (es_layer_traits) {.rope_base = rope_base, .rope_scale = rope_scale};
+    }
+    int rc = ES_OK;
+    float rope_base_swa = 10000.0f;
+#define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
+    if (a->final_softcap) TRY(es__key_f32(m, "final_logit_softcapping", false, &t->final_softcap, err, err_cap));
+    if (a->swa == ES_SWA_PATTERN) {
+        TRY(es__key_i32(m, "attention.sliding_window", false, &t->n_swa, err, err_cap));
+        TRY(es__key_f32(m, "rope.freq_base_swa", false, &rope_base_swa, err, err_cap));
+        if (t->n_swa > 0) TRY(swa_pattern(m, err, err_cap));
+    }
+#undef TRY
+    for (int32_t il = 0; rc == ES_OK && il < m->n_layer; il++) {
+        es_layer_traits * L = &m->layers[il].traits;
+        if (L->swa) *L = (es_layer_traits) {.swa = true, .rope_base = rope_base_swa, .rope_scale = 1.0f};
+    }
+    return rc;
+}
+
 // The attention hyperparameters every architecture here shares, read and
 // checked once: widths, heads, head size (key = value = RoPE dimensions),
-// training context, norm epsilon, RoPE base (default 10000) and linear scale.
-int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
-                               char * err, size_t err_cap) {
+// training context, norm epsilon, RoPE base (default 10000) and linear
+// scale; then the traits they resolve.
+int es__load_decoder_hparams(es_model * m, char * err, size_t err_cap) {
     int rc = ES_OK;
-    *rope_base = 10000.0f;
+    float rope_base = 10000.0f, rope_scale = 1.0f;
 #define TRY(call) do { if (rc == ES_OK) rc = (call); } while (0)
     TRY(es__key_i32(m, "embedding_length", true, &m->n_embd, err, err_cap));
     TRY(es__key_i32(m, "block_count", true, &m->n_layer, err, err_cap));
@@ -198,8 +263,8 @@ int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_sca
     TRY(es__key_i32(m, "rope.dimension_count", false, &m->n_rot, err, err_cap));
     TRY(es__key_i32(m, "context_length", false, &m->n_ctx_train, err, err_cap));
     TRY(es__key_f32(m, "attention.layer_norm_rms_epsilon", true, &m->norm_eps, err, err_cap));
-    TRY(es__key_f32(m, "rope.freq_base", false, rope_base, err, err_cap));
-    TRY(es__rope_freq_scale(m, rope_scale, err, err_cap));
+    TRY(es__key_f32(m, "rope.freq_base", false, &rope_base, err, err_cap));
+    TRY(es__rope_freq_scale(m, &rope_scale, err, err_cap));
     if (rc != ES_OK) return rc;
     if (m->n_head <= 0 || m->n_embd <= 0 || m->n_layer <= 0 || m->n_layer > 4096) {
         es__set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d",
@@ -218,5 +283,12 @@ int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_sca
                 (int) m->head_dim, (int) v_len, (int) m->n_rot);
         return ES_ERR_UNSUPPORTED;
     }
-    return ES_OK;
+    return resolve_traits(m, rope_base, rope_scale, err, err_cap);
+}
+
+int es__load_dense(es_model * m, char * err, size_t err_cap) {
+    int rc = es__load_decoder_hparams(m, err, err_cap);
+    if (rc == ES_OK) rc = es__key_i32(m, "feed_forward_length", true, &m->n_ff, err, err_cap);
+    if (rc == ES_OK) rc = es__bind_tensors(m, false, err, err_cap);
+    return rc;
 }

@@ -157,7 +157,8 @@ int es__matmul(es_context * ctx, int32_t n_w, const es_weight * const * w, const
 // repeated float multiplication, scaled by freq_scale; cosf/sinf of it.
 void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads) {
     const es_model * m = ctx->model;
-    const es_layer * L = &m->layers[il];
+    const es_layer_traits * L = &m->layers[il].traits;
+    const bool neox = m->traits.arch.rope_type == ES_ROPE_NEOX;
     const int32_t hd = m->head_dim, n_rot = m->n_rot, half = n_rot / 2;
     const float theta_scale = powf(L->rope_base, -2.0f / (float) n_rot);
     float * cs = ctx->scratch;  // (n_rot) cos, sin pairs; calling thread's slice
@@ -173,8 +174,8 @@ void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads) {
             float * v = x + ((size_t) t * n_heads + h) * hd;
             for (int32_t i = 0; i < half; i++) {
                 // NORM: adjacent pairs; NEOX: the two halves of the rotated dims.
-                const int32_t a = m->rope_type == ES_ROPE_NEOX ? i : 2 * i;
-                const int32_t b = m->rope_type == ES_ROPE_NEOX ? i + half : 2 * i + 1;
+                const int32_t a = neox ? i : 2 * i;
+                const int32_t b = neox ? i + half : 2 * i + 1;
                 const float x0 = v[a], x1 = v[b], c = cs[2 * i], s = cs[2 * i + 1];
                 v[a] = x0 * c - x1 * s;
                 v[b] = x0 * s + x1 * c;
@@ -198,7 +199,8 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     const attn_job * job = arg;
     es_context * ctx = job->ctx;
     const es_model * m = ctx->model;
-    const es_layer * L = &m->layers[job->il];
+    const bool swa = m->layers[job->il].traits.swa;
+    const int32_t n_swa = m->traits.n_swa;
     const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
     float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
     float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
@@ -220,8 +222,8 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
         const int32_t end = n_past + (t - seq->r0) + 1;  // the token's own cell is its last candidate
         // Cells before c0 fall out of a sliding window.
         int32_t c0 = 0;
-        if (L->swa) {
-            while (c0 < n_past && p - cell_pos[c0] >= m->n_swa) c0++;
+        if (swa) {
+            while (c0 < n_past && p - cell_pos[c0] >= n_swa) c0++;
         }
         const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
         for (int32_t d = 0; d < hd; d++) qr[d] = es_half_to_f32(es_f32_to_half(q[d]));
@@ -231,7 +233,7 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
         float max = -INFINITY;
         for (int32_t c = c0; c < end; c++) {
             const bool seen = c < n_past ? true : sees[c - n_past] != 0;
-            if (!seen || (L->swa && p - cell_pos[c] >= m->n_swa)) {
+            if (!seen || (swa && p - cell_pos[c] >= n_swa)) {
                 scores[c] = -INFINITY;
                 continue;
             }
@@ -295,7 +297,7 @@ void es__attention(es_context * ctx, int32_t il, float kq_scale) {
 
 typedef struct glu_job {
     es_context * ctx;
-    int32_t      act;
+    int32_t      act;     // enum es_activation
     int64_t      n_ff;
 } glu_job;
 
@@ -330,7 +332,7 @@ static void glu_rows(void * arg, int32_t ith, int32_t nth) {
     for (int32_t t = ith; t < ctx->n; t += nth) {
         float * g = ctx->ff_gate + (size_t) t * job->n_ff;
         const float * u = ctx->ff_up + (size_t) t * job->n_ff;
-        if (job->act == ES_FFN_GELU) {
+        if (job->act == ES_ACT_GELU_TANH) {
             for (int64_t i = 0; i < job->n_ff; i++) g[i] = gelu(g[i]) * u[i];
         } else {
             es__swiglu(g, u, job->n_ff);
@@ -344,7 +346,7 @@ int es__ffn(es_context * ctx, int32_t il, int32_t act) {
     float * gu_out[2] = { ctx->ff_gate, ctx->ff_up };
     int rc = es__matmul(ctx, 2, gu, ctx->xn, gu_out, ctx->n);
     if (rc != ES_OK) return rc;
-    if (act == ES_FFN_GELU) pthread_once(&gelu_table_once, gelu_table_build);
+    if (act == ES_ACT_GELU_TANH) pthread_once(&gelu_table_once, gelu_table_build);
     glu_job job = { .ctx = ctx, .act = act, .n_ff = L->ffn_gate.n_out };
     run(ctx, glu_rows, &job, ctx->n);
     const es_weight * down = &L->ffn_down;

@@ -406,7 +406,9 @@ uint64_t es_sidecar_checksum(const void * data, size_t n);
  * required, per layer or global. The loader binds the weights by the table,
  * es_gguf_validate checks a file against it, and the Python layer reads it
  * (es_arch_tensor; es_gguf_arch_shapes resolves it for a file) instead of
- * deriving shapes again.
+ * deriving shapes again. Its traits (es_arch_traits: RoPE layout, norms,
+ * activation, scales, sliding window) are described once the same way
+ * (es_arch_get_traits; es_gguf_arch_traits resolves them for a file).
  * ======================================================================== */
 
 // The hyperparameter an axis of a tensor's shape is.
@@ -461,6 +463,77 @@ typedef struct es_tensor_shape {
 // ES_ERR_FORMAT (err as for es_gguf_validate) when g's hyperparameters are
 // refused; ES_ERR_INVALID_ARG for a NULL g or n.
 int es_gguf_arch_shapes(const es_gguf * g, es_tensor_shape * out, int32_t cap, int32_t * n,
+                        char * err, size_t err_cap);
+
+// An architecture's traits: what its layers compute besides the tensors,
+// one description that the native layer (arch/decoder.c), the ONNX exporter,
+// the float64 reference and the training network all read.
+
+// RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
+// (x[2i], x[2i+1]) (llama); NEOX rotates (x[i], x[i + n_rot/2]) (gemma3, qwen2, qwen3moe).
+enum es_rope_type { ES_ROPE_NORM = 0, ES_ROPE_NEOX = 2 };
+// The FFN's gate: down(act(gate(x)) * up(x)).
+enum es_activation {
+    ES_ACT_SILU      = 0,  // x * sigmoid(x) (SwiGLU; every expert's too)
+    ES_ACT_GELU_TANH = 1,  // GELU in its tanh form (GeGLU)
+};
+// How attention scores are scaled.
+enum es_attn_scale {
+    ES_ATTN_SCALE_SCORES = 0,  // q.k / sqrt(head_dim)
+    ES_ATTN_SCALE_Q_GEMMA3 = 1,// Q times 1/sqrt(head_dim) before attention (as llama.cpp, before
+                               // its F16 rounding); 62-layer models (Gemma 3 27B) 1/sqrt(n_embd / n_head)
+};
+// Which layers attend through a sliding window.
+enum es_swa_rule {
+    ES_SWA_NONE    = 0,
+    // gemma3: with <arch>.attention.sliding_window > 0, the layers that
+    // attention.sliding_window_pattern flags (one per layer) or, for a period
+    // p (default 6), every layer but each p-th (il % p == p - 1: global; p 0:
+    // all slide). Sliding layers use RoPE base rope.freq_base_swa (default
+    // 10000) unscaled.
+    ES_SWA_PATTERN = 1,
+};
+
+typedef struct es_arch_traits {
+    int32_t rope_type;      // enum es_rope_type
+    int32_t activation;     // enum es_activation
+    bool    qk_norm;        // attn_q_norm, attn_k_norm: RMSNorm of each head of Q and K before RoPE
+    bool    post_norms;     // post_attention_norm, post_ffw_norm: RMSNorm of each block's output
+                            // before its residual add
+    bool    embd_scale;     // token embeddings times sqrt(n_embd)
+    bool    final_softcap;  // logits soft-capped by <arch>.final_logit_softcapping (when > 0)
+    int32_t attn_scale;     // enum es_attn_scale
+    int32_t swa;            // enum es_swa_rule
+} es_arch_traits;
+
+// Architecture arch's traits into *out; false for one the engine does not read.
+bool es_arch_get_traits(const char * arch, es_arch_traits * out);
+
+// The traits resolved for a file: the numbers its keys give.
+typedef struct es_model_traits {
+    es_arch_traits arch;
+    int32_t n_layer;
+    float   embd_scale;     // token embeddings are multiplied by it (1: none)
+    float   final_softcap;  // logits = c * tanh(logits / c); 0: off
+    float   attn_scale;     // attention scores = q.k * attn_scale (where it is applied: arch.attn_scale)
+    int32_t n_swa;          // sliding window: a sliding layer's token at p sees keys at p - n_swa < q <= p; 0: none
+} es_model_traits;
+
+// One layer's traits resolved for a file.
+typedef struct es_layer_traits {
+    bool  swa;         // attends through the sliding window
+    float rope_base;   // RoPE frequency base
+    float rope_scale;  // and linear frequency scale (1: none)
+} es_layer_traits;
+
+// File g's architecture's traits, resolved by its keys, as es_model_load
+// resolves them: *out, and layers[0 .. min(out->n_layer, cap)) one per
+// layer (layers NULL with cap 0: *out alone). ES_OK; ES_ERR_UNSUPPORTED for an
+// architecture the engine does not read, or a RoPE scaling it does not;
+// ES_ERR_FORMAT (a one-line err) for a key out of range, or a sliding-window
+// pattern whose flags are not one per layer; ES_ERR_INVALID_ARG for a NULL g
+// or out.
+int es_gguf_arch_traits(const es_gguf * g, es_model_traits * out, es_layer_traits * layers, int32_t cap,
                         char * err, size_t err_cap);
 
 /* ========================================================================

@@ -78,7 +78,7 @@ static int check_all_used(const es_model * m, char * err, size_t err_cap) {
 static int check_hparams(const es_model * m, char * err, size_t err_cap) {
     if (m->n_embd <= 0 || m->n_layer <= 0 || m->n_head <= 0 || m->n_head_kv <= 0 ||
         m->head_dim <= 0 || m->n_vocab <= 0 || m->n_head % m->n_head_kv != 0 ||
-        m->n_rot <= 0 || m->n_rot > m->head_dim || m->n_rot % 2 != 0 || m->n_swa < 0 ||
+        m->n_rot <= 0 || m->n_rot > m->head_dim || m->n_rot % 2 != 0 || m->traits.n_swa < 0 ||
         !(m->norm_eps > 0) || m->n_layer > 4096 || m->n_head > 4096 || m->head_dim > 4096) {
         es__set_err(err, err_cap, "bad hyperparameters: n_embd %d, n_layer %d, n_head %d, "
                 "n_head_kv %d, head_dim %d, n_rot %d, n_vocab %d", (int) m->n_embd,
@@ -677,7 +677,7 @@ static int forward(es_context * w) {
             float * x = w->x + (size_t) (seq->r0 + i) * D;
             es_dequantize_row(m->tok_embd.type, (const uint8_t *) m->tok_embd.data +
                               (size_t) seq->tokens[i] * emb_row, x, D);
-            if (m->embd_scale != 1.0f) for (int64_t k = 0; k < D; k++) x[k] *= m->embd_scale;
+            if (m->traits.embd_scale != 1.0f) for (int64_t k = 0; k < D; k++) x[k] *= m->traits.embd_scale;
         }
     }
     int rc = ES_OK;
@@ -712,8 +712,8 @@ static int forward(es_context * w) {
         float * out = restricted ? w->kept : w->logits;
         rc = es__matmul(w, 1, &out_w, w->xn, &out, rows);
         if (rc != ES_OK) { w->n = 0; return rc; }
-        if (m->final_softcap > 0.0f) {
-            const float c = m->final_softcap, inv = 1.0f / c;
+        if (m->traits.final_softcap > 0.0f) {
+            const float c = m->traits.final_softcap, inv = 1.0f / c;
             const size_t nl = (size_t) rows * (size_t) width;
             for (size_t i = 0; i < nl; i++) out[i] = tanhf(out[i] * inv) * c;
         }

@@ -16,8 +16,9 @@
  *                     its state, es_decode
  *   binding.c         tensor tables bound into es_weight views, keys read
  *   blocks.c          the shared blocks (norms, matmul, RoPE, attention, dense FFN)
- *   arch/<name>.c     one file per architecture: tensor table, hyperparameters,
- *                     the layer; found by name through es__archs[] (arch/registry.c)
+ *   arch/<name>.c     one file per architecture: tensor table, traits, hyperparameters;
+ *                     found by name through es__archs[] (arch/registry.c)
+ *   arch/decoder.c    the decoder layer, as an architecture's traits say
  */
 #ifndef EDGESPEC_NATIVE_H
 #define EDGESPEC_NATIVE_H
@@ -317,13 +318,6 @@ typedef struct es_weight {
     int64_t      n_out;   // rows
 } es_weight;
 
-// RoPE layouts, as llama.cpp names them: NORM rotates adjacent pairs
-// (x[2i], x[2i+1]) (llama); NEOX rotates (x[i], x[i + n_rot/2]) (gemma3, qwen2, qwen3moe).
-enum es_rope_type { ES_ROPE_NORM = 0, ES_ROPE_NEOX = 2 };
-
-// The feed-forward activations of es__ffn: silu(gate) * up, gelu(gate) * up.
-enum es_ffn_act { ES_FFN_SILU = 0, ES_FFN_GELU = 1 };
-
 typedef struct es_layer {
     es_weight attn_norm;       // (n_embd)
     es_weight wq;              // (n_head * head_dim, n_embd)
@@ -339,9 +333,7 @@ typedef struct es_layer {
     es_weight ffn_up;          // (n_ff, n_embd)
     es_weight ffn_down;        // (n_embd, n_ff)
     es_weight ffn_post_norm;   // (n_embd) on the FFN output; gemma3
-    bool      swa;             // sliding-window layer: sees keys less than n_swa positions back
-    float     rope_base;       // this layer's RoPE frequency base
-    float     rope_scale;      // and frequency scale (1: none)
+    es_layer_traits traits;    // sliding window or not, RoPE base and scale
 } es_layer;
 
 typedef struct es_context es_context;
@@ -357,11 +349,8 @@ struct es_model {
     int32_t n_head, n_head_kv, head_dim;  // head_dim: key and value length alike
     int32_t n_ff;                         // dense FFN width (0 in an all-MoE model)
     int32_t n_rot;                        // rotated dimensions of a head (<= head_dim)
-    int32_t rope_type;                    // enum es_rope_type
-    int32_t n_swa;                        // sliding window of swa layers; 0: none
     float   norm_eps;                     // RMSNorm epsilon
-    float   embd_scale;                   // token embeddings are multiplied by it (1: none)
-    float   final_softcap;                // logits = c * tanh(logits / c); 0: off
+    es_model_traits traits;               // the architecture's traits resolved for the file
     es_weight    tok_embd;                // (n_vocab, n_embd)
     es_weight    output_norm;             // (n_embd)
     es_weight    output;                  // (n_vocab, n_embd); tok_embd when tied
@@ -439,10 +428,14 @@ struct es_arch {
     int32_t      n_tensors;
     int32_t      ffn;                // enum es_ffn_kind
     bool         full_rope;          // value width = key width = RoPE dimensions (its graph asserts it)
-    // Reads the hyperparameters (m->gguf is open) and binds every tensor
-    // (es__bind_tensors); ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line err.
+    es_arch_traits traits;           // what its layers compute (es__decoder_layer reads them)
+    // Reads the hyperparameters (m->gguf is open: es__load_decoder_hparams,
+    // then its own keys) and binds every tensor (es__bind_tensors);
+    // ES_ERR_FORMAT / ES_ERR_UNSUPPORTED with a one-line err. es__load_dense
+    // is the whole load of a dense decoder.
     int (*load)(es_model * m, char * err, size_t err_cap);
-    // One decoder layer over the batch: ctx->x (ctx->n, n_embd) in place.
+    // One decoder layer over the batch: ctx->x (ctx->n, n_embd) in place;
+    // es__decoder_layer computes every architecture here from its traits.
     int (*layer)(es_context * ctx, int32_t il);
 };
 
@@ -516,8 +509,8 @@ struct es_context {
 void es__set_err(char * err, size_t err_cap, const char * fmt, ...);
 // Binds every row of m->arch's tensor table that applies to m (dense rows
 // without experts, expert rows with them) into its es_weight, in the shape
-// m's hyperparameters give: sets n_vocab from token_embd, allocates
-// m->layers (zeroed), ties output to token_embd when the file has none.
+// m's hyperparameters give (m->layers allocated: es__load_decoder_hparams):
+// sets n_vocab from token_embd, ties output to token_embd when the file has none.
 // ES_UNBOUND rows are left to whoever reads them (the experts: moe.c); a
 // layer with a fused attn_qkv instead of attn_q/k/v is ES_ERR_UNSUPPORTED.
 // Errors name the tensor.
@@ -534,13 +527,18 @@ int es__key_f32(const es_model * m, const char * key, bool required, float * out
 int es__rope_freq_scale(const es_model * m, float * scale, char * err, size_t err_cap);
 // Reads and checks the attention hyperparameters all architectures share
 // (n_embd, n_layer, n_head, n_head_kv, head_dim = value length = n_rot,
-// n_ctx_train, norm_eps), RoPE's base (default 10000) and linear scale.
-int es__load_attention_hparams(es_model * m, float * rope_base, float * rope_scale,
-                               char * err, size_t err_cap);
-// The llama decoder layer (arch/llama.c), shared by qwen2: pre-norm attention
-// (biases as es__attention_inputs adds them, RoPE in m->rope_type's layout)
-// and a SwiGLU FFN, dense or the experts.
-int es__llama_layer(es_context * ctx, int32_t il);
+// n_ctx_train, norm_eps) and resolves m->arch's traits for the file:
+// m->traits, and m->layers allocated (zeroed) with each layer's traits (RoPE
+// base, default 10000, and linear scale; the sliding window).
+int es__load_decoder_hparams(es_model * m, char * err, size_t err_cap);
+// The load of a dense decoder: es__load_decoder_hparams,
+// feed_forward_length, every tensor of the table bound.
+int es__load_dense(es_model * m, char * err, size_t err_cap);
+// The decoder layer (arch/decoder.c) as m->traits say: pre-norm attention
+// (biases as es__attention_inputs adds them, per-head Q/K norms, RoPE,
+// scaling, the sliding window), post-norms, and the FFN (dense with the
+// traits' activation, or the experts).
+int es__decoder_layer(es_context * ctx, int32_t il);
 
 /* ---- blocks (blocks.c), over ctx->n token rows --------------------------------
  * Each row is computed the same way whatever the batch, so results are batch
@@ -563,7 +561,7 @@ void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads);
 // sequence's cache, then ctx->att = softmax(q k^T * kq_scale) v over the
 // cells each token sees (its sequence's cache, its ancestors and itself).
 void es__attention(es_context * ctx, int32_t il, float kq_scale);
-// ctx->out = down(act(gate(xn)) * up(xn)) for layer il's dense FFN.
+// ctx->out = down(act(gate(xn)) * up(xn)) for layer il's dense FFN (act: enum es_activation).
 int  es__ffn(es_context * ctx, int32_t il, int32_t act);
 // x += y over n floats.
 void es__add(float * x, const float * y, int64_t n);

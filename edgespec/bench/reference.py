@@ -13,8 +13,10 @@ another engine's.
       .logits(hidden)                 (m, n_vocab) logits of hidden-state rows
     forward_reference(path, tokens)   both: the logits (n, n_vocab)
 
-Architectures: llama (dense), qwen2 (Q/K/V biases), gemma3, as llama.cpp's
-models/llama.cpp, qwen2.cpp and gemma3.cpp build them. A whole sequence is
+Architectures: every dense one the native engine reads, computed as its
+traits say (GGUFFile.arch_traits: RoPE layout, head norms, post-norms,
+activation, scales, sliding window; the same description the native layer
+reads), as llama.cpp's models/<arch>.cpp build them. A whole sequence is
 evaluated at once per layer (one matmul per weight over all positions,
 attention as a masked (n, n) matmul), so 1,000 positions of a 1.5B model take
 minutes. Memory: one layer's weights in float64 at a time, the output matrix
@@ -23,24 +25,12 @@ in float32 (widened a slice of the vocabulary at a time).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import UnsupportedModelError
 from ..models.gguf import GGUFFile
 
-
-@dataclass(frozen=True)
-class _Kind:
-    """What sets an architecture apart here."""
-
-    neox: bool            # RoPE pairs (i, i + head_dim/2); else adjacent pairs (2i, 2i + 1)
-    gemma: bool = False   # embeddings x sqrt(n_embd), per-head Q/K norms, post-norms,
-                          # GELU, sliding-window layers, optional logit soft-capping
-
-
-KINDS = {"llama": _Kind(neox=False), "qwen2": _Kind(neox=True), "gemma3": _Kind(neox=True, gemma=True)}
 VOCAB_SLICE = 16384   # output rows widened to float64 at a time
 
 
@@ -64,18 +54,11 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * x * (1.0 + 0.044715 * x * x)))
 
 
-def sliding_layers(f: GGUFFile) -> list[bool]:
-    """Which layers attend through a sliding window (gemma3: the
-    attention.sliding_window_pattern flags, or every layer but each p-th for
-    a pattern p, default 6); none for the other architectures."""
-    arch = f.get("general.architecture")
-    n_layer = f.get(f"{arch}.block_count")
-    if arch != "gemma3" or not f.get(f"{arch}.attention.sliding_window", 0):
-        return [False] * n_layer
-    pattern = f.get(f"{arch}.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):   # one flag per layer
-        return [bool(v) for v in pattern]
-    return [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+ACTIVATIONS = {"silu": _silu, "gelu_tanh": _gelu}
 
 
 class Reference:
@@ -85,29 +68,23 @@ class Reference:
         self.path = path
         with GGUFFile(path) as f:
             self.arch = arch = f.get("general.architecture")
-            if arch not in KINDS or f.get(f"{arch}.expert_count", 0):
+            if f.get(f"{arch}.expert_count", 0):
                 raise UnsupportedModelError(f"{path}: no float64 reference for architecture {arch!r} "
-                                            f"(available: dense {', '.join(KINDS)})")
-            self.kind = KINDS[arch]
+                                            "with experts (dense models only)")
 
             def key(name, default=None):
                 return f.get(f"{arch}.{name}", default)
 
-            # Widths from the engine's own tensor table, resolved for this file
-            # (the shapes the native engine binds and validation checks).
+            # Widths from the engine's own tensor table and the traits its
+            # layer computes, resolved for this file (UnsupportedModelError
+            # for an architecture the native engine does not read).
             shapes = f.arch_shapes()
+            self.traits = f.arch_traits()
             self.n_layer, self.n_head = key("block_count"), key("attention.head_count")
             self.n_head_kv = key("attention.head_count_kv", self.n_head)
             self.n_embd = shapes["token_embd.weight"][0]
             self.head_dim = shapes["blk.0.attn_k.weight"][1] // self.n_head_kv
             self.eps = key("attention.layer_norm_rms_epsilon")
-            self.rope_base = key("rope.freq_base", 10000.0)
-            factor = key("rope.scaling.factor", 0.0) if key("rope.scaling.type", "linear") == "linear" else 0.0
-            self.rope_scale = 1.0 / factor if factor else 1.0
-            self.n_swa = key("attention.sliding_window", 0) if self.kind.gemma else 0
-            self.rope_base_swa = key("rope.freq_base_swa", 10000.0)
-            self.softcap = key("final_logit_softcapping", 0.0) if self.kind.gemma else 0.0
-            self.swa = sliding_layers(f)
             self.out_name = "output.weight" if f.tensor("output.weight") else "token_embd.weight"  # tied
             self.n_vocab = shapes["token_embd.weight"][1]
         self._out32: np.ndarray | None = None
@@ -134,7 +111,7 @@ class Reference:
 
     def _attention(self, w: dict, h: np.ndarray, pos: np.ndarray, il: int) -> np.ndarray:
         """One layer's attention over all n positions: (n, n_head * head_dim)."""
-        n, hd, kind = len(h), self.head_dim, self.kind
+        n, hd, t = len(h), self.head_dim, self.traits
 
         def linear(x, name):
             y = x @ w[f"{name}.weight"].T
@@ -143,20 +120,18 @@ class Reference:
         q = linear(h, "attn_q").reshape(n, self.n_head, hd)
         k = linear(h, "attn_k").reshape(n, self.n_head_kv, hd)
         v = linear(h, "attn_v").reshape(n, self.n_head_kv, hd)
-        swa = self.swa[il]
-        base, scale = (self.rope_base_swa, 1.0) if swa else (self.rope_base, self.rope_scale)
-        if kind.gemma:
+        layer = t.layers[il]
+        if t.arch.qk_norm:
             q, k = self._norm(q, w["attn_q_norm.weight"]), self._norm(k, w["attn_k_norm.weight"])
-        q, k = _rope(q, pos, base, scale, kind.neox), _rope(k, pos, base, scale, kind.neox)
-        # Gemma 3 27B (62 layers) scales queries by 1/sqrt(n_embd / n_head), every other model by 1/sqrt(head_dim).
-        q_scale = 1.0 / np.sqrt(self.n_embd // self.n_head if kind.gemma and self.n_layer == 62 else hd)
+        q = _rope(q, pos, layer.rope_base, layer.rope_scale, t.arch.rope_neox)
+        k = _rope(k, pos, layer.rope_base, layer.rope_scale, t.arch.rope_neox)
         group = self.n_head // self.n_head_kv
-        q = (q * q_scale).transpose(1, 0, 2)                                 # (n_head, n, hd)
+        q = (q * t.attn_scale).transpose(1, 0, 2)                            # (n_head, n, hd)
         k = np.repeat(k, group, axis=1).transpose(1, 2, 0)                   # (n_head, hd, n)
         v = np.repeat(v, group, axis=1).transpose(1, 0, 2)                   # (n_head, n, hd)
         scores = q @ k                                                       # (n_head, n, n)
         t, s = np.arange(n)[:, None], np.arange(n)[None, :]
-        allowed = (s <= t) & ((t - s < self.n_swa) if swa else True)
+        allowed = (s <= t) & ((t - s < self.traits.n_swa) if layer.swa else True)
         scores = np.where(allowed, scores, -np.inf)
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
@@ -165,22 +140,21 @@ class Reference:
     def hidden(self, tokens: list[int]) -> np.ndarray:
         """Final-normed hidden states (n, n_embd), float64, of ``tokens`` at
         positions 0..n-1 under causal attention."""
-        n, kind = len(tokens), self.kind
+        n, t = len(tokens), self.traits
         pos = np.arange(n, dtype=np.float64)
+        act = ACTIVATIONS[t.arch.activation]
         with GGUFFile(self.path) as f:
             x = f.tensor("token_embd.weight").dequantize()[tokens].astype(np.float64)   # (n, n_embd)
-            if kind.gemma:
-                x *= np.sqrt(self.n_embd)
+            x *= t.embd_scale
             for il in range(self.n_layer):
                 w = self._weights(f, f"blk.{il}.")
                 att = self._attention(w, self._norm(x, w["attn_norm.weight"]), pos, il)
                 out = att @ w["attn_output.weight"].T
-                x = x + (self._norm(out, w["post_attention_norm.weight"]) if kind.gemma else out)
+                x = x + (self._norm(out, w["post_attention_norm.weight"]) if t.arch.post_norms else out)
                 h = self._norm(x, w["ffn_norm.weight"])
                 g, u = h @ w["ffn_gate.weight"].T, h @ w["ffn_up.weight"].T
-                act = _gelu(g) if kind.gemma else g / (1.0 + np.exp(-g))
-                out = (act * u) @ w["ffn_down.weight"].T
-                x = x + (self._norm(out, w["post_ffw_norm.weight"]) if kind.gemma else out)
+                out = (act(g) * u) @ w["ffn_down.weight"].T
+                x = x + (self._norm(out, w["post_ffw_norm.weight"]) if t.arch.post_norms else out)
             return self._norm(x, f.tensor("output_norm.weight").dequantize().astype(np.float64))
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -189,8 +163,9 @@ class Reference:
         logits = np.empty((len(hidden), self.n_vocab))
         for a in range(0, self.n_vocab, VOCAB_SLICE):
             logits[:, a:a + VOCAB_SLICE] = hidden @ out[a:a + VOCAB_SLICE].astype(np.float64).T
-        if self.softcap:
-            logits = np.tanh(logits / self.softcap) * self.softcap
+        c = self.traits.final_softcap
+        if c:
+            logits = np.tanh(logits / c) * c
         return logits
 
 

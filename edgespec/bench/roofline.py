@@ -31,7 +31,6 @@ from ..config import EngineConfig
 from ..costs import bandwidth, int8_peak
 from ..errors import EdgespecError
 from ..models.gguf import GGUFFile
-from .reference import sliding_layers
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 KV_BYTES = 2       # F16 keys and values
@@ -60,8 +59,8 @@ def bytes_per_token(path: str | Path, context: int) -> dict:
                 weights += t.n_bytes * n_used // n_expert
             else:
                 weights += t.n_bytes
-        window = key("attention.sliding_window", 0)
-        kv = sum(min(context, window) if swa else context for swa in sliding_layers(f)) \
+        traits = f.arch_traits()   # which layers slide, as the engine resolves them
+        kv = sum(min(context, traits.n_swa) if layer.swa else context for layer in traits.layers) \
             * 2 * n_head_kv * head_dim * KV_BYTES
     return {"weights": weights, "kv_cache": kv, "total": weights + kv, "context": context}
 

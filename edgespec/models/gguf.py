@@ -10,6 +10,7 @@ reader and turns what it hands out into Python values:
         f.get("general.architecture")            # "llama"
         f.get("tokenizer.ggml.tokens")           # list[str]
         t = f.tensor("token_embd.weight")        # name, type_name, shape, data (numpy view)
+        f.arch_shapes(), f.arch_traits()         # what the native engine reads of it, and computes
     check_gguf("model.gguf")                     # validate only
     info = model_info("model.gguf")              # the summary `edgespec models info` prints
 """
@@ -216,6 +217,25 @@ class GGUFFile(Owned):
             shapes[ffi.string(t.name).decode()] = ne
         return shapes
 
+    def arch_traits(self) -> ModelTraits:
+        """This file's architecture's traits resolved by its keys, as the
+        native loader resolves them (es_gguf_arch_traits): the scales, the
+        sliding window and each layer's RoPE. UnsupportedModelError for an
+        architecture the native engine does not read (or a RoPE scaling it
+        does not); ModelFormatError for a key out of range."""
+        self._require_open()
+        out = ffi.new("es_model_traits *")
+        err = ffi.new("char[]", ERR_CAP)
+        check_file(lib.es_gguf_arch_traits(self._ptr, out, ffi.NULL, 0, err, ERR_CAP), err, self.path,
+                   "es_gguf_arch_traits")
+        layers = ffi.new("es_layer_traits[]", max(out.n_layer, 1))
+        check_file(lib.es_gguf_arch_traits(self._ptr, out, layers, out.n_layer, err, ERR_CAP), err, self.path,
+                   "es_gguf_arch_traits")
+        return ModelTraits(arch=_arch_traits(out.arch), embd_scale=out.embd_scale,
+                           final_softcap=out.final_softcap, attn_scale=out.attn_scale, n_swa=out.n_swa,
+                           layers=tuple(LayerTraits(bool(t.swa), t.rope_base, t.rope_scale)
+                                        for t in layers[0:out.n_layer]))
+
 
 def _decode(v) -> Any:
     """An es_gguf_value * as a Python object (its data lies in the open mapping)."""
@@ -241,7 +261,7 @@ def _text(v) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Architectures: each one's tensor table (csrc/native/arch/<name>.c)
+# Architectures: each one's tensor table and traits (csrc/native/arch/<name>.c)
 # ---------------------------------------------------------------------------
 
 # enum es_dim, as the tables write a shape's axes.
@@ -279,6 +299,58 @@ def arch_tensors(arch: str) -> list[TensorSpec]:
                               bool(spec.flags & (lib.ES_TENSOR_REQUIRED | lib.ES_TENSOR_UNFUSED)), spec.flags))
         i += 1
     return out
+
+
+# enum es_activation, by name.
+ACTIVATIONS = {lib.ES_ACT_SILU: "silu", lib.ES_ACT_GELU_TANH: "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What an architecture's layers compute besides its tensors (es_arch_traits)."""
+
+    rope_neox: bool         # RoPE turns the two halves of a head (NEOX), not adjacent pairs (NORM)
+    activation: str         # the FFN's gate (ACTIVATIONS): down(act(gate(x)) * up(x))
+    qk_norm: bool           # attn_q_norm, attn_k_norm: RMSNorm of each head of Q and K before RoPE
+    post_norms: bool        # post_attention_norm, post_ffw_norm on each block's output, before its residual add
+    embd_scale: bool        # token embeddings times sqrt(n_embd)
+    final_softcap: bool     # logits soft-capped by final_logit_softcapping
+    attn_scale_on_q: bool   # the attention scale multiplies Q (gemma3, as llama.cpp) rather than the scores
+    sliding_window: bool    # layers may attend through a sliding window (gemma3's pattern)
+
+
+@dataclass(frozen=True)
+class LayerTraits:
+    """One layer's traits resolved for a file (es_layer_traits)."""
+
+    swa: bool               # attends through the sliding window
+    rope_base: float
+    rope_scale: float       # linear RoPE scaling: positions times it (1: none)
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """An architecture's traits resolved for a file (es_model_traits): the numbers its keys give."""
+
+    arch: ArchTraits
+    embd_scale: float       # token embeddings times it (1: none)
+    final_softcap: float    # logits = c * tanh(logits / c); 0: off
+    attn_scale: float       # attention scores = q.k * attn_scale
+    n_swa: int              # a sliding layer's token at p sees p - n_swa < q <= p; 0: no window
+    layers: tuple[LayerTraits, ...]
+
+
+def _arch_traits(t) -> ArchTraits:
+    return ArchTraits(rope_neox=t.rope_type == lib.ES_ROPE_NEOX, activation=ACTIVATIONS[t.activation],
+                      qk_norm=bool(t.qk_norm), post_norms=bool(t.post_norms), embd_scale=bool(t.embd_scale),
+                      final_softcap=bool(t.final_softcap), attn_scale_on_q=t.attn_scale == lib.ES_ATTN_SCALE_Q_GEMMA3,
+                      sliding_window=t.swa != lib.ES_SWA_NONE)
+
+
+def arch_traits(arch: str) -> ArchTraits | None:
+    """Architecture ``arch``'s traits (None for one the engine does not read)."""
+    out = ffi.new("es_arch_traits *")
+    return _arch_traits(out) if lib.es_arch_get_traits(arch.encode(), out) else None
 
 
 def check_gguf(path: str | os.PathLike) -> None:

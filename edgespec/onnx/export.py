@@ -1,4 +1,7 @@
-"""Export a GGUF model (llama, qwen2, gemma3) as an ONNX decoder graph for ONNX Runtime.
+"""Export a GGUF model (any dense architecture the native engine reads) as an ONNX
+decoder graph for ONNX Runtime, computed as the architecture's traits say
+(GGUFFile.arch_traits: RoPE layout and bases, head norms, post-norms,
+activation, scales, sliding window).
 
     export(gguf_path, out_dir, weights="int4")         # model.onnx + edgespec-onnx.json
     cached_export(gguf_path, "int4")                   # the same, once, into the edgespec cache
@@ -8,7 +11,7 @@ The graph evaluates S new tokens against a KV cache the caller owns (batch 1):
     inputs   input_ids       int64   (1, S)
              position_ids    int64   (1, S)        RoPE position of each token
              attention_bias  float32 (1, 1, S, T)  0 where a token may attend, -inf elsewhere
-             attention_bias_local                  the same for sliding-window layers (gemma3)
+             attention_bias_local                  the same for sliding-window layers (gemma3's)
              logits_rows     int64   (R,)          which of the S tokens get a logits row
              past.{i}.key / past.{i}.value         (1, n_head_kv, C, head_dim), one pair per layer
     outputs  logits          float32 (1, R, n_vocab)
@@ -66,12 +69,12 @@ Operators (ONNX Runtime contrib ops, com.microsoft, where they help):
                                       qwen2's Q/K/V biases are the op's bias input.
     GroupQueryAttention               the dynamic graph's attention (above)
     SkipSimplifiedLayerNormalization  RMS norm with the residual add fused, between blocks;
-                                      other RMS norms (the first, the final, gemma3's head,
+                                      other RMS norms (the first, the final, per-head Q/K norms,
                                       post-attention and post-FFN norms) are ONNX's own
                                       RMSNormalization (opset 23) in the dynamic graph and
                                       plain operators in a static one
 The token embedding shares the output matrix's 8-bit blocks (tied weights):
-Gather the rows, then scale them (gemma3: also by sqrt(n_embd)).
+Gather the rows, then scale them (and by the traits' embedding scale: gemma3's sqrt(n_embd)).
 """
 from __future__ import annotations
 
@@ -90,11 +93,10 @@ from ..capi import lib
 from ..errors import InvalidArgumentError, ModelFormatError
 from ..files import sha256_file
 from ..backends.onnx import CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, load_export
-from ..models.gguf import GGUFFile, GGUFTensor
+from ..models.gguf import GGUFFile, GGUFTensor, architectures
 from ..progress import ByteProgress
 
 WEIGHTS = ("int4", "int8", "fp16", "fp32", "qdq")  # qdq: see edgespec.onnx.qdq (static shapes)
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
 BLOCK = 32                    # MatMulNBits block size = the GGUF block of Q4_0/Q4_1/Q8_0
 STATIC_SEQ = 16               # --static-shapes: tokens per call unless --call-size says
 MAX_CALL_SIZE = 64            # --call-size: at most (a wider call wastes an NPU's time per step)
@@ -121,18 +123,18 @@ class DecoderConfig:
     n_ff: int
     n_vocab: int
     n_ctx_train: int
-    rope_base: float
-    rope_dim: int
     rms_eps: float
     tied_output: bool
-    rope_neox: bool = False          # qwen2, gemma3: RoPE on the two halves of a head, not adjacent pairs
-    rope_scale: float = 1.0          # linear RoPE scaling (1 / factor), global layers only
-    qkv_bias: bool = False           # qwen2: biases on the Q, K and V projections
-    gemma: bool = False              # gemma3: Q/K head norms, post-attention and post-FFN norms, GELU,
-    embd_scale: float = 1.0          #   embeddings scaled by sqrt(n_embd)
+    attn_scale: float                # attention scores = q.k * attn_scale
+    rope: list[tuple[float, float]]  # each layer's RoPE (base, linear scale)
+    rope_neox: bool = False          # RoPE on the two halves of a head, not adjacent pairs
+    qkv_bias: bool = False           # biases on the Q, K and V projections (qwen2)
+    qk_norm: bool = False            # per-head RMS norms of Q and K before RoPE
+    post_norms: bool = False         # RMS norms of the attention and FFN outputs
+    activation: str = "silu"         # the FFN's gate: silu, gelu_tanh
+    embd_scale: float = 1.0          # embeddings times it
     n_swa: int = 0                   # sliding window (0: none): a token sees positions p - n_swa < q <= p
     swa_layers: list[bool] | None = None
-    rope_base_swa: float = 10000.0
     softcap: float = 0.0             # final logit soft-capping: tanh(x / c) * c
 
 
@@ -145,45 +147,25 @@ def _field(reader: GGUFFile, key: str, default=None):
     return value
 
 
-def _rope_scale(reader: GGUFFile, arch: str) -> float:
-    """Linear RoPE scaling as es__rope_freq_scale reads it; other kinds are refused."""
-    kind = reader.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none", "linear"):
-        raise ModelFormatError(f"RoPE scaling '{kind}' cannot be exported to ONNX")
-    factor = float(reader.get(f"{arch}.rope.scaling.factor") or reader.get(f"{arch}.rope.scale_linear") or 0)
-    return 1.0 / factor if kind != "none" and factor > 0 else 1.0
-
-
-def _swa_layers(reader: GGUFFile, arch: str, n_layer: int) -> list[bool]:
-    """Which layers use the sliding window (gemma3.c's swa_pattern): one flag per
-    layer, or a period p (default 6) whose last layer is global."""
-    key = f"{arch}.attention.sliding_window_pattern"
-    value = reader.get(key, 6)
-    if isinstance(value, list):
-        if len(value) != n_layer:
-            raise ModelFormatError(f"metadata key {key}: expected {n_layer} flags")
-        return [bool(v) for v in value]
-    p = int(value)
-    return [p == 0 or i % p < p - 1 for i in range(n_layer)]
-
-
 def read_config(reader: GGUFFile) -> DecoderConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in architectures():
         raise ModelFormatError(f"architecture '{arch}' cannot be exported to ONNX yet "
-                               f"(supported: {', '.join(ARCHITECTURES)})")
+                               f"(supported: {', '.join(architectures())})")
     if reader.get(f"{arch}.expert_count"):
         raise ModelFormatError("Mixture-of-Experts models cannot be exported to ONNX yet")
-    # Widths from the engine's own tensor table, resolved for this file (the
-    # shapes the native engine binds and validation checks).
+    # Widths from the engine's own tensor table and what its layer computes,
+    # resolved for this file (the shapes and traits the native engine reads).
     shapes = reader.arch_shapes()
+    traits = reader.arch_traits()
     n_embd, n_vocab = shapes["token_embd.weight"]
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     head_dim = shapes["blk.0.attn_k.weight"][1] // n_head_kv
     names = {t.name for t in reader.tensors}
-    n_layer = int(_field(reader, f"{arch}.block_count"))
-    cfg = DecoderConfig(
+    n_layer = len(traits.layers)
+    swa_layers = [layer.swa for layer in traits.layers]
+    return DecoderConfig(
         arch=arch,
         n_layer=n_layer,
         n_embd=n_embd,
@@ -193,24 +175,20 @@ def read_config(reader: GGUFFile) -> DecoderConfig:
         n_ff=shapes["blk.0.ffn_up.weight"][1],
         n_vocab=n_vocab,
         n_ctx_train=int(_field(reader, f"{arch}.context_length")),
-        rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_dim=int(_field(reader, f"{arch}.rope.dimension_count", head_dim)),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         tied_output="output.weight" not in names,
-        rope_neox=arch in ("qwen2", "gemma3"),
-        rope_scale=_rope_scale(reader, arch),
+        attn_scale=traits.attn_scale,
+        rope=[(layer.rope_base, layer.rope_scale) for layer in traits.layers],
+        rope_neox=traits.arch.rope_neox,
         qkv_bias="blk.0.attn_q.bias" in shapes and "blk.0.attn_q.bias" in names,   # a table row, and in the file
+        qk_norm=traits.arch.qk_norm,
+        post_norms=traits.arch.post_norms,
+        activation=traits.arch.activation,
+        embd_scale=traits.embd_scale,
+        n_swa=traits.n_swa,
+        swa_layers=swa_layers if traits.n_swa > 0 and any(swa_layers) else None,
+        softcap=traits.final_softcap,
     )
-    if cfg.rope_dim != head_dim:
-        raise ModelFormatError(f"RoPE over {cfg.rope_dim} of {head_dim} head dimensions cannot be exported")
-    if arch == "gemma3":
-        cfg.gemma = True
-        cfg.embd_scale = float(np.sqrt(np.float32(n_embd), dtype=np.float32))
-        cfg.n_swa = int(reader.get(f"{arch}.attention.sliding_window", 0))
-        cfg.swa_layers = _swa_layers(reader, arch, n_layer) if cfg.n_swa > 0 else None
-        cfg.rope_base_swa = float(reader.get(f"{arch}.rope.freq_base_swa", 10000.0))
-        cfg.softcap = float(reader.get(f"{arch}.final_logit_softcapping", 0.0))
-    return cfg
 
 
 # ---------------------------------------------------------------------------
@@ -529,7 +507,7 @@ class _Builder:
                                 self.shared(f"flat{n_heads}", np.array([1, -1, n_heads * D], np.int64))])
 
     def head_norm(self, x: str, weight: str, n_heads: int) -> str:
-        """gemma3: RMS norm of each head of x (1, S, n_heads * D)."""
+        """RMS norm of each head of x (1, S, n_heads * D) (qk_norm)."""
         D = self.cfg.head_dim
         heads = self.g.op("Reshape", [x, self.shared(f"heads{n_heads}", np.array([1, -1, n_heads, D], np.int64))])
         return self.g.op("Reshape", [self.rms_norm(heads, weight),
@@ -550,18 +528,18 @@ class _Builder:
 
     def qkv(self, i: int, x: str) -> tuple[str, str, str]:
         """The projections of normed x (1, S, E): q (1, S, H*D), k and v (1, S, KV*D),
-        with qwen2's biases and gemma3's per-head norms (before RoPE). Where
+        with the biases and per-head norms (before RoPE) the model has. Where
         GroupQueryAttention takes them packed (the dynamic graph, no head
         norms): (1, S, (H + 2 KV) * D) and two empty names."""
         cfg, g = self.cfg, self.g
         p = f"blk.{i}."
         H, KV, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         qkv = self.linear(x, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], bias=cfg.qkv_bias)
-        if not self.static and not cfg.gemma:
+        if not self.static and not cfg.qk_norm:
             return qkv, "", ""
         q, k, v = g.op("Split", [qkv, self.shared("qkv_split", np.array([H * D, KV * D, KV * D], np.int64))],
                        n_out=3, axis=2)
-        if cfg.gemma:
+        if cfg.qk_norm:
             q = self.head_norm(q, self.vector(p + "attn_q_norm.weight"), H)
             k = self.head_norm(k, self.vector(p + "attn_k_norm.weight"), KV)
         return q, k, v
@@ -581,7 +559,7 @@ class _Builder:
                          pos, bias],
                         outputs=[f"attn_{i}", f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN,
                         num_heads=cfg.n_head, kv_num_heads=cfg.n_head_kv, do_rotary=1,
-                        rotary_interleaved=0 if cfg.rope_neox else 1, scale=float(1 / np.sqrt(cfg.head_dim)))
+                        rotary_interleaved=0 if cfg.rope_neox else 1, scale=cfg.attn_scale)
         return out
 
     def attention_ops(self, i: int, q: str, k: str, v: str, pos: str, bias: str, slots: str,
@@ -603,7 +581,7 @@ class _Builder:
         # Grouped-query attention: query head h uses KV head h // G, so the G query
         # heads of a KV head are consecutive: (1, S, H*D) -> (1, KV, G*S, D).
         q = g.op("Transpose", [g.op("Reshape", [q, shape("q_heads", [1, -1, KV, G, D])])], perm=[0, 2, 3, 1, 4])
-        q = g.op("Reshape", [g.op("Mul", [q, self.shared("attn.scale", np.array(1.0 / np.sqrt(D), np.float32))]),
+        q = g.op("Reshape", [g.op("Mul", [q, self.shared("attn.scale", np.array(cfg.attn_scale, np.float32))]),
                              shape("q_grouped", [1, KV, -1, D])])
         keys = g.op("Transpose", [g.op("Cast", [present_k], to=FLOAT)], perm=[0, 1, 3, 2])
         scores = g.op("MatMul", [q, keys])                                                 # (1, KV, G*S, C)
@@ -617,7 +595,7 @@ class _Builder:
         p = f"blk.{i}."
         gate_up = self.linear(x, [p + "ffn_gate.weight", p + "ffn_up.weight"])
         gate, up = self.g.op("Split", [gate_up], n_out=2, axis=2, num_outputs=2)
-        if self.cfg.gemma:
+        if self.cfg.activation == "gelu_tanh":
             act = self.g.op("Gelu", [gate], approximate="tanh")
         else:
             act = self.g.op("Mul", [gate, self.g.op("Sigmoid", [gate])])       # SiLU
@@ -645,11 +623,12 @@ class _Builder:
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
                                                  [1, "R" if not self.static else seq, cfg.n_vocab])]
         n_pos = self.static[1] if self.static else positions_limit(cfg)
-        ropes = {False: tuple(g.const(f"rope.{n}", a) for n, a in zip(
-            ("cos", "sin"), rope_cache(n_pos, cfg.rope_dim, cfg.rope_base, cfg.rope_scale)))}
-        if windowed:
-            ropes[True] = tuple(g.const(f"rope_local.{n}", a) for n, a in zip(
-                ("cos", "sin"), rope_cache(n_pos, cfg.rope_dim, cfg.rope_base_swa)))
+        # One cos, sin table pair per distinct (base, scale) of the layers (gemma3: global and local).
+        ropes = {}
+        for base, scale in cfg.rope:
+            if (base, scale) not in ropes:
+                ropes[base, scale] = tuple(g.const(f"rope{len(ropes) or ''}.{n}", a) for n, a in zip(
+                    ("cos", "sin"), rope_cache(n_pos, cfg.head_dim, base, scale)))
         embed, head = self.embedding_and_head()
         ids, pos, rows = "input_ids", "position_ids", "logits_rows"
         biases = {False: "attention_bias", True: "attention_bias_local" if windowed else None}
@@ -676,16 +655,16 @@ class _Builder:
             local = bool(cfg.swa_layers and cfg.swa_layers[i])
             q, k, v = self.qkv(i, x)
             if self.static:
-                attn = self.attention_ops(i, q, k, v, pos, biases[local], slots, ropes[local])
+                attn = self.attention_ops(i, q, k, v, pos, biases[local], slots, ropes[cfg.rope[i]])
             else:
-                attn = self.attention_gqa(i, q, k, v, pos, biases[local], seqlens, ropes[local])
+                attn = self.attention_gqa(i, q, k, v, pos, biases[local], seqlens, ropes[cfg.rope[i]])
             attn = self.linear(attn, [f"blk.{i}.attn_output.weight"])
-            if cfg.gemma:
+            if cfg.post_norms:
                 attn = self.rms_norm(attn, self.vector(f"blk.{i}.post_attention_norm.weight"))
             # residual + attention, normed for the FFN; the sum is the new residual
             x, h = self.skip_norm(attn, h, self.vector(f"blk.{i}.ffn_norm.weight"))
             f = self.ffn(i, x)
-            if cfg.gemma:
+            if cfg.post_norms:
                 f = self.rms_norm(f, self.vector(f"blk.{i}.post_ffw_norm.weight"))
             nxt = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.n_layer else "output_norm.weight"
             if i + 1 == cfg.n_layer:  # only the requested rows reach the output norm and head

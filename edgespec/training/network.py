@@ -1,11 +1,12 @@
 """The drafter network in PyTorch: one decoder for every architecture a
-drafter is trained or grown in (llama, qwen2), computing what the native
-engine and llama.cpp compute for a GGUF of that architecture:
+drafter is trained or grown in (those whose traits are llama's but for the
+RoPE layout: llama, qwen2), computing what the native engine and llama.cpp
+compute for a GGUF of that architecture:
 
     x = token_embd[tokens]
     per block:  h = rmsnorm(x) * attn_norm
                 q, k, v = attn_q(h), attn_k(h), attn_v(h)        (+ biases when the file has them)
-                q, k = rope(q), rope(k)                          (llama: adjacent pairs; qwen2: NEOX halves)
+                q, k = rope(q), rope(k)                          (the traits' layout: adjacent pairs or NEOX halves)
                 x += attn_output(softmax(q k^T / sqrt(head_dim), causal) v)   (grouped-query)
                 h = rmsnorm(x) * ffn_norm
                 x += ffn_down(silu(ffn_gate(h)) * ffn_up(h))
@@ -25,11 +26,18 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..models.gguf import GGUFFile
+from ..models.gguf import ArchTraits, GGUFFile, arch_traits, architectures
 
-# Architecture -> whether its RoPE turns the two halves of a head (NEOX) rather
-# than adjacent pairs (llama.cpp's NORM mode; llama GGUFs hold Q and K permuted for it).
-NEOX = {"llama": False, "qwen2": True}
+# What this network computes besides the RoPE layout (NORM: adjacent pairs,
+# llama GGUFs hold Q and K permuted for it; NEOX: the two halves of a head),
+# as an architecture's traits (csrc/native/arch/<name>.c) say it.
+PLAIN_DECODER = dict(activation="silu", qk_norm=False, post_norms=False, embd_scale=False, final_softcap=False,
+                     attn_scale_on_q=False, sliding_window=False)
+
+
+def computes(traits: ArchTraits | None) -> bool:
+    """Whether this network computes an architecture with these traits."""
+    return traits is not None and all(getattr(traits, k) == v for k, v in PLAIN_DECODER.items())
 
 # The tensors this network computes, per layer and global (a model with any other is refused).
 LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
@@ -42,7 +50,7 @@ GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 class NetShape:
     """Everything that fixes the network's function besides its weights."""
 
-    arch: str               # a key of NEOX
+    arch: str               # an architecture whose traits it computes
     n_vocab: int
     n_embd: int
     n_layer: int
@@ -80,7 +88,7 @@ def build(s: NetShape):
     """The network of shape ``s``, weights at PyTorch's defaults."""
     torch = import_torch()
     nn, F = torch.nn, torch.nn.functional
-    hd, neox = s.head_dim, NEOX[s.arch]
+    hd, neox = s.head_dim, arch_traits(s.arch).rope_neox
 
     def rope(x, cos, sin):                       # x (B, T, H, hd); cos, sin (1, T, 1, hd/2)
         if neox:
@@ -147,9 +155,10 @@ def read_shape(f: GGUFFile) -> NetShape:
     """The shape of the model in ``f`` (every layer, its whole vocabulary).
     InvalidArgumentError naming what this network cannot compute."""
     arch = f.get("general.architecture")
-    if arch not in NEOX:
+    if not computes(arch_traits(arch)):
+        plain = (a for a in architectures() if computes(arch_traits(a)))
         raise InvalidArgumentError(f"{f.path}: a drafter cannot be grown from a {arch} model "
-                                   f"(architectures: {', '.join(NEOX)})")
+                                   f"(architectures: {', '.join(plain)})")
     n_layer = f.get(f"{arch}.block_count", 0)
     known = set(GLOBAL_TENSORS) | {f"blk.{il}.{n}" for il in range(n_layer) for n in LAYER_TENSORS}
     foreign = sorted({t.name for t in f.tensors} - known)
@@ -161,19 +170,18 @@ def read_shape(f: GGUFFile) -> NetShape:
         return f.get(f"{arch}.{name}", default)
 
     shapes = f.arch_shapes()   # widths as the native engine binds them
+    # RoPE as the native engine resolves it (every layer alike without a sliding
+    # window; a scaling or partial rotation it does not compute is UnsupportedModelError).
+    rope = f.arch_traits().layers[0]
     n_head = key("attention.head_count")
     n_embd, n_vocab = shapes["token_embd.weight"]
-    if shapes["blk.0.attn_q.weight"][1] != n_embd or key("rope.dimension_count", n_embd // n_head) != n_embd // n_head:
+    if shapes["blk.0.attn_q.weight"][1] != n_embd:
         raise InvalidArgumentError(f"{f.path}: a drafter cannot be grown from a model whose heads do not span "
-                                   "its width or whose RoPE turns part of a head")
-    factor = key("rope.scaling.factor", 0.0) if key("rope.scaling.type", "linear") == "linear" else None
-    if factor is None:
-        raise InvalidArgumentError(f"{f.path}: a drafter cannot be grown from a model with "
-                                   f"{key('rope.scaling.type')} RoPE scaling")
+                                   "its width")
     return NetShape(arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                     n_head_kv=key("attention.head_count_kv", n_head), n_ff=shapes["blk.0.ffn_gate.weight"][1],
-                    eps=key("attention.layer_norm_rms_epsilon"), rope_base=key("rope.freq_base", 10000.0),
-                    rope_scale=1.0 / factor if factor else 1.0,
+                    eps=key("attention.layer_norm_rms_epsilon"), rope_base=rope.rope_base,
+                    rope_scale=rope.rope_scale,
                     qkv_bias=f.tensor("blk.0.attn_q.bias") is not None,
                     tied=f.tensor("output.weight") is None, n_ctx=key("context_length", 4096))
 

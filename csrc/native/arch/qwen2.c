@@ -1,6 +1,6 @@
 /*
  * qwen2.c — Qwen2 and Qwen2.5 decoders (Qwen2.5-Coder), as llama.cpp's
- * models/qwen2.cpp: the llama layer (arch/llama.c) with two differences,
+ * models/qwen2.cpp: the llama layer with two differences,
  *
  *   q, k, v = wq · norm(x) + bq, wk · norm(x) + bk, wv · norm(x) + bv
  *   RoPE in the NEOX layout (the halves of each head), not llama's NORM
@@ -23,8 +23,7 @@ static const es_arch_row TENSORS[] = {
 };
 
 static int load(es_model * m, char * err, size_t err_cap) {
-    float rope_base, scale;
-    int rc = es__load_attention_hparams(m, &rope_base, &scale, err, err_cap);
+    int rc = es__load_decoder_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = es__key_i32(m, "feed_forward_length", true, &m->n_ff, err, err_cap);
     if (rc != ES_OK) return rc;
     if ((int64_t) m->n_head * m->head_dim != m->n_embd) {
@@ -32,17 +31,11 @@ static int load(es_model * m, char * err, size_t err_cap) {
                  (int) m->n_head, (int) m->head_dim, (int) m->n_embd);
         return ES_ERR_UNSUPPORTED;
     }
-    m->rope_type = ES_ROPE_NEOX;
-    m->embd_scale = 1.0f;
-    rc = es__bind_tensors(m, false, err, err_cap);
-    for (int32_t il = 0; rc == ES_OK && il < m->n_layer; il++) {
-        m->layers[il].rope_base = rope_base;
-        m->layers[il].rope_scale = scale;
-    }
-    return rc;
+    return es__bind_tensors(m, false, err, err_cap);
 }
 
 const es_arch es__arch_qwen2 = {
     .name = "qwen2", ES_TABLE(TENSORS), .ffn = ES_FFN_DENSE, .full_rope = true,
-    .load = load, .layer = es__llama_layer,
+    .traits = {.rope_type = ES_ROPE_NEOX, .activation = ES_ACT_SILU},
+    .load = load, .layer = es__decoder_layer,
 };
