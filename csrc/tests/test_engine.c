@@ -54,9 +54,7 @@ static bool same_row(const float * a, const float * b, int32_t n_vocab) {
     return memcmp(a, b, (size_t) n_vocab * sizeof *a) == 0;
 }
 
-// Embeddings: (n, n_embd) hidden states, no logits; two sequences packed as
-// two roots of one batch get the rows each gets alone.
-static void check_embeddings(es_model * m, const es_token * seq) {
+static es_context * new_embeddings_context(es_model * m) {
     es_context_params p = es_context_default_params();
     p.n_ctx = N_CTX;
     p.n_batch = 32;
@@ -64,6 +62,13 @@ static void check_embeddings(es_model * m, const es_token * seq) {
     p.embeddings = true;
     es_context * ctx = NULL;
     CHECK(es_context_init(m, &p, &ctx) == ES_OK);
+    return ctx;
+}
+
+// Embeddings: (n, n_embd) hidden states, no logits; two sequences packed as
+// two roots of one batch get the rows each gets alone.
+static void check_embeddings(es_model * m, const es_token * seq) {
+    es_context * ctx = new_embeddings_context(m);
     if (!ctx) return;
     const int32_t D = es_model_n_embd(m), A = 5, B = N_SEQ - A;
     CHECK(D > 0);
@@ -100,13 +105,7 @@ static void check_embeddings(es_model * m, const es_token * seq) {
 // those of a context not keeping them; none before it is asked.
 static void check_features(es_model * m, const es_token * seq) {
     const int32_t D = es_model_n_embd(m), nv = es_model_n_vocab(m), A = 5;
-    es_context_params p = es_context_default_params();
-    p.n_ctx = N_CTX;
-    p.n_batch = 32;
-    p.n_threads = 2;
-    p.embeddings = true;
-    es_context * emb = NULL;
-    CHECK(es_context_init(m, &p, &emb) == ES_OK);
+    es_context * emb = new_embeddings_context(m);
     es_context * ctx = new_context(m, 2);
     if (!emb || !ctx) { es_context_free(emb); es_context_free(ctx); return; }
     // The embeddings pass: every token of seq as one chain.
