@@ -287,11 +287,22 @@ int es_decode(es_context * ctx, const es_token * tokens, const int32_t * parents
 // one or es_context_free. NULL with embeddings.
 const float * es_context_logits(const es_context * ctx);
 
-// With es_context_params.embeddings: the (n - logits_from, n_embd) hidden
-// states after the final norm of the last es_decode, the input of the
-// vocabulary projection (what embeddings pool); owned by ctx, valid until the
-// next es_decode or es_context_free. NULL without embeddings or before a decode.
+// With es_context_params.embeddings, or with features kept
+// (es_context_keep_features): the (n - logits_from, n_embd) hidden states
+// after the final norm of the last es_decode (or es_decode_group ctx was a
+// member of), the input of the vocabulary projection: what embeddings pool,
+// and the target feature a draft head reads (EAGLE's), one row per logits
+// row. Owned by ctx, valid until the next decode or es_context_free. NULL
+// without either, before a decode, or when it kept no rows.
 const float * es_context_embeddings(const es_context * ctx);
+
+// Whether es_decode keeps the hidden states of the rows whose logits it
+// keeps (es_context_embeddings) beside them; off when a context is made.
+// They cost nothing: the vocabulary projection reads them from the context's
+// own buffer, so they are only left there (a group decode copies each
+// member's rows into it). From the next decode on; on an embeddings context
+// it changes nothing.
+void es_context_keep_features(es_context * ctx, bool on);
 
 // Keeps the first n_keep cells of the KV cache (rollback); n_keep in [0, n_past].
 int es_context_truncate(es_context * ctx, int32_t n_keep);
@@ -347,11 +358,13 @@ typedef struct es_group_seq {
 // Evaluates n_seqs members in one batch, each appended to its own context's
 // cache. ES_ERR_INVALID_ARG: a member of another model, an embeddings
 // context, one whose n_ctx exceeds the group's, a context given twice, bad
-// tokens, parents or logits_from, or more than es_group_n_batch tokens in
+// tokens, parents or logits_from, a context keeping features given more
+// logits rows than its n_batch, or more than es_group_n_batch tokens in
 // all; ES_ERR_CONTEXT_FULL: a member's cache would overflow; ES_ERR_IO: an
 // expert read failed; ES_ERR_NO_MEMORY. On error every member's cache is as
-// before. On success each member's logits are its context's
-// (es_context_logits), as after its own es_decode.
+// before. On success each member's logits (and features, when it keeps
+// them) are its context's (es_context_logits, es_context_embeddings), as
+// after its own es_decode.
 int es_decode_group(es_group * group, const es_group_seq * seqs, int32_t n_seqs);
 
 /* ---- expert cache (expert_cache.c) ---------------------------------------- */

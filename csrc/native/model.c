@@ -560,7 +560,10 @@ int32_t es_context_n_batch(const es_context * c) { return c ? c->n_batch : 0; }
 int32_t es_context_n_past(const es_context * c) { return c ? c->n_past : 0; }
 const float * es_context_logits(const es_context * c) { return c ? c->logits : NULL; }
 const float * es_context_embeddings(const es_context * c) {
-    return c && c->embeddings && c->n_embd_rows > 0 ? c->xn : NULL;
+    return c && (c->embeddings || c->features) && c->n_embd_rows > 0 ? c->xn : NULL;
+}
+void es_context_keep_features(es_context * c, bool on) {
+    if (c) c->features = on;
 }
 
 int es_context_truncate(es_context * c, int32_t n_keep) {
@@ -686,7 +689,9 @@ static int forward(es_context * w) {
 
     // Output rows: the kept rows moved to the front of x (a row only ever
     // moves down, past rows already moved), final norm, then the vocabulary
-    // projection (hidden states for embeddings stop at the norm).
+    // projection (hidden states for embeddings stop at the norm). The normed
+    // rows stay in xn (the projection only reads them): the features a
+    // context keeps (es_context_keep_features).
     int32_t rows = 0;
     for (int32_t s = 0; s < w->n_seqs; s++) {
         const es_seq_rows * seq = &w->seqs[s];
@@ -696,6 +701,7 @@ static int forward(es_context * w) {
         }
     }
     es__rms_norm(w->x, &m->output_norm, w->xn, rows, D, m->norm_eps);
+    w->n_embd_rows = rows;
     if (!w->embeddings) {
         // The kept rows of a restricted output layer (es_model_set_output_rows)
         // go to w->kept and are spread out, the others -infinity.
@@ -722,8 +728,6 @@ static int forward(es_context * w) {
             for (int64_t i = 0; i < m->n_vocab; i++) row[i] = -INFINITY;
             for (int64_t i = 0; i < width; i++) row[m->output_ids[i]] = w->kept[(size_t) r * (size_t) width + i];
         }
-    } else {
-        w->n_embd_rows = rows;
     }
     for (int32_t s = 0; s < w->n_seqs; s++) w->seqs[s].kv->n_past += w->seqs[s].n;
     w->n = 0;
@@ -791,12 +795,14 @@ int32_t es_group_n_batch(const es_group * g) { return g ? g->work->n_batch : 0; 
 
 // A member es_decode_group refuses with ES_ERR_INVALID_ARG: another model's
 // context, an embeddings context, one longer than the group's n_ctx, a
-// context given twice, bad tokens or logits_from.
+// context given twice, bad tokens or logits_from, more kept rows than a
+// context keeping features holds (its n_batch).
 static bool member_ok(const es_group * g, const es_group_seq * seqs, int32_t i) {
     const es_group_seq * q = &seqs[i];
     const es_context * w = g->work;
     if (!q->ctx || q->ctx->model != w->model || q->ctx->embeddings || q->ctx->n_ctx > w->n_ctx ||
         !q->tokens || q->n <= 0 || q->logits_from < 0 || q->logits_from > q->n ||
+        (q->ctx->features && q->n - q->logits_from > q->ctx->n_batch) ||
         !tokens_in_vocab(w->model, q->tokens, q->n)) {
         return false;
     }
@@ -837,14 +843,18 @@ int es_decode_group(es_group * g, const es_group_seq * seqs, int32_t n_seqs) {
     w->n = r0;
     rc = forward(w);
     if (rc != ES_OK) return rc;
-    // Each member's rows into its own context, where es_context_logits finds
-    // them as after its own es_decode (the copy is a small fraction of the
-    // batch's work; a member's rows then outlive the group's next decode).
-    const size_t row = (size_t) w->model->n_vocab;
+    // Each member's rows into its own context, where es_context_logits (and,
+    // keeping features, es_context_embeddings) finds them as after its own
+    // es_decode (the copy is a small fraction of the batch's work; a member's
+    // rows then outlive the group's next decode).
+    const size_t row = (size_t) w->model->n_vocab, D = (size_t) w->model->n_embd;
     rows = 0;
     for (int32_t i = 0; i < n_seqs; i++) {
+        es_context * c = seqs[i].ctx;
         const int32_t kept = seqs[i].n - seqs[i].logits_from;
-        if (kept > 0) memcpy(seqs[i].ctx->logits, w->logits + (size_t) rows * row, (size_t) kept * row * sizeof *w->logits);
+        if (kept > 0) memcpy(c->logits, w->logits + (size_t) rows * row, (size_t) kept * row * sizeof *w->logits);
+        if (c->features && kept > 0) memcpy(c->xn, w->xn + (size_t) rows * D, (size_t) kept * D * sizeof *w->xn);
+        c->n_embd_rows = c->features ? kept : 0;
         rows += kept;
     }
     return ES_OK;

@@ -468,7 +468,8 @@ struct es_context {
     int32_t    n_ctx, n_batch, n_threads;
     int32_t    n_past;     // cells in use in the KV cache
     bool       embeddings; // es_decode stops at the final norm: xn holds the output rows
-    int32_t    n_embd_rows;// rows of xn holding the last es_decode's hidden states (embeddings)
+    bool       features;   // es_context_keep_features: xn's output rows kept beside the logits
+    int32_t    n_embd_rows;// rows of xn holding the last decode's final-normed output rows
     uint16_t * k_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16, after RoPE
     uint16_t * v_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16
     int32_t  * cell_pos;   // (n_ctx) position of the token in each cell
@@ -482,8 +483,9 @@ struct es_context {
     uint8_t  * sees;       // (n_batch, n_batch) sees[i * n_batch + j]: token i attends to token j
                            // of its own sequence (j counted from the sequence's first row)
     float    * x;          // (n_batch, n_embd) residual stream
-    float    * xn;         // (n_batch, n_embd) a block's normed input; after an es_decode with
-                           // embeddings: the (n_embd_rows, n_embd) final-normed output rows
+    float    * xn;         // (n_batch, n_embd) a block's normed input; after a decode with
+                           // embeddings or features: the (n_embd_rows, n_embd) final-normed
+                           // output rows
     float    * q;          // (n_batch, n_head * head_dim)
     float    * k;          // (n_batch, n_head_kv * head_dim)
     float    * v;          // (n_batch, n_head_kv * head_dim)

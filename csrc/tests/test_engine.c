@@ -8,6 +8,9 @@
  *     context are refused with the cache as before;
  *   - an embeddings context gives hidden states instead of logits, the same
  *     for a sequence alone and packed beside another in one batch (two roots);
+ *   - a context keeping features gives, beside unchanged logits, the rows an
+ *     embeddings pass gives (a chain, logits_from past 0, a tree); none
+ *     until asked;
  *   - logits bit-identical with the weights repacked and not; a repack past
  *     repack_max_bytes refused with the sizes;
  *   - a missing file, a file of another format and bad params fail with a message.
@@ -51,9 +54,7 @@ static bool same_row(const float * a, const float * b, int32_t n_vocab) {
     return memcmp(a, b, (size_t) n_vocab * sizeof *a) == 0;
 }
 
-// Embeddings: (n, n_embd) hidden states, no logits; two sequences packed as
-// two roots of one batch get the rows each gets alone.
-static void check_embeddings(es_model * m, const es_token * seq) {
+static es_context * new_embeddings_context(es_model * m) {
     es_context_params p = es_context_default_params();
     p.n_ctx = N_CTX;
     p.n_batch = 32;
@@ -61,6 +62,13 @@ static void check_embeddings(es_model * m, const es_token * seq) {
     p.embeddings = true;
     es_context * ctx = NULL;
     CHECK(es_context_init(m, &p, &ctx) == ES_OK);
+    return ctx;
+}
+
+// Embeddings: (n, n_embd) hidden states, no logits; two sequences packed as
+// two roots of one batch get the rows each gets alone.
+static void check_embeddings(es_model * m, const es_token * seq) {
+    es_context * ctx = new_embeddings_context(m);
     if (!ctx) return;
     const int32_t D = es_model_n_embd(m), A = 5, B = N_SEQ - A;
     CHECK(D > 0);
@@ -89,6 +97,53 @@ static void check_embeddings(es_model * m, const es_token * seq) {
     if (alone) CHECK(memcmp(es_context_embeddings(ctx), alone + (size_t) (A - 1) * D, (size_t) D * sizeof *alone) == 0);
     free(alone);
     es_context_free(ctx);
+}
+
+// Features (es_context_keep_features): a logits context's kept rows'
+// hidden states equal the embeddings pass's of the same tokens, bit for
+// bit, for a chain from logits_from and for a tree's nodes; the logits are
+// those of a context not keeping them; none before it is asked.
+static void check_features(es_model * m, const es_token * seq) {
+    const int32_t D = es_model_n_embd(m), nv = es_model_n_vocab(m), A = 5;
+    es_context * emb = new_embeddings_context(m);
+    es_context * ctx = new_context(m, 2);
+    if (!emb || !ctx) { es_context_free(emb); es_context_free(ctx); return; }
+    // The embeddings pass: every token of seq as one chain.
+    CHECK(es_decode(emb, seq, NULL, N_SEQ, 0) == ES_OK);
+    float * want = malloc((size_t) N_SEQ * D * sizeof *want);
+    if (want) memcpy(want, es_context_embeddings(emb), (size_t) N_SEQ * D * sizeof *want);
+
+    CHECK(es_decode(ctx, seq, NULL, A, 2) == ES_OK);
+    CHECK(es_context_embeddings(ctx) == NULL);            // off by default
+    float * plain = copy_logits(ctx, A - 2, nv);
+    es_context_keep_features(ctx, true);
+    CHECK(es_context_truncate(ctx, 0) == ES_OK);
+    CHECK(es_decode(ctx, seq, NULL, A, 2) == ES_OK);      // rows 2..4
+    const float * f = es_context_embeddings(ctx);
+    CHECK(f != NULL);
+    if (f && want) CHECK(memcmp(f, want + (size_t) 2 * D, (size_t) (A - 2) * D * sizeof *f) == 0);
+    if (plain) CHECK(memcmp(es_context_logits(ctx), plain, (size_t) (A - 2) * nv * sizeof *plain) == 0);
+    // A tree after the chain: root seq[A], children seq[A + 1] (a decoy
+    // sibling, seq[A + 3]) and grandchild seq[A + 2]: the path's nodes are
+    // the chain's tokens A .. A + 2.
+    const es_token tree[4] = { seq[A], seq[A + 1], seq[A + 3], seq[A + 2] };
+    const int32_t parents[4] = { -1, 0, 0, 1 };
+    CHECK(es_decode(ctx, tree, parents, 4, 0) == ES_OK);
+    f = es_context_embeddings(ctx);
+    CHECK(f != NULL);
+    if (f && want) {
+        CHECK(memcmp(f, want + (size_t) A * D, (size_t) 2 * D * sizeof *f) == 0);
+        CHECK(memcmp(f + (size_t) 3 * D, want + (size_t) (A + 2) * D, (size_t) D * sizeof *f) == 0);
+    }
+    CHECK(es_decode(ctx, seq, NULL, 1, 1) == ES_OK);      // no rows kept: none
+    CHECK(es_context_embeddings(ctx) == NULL);
+    es_context_keep_features(ctx, false);
+    CHECK(es_decode(ctx, seq, NULL, 1, 0) == ES_OK);
+    CHECK(es_context_embeddings(ctx) == NULL);
+    free(plain);
+    free(want);
+    es_context_free(ctx);
+    es_context_free(emb);
 }
 
 // A restricted output layer (es_model_set_output_rows): the kept ids' logits
@@ -222,6 +277,7 @@ static void check_model(const char * path) {
         es_context_free(ctx);
     }
     check_embeddings(m, seq);
+    check_features(m, seq);
     check_output_rows(m, seq);
     check_repack(path, m, seq);
     es_model_free(m);

@@ -4,10 +4,13 @@
  *   - each member's logits are bit-identical to its own es_decode of the
  *     same tokens (chains of different lengths after caches of different
  *     lengths, a draft tree, logits_from past 0), with 1 and 2 threads, and
- *     each cache then holds what its es_decode would leave;
+ *     each cache then holds what its es_decode would leave; so are the
+ *     features of the members keeping them (es_context_keep_features), and
+ *     the others have none;
  *   - refused with the caches as before: a context of another es_model, an
  *     embeddings context, one longer than the group's n_ctx, a context
- *     given twice, more tokens than the group's n_batch (ES_ERR_INVALID_ARG),
+ *     given twice, more tokens than the group's n_batch, more feature rows
+ *     than a member's n_batch (ES_ERR_INVALID_ARG),
  *     a member's full cache (ES_ERR_CONTEXT_FULL).
  */
 #define _POSIX_C_SOURCE 200809L
@@ -60,7 +63,11 @@ static void prefill(es_context ** ctx, int32_t n_vocab) {
 static void check_same_as_alone(es_model * m, int32_t n_threads) {
     const int32_t nv = es_model_n_vocab(m);
     es_context * ctx[N_MEMBERS] = { 0 };
-    for (int32_t k = 0; k < N_MEMBERS; k++) ctx[k] = new_context(m, n_threads, N_CTX, false);
+    for (int32_t k = 0; k < N_MEMBERS; k++) {
+        ctx[k] = new_context(m, n_threads, N_CTX, false);
+        es_context_keep_features(ctx[k], k == 1 || k == 2);   // a chain and the tree
+    }
+    const int32_t D = es_model_n_embd(m);
     es_group_params gp = es_group_default_params();
     gp.n_batch = GROUP_BATCH;
     gp.n_ctx = N_CTX;
@@ -76,12 +83,16 @@ static void check_same_as_alone(es_model * m, int32_t n_threads) {
     }
     // Alone: each member's own es_decode.
     prefill(ctx, nv);
-    float * alone[N_MEMBERS] = { 0 };
+    float * alone[N_MEMBERS] = { 0 }, * features[N_MEMBERS] = { 0 };
     for (int32_t k = 0; k < N_MEMBERS; k++) {
         const int32_t rows = n_tokens[k] - logits_from[k];
         CHECK(es_decode(ctx[k], tokens[k], k == 2 ? tree_parents : NULL, n_tokens[k], logits_from[k]) == ES_OK);
         alone[k] = malloc((size_t) rows * (size_t) nv * sizeof(float));
         if (alone[k]) memcpy(alone[k], es_context_logits(ctx[k]), (size_t) rows * (size_t) nv * sizeof(float));
+        const float * f = es_context_embeddings(ctx[k]);
+        CHECK((f != NULL) == (k == 1 || k == 2));
+        features[k] = f ? malloc((size_t) rows * (size_t) D * sizeof(float)) : NULL;
+        if (features[k]) memcpy(features[k], f, (size_t) rows * (size_t) D * sizeof(float));
     }
     // Together: one group decode, then one token more each, which reads the
     // cells the group wrote.
@@ -98,6 +109,9 @@ static void check_same_as_alone(es_model * m, int32_t n_threads) {
         const float * got = es_context_logits(ctx[k]);
         CHECK(got != NULL);
         if (got && alone[k]) CHECK(memcmp(got, alone[k], (size_t) rows * (size_t) nv * sizeof(float)) == 0);
+        const float * f = es_context_embeddings(ctx[k]);
+        CHECK((f != NULL) == (k == 1 || k == 2));
+        if (f && features[k]) CHECK(memcmp(f, features[k], (size_t) rows * (size_t) D * sizeof(float)) == 0);
     }
 
     // The next step: member 3 alone by es_decode, then in a group of two;
@@ -113,7 +127,7 @@ static void check_same_as_alone(es_model * m, int32_t n_threads) {
     CHECK(es_decode_group(g, two, 2) == ES_OK);
     if (step) CHECK(memcmp(es_context_logits(ctx[3]), step, (size_t) nv * sizeof(float)) == 0);
     free(step);
-    for (int32_t k = 0; k < N_MEMBERS; k++) free(alone[k]);
+    for (int32_t k = 0; k < N_MEMBERS; k++) free(alone[k]), free(features[k]);
 done:
     es_group_free(g);
     for (int32_t k = 0; k < N_MEMBERS; k++) es_context_free(ctx[k]);
@@ -129,6 +143,13 @@ static void check_refusals(const char * path, es_model * m) {
     es_context * foreign = other ? new_context(other, 1, N_CTX, false) : NULL;
     es_context * embed = new_context(m, 1, N_CTX, true);
     es_context * longer = new_context(m, 1, 2 * N_CTX, false);
+    es_context_params np = es_context_default_params();
+    np.n_ctx = N_CTX;
+    np.n_batch = 4;
+    np.n_threads = 1;
+    es_context * narrow = NULL;   // keeps features: at most 4 rows
+    CHECK(es_context_init(m, &np, &narrow) == ES_OK);
+    es_context_keep_features(narrow, true);
     es_group_params gp = es_group_default_params();
     gp.n_batch = 8;
     gp.n_ctx = N_CTX;
@@ -139,7 +160,7 @@ static void check_refusals(const char * path, es_model * m) {
     es_group * bad = NULL;
     CHECK(es_group_init(m, &gp, &bad) == ES_ERR_INVALID_ARG && bad == NULL);
     CHECK(es_group_init(NULL, NULL, &bad) == ES_ERR_INVALID_ARG);
-    if (g && a && b && foreign && embed && longer) {
+    if (g && a && b && foreign && embed && longer && narrow) {
         es_token t[8];
         for (int32_t i = 0; i < 8; i++) t[i] = token_of(1, i, nv);
         CHECK(es_decode(a, t, NULL, 2, 2) == ES_OK);
@@ -170,8 +191,14 @@ static void check_refusals(const char * path, es_model * m) {
         s[1].n = 1;
         CHECK(es_decode_group(g, s, 2) == ES_OK);
         CHECK(es_context_n_past(a) == 4 && es_context_n_past(b) == 64);
+        s[1] = (es_group_seq) { .ctx = narrow, .tokens = t, .n = 6, .logits_from = 1 };
+        CHECK(es_decode_group(g, s, 2) == ES_ERR_INVALID_ARG);        // 5 feature rows, n_batch 4
+        s[1].logits_from = 2;
+        CHECK(es_decode_group(g, s, 2) == ES_OK);                     // 4 fit
+        CHECK(es_context_n_past(narrow) == 6 && es_context_embeddings(narrow) != NULL);
     }
     es_group_free(g);
+    es_context_free(narrow);
     es_context_free(longer);
     es_context_free(embed);
     es_context_free(foreign);

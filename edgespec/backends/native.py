@@ -3,7 +3,10 @@
 The weights run in C; the tokenizer and metadata come from llama.cpp's
 vocabulary-only load of the same file (``Vocab``), so tokens match the llama
 backend's exactly. Logits stay in the engine's buffer: ``decode`` returns the
-address of its first row.
+address of its first row. With ``keep_features(True)`` each evaluation also
+keeps the hidden states after the final norm of its logits rows (the input
+of the vocabulary projection, left in the engine's buffer at no cost):
+``features()`` returns them, the target features a draft head reads.
 
 Every token's logits are bit-identical whether it is evaluated alone, in a
 chain or in a draft tree (the engine is batch invariant), so speculative
@@ -113,6 +116,8 @@ class NativeContext(Owned):
 
     _free = lib.es_context_free
 
+    n_rows = 0   # logits rows (and features) of the last decode
+
     def __init__(self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int,
                  embeddings: bool = False):
         params = lib.es_context_default_params()
@@ -140,10 +145,21 @@ class NativeContext(Owned):
     def hidden(self, tokens: list[int], parents: list[int] | None) -> np.ndarray:
         """One es_decode on an embeddings context: the (n, n_embd) hidden states, a copy."""
         self._decode(tokens, parents, 0)
-        rows = lib.es_context_embeddings(self._ptr)
-        n_embd = self.model.n_embd
-        return np.frombuffer(ffi.buffer(rows, len(tokens) * n_embd * 4), dtype=np.float32).reshape(
-            len(tokens), n_embd).copy()
+        return self.states()
+
+    def keep_features(self, on: bool) -> None:
+        """Keep each decode's logits rows' hidden states (es_context_keep_features)."""
+        lib.es_context_keep_features(self._ptr, on)
+
+    def states(self) -> np.ndarray:
+        """The last decode's (n_rows, n_embd) hidden states after the final
+        norm (an embeddings context's, or the features a context keeps), a
+        copy; (0, n_embd) when it kept none."""
+        rows, n_embd = lib.es_context_embeddings(self._ptr), self.model.n_embd
+        if rows == ffi.NULL:
+            return np.zeros((0, n_embd), dtype=np.float32)
+        return np.frombuffer(ffi.buffer(rows, self.n_rows * n_embd * 4), dtype=np.float32).reshape(
+            self.n_rows, n_embd).copy()
 
     def _decode(self, tokens: list[int], parents: list[int] | None, logits_from: int) -> None:
         n = len(tokens)
@@ -153,6 +169,7 @@ class NativeContext(Owned):
         if status == lib.ES_ERR_CONTEXT_FULL:
             raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}")
         _check_decode(status, self.model, "es_decode")
+        self.n_rows = n - logits_from
 
     @property
     def logits(self) -> int:
@@ -213,6 +230,8 @@ class NativeGroup(Owned):
         if status == lib.ES_ERR_CONTEXT_FULL:
             raise ContextOverflowError("a group member's tokens do not fit its context")
         _check_decode(status, self.model, "es_decode_group")
+        for ctx, tokens, _, logits_from in members:
+            ctx.n_rows = len(tokens) - logits_from
         return [ctx.logits for ctx, *_ in members]
 
 
@@ -227,6 +246,7 @@ class NativeBackend(VocabMixin, Backend):
     _ctx = _model = _embed_ctx = _vocab = _group = None
     _contexts: list = []
     output_rows = 0   # restrict_output: the output layer's rows computed (0: all)
+    features_kept = False   # keep_features: every evaluation keeps its rows' hidden states
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
                  threads: int | None = None, n_seq: int = 1, slots: int = 1,
@@ -298,8 +318,39 @@ class NativeBackend(VocabMixin, Backend):
         return f"@{self.kernels}", experts + (f":rows-{self.output_rows}" if self.output_rows else "")
 
     def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
-        return NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
-                             embeddings=embeddings)
+        ctx = NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
+                            embeddings=embeddings)
+        if not embeddings:
+            ctx.keep_features(self.features_kept)
+        return ctx
+
+    def keep_features(self, on: bool = True) -> None:
+        """From the next evaluation on, keep beside the logits rows of every
+        slot's evaluations their hidden states after the final norm (the
+        target features of a draft head, EAGLE's): ``features`` returns them.
+        Off when opened; they cost nothing (the vocabulary projection's input,
+        left where it is; a group evaluation copies each slot's rows)."""
+        self._check_open()
+        self.features_kept = bool(on)
+        for ctx in self._contexts:
+            if ctx is not None:
+                ctx.keep_features(self.features_kept)
+
+    def features(self, slot: int | None = None) -> np.ndarray:
+        """The (n_rows, n_embd) float32 hidden states after the final norm of
+        the rows whose logits the selected slot's (or ``slot``'s) last
+        evaluation returned, in the same order (``decode``: ``tokens[logits_from:]``;
+        ``decode_tree`` and ``decode_group``: the root's, then the draft's), a
+        copy. Bit-identical to ``hidden_states`` of the same tokens after the
+        same cache, whatever the batch. InvalidArgumentError unless
+        ``keep_features`` is on."""
+        self._check_open()
+        if not self.features_kept:
+            raise InvalidArgumentError("the native backend keeps no features: call keep_features() first")
+        ctx = self._ctx if slot is None else self._contexts[slot] if 0 <= slot < self.n_slots else None
+        if ctx is None:
+            raise InvalidArgumentError(f"slot {slot} has no context (slots: {self.n_slots})")
+        return ctx.states()
 
     # -- primitives (base.Backend owns the protocol) -------------------------
 
