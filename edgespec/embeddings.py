@@ -30,17 +30,19 @@ def pooling(backend: Backend, model_ref: str) -> str:
     return kind
 
 
-def inputs_tokens(prompter: Prompter, inputs, *, truncate: bool = False) -> list[list[int]]:
+def inputs_tokens(prompter: Prompter, inputs, *, truncate: bool = False,
+                  n_ctx: int | None = None) -> list[list[int]]:
     """The token sequences for ``inputs``: a string, a list of strings, a
     list of token ids or a list of such lists (OpenAI's ``input``); with
-    ``truncate``, one longer than the context is cut to its first n_ctx
-    tokens (Ollama's default) instead of refused."""
+    ``truncate``, one longer than the context (``n_ctx``, at most the
+    backend's) is cut to its first n_ctx tokens (Ollama's default) instead
+    of refused."""
     if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and is_token(inputs[0])):
         inputs = [inputs]
     if not isinstance(inputs, (list, tuple)) or not inputs:
         raise InvalidArgumentError("input must be a non-empty string, list of strings, "
                                    "list of token ids or list of such lists")
-    n_ctx = prompter.backend.n_ctx
+    n_ctx = min(n_ctx or prompter.backend.n_ctx, prompter.backend.n_ctx)
     out = []
     for i, item in enumerate(inputs):
         if isinstance(item, str):

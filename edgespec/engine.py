@@ -358,13 +358,14 @@ class Engine:
 
     # -- embeddings ---------------------------------------------------------------
 
-    def embedding_inputs(self, inputs, *, truncate: bool = False) -> list[list[int]]:
+    def embedding_inputs(self, inputs, *, truncate: bool = False, n_ctx: int | None = None) -> list[list[int]]:
         """The token sequences ``embed`` evaluates for ``inputs``: a string, a
         list of strings, a list of token ids or a list of such lists (OpenAI's
-        ``input``); with ``truncate``, one longer than the context is cut to
-        its first n_ctx tokens (Ollama's default) instead of refused.
-        Thread-safe; it does not wait for a running generation."""
-        return embeddings.inputs_tokens(self.prompter, inputs, truncate=truncate)
+        ``input``); with ``truncate``, one longer than the context (``n_ctx``,
+        at most the engine's) is cut to its first n_ctx tokens (Ollama's
+        default) instead of refused. Thread-safe; it does not wait for a
+        running generation."""
+        return embeddings.inputs_tokens(self.prompter, inputs, truncate=truncate, n_ctx=n_ctx)
 
     @property
     def pooling(self) -> str:

@@ -331,7 +331,9 @@ class EnginePool:
                 if self._closed:
                     engine.close()
                     raise EngineBusyError("the pool is closed")
-                entry.engine, entry.bytes = engine, need
+                # A model loaded afresh: no expiry or keep_alive left from before it
+                # was unloaded (an unload request's 0 would unload it again at once).
+                entry.engine, entry.bytes, entry.expires, entry.keep_alive = engine, need, None, None
                 return self._take(entry)
 
     def _take(self, entry: _Entry) -> _Entry:

@@ -105,7 +105,7 @@ def test_an_option_the_server_cannot_honour_is_refused_naming_it(fim, options, w
     assert e.value.status_code == 400 and words in str(e.value)
 
 
-@pytest.mark.parametrize("field, value", [("think", True), ("shift", True), ("truncate", True),
+@pytest.mark.parametrize("field, value", [("think", True), ("shift", "yes"), ("truncate", True),
                                           ("keep_alive", "soon"), ("logprobs", "yes"), ("top_logprobs", 21)])
 def test_a_field_the_server_cannot_honour_is_refused_naming_it(fim, field, value):
     server, _ = fim
@@ -119,6 +119,21 @@ def test_inert_options_are_taken(fim):
                "num_thread": engine.backend.threads, "num_gpu": -1, "use_mmap": True}
     out = _client(server).generate("tiny", "hi", raw=True, options=options)
     assert out.response == engine.generate("hi", max_tokens=4, **GREEDY).text
+
+
+def test_a_full_context_is_shifted_as_ollama_does_unless_shift_is_false(fim):
+    server, engine = fim
+    greedy = {**GREEDY, "repeat_penalty": 1.0}
+    p = len(engine.tokenize("hi"))
+    body = {"model": "tiny", "prompt": "hi", "raw": True, "stream": False,
+            "options": {**greedy, "num_predict": 200, "num_keep": 2}}
+    shifted = engine.generate("hi", max_tokens=200, context_shift=True, n_keep=2, **greedy)
+    assert shifted.stats.context_shifts >= 1
+    out = json.loads(request(server, "POST", "/api/generate", body)[2])
+    assert out["response"] == shifted.text and out["eval_count"] == shifted.stats.n_tokens
+    plain = engine.generate("hi", max_tokens=200, **greedy)
+    out = json.loads(request(server, "POST", "/api/generate", {**body, "shift": False})[2])
+    assert out["response"] == plain.text and out["eval_count"] <= 128 - p
 
 
 def test_num_ctx_runs_in_a_slot_of_that_context(fim):
@@ -184,10 +199,57 @@ def test_keep_alive_unloads_and_ps_shows_the_expiry(tiny_fim_qwen2_path):
             stop(server, thread)
 
 
+def test_load_and_unload_requests_leave_the_model_as_the_last_one_said(tiny_fim_qwen2_path):
+    """An unload, an unload of the unloaded model, then a load with 10m: the
+    model is loaded and /api/ps shows it with its expiry (was: loaded, then
+    unloaded at once by the unload's keep_alive 0, and ps empty)."""
+    with EnginePool([str(tiny_fim_qwen2_path)], backend="native", threads=1, n_ctx=128, drafter="none") as pool:
+        server, thread = start(pool)
+        client = _client(server)
+        name = pool.default
+        try:
+            client.generate(name, "hi", options={"num_predict": 2})
+            for _ in range(2):
+                assert client.generate(name, "", keep_alive=0).done_reason == "unload"
+                assert client.ps().models == []
+            assert client.generate(name, "", keep_alive="10m").done_reason == "load"
+            (loaded,) = client.ps().models
+            assert 590 < loaded.expires_at.timestamp() - time.time() <= 600
+            assert client.chat(name, [], keep_alive=0).done_reason == "unload"
+            client.generate(name, "hi", options={"num_predict": 2})   # a load by a request of its own
+            time.sleep(0.3)
+            assert pool.loaded(name) and len(client.ps().models) == 1   # not unloaded by the old keep_alive 0
+        finally:
+            stop(server, thread)
+
+
 def test_a_server_over_one_engine_cannot_unload_it(fim):
     server, _ = fim
     with pytest.raises(ollama.ResponseError, match="cannot unload"):
         _client(server).generate("tiny", "", keep_alive=0)
+
+
+# What LangChain's OllamaEmbeddings sends as options, every field unset: null.
+LANGCHAIN_EMBED_OPTIONS = dict.fromkeys(["mirostat", "mirostat_eta", "mirostat_tau", "num_ctx", "num_gpu",
+                                         "num_thread", "repeat_last_n", "repeat_penalty", "temperature", "stop",
+                                         "tfs_z", "top_k", "top_p"])
+
+
+def test_embed_takes_ollamas_options_as_langchain_sends_them(fim):
+    server, engine = fim
+    client = _client(server)
+    out = client.embed("tiny", "hello there", options=LANGCHAIN_EMBED_OPTIONS)
+    assert np.allclose(out.embeddings[0], engine.embed("hello there")[0], atol=1e-5)
+    long_text = "hello there " * 100
+    cut = client.embed("tiny", long_text, options={**LANGCHAIN_EMBED_OPTIONS, "num_ctx": 32, "temperature": 0.5})
+    assert cut.prompt_eval_count == 32   # num_ctx applies; a sampling option means nothing here
+    assert np.allclose(cut.embeddings[0], engine.embed([engine.tokenize(long_text)[:32]])[0], atol=1e-5)
+    with pytest.raises(ollama.ResponseError, match="context holds 32"):
+        client.embed("tiny", long_text, truncate=False, options={"num_ctx": 32})
+    with pytest.raises(ollama.ResponseError, match="not an option"):
+        client.embed("tiny", "hi", options={"flux_capacitor": 1})
+    legacy = client.embeddings("tiny", "hello there", options=LANGCHAIN_EMBED_OPTIONS)
+    assert np.allclose(legacy.embedding, out.embeddings[0], atol=1e-5)
 
 
 def test_embeddings_truncate_and_dimensions(fim):

@@ -17,8 +17,10 @@ before anything is allocated when memory or the budget cannot hold it); the
 server's own settings (num_thread, num_batch, num_gpu) may be named at their
 value; options whose one value here is what the server does (mirostat 0,
 typical_p 1, use_mmap true, ...) are taken at it; mirostat_tau, mirostat_eta
-and num_keep tune only what the server never does and are taken (see
-docs/server.md). ``keep_alive`` (seconds or "5m"; 0 unloads, a negative
+tune only what the server never does and are taken (see docs/server.md).
+A full context is shifted as Ollama does (``shift``, default true: the
+prompt's first ``num_keep`` tokens, default 4, are kept, the oldest half of
+the rest dropped; ``shift: false`` ends the generation there). ``keep_alive`` (seconds or "5m"; 0 unloads, a negative
 value keeps the model loaded) sets when an idle model unloads; /api/ps shows
 that time. ``logprobs`` / ``top_logprobs`` as Ollama's. ``format`` ("json"
 or a JSON schema) constrains the output through the grammar engine.
@@ -31,9 +33,11 @@ the text between ``prompt`` and it (fill-in-the-middle, as editors send for
 code completion) from the model's own FIM tokens; the chat template, ``system``
 and ``raw`` play no part then, and a model without FIM tokens is refused.
 ``raw`` prompts read special-token text as those tokens, as Ollama's do.
-``images`` (these models read text only), ``template``, ``context``, think,
-shift and truncate (on generations) are refused with a 400 naming the field.
-/api/embed takes ``truncate`` (default true) and ``dimensions``.
+``images`` (these models read text only), ``template``, ``context``, think
+and truncate (on generations) are refused with a 400 naming the field.
+/api/embed takes ``truncate`` (default true), ``dimensions`` and ``options``
+(``num_ctx`` applied; null values and the generation options, which mean
+nothing for embeddings, taken without effect, as Ollama does).
 Durations are nanoseconds; the final object also carries ``edgespec``
 (drafter, tokens/s, estimated_speedup, speculative stats).
 """
@@ -75,17 +79,17 @@ WHOLE = ("top_k", "repeat_last_n", "seed", "num_predict", "num_ctx")   # options
 FIXED = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0, "penalize_newline": True, "use_mmap": True,
          "use_mlock": False, "numa": False, "low_vram": False, "vocab_only": False, "f16_kv": True,
          "logits_all": False, "embedding_only": False, "main_gpu": 0}
-# Options that tune only what this server never does (mirostat, which is off; shifting a full
-# context, which ends the generation instead): taken, changing nothing.
-INERT = ("mirostat_tau", "mirostat_eta", "num_keep")
+# Options that tune only what this server never does (mirostat, which is off): taken, changing nothing.
+INERT = ("mirostat_tau", "mirostat_eta")
+NUM_KEEP = 4   # Ollama's default num_keep: the prompt tokens a context shift keeps
 # The server's own settings: a request may name them at the value they have (or Ollama's "auto").
 SERVER = {"num_thread": (lambda e: e.backend.threads, 0, "--threads"),
           "num_batch": (lambda e: e.backend.n_batch, None, None),
           "num_gpu": (lambda e: e.config.gpu_layers, -1, "--gpu-layers")}
 UNSERVED = ("template", "context", "width", "height", "steps")   # a 400 naming them unless empty
 # Fields this server serves only at one value (what it does): think off (no reasoning models),
-# no context shifting (a full context ends the generation), no prompt truncation (a 400 instead).
-ONLY = {"think": False, "shift": False, "truncate": False}
+# no prompt truncation (a 400 instead).
+ONLY = {"think": False, "truncate": False}
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 PULL_REPORT_S = 0.25      # at most this often a progress line while pulling
 
@@ -266,6 +270,8 @@ def _options(body: dict, runner) -> dict:
             out["max_tokens"] = value
         elif key == "num_ctx":
             out["n_ctx"] = value
+        elif key == "num_keep":
+            out["n_keep"] = value
         elif key == "stop":
             if not (isinstance(value, list) and len(value) <= fields.MAX_STOP
                     and all(isinstance(s, str) and s for s in value)):
@@ -283,6 +289,11 @@ def _options(body: dict, runner) -> dict:
     except InvalidArgumentError as e:
         raise _bad(f"options: {e}")
     out.update(_logprobs(body))
+    shift = body.get("shift", True)   # Ollama shifts a full context by default
+    if not isinstance(shift, bool):
+        raise _bad("shift must be a boolean")
+    out["context_shift"] = shift
+    out.setdefault("n_keep", NUM_KEEP)
     return out
 
 
@@ -422,13 +433,7 @@ def _keep_alive(body: dict, runner) -> float | None:
 async def _load(runner, keep_alive: float | None) -> str:
     """Ollama's request without a prompt: the model loaded (kept for
     ``keep_alive``), or unloaded with keep_alive 0; the done_reason."""
-    if keep_alive == 0:
-        await anyio.to_thread.run_sync(runner.pool.expire, runner.name, 0)
-        return "unload"
-    await runner.ready()
-    if runner.pool is not None:
-        runner.pool.expire(runner.name, keep_alive)
-    return "load"
+    return "load" if await runner.keep(keep_alive) else "unload"
 
 
 def _calls_in(m: dict, i: int) -> list[dict]:
@@ -761,24 +766,43 @@ async def embed(request: Request):
     dimensions = body.get("dimensions")
     if dimensions is not None and not (is_int(dimensions) and dimensions > 0):
         raise _bad(f"dimensions must be an integer > 0, got {show(dimensions)}")
-    if body.get("options") not in (None, {}):
-        raise _bad(f"options do not apply to embeddings here (got {', '.join(map(str, body['options']))[:80]})")
+    n_ctx = _embed_options(body)
     keep_alive = _keep_alive(body, runner)
     t0 = time.perf_counter()
     vectors, n_tokens = await anyio.to_thread.run_sync(
-        lambda: runner.embed(inputs, truncate=truncate, dimensions=dimensions, keep_alive=keep_alive))
+        lambda: runner.embed(inputs, truncate=truncate, dimensions=dimensions, keep_alive=keep_alive, n_ctx=n_ctx))
     note(request, f"{len(vectors)} embeddings, {n_tokens} tokens")
     return JSONResponse({"model": model, "embeddings": vectors.tolist(),
                          "total_duration": int((time.perf_counter() - t0) * 1e9), "load_duration": 0,
                          "prompt_eval_count": n_tokens})
 
 
+def _embed_options(body: dict) -> int | None:
+    """An embeddings request's ``options``: ``num_ctx`` (the context its inputs
+    are cut to or checked against; None: the server's); null values and the
+    generation options, which mean nothing for embeddings, are taken without
+    effect, as Ollama takes them (LangChain's OllamaEmbeddings sends them all);
+    an option Ollama does not have is refused."""
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("options must be an object")
+    known = {*DEFAULTS, *WHOLE, *FIXED, *INERT, *SERVER, "num_keep", "stop", "num_gpu", "num_thread"}
+    for key, value in opts.items():
+        if value is not None and key not in known:
+            raise _bad(f"option {show(key)} is not an option this server knows (docs/server.md lists them)")
+    n_ctx = opts.get("num_ctx")
+    if n_ctx is not None and not (is_int(n_ctx) and n_ctx > 0):
+        raise _bad(f"option num_ctx must be an integer > 0, got {show(n_ctx)}")
+    return n_ctx
+
+
 async def embeddings_legacy(request: Request):
-    """The older endpoint: ``prompt`` (one string) -> ``embedding``."""
+    """The older endpoint: ``prompt`` (one string) -> ``embedding``; ``options`` as /api/embed's."""
     body = await read_json(request)
     runner = pick_runner(request, _model(body))
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise _bad("prompt must be a non-empty string")
-    vectors, _ = await anyio.to_thread.run_sync(runner.embed, prompt)
+    n_ctx = _embed_options(body)
+    vectors, _ = await anyio.to_thread.run_sync(lambda: runner.embed(prompt, n_ctx=n_ctx))
     return JSONResponse({"embedding": vectors[0].tolist()})

@@ -117,6 +117,7 @@ class Runner:
         self.cache: dict = {}            # facts about the model endpoints compute once
         self.stopping = False            # set on shutdown: generations end at their next piece
         self._tokenizing = 0             # prompts being tokenized outside the lock
+        self._keeping = anyio.Lock()      # load and unload requests, in order
         self._tokenizers_done = threading.Condition()
 
     @property
@@ -136,6 +137,21 @@ class Runner:
         """Load the model, in a worker thread, if it is not loaded."""
         if not self.loaded:
             await anyio.to_thread.run_sync(lambda: self.engine)
+
+    async def keep(self, keep_alive: float | None) -> bool:
+        """Ollama's request without a prompt: load the model and keep it for
+        ``keep_alive`` seconds once idle (None: the server's), or unload it
+        with 0. Such requests for one model take effect in the order they
+        came. Returns whether the model is loaded now."""
+        async with self._keeping:
+            if keep_alive == 0:
+                await anyio.to_thread.run_sync(self.pool.expire, self.name, 0)
+            elif self.pool is not None:
+                def load():
+                    with self.lease(keep_alive):   # loaded, and its expiry set from now, in one lease
+                        pass
+                await anyio.to_thread.run_sync(load)
+        return self.loaded
 
     @property
     def model_path(self):
@@ -166,11 +182,12 @@ class Runner:
         return self.engine.backend.n_ctx
 
     def embed(self, inputs, *, truncate: bool = False, dimensions: int | None = None,
-              keep_alive: float | None = None) -> tuple[list, int]:
+              keep_alive: float | None = None, n_ctx: int | None = None) -> tuple[list, int]:
         """(vectors, prompt tokens) of an embeddings request's ``input``, in the
         calling (worker) thread; the engine runs it between generations.
-        ``truncate``: inputs longer than the context are cut to it;
-        ``dimensions``: the vectors' first so many, at unit length again."""
+        ``truncate``: inputs longer than the context (``n_ctx``, at most the
+        engine's) are cut to it; ``dimensions``: the vectors' first so many,
+        at unit length again."""
         if isinstance(inputs, list) and len(inputs) > MAX_EMBED_INPUTS:
             raise ApiError(400, f"input holds {len(inputs)} items; at most {MAX_EMBED_INPUTS}", param="input")
         with self._tokenizer(), self.lease(keep_alive) as engine:
@@ -178,7 +195,7 @@ class Runner:
                 raise ApiError(400, f"dimensions must be in [1, {engine.backend.n_embd}] for this model, got "
                                f"{dimensions}", param="dimensions")
             try:
-                sequences = engine.embedding_inputs(inputs, truncate=truncate)
+                sequences = engine.embedding_inputs(inputs, truncate=truncate, n_ctx=n_ctx)
                 vectors = engine.embed(sequences, dimensions=dimensions)
             except ContextOverflowError as e:
                 raise ApiError(400, str(e), param="input", code="context_length_exceeded")
