@@ -464,3 +464,26 @@ def test_cli_models_add_and_remove(tiny_llama_path, home):   # noqa: F811
     assert cli("models", "remove", "mytiny").returncode == 0 and tiny_llama_path.is_file()
     out = cli("models", "add", "mytiny", str(home / "missing.gguf"))
     assert out.returncode == 2 and "no model file" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_probs_on_completion_gives_each_tokens_probabilities(fim, stream):
+    server, engine = fim
+    body = {"prompt": "hello there", "n_predict": 6, "temperature": 0, "n_probs": 3, "stream": stream}
+    status, _, data = request(server, "POST", "/completion", body)
+    assert status == 200
+    if stream:
+        chunks = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: ")]
+        probs = [p for c in chunks for p in c.get("completion_probabilities", [])]
+        text = "".join(c["content"] for c in chunks)
+    else:
+        out = json.loads(data)
+        probs, text = out["completion_probabilities"], out["content"]
+    want = engine.generate("hello there", max_tokens=6, temperature=0, logprobs=3, parse_special=True)
+    assert text == want.text and [p["id"] for p in probs] == want.tokens
+    for p, lp in zip(probs, want.logprobs):
+        assert p["logprob"] == pytest.approx(lp.logprob, abs=1e-5) and len(p["top_logprobs"]) == 3
+        assert p["top_logprobs"][0]["logprob"] >= p["top_logprobs"][-1]["logprob"]
+        assert bytes(p["bytes"]) == engine.backend.piece(p["id"])
+    status, _, data = request(server, "POST", "/completion", {**body, "n_probs": 21})
+    assert status == 400 and "n_probs" in json.loads(data)["error"]["message"]

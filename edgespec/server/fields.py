@@ -173,6 +173,15 @@ def _token(engine, token: int) -> tuple[str, list[int]]:
     return raw.decode("utf-8", "replace"), list(raw)
 
 
+def token_probabilities(engine, lps) -> list[dict]:
+    """llama-server's ``completion_probabilities`` (n_probs): per token its
+    id, text, bytes and logprob, and the most likely alternatives as ``top_logprobs``."""
+    def entry(token: int, logprob: float) -> dict:
+        text, raw = _token(engine, token)
+        return {"id": token, "token": text, "bytes": raw, "logprob": logprob}
+    return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
 def chat_logprobs(engine, lps) -> dict:
     """Chat completions' ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     content = []

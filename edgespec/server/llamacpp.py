@@ -56,7 +56,7 @@ SAMPLERS = {"penalties": {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequ
             "temperature": {"temperature": 1.0}, "infill": {}}
 # llama-server's options edgespec does not have, at the value that turns them off.
 NEUTRAL = {"typical_p": 1.0, "xtc_probability": 0.0, "dry_multiplier": 0.0, "mirostat": 0, "top_n_sigma": -1.0,
-           "dynatemp_range": 0.0, "n_probs": 0, "min_keep": 0, "n_keep": 0, "n_discard": 0, "n_cmpl": 1, "n": 1,
+           "dynatemp_range": 0.0, "min_keep": 0, "n_keep": 0, "n_discard": 0, "n_cmpl": 1, "n": 1,
            "id_slot": -1, "timings_per_token": False, "post_sampling_probs": False, "return_progress": False,
            "lora": []}
 # llama-server's names of neutral sampler types (samplers may list them if their option is neutral).
@@ -131,6 +131,12 @@ def options(body: dict, n_ctx: int) -> dict:
     if grammar is not None:
         opts["grammar"] = grammar
     opts.update(fields.logit_bias(body))
+    n_probs = body.get("n_probs")
+    if n_probs is not None:
+        if not (is_int(n_probs) and 0 <= n_probs <= fields.MAX_TOP_LOGPROBS):
+            raise bad("n_probs", f"n_probs must be an integer in [0, {fields.MAX_TOP_LOGPROBS}], got {show(n_probs)}")
+        if n_probs:
+            opts["logprobs"] = n_probs
     return opts
 
 
@@ -357,7 +363,9 @@ def _final(request: Request, job: Job, text: str, limits: Limits, warm_only: boo
         timings.update(draft_n=s.spec.drafted, draft_n_accepted=s.spec.accepted)
     note(request, f"{s.n_tokens} tokens {s.tokens_per_s:.1f} tok/s")
     opts = job.completion.options
-    return {"index": 0, "content": text, "tokens": r.tokens[:predicted] if return_tokens else [],
+    probabilities = {} if r.logprobs is None else \
+        {"completion_probabilities": fields.token_probabilities(job.runner.engine, r.logprobs[:predicted])}
+    return {**probabilities, "index": 0, "content": text, "tokens": r.tokens[:predicted] if return_tokens else [],
             "id_slot": s.slot, "stop": True, "model": job.runner.name, "tokens_predicted": predicted,
             "tokens_evaluated": s.prompt_tokens,
             "generation_settings": {k: opts[k] for k in (*DEFAULTS, "max_tokens") if k in opts} | {"seed": s.seed},
@@ -375,6 +383,7 @@ async def _events(request: Request, job: Job, limits: Limits, paths, warm_only: 
     """A chunk per piece ({content, stop: false, ...}), then the final object
     (stop: true); a failure is an error event."""
     n = 0
+    sent = 0   # completion_probabilities entries sent (n_probs)
     try:
         async for piece in stream_pieces(request, job):
             if isinstance(piece, ApiError):
@@ -387,12 +396,19 @@ async def _events(request: Request, job: Job, limits: Limits, paths, warm_only: 
                 job.close()
             n += 1
             if text:
-                yield _event(_picked({"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1,
-                                      "tokens_predicted": n, "tokens_evaluated": 0}, paths))
+                chunk = {"index": 0, "content": text, "tokens": [], "stop": False, "id_slot": -1,
+                         "tokens_predicted": n, "tokens_evaluated": 0}
+                if job.completion.options.get("logprobs") is not None:
+                    new = job.logprobs[sent:]
+                    sent += len(new)
+                    chunk["completion_probabilities"] = fields.token_probabilities(job.runner.engine, new)
+                yield _event(_picked(chunk, paths))
         if job.client_gone:
             return
         tail = "" if warm_only else limits.finish()
         final = _final(request, job, tail, limits, warm_only, return_tokens)
+        if "completion_probabilities" in final:   # the stream sent those of its chunks already
+            final["completion_probabilities"] = final["completion_probabilities"][sent:]
         yield _event(_picked(final, paths))
     finally:
         job.close()
