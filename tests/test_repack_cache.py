@@ -249,18 +249,23 @@ def test_what_is_not_this_users_own_regular_file_is_left_alone(home, q4k_model, 
     assert (after.st_mode, after.st_ino, after.st_uid) == (before.st_mode, before.st_ino, before.st_uid)
 
 
-# The digest of packed_file.c, mirrored: four multiply-xor lanes over the
-# weights' 64-bit words, then SipHash-2-4 over the lanes and the length.
+# The digest of packed_file.c, mirrored: 16 multiply-xor lanes over the
+# weights' 32-bit words, then SipHash-2-4 over the lanes and the length.
 M64 = (1 << 64) - 1
+LANES = 16
 
 
 def _lanes(words: np.ndarray, seeds: list[int]) -> list[int]:
-    h = np.array(seeds, dtype=np.uint64)
+    """The lanes' end values as 64-bit words: word i goes to lane i % LANES."""
+    h = np.array(seeds, dtype=np.uint32)
+    whole = len(words) // LANES * LANES
+    tail = np.zeros(LANES, dtype=np.uint32)
+    tail[:len(words) - whole] = words[whole:]
     with np.errstate(over="ignore"):
-        for row in words.reshape(-1, 4):
-            h = (h ^ row) * np.uint64(0xff51afd7ed558ccd)
-            h ^= h >> np.uint64(29)
-    return [int(x) for x in h]
+        for row, lanes in [*((r, LANES) for r in words[:whole].reshape(-1, LANES)), (tail, len(words) - whole)]:
+            h[:lanes] = (h[:lanes] ^ row[:lanes]) * np.uint32(0x85ebca6b)
+            h[:lanes] ^= h[:lanes] >> np.uint32(15)
+    return np.frombuffer(h.tobytes(), dtype="<u8").tolist()
 
 
 def _siphash(k0: int, k1: int, words: list[int]) -> int:
@@ -287,14 +292,15 @@ def _siphash(k0: int, k1: int, words: list[int]) -> int:
 
 def keyed_digest(secret: bytes, weights: bytes) -> int:
     k = np.frombuffer(secret, dtype="<u8").tolist()
-    seeds = [k[2] ^ 0x9e3779b97f4a7c15, k[3] ^ 0xbf58476d1ce4e5b9, k[2] ^ 0x94d049bb133111eb, k[3] ^ 0x2545f4914f6cdd1d]
-    return _siphash(k[0], k[1], [*_lanes(np.frombuffer(weights, dtype="<u8"), seeds), len(weights)])
+    seed = np.frombuffer(secret[16:], dtype="<u4").tolist()
+    seeds = [seed[i % 4] ^ ((0x9e3779b9 * (i + 1)) & 0xffffffff) for i in range(LANES)]
+    return _siphash(k[0], k[1], [*_lanes(np.frombuffer(weights, dtype="<u4"), seeds), len(weights)])
 
 
 def plain_digest(weights: bytes) -> int:
-    """The digest packs had before it was keyed (fixed lanes, FNV-1a)."""
-    lanes = _lanes(np.frombuffer(weights, dtype="<u8"),
-                   [0x9e3779b97f4a7c15, 0xbf58476d1ce4e5b9, 0x94d049bb133111eb, 0x2545f4914f6cdd1d])
+    """A digest anyone can compute (the lanes from fixed seeds, FNV-1a over
+    them), as packs had before theirs was keyed."""
+    lanes = _lanes(np.frombuffer(weights, dtype="<u4"), [(0x9e3779b9 * (i + 1)) & 0xffffffff for i in range(LANES)])
     h = len(weights)
     for byte in np.array(lanes, dtype="<u8").tobytes():
         h = ((h ^ byte) * 0x100000001b3) & M64
