@@ -109,8 +109,6 @@ def repack(args) -> int:
 
     from edgespec.capi import lib
     from edgespec.models import registry
-    from test_repack_cache import HEADER, keyed_digest, plain_digest
-
     model = registry.resolve(args.model)
     # One load in a process of its own: where its weights came from, its notices.
     load = ("import sys\nfrom edgespec.cli import _show_notices\nfrom edgespec.backends.native import NativeModel\n"
@@ -135,7 +133,7 @@ def repack(args) -> int:
             run()
             [pack] = (tmp / "home" / registry.REPACKED_DIR).glob("*.pack")
             part = pack.with_name(pack.name + ".part-999999999-abcdef")
-            _repack_fault(kind, pack, part, gguf_path, tmp, HEADER, keyed_digest, plain_digest)
+            _repack_fault(kind, pack, part, gguf_path, tmp)
             t0 = time.perf_counter()
             try:
                 source, notices = run()
@@ -149,20 +147,14 @@ def repack(args) -> int:
     return 1 if failures else 0
 
 
-def _repack_fault(kind, pack, part, gguf_path, tmp, header, keyed_digest, plain_digest) -> None:
+def _repack_fault(kind, pack, part, gguf_path, tmp) -> None:
     """Puts fault ``kind`` at the repack cache file ``pack`` (of ``gguf_path``)."""
     import os
 
-    if kind == "symlink":
-        os.replace(pack, tmp / "elsewhere.pack")
-        pack.symlink_to(tmp / "elsewhere.pack")
-    elif kind == "fifo":
-        pack.unlink()
-        os.mkfifo(pack)
-    elif kind == "group-writable":
-        pack.chmod(0o664)
-    elif kind == "another user's":
-        os.chown(pack, os.geteuid() + 1000, -1)
+    from test_repack_cache import HEADER, keyed_digest, plain_digest, put_foreign
+
+    if kind in REPACK_FAULTS[:4]:
+        put_foreign(pack, kind, tmp)
     elif kind == "cut short":
         with open(pack, "r+b") as f:
             f.truncate(pack.stat().st_size - 4096)
@@ -178,9 +170,9 @@ def _repack_fault(kind, pack, part, gguf_path, tmp, header, keyed_digest, plain_
         part.write_bytes(b"half")
     else:   # a flipped weight, with the digest left, or recomputed without the secret
         data = bytearray(pack.read_bytes())
-        data[header + 100] ^= 0x01
+        data[HEADER + 100] ^= 0x01
         if kind != "flipped weight":
-            weights = bytes(data[header:])
+            weights = bytes(data[HEADER:])
             digest = plain_digest(weights) if kind == "plain digest" else keyed_digest(bytes(32), weights)
             data[32:40] = digest.to_bytes(8, "little")
         pack.write_bytes(bytes(data))

@@ -206,8 +206,9 @@ def test_weights_changed_in_place_with_their_times_restored_are_repacked(home, t
     assert np.array_equal(got, run(path, "memory")[1])
 
 
-def _foreign(pack, kind: str, tmp_path) -> None:
-    """Puts what ``kind`` names at ``pack``'s path (the whole file elsewhere)."""
+def put_foreign(pack, kind: str, tmp_path) -> None:
+    """Puts what ``kind`` names at ``pack``'s path (the whole file elsewhere in
+    tmp_path): "symlink", "fifo", "group-writable" or "another user's"."""
     if kind == "symlink":
         os.replace(pack, tmp_path / "elsewhere.pack")
         pack.symlink_to(tmp_path / "elsewhere.pack")
@@ -230,7 +231,7 @@ def test_what_is_not_this_users_own_regular_file_is_left_alone(home, q4k_model, 
     and does not hang it."""
     _, expected = run(q4k_model)
     pack = packs(home)[0]
-    _foreign(pack, kind, tmp_path)
+    put_foreign(pack, kind, tmp_path)
     before = pack.lstat()
     code = (f"import numpy, sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
             "from edgespec.cli import _show_notices\n"

@@ -116,8 +116,9 @@ static uint64_t weights_digest(const uint8_t * secret, const void * data, size_t
 uint64_t es__packed_source(const es_gguf * g, const char * path) {
     // The file as the system knows it (a replaced or rewritten file changes
     // these; its ctime, which no user can set, changes with every write even
-    // where the mtime is set back, as rsync --inplace -t does), its whole header (metadata and tensor table), and samples of
-    // its tensor data (a copy with the same size and times but other weights).
+    // where the mtime is set back, as rsync --inplace -t does), its whole
+    // header (metadata and tensor table), and samples of its tensor data (a
+    // copy with the same size and times but other weights).
     // The samples are read, not touched through the mapping: a fault there
     // maps the page cache's whole folio around it (megabytes of experts an
     // expert cache keeps out of the process).
@@ -185,7 +186,8 @@ int es__packed_file_begin(const char * path, size_t bytes, es_packed_writer * w,
     *w = (es_packed_writer) { .fd = -1 };
     *weights = NULL;
     // mkstemp fills in the X's; a path too long for the name is the caller's error.
-    if (snprintf(w->part, sizeof w->part, "%s.part-%ld-XXXXXX", path, (long) getpid()) >= (int) sizeof w->part) return ES_ERR_INVALID_ARG;
+    const int n = snprintf(w->part, sizeof w->part, "%s.part-%ld-XXXXXX", path, (long) getpid());
+    if (n >= (int) sizeof w->part) return ES_ERR_INVALID_ARG;
     w->fd = mkstemp(w->part);
     if (w->fd < 0) return ES_ERR_IO;
     w->size = HEADER_BYTES + bytes;

@@ -577,8 +577,10 @@ static int check_merges(checker * c, const char * model, const vocab_index * v) 
         }
         memcpy(joined, s, (size_t) left);
         memcpy(joined + left, sp + 1, (size_t) right);
-        const char * missing = !vocab_has(v, s, left) ? "its left part" : !vocab_has(v, sp + 1, right) ? "its right part"
-                             : !vocab_has(v, joined, left + right) ? "the two parts joined" : NULL;
+        const char * missing = !vocab_has(v, s, left)                ? "its left part"
+                             : !vocab_has(v, sp + 1, right)          ? "its right part"
+                             : !vocab_has(v, joined, left + right)   ? "the two parts joined"
+                                                                     : NULL;
         if (missing) {
             rc = fail(c, "tokenizer.ggml.merges: merge %llu '%s' names a token the vocabulary lacks (%s)",
                       (unsigned long long) i, quoted(s, (size_t) len, buf), missing);
