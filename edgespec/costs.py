@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,12 +175,15 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
     if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
             and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
         return entry[field]
+    unsaved = _cannot_save(path)
     if notice:
-        log.info("measuring %s (once for this machine; cached in %s)", notice, path)
+        log.info("measuring %s (%s)", notice, f"once for this machine; cached in {path}" if unsaved is None
+                 else f"once per process: cannot save to {path}: {unsaved}")
+        if unsaved is not None:
+            _said_unsaved.add(path)
     value = measure()
     table[key] = {field: value, "load": round(load, 3)}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(table, indent=1).encode())
         _unsaved.pop((path, key), None)
     except OSError as e:
@@ -189,6 +193,19 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
             log.info("cannot save this machine's measurements to %s (%s): each process measures them "
                      "again", path, e.strerror or e)
     return value
+
+
+def _cannot_save(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (a read-only or full cache,
+    its folder not made), else None; the folder is made on the way."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
 
 
 def batch_costs(backend, *, remeasure: bool = False) -> list[float]:

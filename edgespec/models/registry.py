@@ -225,8 +225,8 @@ def prune_repacked(*, max_bytes: int | None = None, keep: str = "") -> int:
     now, freed, total, evictable = time.time(), 0, 0, []
     try:
         names = os.listdir(folder)
-    except FileNotFoundError:
-        return 0
+    except OSError:
+        return 0   # no folder yet, or one this user cannot read: nothing to prune
     for name in names:
         f = folder / name
         try:
