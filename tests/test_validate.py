@@ -84,12 +84,14 @@ def _patched(data: bytes, offset: int, new: bytes) -> bytes:
 
 
 def _rewrite(src: Path, dst: Path, *, n_vocab: int | None = None,
-             change: tuple[str, Callable[[np.ndarray], np.ndarray]] | None = None) -> Path:
+             change: tuple[str, Callable[[np.ndarray], np.ndarray]] | None = None,
+             merges: Callable[[list], list] | None = None) -> Path:
     """src copied through gguf-py, a well-formed file: with n_vocab, its
     vocabulary cut to the first n_vocab tokens (merges of kept tokens only,
     embedding rows to match), a small model that loads fast; with change =
     (name, fn), tensor `name` (a float tensor) replaced by fn(its values),
-    stored in fn's dtype."""
+    stored in fn's dtype; with merges, the merges (bytes) replaced by
+    merges(them)."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(str(dst), bytes(r.fields["general.architecture"].parts[-1]).decode())
     keep = None
@@ -106,6 +108,8 @@ def _rewrite(src: Path, dst: Path, *, n_vocab: int | None = None,
             value = [m for m in value if all(p in keep for p in (*m.split(b" ", 1), m.replace(b" ", b"", 1)))]
         elif keep is not None and key.endswith(".vocab_size"):
             value = n_vocab
+        if merges is not None and key == "tokenizer.ggml.merges":
+            value = merges(value)
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, value, field.types[0], sub_type)
     for t in r.tensors:
@@ -135,8 +139,32 @@ def rewritten(tiny_llama_path, tmp_path_factory) -> dict[str, bytes]:
     directory = tmp_path_factory.mktemp("rewritten")
     changes = {"norm-f16": ("blk.0.attn_norm.weight", lambda w: w.astype(np.float16)),
                "shape-mismatch": ("blk.1.attn_k.weight", lambda w: w[:16])}
-    return {name: _rewrite(Path(tiny_llama_path), directory / f"{name}.gguf", change=change).read_bytes()
-            for name, change in changes.items()}
+    files = {name: _rewrite(Path(tiny_llama_path), directory / f"{name}.gguf", change=change).read_bytes()
+             for name, change in changes.items()}
+    # A BPE tokenizer without merges (it would spell every word byte by
+    # byte), and merges naming what the vocabulary lacks.
+    tokens = set(field_value(gguf.GGUFReader(tiny_llama_path).fields["tokenizer.ggml.tokens"]))
+    unjoined = next(f"{a} {b}".encode() for a in "QXZ" for b in "qxz" if f"{a}{b}".encode() not in tokens)
+    merge_changes = {"empty-merges": lambda m: [ONE_MERGE],
+                     "merge-unknown-part": lambda m: [*m[:5], "Ġzzqq zz".encode(), *m[5:]],
+                     "merge-unknown-join": lambda m: [*m[:5], unjoined, *m[5:]]}
+    files.update({name: _rewrite(Path(tiny_llama_path), directory / f"{name}.gguf", merges=fn).read_bytes()
+                  for name, fn in merge_changes.items()})
+    files["empty-merges"] = _emptied_merges(files["empty-merges"])
+    return files
+
+
+ONE_MERGE = b"a" * 12 + b" " + b"b" * 11   # 8 + 24 bytes in the file: the tensor data's alignment (32)
+
+
+def _emptied_merges(data: bytes) -> bytes:
+    """A file whose merges are [ONE_MERGE] with them emptied (gguf-py writes
+    no empty array): the count 0 and the merge's 32 bytes cut, which moves
+    the tensor data by the alignment and keeps every offset in it valid."""
+    key = b"tokenizer.ggml.merges"
+    count_at = data.index(key) + len(key) + 4 + 4   # after the value type and the element type
+    assert struct.unpack_from("<QQ", data, count_at) == (1, len(ONE_MERGE))
+    return data[:count_at] + struct.pack("<Q", 0) + data[count_at + 8 + 8 + len(ONE_MERGE):]
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +201,12 @@ def _damaged(layout: Layout, rewritten: dict[str, bytes]) -> dict[str, tuple[byt
                               "llama.rope.freq_base = 1e-38 is below 1"),
         "rwkv-tokenizer": (_with_tokenizer_model(layout.data, b"gpt2", b"rwkv"),
                            "tokenizer.ggml.model is 'rwkv', RWKV's tokenizer, in a llama model"),
+        "empty-merges": (rewritten["empty-merges"],
+                         "tokenizer.ggml.merges is empty, which the BPE ('gpt2') tokenizer cannot be"),
+        "merge-unknown-part": (rewritten["merge-unknown-part"], "tokenizer.ggml.merges: merge 5 "
+                               "'\\xc4\\xa0zzqq zz' names a token the vocabulary lacks (its left part)"),
+        "merge-unknown-join": (rewritten["merge-unknown-join"],
+                               "names a token the vocabulary lacks (the two parts joined)"),
     }
 
 
@@ -183,7 +217,8 @@ def _with_tokenizer_model(data: bytes, old: bytes, new: bytes) -> bytes:
 
 
 DAMAGE = ["duplicate-token", "block-count-0", "block-count-1000", "norm-f16", "bad-special-id",
-          "bad-merge", "shape-mismatch", "rope-base-below-1", "rwkv-tokenizer"]
+          "bad-merge", "shape-mismatch", "rope-base-below-1", "rwkv-tokenizer", "empty-merges",
+          "merge-unknown-part", "merge-unknown-join"]
 
 
 @pytest.mark.parametrize("damage", DAMAGE)

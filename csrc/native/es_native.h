@@ -204,16 +204,27 @@ typedef struct es_model_params {
     // tokens then costs far less than k single tokens. Results are
     // bit-identical either way. Default true.
     bool repack;
-    // With repack: a file that keeps the repacked weights between loads (the
-    // caller's cache folder; NULL: none). A file written for this GGUF (its
-    // size, times, header and sampled data) and this layout is mapped
-    // instead of repacking (page-cache pages: nothing to copy or zero, shared
-    // between processes, no repack_max_bytes check); otherwise the weights
-    // are repacked and written there (beside it, then renamed; its digest
-    // is checked at every load, so a file a crash left damaged is written
-    // again). A file that cannot be written costs nothing but the next
-    // load's repack. Read at load only.
+    // With repack: where a file keeps the repacked weights between loads
+    // (the caller's cache folder and a name's start; NULL: none). The file
+    // is this followed by the 16 hex digits of the packed layout and
+    // ".pack" (es_model_packed_file), so kernel sets that lay the weights out
+    // alike share one. A file written for this GGUF (its size, times, ctime,
+    // header and sampled data) and this layout, whose digest matches under
+    // repack_secret, is mapped instead of repacking (page-cache pages:
+    // nothing to copy or zero, shared between processes, no
+    // repack_max_bytes check); otherwise the weights are repacked and
+    // written there (beside it, then renamed), so a file a crash left
+    // damaged is written again. Only a regular file of this user's that no
+    // group or other user may write is read (opened without following a
+    // symlink or waiting on a FIFO); anything else is left as it is and the
+    // weights are repacked in memory (ES_PACKED_FOREIGN). A file that cannot
+    // be written costs nothing but the next load's repack. Read at load only.
     const char * repack_cache;
+    // With repack_cache: ES_REPACK_SECRET_BYTES bytes of the cache's secret
+    // that the weights' digest is keyed with (a file whose weights were
+    // altered and its digest recomputed without it is refused); NULL: the
+    // cache is not used. Read at load only.
+    const uint8_t * repack_secret;
 } es_model_params;
 
 // Where a loaded model's repacked weights came from.
@@ -222,7 +233,11 @@ enum es_packed_from {
     ES_PACKED_REPACKED = 1, // repacked at load (no repack_cache, or it could not be written)
     ES_PACKED_WRITTEN = 2,  // repacked at load and written to repack_cache
     ES_PACKED_MAPPED  = 3,  // mapped from repack_cache
+    ES_PACKED_FOREIGN = 4,  // repacked at load: the repack cache file was not a regular file of this
+                            // user's that no one else may write (left as it was)
 };
+
+enum { ES_REPACK_SECRET_BYTES = 32 };  // of es_model_params.repack_secret
 
 es_model_params es_model_default_params(void);
 
@@ -250,6 +265,9 @@ int32_t es_model_n_vocab(const es_model * model);
 int es_model_set_output_rows(es_model * model, const es_token * ids, int32_t n);
 int32_t es_model_n_embd(const es_model * model);     // width of a hidden state
 int32_t es_model_packed_from(const es_model * model);  // enum es_packed_from
+// The repack cache file of the model's layout (repack_cache, the layout's 16
+// hex digits, ".pack"); "" without repack_cache. Owned by model.
+const char * es_model_packed_file(const es_model * model);
 int32_t es_model_n_ctx_train(const es_model * model);
 
 typedef struct es_context_params {

@@ -177,12 +177,22 @@ static void bind_packed(es_model * m, const es_weight * const * ws, int32_t nw, 
     }
 }
 
+// The repack cache file of this layout: p->repack_cache followed by the
+// layout's 16 hex digits and ".pack" (malloc'd; NULL where memory ran out).
+static char * packed_file_name(const char * prefix, uint64_t layout) {
+    const size_t n = strlen(prefix) + 16 + sizeof ".pack";
+    char * name = malloc(n);
+    if (name) snprintf(name, n, "%s%016llx.pack", prefix, (unsigned long long) layout);
+    return name;
+}
+
 // Repacks the model's matrices into one allocation (m->packed), once the
 // total is known to fit the budget, on a pool of one thread per CPU; a type
 // without a repacked layout, or a remainder of rows, stays in the mapping
-// only. With a repack cache file (p->repack_cache, from path's GGUF) the
-// weights are mapped from it when it was written for this file and layout,
-// and written to it after a repack otherwise.
+// only. With a repack cache (p->repack_cache and p->repack_secret, from
+// path's GGUF) the weights are mapped from its file of this layout when it
+// was written for this file and layout, and written to it after a repack
+// otherwise (not where the file is foreign: see es_model_params).
 static int repack_weights(es_model * m, const es_model_params * p, const char * path, char * err,
                           size_t err_cap) {
     const int32_t cap = 3 + WEIGHTS_PER_LAYER * m->n_layer;
@@ -197,12 +207,16 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
         total += bytes;
         n_tasks += (int64_t) ((bytes + REPACK_TASK_BYTES - 1) / REPACK_TASK_BYTES);
     }
-    const es_packed_key key = { .source = p->repack_cache ? es__packed_source(m->gguf, path) : 0,
+    const bool cached = p->repack_cache && p->repack_secret;
+    const es_packed_key key = { .source = cached ? es__packed_source(m->gguf, path) : 0,
                                 .layout = packed_layout(m, ws, nw), .bytes = total };
-    const char * cache = key.source ? p->repack_cache : NULL;
+    if (key.source && total > 0) m->packed_file = packed_file_name(p->repack_cache, key.layout);
+    const char * cache = m->packed_file;
     const void * mapped = NULL;
-    if (total > 0 && cache &&
-        es__packed_file_map(cache, &key, &mapped, &m->packed_map, &m->packed_map_size) == ES_OK) {
+    const int found = cache ? es__packed_file_map(cache, &key, p->repack_secret, &mapped, &m->packed_map,
+                                                  &m->packed_map_size)
+                            : ES_ERR_IO;
+    if (found == ES_OK) {
         bind_packed(m, ws, nw, mapped);
         // The checks at open read every block's scales: the source rows the
         // file now serves leave the process's resident memory, as a repack's do.
@@ -215,6 +229,7 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
         free(ws);
         return ES_OK;
     }
+    if (found == ES_PACKED_FILE_FOREIGN) cache = NULL;   // left as it is: repacked in memory
     const int64_t budget = p->repack_max_bytes > 0 ? p->repack_max_bytes : available_memory();
     int rc = ES_OK;
     if (total > 0 && budget >= 0 && (double) total > (double) budget) {
@@ -263,11 +278,11 @@ static int repack_weights(es_model * m, const es_model_params * p, const char * 
         if (writing && rc != ES_OK) {
             es__packed_file_abandon(&writer);
         } else if (writing) {
-            m->packed_from = es__packed_file_commit(&writer, cache, &key) == ES_OK
+            m->packed_from = es__packed_file_commit(&writer, cache, &key, p->repack_secret) == ES_OK
                                  ? ES_PACKED_WRITTEN : ES_PACKED_REPACKED;
             m->packed_map = writer.map, m->packed_map_size = writer.size;
         } else if (rc == ES_OK) {
-            m->packed_from = ES_PACKED_REPACKED;
+            m->packed_from = found == ES_PACKED_FILE_FOREIGN ? ES_PACKED_FOREIGN : ES_PACKED_REPACKED;
         }
     }
     free(ws);
@@ -279,7 +294,7 @@ es_model_params es_model_default_params(void) {
         .experts = ES_EXPERTS_MAPPED, .expert_cache_bytes = 0,
         .expert_precision = ES_PRECISION_EXACT, .expert_policy = ES_POLICY_ADAPTIVE,
         .prefetch_depth = 3, .expert_sidecar = NULL, .repack_max_bytes = 0, .repack = true,
-        .repack_cache = NULL,
+        .repack_cache = NULL, .repack_secret = NULL,
     };
 }
 
@@ -335,7 +350,8 @@ int es_model_load(const char * path, const es_model_params * params, es_model **
     if (rc == ES_OK) rc = check_hparams(m, err, err_cap);
     if (rc == ES_OK) rc = check_all_used(m, err, err_cap);
     if (rc == ES_OK && p.repack) rc = repack_weights(m, &p, path, err, err_cap);
-    m->params.repack_cache = NULL;  // the caller's string: read at load only
+    m->params.repack_cache = NULL;  // the caller's string and secret: read at load only
+    m->params.repack_secret = NULL;
     if (rc == ES_OK && m->experts && p.expert_cache_bytes > 0) {
         rc = es_expert_cache_init(m->gguf, path, m->experts, &p, &m->expert_cache, err, err_cap);
         if (rc == ES_OK) {
@@ -402,6 +418,7 @@ void es_model_free(es_model * m) {
     es_experts_free(m->experts);
     free(m->packed);
     if (m->packed_map) munmap(m->packed_map, m->packed_map_size);
+    free(m->packed_file);
     free(m->layers);
     es_gguf_close(m->gguf);
     free(m);
@@ -412,6 +429,7 @@ int32_t es_model_n_vocab(const es_model * m) { return m ? m->n_vocab : 0; }
 int32_t es_model_n_ctx_train(const es_model * m) { return m ? m->n_ctx_train : 0; }
 int32_t es_model_n_embd(const es_model * m) { return m ? m->n_embd : 0; }
 int32_t es_model_packed_from(const es_model * m) { return m ? m->packed_from : ES_PACKED_NONE; }
+const char * es_model_packed_file(const es_model * m) { return m && m->packed_file ? m->packed_file : ""; }
 
 int es_model_expert_stats(const es_model * m, es_expert_stats * out) {
     if (!m || !m->expert_cache || !out) return ES_ERR_INVALID_ARG;

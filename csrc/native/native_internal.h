@@ -276,15 +276,21 @@ typedef struct es_packed_key {
     uint64_t bytes;   // of the repacked weights
 } es_packed_key;
 
-// The GGUF at path as it is now: its size, times and inode, its header, and
-// samples of its tensor data; 0 when path no longer holds the file g maps.
+// The GGUF at path as it is now: its size, times (the ctime too) and inode,
+// its header, and samples of its tensor data; 0 when path no longer holds
+// the file g maps.
 uint64_t es__packed_source(const es_gguf * g, const char * path);
+// es__packed_file_map's answer for a path that holds something other than a
+// regular file of this user's that no group or other user may write (a
+// symlink, a FIFO, another owner's file): neither read nor replaced.
+#define ES_PACKED_FILE_FOREIGN 1
 // Maps path read-only when it holds key->bytes of repacked weights written
-// for key, whole (their digest checked): *out the weights, *map and
-// *map_size the mapping to munmap. ES_ERR_IO: absent or unreadable;
-// ES_ERR_FORMAT: written for another key, cut short or damaged.
-int es__packed_file_map(const char * path, const es_packed_key * key, const void ** out, void ** map,
-                        size_t * map_size);
+// for key, whole (their digest, keyed with secret's ES_REPACK_SECRET_BYTES,
+// checked): *out the weights, *map and *map_size the mapping to munmap.
+// ES_ERR_IO: absent or unreadable; ES_ERR_FORMAT: written for another key or
+// secret, cut short or damaged; ES_PACKED_FILE_FOREIGN.
+int es__packed_file_map(const char * path, const es_packed_key * key, const uint8_t * secret, const void ** out,
+                        void ** map, size_t * map_size);
 // A file being written beside path: its name, descriptor and mapping.
 typedef struct es_packed_writer {
     char   part[4096];
@@ -297,10 +303,11 @@ typedef struct es_packed_writer {
 // weights, mapped: *weights is where the repack writes them. ES_ERR_IO
 // (nothing left behind): it could not be made, or the disk has no room.
 int  es__packed_file_begin(const char * path, size_t bytes, es_packed_writer * w, uint8_t ** weights);
-// Writes the header (key, the weights' digest) and renames the file over
-// path. The mapping stays (the caller munmaps w->map, w->size) whether or
-// not it could be renamed; ES_ERR_IO: not renamed (the file is removed).
-int  es__packed_file_commit(es_packed_writer * w, const char * path, const es_packed_key * key);
+// Writes the header (key, the weights' digest keyed with secret) and renames
+// the file over path. The mapping stays (the caller munmaps w->map, w->size)
+// whether or not it could be renamed; ES_ERR_IO: not renamed (the file is removed).
+int  es__packed_file_commit(es_packed_writer * w, const char * path, const es_packed_key * key,
+                            const uint8_t * secret);
 // Unmaps and removes a file begun but not committed.
 void es__packed_file_abandon(es_packed_writer * w);
 
@@ -365,6 +372,7 @@ struct es_model {
     void       * packed_map;              // or the repack cache file mapped (munmap), holding it
     size_t       packed_map_size;
     int32_t      packed_from;             // enum es_packed_from
+    char       * packed_file;             // owned: the repack cache file of this layout; NULL: none
 };
 
 // One architecture, found by general.architecture in es__archs.

@@ -425,30 +425,57 @@ static uint64_t stored_len(const uint8_t * s, uint64_t len) {
     return nul ? (uint64_t) (nul - s) : len;
 }
 
+// The vocabulary hashed once, for tokens looked up by text (a repeat, a
+// merge's parts): open addressing over token indices.
+typedef struct vocab_index {
+    uint32_t       * slots;   // (cap) token index + 1; 0: empty
+    const uint8_t ** starts;  // (n) each token's length field in the file
+    size_t           cap;     // a power of two, at least twice the tokens
+} vocab_index;
+
+static void vocab_index_free(vocab_index * v) {
+    free(v->slots);
+    free(v->starts);
+    *v = (vocab_index) { 0 };
+}
+
+// The slot that holds the token of text s (len bytes, as llama.cpp stores
+// it), or the empty slot where it would go.
+static size_t vocab_slot(const vocab_index * v, const uint8_t * s, uint64_t len) {
+    size_t h = (size_t) hash_bytes(s, len) & (v->cap - 1);
+    for (; v->slots[h] != 0; h = (h + 1) & (v->cap - 1)) {
+        const uint8_t * o = v->starts[v->slots[h] - 1];
+        if (stored_len(o + 8, load_le(o, 8)) == len && memcmp(o + 8, s, (size_t) len) == 0) break;
+    }
+    return h;
+}
+
+static bool vocab_has(const vocab_index * v, const uint8_t * s, uint64_t len) {
+    return v->slots[vocab_slot(v, s, len)] != 0;
+}
+
 // tokenizer.ggml.tokens: every token non-empty and seen once as llama.cpp
 // stores it (cut at a NUL, so "a\0b" repeats "a"): llama.cpp asserts its
-// token -> id map is as large as the vocabulary. Sets n_vocab.
-static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
+// token -> id map is as large as the vocabulary. Sets n_vocab, and *v (the
+// caller frees it) on ES_OK.
+static int check_tokens(checker * c, const uint8_t * data, uint64_t n, vocab_index * v) {
     char buf[QUOTED_CAP];
     if (n == 0 || n > MAX_VOCAB) {
         return fail(c, "tokenizer.ggml.tokens holds %llu tokens, not 1..%d", (unsigned long long) n,
                     MAX_VOCAB);
     }
-    // Open addressing over token indices; every token's start in the file.
-    size_t cap = 16;
-    while (cap < 2 * (size_t) n) cap *= 2;
-    uint32_t * slots = malloc(cap * sizeof *slots);  // (cap) token index + 1, 0 empty
-    const uint8_t ** starts = malloc((size_t) n * sizeof *starts);  // (n) each token's length field
-    if (!slots || !starts) {
-        free(slots);
-        free(starts);
+    v->cap = 16;
+    while (v->cap < 2 * (size_t) n) v->cap *= 2;
+    v->slots = calloc(v->cap, sizeof *v->slots);
+    v->starts = malloc((size_t) n * sizeof *v->starts);
+    if (!v->slots || !v->starts) {
+        vocab_index_free(v);
         return ES_ERR_NO_MEMORY;
     }
-    memset(slots, 0, cap * sizeof *slots);
     int rc = ES_OK;
     const uint8_t * p = data;
     for (uint64_t i = 0; i < n && rc == ES_OK; i++) {
-        starts[i] = p;
+        v->starts[i] = p;
         const uint64_t full = load_le(p, 8);
         const uint8_t * s = p + 8;
         const uint64_t len = stored_len(s, full);
@@ -463,22 +490,16 @@ static int check_tokens(checker * c, const uint8_t * data, uint64_t n) {
                       : fail(c, "tokenizer.ggml.tokens: token %llu is empty", (unsigned long long) i);
             break;
         }
-        for (size_t h = (size_t) hash_bytes(s, len) & (cap - 1);; h = (h + 1) & (cap - 1)) {
-            if (slots[h] == 0) {
-                slots[h] = (uint32_t) i + 1;
-                break;
-            }
-            const uint8_t * o = starts[slots[h] - 1];
-            if (stored_len(o + 8, load_le(o, 8)) == len && memcmp(o + 8, s, (size_t) len) == 0) {
-                rc = fail(c, "tokenizer.ggml.tokens: token %llu '%s' repeats token %u%s",
-                          (unsigned long long) i, quoted(s, (size_t) full, buf), slots[h] - 1,
-                          len < full ? " up to its NUL byte (where llama.cpp cuts it)" : "");
-                break;
-            }
+        const size_t h = vocab_slot(v, s, len);
+        if (v->slots[h] != 0) {
+            rc = fail(c, "tokenizer.ggml.tokens: token %llu '%s' repeats token %u%s",
+                      (unsigned long long) i, quoted(s, (size_t) full, buf), v->slots[h] - 1,
+                      len < full ? " up to its NUL byte (where llama.cpp cuts it)" : "");
+            break;
         }
+        v->slots[h] = (uint32_t) i + 1;
     }
-    free(slots);
-    free(starts);
+    if (rc != ES_OK) vocab_index_free(v);
     c->n_vocab = (int64_t) n;
     return rc;
 }
@@ -512,29 +533,61 @@ static bool byte_token(const uint8_t * s, uint64_t len) {
     return len == 6 && !memcmp(s, "<0x", 3) && is_hex(s[3]) && is_hex(s[4]) && s[5] == '>';
 }
 
-// tokenizer.ggml.merges: each "left right", both parts non-empty.
-static int check_merges(checker * c) {
+// tokenizer.ggml.merges: each "left right", both parts non-empty; for a
+// byte-level BPE tokenizer (model "gpt2", which llama.cpp reads the merges
+// of) at least one merge, and each merge's parts and their concatenation
+// tokens of v (llama.cpp splits at the first space after the first byte).
+// Without merges such a tokenizer spells every word byte by byte, and its
+// model answers nonsense.
+static int check_merges(checker * c, const char * model, const vocab_index * v) {
     char buf[QUOTED_CAP];
+    const bool bpe = model && !strcmp(model, "gpt2");
     uint64_t n;
     const void * data;
     if (!es_gguf_get_str_arr(c->g, "tokenizer.ggml.merges", &n, &data)) {
         if (has_key(c->g, "tokenizer.ggml.merges")) {
             return fail(c, "tokenizer.ggml.merges is not an array of strings");
         }
-        return ES_OK;
+        return bpe ? fail(c, "tokenizer.ggml.merges is missing, which the BPE ('gpt2') tokenizer needs") : ES_OK;
     }
+    if (bpe && n == 0) return fail(c, "tokenizer.ggml.merges is empty, which the BPE ('gpt2') tokenizer cannot be");
+    uint8_t * joined = NULL;   // a merge's parts concatenated, for the lookup
+    size_t joined_cap = 0;
+    int rc = ES_OK;
     const uint8_t * p = data;
-    for (uint64_t i = 0; i < n; i++) {
+    for (uint64_t i = 0; i < n && rc == ES_OK; i++) {
         const uint64_t len = load_le(p, 8);
         const uint8_t * s = p + 8;
         p = s + len;
         const uint8_t * sp = len > 1 ? memchr(s + 1, ' ', (size_t) len - 1) : NULL;
         if (!sp || sp == s + len - 1) {
-            return fail(c, "tokenizer.ggml.merges: merge %llu '%s' is not two tokens separated by "
-                        "a space", (unsigned long long) i, quoted(s, (size_t) len, buf));
+            rc = fail(c, "tokenizer.ggml.merges: merge %llu '%s' is not two tokens separated by "
+                      "a space", (unsigned long long) i, quoted(s, (size_t) len, buf));
+            break;
+        }
+        if (!bpe) continue;
+        const uint64_t left = (uint64_t) (sp - s), right = len - left - 1;
+        if (len > joined_cap) {
+            uint8_t * grown = realloc(joined, (size_t) len);
+            if (!grown) {
+                rc = ES_ERR_NO_MEMORY;
+                break;
+            }
+            joined = grown, joined_cap = (size_t) len;
+        }
+        memcpy(joined, s, (size_t) left);
+        memcpy(joined + left, sp + 1, (size_t) right);
+        const char * missing = !vocab_has(v, s, left)                ? "its left part"
+                             : !vocab_has(v, sp + 1, right)          ? "its right part"
+                             : !vocab_has(v, joined, left + right)   ? "the two parts joined"
+                                                                     : NULL;
+        if (missing) {
+            rc = fail(c, "tokenizer.ggml.merges: merge %llu '%s' names a token the vocabulary lacks (%s)",
+                      (unsigned long long) i, quoted(s, (size_t) len, buf), missing);
         }
     }
-    return ES_OK;
+    free(joined);
+    return rc;
 }
 
 // Every tokenizer.ggml.*_token_id (bos, eos, unknown, padding, seperator,
@@ -573,6 +626,32 @@ static int check_byte_tokens(checker * c, const char * model) {
     return ES_OK;
 }
 
+// tokenizer.ggml.token_type: one of llama.cpp's types per token, and a
+// byte token's text "<0xXX>".
+static int check_token_types(checker * c, const uint8_t * tokens) {
+    const void * types;
+    int rc;
+    if ((rc = check_per_token(c, "tokenizer.ggml.token_type", GV_I32, "i32", &types))) return rc;
+    const uint8_t * p = tokens;
+    for (int64_t i = 0; types && i < c->n_vocab; i++) {
+        const int32_t t = (int32_t) load_le((const uint8_t *) types + 4 * i, 4);
+        const uint64_t len = load_le(p, 8);
+        const uint8_t * s = p + 8;
+        p = s + len;
+        if (t < 0 || t >= N_TOKEN_TYPES) {
+            return fail(c, "tokenizer.ggml.token_type: token %lld has type %d, not 0..%d",
+                        (long long) i, (int) t, N_TOKEN_TYPES - 1);
+        }
+        // llama.cpp reads a byte token's value from its text, "<0xXX>".
+        if (t == TOKEN_TYPE_BYTE && !byte_token(s, len)) {
+            char buf[QUOTED_CAP];
+            return fail(c, "tokenizer.ggml.token_type: token %lld '%s' is of type byte but not "
+                        "of the form <0xXX>", (long long) i, quoted(s, (size_t) len, buf));
+        }
+    }
+    return ES_OK;
+}
+
 static int check_vocab(checker * c) {
     const char * model = es_gguf_get_str(c->g, "tokenizer.ggml.model");
     uint64_t n;
@@ -594,32 +673,18 @@ static int check_vocab(checker * c) {
         }
         return fail(c, "tokenizer.ggml.tokens is missing (the file has no vocabulary)");
     }
-    int rc = check_tokens(c, tokens, n);
-    if (rc == ES_OK) rc = check_byte_tokens(c, model);
+    vocab_index v = { 0 };
+    int rc = check_tokens(c, tokens, n, &v);
     if (rc != ES_OK) return rc;
-
-    const void * types, * scores;
-    if ((rc = check_per_token(c, "tokenizer.ggml.token_type", GV_I32, "i32", &types))) return rc;
-    const uint8_t * p = tokens;
-    for (int64_t i = 0; types && i < c->n_vocab; i++) {
-        const int32_t t = (int32_t) load_le((const uint8_t *) types + 4 * i, 4);
-        const uint64_t len = load_le(p, 8);
-        const uint8_t * s = p + 8;
-        p = s + len;
-        if (t < 0 || t >= N_TOKEN_TYPES) {
-            return fail(c, "tokenizer.ggml.token_type: token %lld has type %d, not 0..%d",
-                        (long long) i, (int) t, N_TOKEN_TYPES - 1);
-        }
-        // llama.cpp reads a byte token's value from its text, "<0xXX>".
-        if (t == TOKEN_TYPE_BYTE && !byte_token(s, len)) {
-            char buf[QUOTED_CAP];
-            return fail(c, "tokenizer.ggml.token_type: token %lld '%s' is of type byte but not "
-                        "of the form <0xXX>", (long long) i, quoted(s, (size_t) len, buf));
-        }
+    rc = check_byte_tokens(c, model);
+    if (rc == ES_OK) rc = check_token_types(c, tokens);
+    if (rc == ES_OK) {
+        const void * scores;
+        rc = check_per_token(c, "tokenizer.ggml.scores", GV_F32, "f32", &scores);
     }
-    if ((rc = check_per_token(c, "tokenizer.ggml.scores", GV_F32, "f32", &scores))) return rc;
-    if ((rc = check_merges(c))) return rc;
-    return check_special_ids(c);
+    if (rc == ES_OK) rc = check_merges(c, model, &v);
+    vocab_index_free(&v);
+    return rc == ES_OK ? check_special_ids(c) : rc;
 }
 
 /* ========================================================================

@@ -368,6 +368,7 @@ static void test_valid(void) {
     set_u32(&p, "phi3.embedding_length", N_EMBD);
     set_str(&p, "tokenizer.ggml.model", "gpt2");
     set_strs(&p, "tokenizer.ggml.tokens", TOKENS, N_VOCAB);
+    set_strs(&p, "tokenizer.ggml.merges", MERGES, N_ELEMS(MERGES));  // a BPE tokenizer's
     add_tensor(&p, ES_TYPE_F16, N_EMBD, N_VOCAB, 1, "token_embd.weight", 0);
     add_tensor(&p, ES_TYPE_F16, N_EMBD, 3 * N_EMBD, 1, "blk.%d.attn_qkv.weight", 0);
     VALID(&p);
@@ -665,6 +666,34 @@ static void test_vocab(void) {
     standard(&m, "llama", false);
     set_u32(&m, "tokenizer.ggml.merges", 1);
     REFUSED(&m, "tokenizer.ggml.merges is not an array of strings");
+    // A BPE ('gpt2') tokenizer: merges there, each of tokens the vocabulary
+    // has (both parts, and the token they make).
+    standard(&m, "llama", false);
+    set_strs(&m, "tokenizer.ggml.merges", MERGES, 0);
+    REFUSED(&m, "tokenizer.ggml.merges is empty, which the BPE ('gpt2') tokenizer cannot be");
+    standard(&m, "llama", false);
+    drop_kv(&m, "tokenizer.ggml.merges");
+    REFUSED(&m, "tokenizer.ggml.merges is missing, which the BPE ('gpt2') tokenizer needs");
+    const char * unknown[] = {"x c", "a x", "b a", "\xc4\xa0 a"};
+    const char * lacking[] = {"its left part", "its right part", "the two parts joined", "the two parts joined"};
+    for (int i = 0; i < N_ELEMS(unknown); i++) {
+        const char * merges[] = {"a b", "ab c", unknown[i]};
+        standard(&m, "llama", false);
+        set_strs(&m, "tokenizer.ggml.merges", merges, 3);
+        char w[160];
+        snprintf(w, sizeof w, "tokenizer.ggml.merges: merge 2 '%s' names a token the vocabulary lacks (%s)",
+                 i == 3 ? "\\xc4\\xa0 a" : unknown[i], lacking[i]);
+        REFUSED(&m, w);
+    }
+    // Another tokenizer's merges are not read by llama.cpp: only their form is checked.
+    standard(&m, "llama", false);
+    set_str(&m, "tokenizer.ggml.model", "bert");
+    set_strs(&m, "tokenizer.ggml.merges", (const char * const[]) {"x y"}, 1);
+    VALID(&m);
+    standard(&m, "llama", false);
+    set_str(&m, "tokenizer.ggml.model", "bert");
+    set_strs(&m, "tokenizer.ggml.merges", MERGES, 0);
+    VALID(&m);
 
     // Special ids: every *_token_id a token.
     standard(&m, "llama", false);

@@ -14,7 +14,9 @@ decoding on this backend reproduces plain decoding at any context length.
 """
 from __future__ import annotations
 
+import logging
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +34,8 @@ from .vocab import Vocab, VocabMixin
 
 # EngineConfig.expert_weights: how MoE experts' weights are served.
 _EXPERT_WEIGHTS = {"mapped": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
+
+log = logging.getLogger("edgespec")
 
 
 def select_kernels(name: str) -> None:
@@ -57,6 +61,25 @@ def model_params(experts: moe.ExpertCache | None, expert_weights: str, repack: s
     return params
 
 
+_noticed: set[Path] = set()   # repack cache files this process has said it will not use
+
+
+def _foreign_pack_notice(pack: Path) -> None:
+    """Says once per process and file why the repack cache file at ``pack``
+    was left alone (es_model_params.repack_cache: ES_PACKED_FOREIGN)."""
+    if pack in _noticed:
+        return
+    _noticed.add(pack)
+    try:
+        st = pack.lstat()
+        what = ("a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file" if not stat.S_ISREG(st.st_mode)
+                else f"owned by uid {st.st_uid}" if st.st_uid != os.geteuid()
+                else f"writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+    except OSError as e:
+        what = e.strerror or str(e)
+    log.info("%s is %s: the repacked weights are not read from or written to it (repacked in memory)", pack, what)
+
+
 class NativeModel(Owned):
     """An es_model: the mapped, validated GGUF and its bound weights, with
     its expert cache when ``experts`` asks for one."""
@@ -77,10 +100,11 @@ class NativeModel(Owned):
             keep = ffi.new("char[]", str(sidecar).encode())
             params.expert_sidecar = keep
         select_kernels(kernels)
-        cache = registry.repacked_file(path, kernel_set()) if repack == "cached" else None
+        cache = registry.repacked_cache(path) if repack == "cached" else None
         if cache is not None:
-            keep_cache = ffi.new("char[]", os.fsencode(cache))
-            params.repack_cache = keep_cache
+            keep_cache = ffi.new("char[]", os.fsencode(cache[0]))
+            keep_secret = ffi.new("uint8_t[]", cache[1])
+            params.repack_cache, params.repack_secret = keep_cache, keep_secret
         out = ffi.new("es_model **")
         err = ffi.new("char[]", ERR_CAP)
         check_file(lib.es_model_load(str(path).encode(), params, out, err, ERR_CAP), err, path,
@@ -92,8 +116,11 @@ class NativeModel(Owned):
         self.n_ctx_train = lib.es_model_n_ctx_train(self._ptr)
         self.expert_cache = experts
         self.packed_from = lib.es_model_packed_from(self._ptr)   # enum es_packed_from
+        pack = Path(os.fsdecode(ffi.string(lib.es_model_packed_file(self._ptr))))
         if self.packed_from in (lib.ES_PACKED_WRITTEN, lib.ES_PACKED_MAPPED):
-            registry.repacked_used(cache, path, written=self.packed_from == lib.ES_PACKED_WRITTEN)
+            registry.repacked_used(pack, path, written=self.packed_from == lib.ES_PACKED_WRITTEN)
+        elif self.packed_from == lib.ES_PACKED_FOREIGN:
+            _foreign_pack_notice(pack)
 
     def expert_stats(self, reset: bool = False) -> dict | None:
         """The expert cache's counters since the last reset (None: no cache)."""

@@ -1,4 +1,4 @@
-"""`edgespec models list | pull | add | remove | verify | path | info`: thin commands over
+"""`edgespec models list | pull | add | remove | prune | verify | path | info`: thin commands over
 edgespec.models.registry and edgespec.models.gguf. Errors are raised as
 EdgespecError; edgespec.cli.main prints them as one line with exit code 2."""
 from __future__ import annotations
@@ -62,6 +62,20 @@ def remove_cmd(name: str = typer.Argument(..., help="A name from `edgespec model
     """Forget a model: a name from `models add` is dropped (its file stays); a built-in
     model's cached copy is deleted."""
     typer.echo(registry.remove(name))
+
+
+@models_app.command("prune")
+def prune_cmd(
+    max_gb: Optional[float] = typer.Option(
+        None, "--max-gb", min=0.0,
+        help="The most GiB the native engine's repacked weights may keep in the cache; the least recently "
+             "used go first (default: EDGESPEC_REPACK_MAX_GB, else "
+             f"{registry.REPACKED_MAX_BYTES >> 30}). Every load applies the same bound."),
+) -> None:
+    """Remove repacked weights of models that are gone or unused for 30 days, parts left by killed
+    loads, and the least recently used past the bound."""
+    freed = registry.prune_repacked(max_bytes=None if max_gb is None else int(max_gb * (1 << 30)))
+    typer.echo(f"freed {_mb(freed)} in {registry.home() / registry.REPACKED_DIR}")
 
 
 @models_app.command("verify")

