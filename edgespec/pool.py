@@ -117,12 +117,13 @@ class EnginePool:
     references (built-in names, paths, ``hf:``), served under ``model_name``
     of each, the first as the default. ``max_loaded_bytes``: the memory
     budget (None: ``default_budget()``; 0: none). A ``(name, ref)`` pair in
-    ``refs`` serves ``ref`` under ``name``. ``config`` (with ``options`` as
-    keywords over it) is every Engine's (its model aside)."""
+    ``refs`` serves ``ref`` under ``name``. ``templates``: a served name's
+    Jinja chat template instead of its model's own. ``config`` (with
+    ``options`` as keywords over it) is every Engine's (its model aside)."""
 
     def __init__(self, refs: Sequence[str], config: EngineConfig | None = None, *,
                  max_loaded_bytes: int | None = None, pull: bool = True, keep_alive: float | None = None,
-                 opener: Callable[..., Engine] = Engine, **options):
+                 templates: dict[str, str] | None = None, opener: Callable[..., Engine] = Engine, **options):
         if not refs:
             raise InvalidArgumentError("the pool needs at least one model")
         if max_loaded_bytes is not None and (isinstance(max_loaded_bytes, bool) or max_loaded_bytes < 0):
@@ -135,6 +136,11 @@ class EnginePool:
                                            f"and {ref}")
             self._entries[name] = _Entry(name, str(ref))
         self.default = next(iter(self._entries))
+        unknown = sorted(set(templates or {}) - set(self._entries))
+        if unknown:
+            raise InvalidArgumentError(f"a chat template names {unknown[0]!r}, which is not served "
+                                       f"(served: {', '.join(self._entries)})")
+        self._templates = dict(templates or {})   # name -> the Jinja chat template its engine uses
         self.budget = default_budget() if max_loaded_bytes is None else max_loaded_bytes or None
         self.pull = pull
         self._opener = opener
@@ -323,6 +329,8 @@ class EnginePool:
                 engine.close()
             try:
                 engine = self._opener(str(path), config=self.config)
+                if entry.name in self._templates:
+                    engine.chat_template = self._templates[entry.name]
             except BaseException:
                 with self._lock:
                     entry.bytes = 0   # the reserved room

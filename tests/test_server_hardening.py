@@ -13,6 +13,8 @@ import http.client
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -482,3 +484,34 @@ def test_stop_strings_are_capped_on_every_api(engine, path, body):
         assert status == 200, data[:200]
     finally:
         stop(server, thread)
+
+
+# -- serve --template ----------------------------------------------------------------
+
+def test_serve_template_replaces_the_models_own(tiny_llama_path, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}### assistant:")
+    msgs = [{"role": "user", "content": "hello there"}]
+    with Engine(str(tiny_llama_path), threads=1) as engine:
+        own = len(engine.prompt_tokens(messages=msgs))
+        engine.chat_template = template.read_text()
+        want = len(engine.prompt_tokens(messages=msgs))
+    assert want != own
+    with serving(tiny_llama_path, "--threads", "1", "--drafter", "none", "--template", str(template)) \
+            as (proc, host, port):
+        status, body = request(host, port, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
+        assert status == 200 and json.loads(body)["usage"]["prompt_tokens"] == want
+
+
+@pytest.mark.parametrize("value, words", [("{path}", "cannot read template file"),
+                                          ("nobody={good}", "not served"),
+                                          ("{bad}", "template")])
+def test_a_bad_serve_template_is_one_line_before_loading(tiny_llama_path, tmp_path, value, words):
+    good, bad = tmp_path / "good.jinja", tmp_path / "bad.jinja"
+    good.write_text("{{ messages[0]['content'] }}")
+    bad.write_text("{% for m in messages %}{{ m['content'] }")
+    arg = value.format(path=tmp_path / "absent.jinja", good=good, bad=bad)
+    p = subprocess.run([sys.executable, "-m", "edgespec", "serve", "--model", str(tiny_llama_path), "--port", "0",
+                        "--template", arg], capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and lines[-1].startswith("error:") and words in lines[-1], p.stderr

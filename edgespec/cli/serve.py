@@ -74,6 +74,10 @@ def serve(
                                   help=f"Seconds a request may take to arrive, from its first byte, > 0 "
                                        f"({DEFAULT_REQUEST_TIMEOUT_S:g}; plus {REQUEST_S_PER_KIB:g} s per KiB received, "
                                        f"at most {REQUEST_MAX_S:g} s; else 408 and the connection closes)."),
+    template: Optional[list[str]] = _opt(None, "--template",
+                                         help="Jinja chat template file for the first --model, or NAME=FILE for "
+                                              "the model served as NAME (repeatable; as llama-server's "
+                                              "--chat-template-file; default: each model's own, from its GGUF)."),
     quiet: bool = _opt(False, "--quiet", "-q", help="No per-request log lines on stderr."),
 ):
     """Serve models over HTTP: OpenAI's API (/v1), Ollama's (/api), /metrics and a chat page at /.
@@ -98,7 +102,8 @@ def serve(
     if model_name:
         refs[0] = (model_name, refs[0])
     idle = keep_alive_seconds(keep_alive)
-    with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes, keep_alive=idle) as pool:
+    with EnginePool(refs, engine, max_loaded_bytes=max_loaded_bytes, keep_alive=idle,
+                    templates=_templates(template or [], refs)) as pool:
         with pool.engine() as e:   # the first model now: a bad file or option fails here
             drafter, parallel, slots = e.drafter, e.parallel, e.backend.n_slots
         try:
@@ -115,3 +120,25 @@ def serve(
                    f"{' with an API key' if server.api_key else ''}; Ctrl-C to stop", err=True)
         server.serve_until_interrupted()
         typer.echo("stopped", err=True)
+
+
+def _templates(given: list[str], refs: list) -> dict[str, str]:
+    """--template values by served name: FILE is the first model's, NAME=FILE
+    the named one's; each read and rendered once now, so that a bad one fails
+    before anything loads."""
+    from ..chat import template as chat_templates
+    from ..chat.repl import read_template
+    from ..pool import model_name
+
+    first = refs[0][0] if isinstance(refs[0], tuple) else model_name(str(refs[0]))
+    out: dict[str, str] = {}
+    for value in given:
+        name, sep, path = value.partition("=")
+        if not sep or not name or "/" in name:   # a path (it may hold "="), not NAME=FILE
+            name, path = first, value
+        if name in out:
+            raise fail(f"--template: two templates for {name}")
+        text = read_template(path)
+        chat_templates.render(text, [{"role": "user", "content": "hi"}])   # a template that cannot render: one line now
+        out[name] = text
+    return out
