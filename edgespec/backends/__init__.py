@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..config import BACKENDS  # noqa: F401  (re-exported: one list, the config's)
-from ..errors import InvalidArgumentError
+from ..errors import ExtraNotInstalledError, InvalidArgumentError
 from .base import Backend, GroupStep, Interrupted, default_threads  # noqa: F401  (the contract, re-exported)
 
 # Architectures the native engine decodes at least as fast as llama.cpp
@@ -45,7 +45,13 @@ def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
 def _module(name: str):
     if name not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
-    return importlib.import_module(f"{__name__}.{name}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != "llama_cpp":
+            raise
+        raise ExtraNotInstalledError(f"the {name} backend runs on llama.cpp, which is not installed: "
+                                     "pip install 'edgespec[llama]'") from None
 
 
 def resolve_model(name: str, ref: str) -> Path:
@@ -64,13 +70,22 @@ def resolve_model(name: str, ref: str) -> Path:
 def check_model(ref: str) -> Path:
     """The file of ``ref``, checked as the backends check it before reading
     weights, so that `edgespec models info` gives the verdict `generate`
-    would: the GGUF validated (registry.model_path_checked), then read by
-    llama.cpp without its tensors' data (llama.check_loadable: the native
-    backend takes its tokenizer from llama.cpp too). ModelFormatError otherwise."""
+    would: the GGUF validated (registry.model_path_checked), its tokenizer
+    built and tried on a text of letters, digits, punctuation and a non-ASCII
+    letter, then, with the llama extra, read by llama.cpp without its
+    tensors' data (llama.check_loadable). ModelFormatError otherwise."""
     from ..models import registry
-    from .llama import check_loadable
+    from .vocab import Vocab
 
     path = registry.model_path_checked(ref)
+    with Vocab.load(path) as vocab:
+        vocab.tokenize("Hello, world: 42 caf\u00e9!")
+    try:
+        from .llama import check_loadable
+    except ModuleNotFoundError as e:
+        if e.name != "llama_cpp":
+            raise
+        return path   # the native engine validates the whole file as it loads it
     check_loadable(path)
     return path
 
