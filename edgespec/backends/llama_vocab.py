@@ -130,6 +130,11 @@ class LlamaVocab(Closing):
             self._pieces[token] = cached
         return cached
 
+    @property
+    def llama_vocab(self):
+        """The llama.cpp vocabulary handle; borrowed, valid until close()."""
+        return self._vocab
+
     def token_table(self) -> list[bytes]:
         """Every token's bytes as llguidance takes them: special tokens shown,
         control tokens (and user-defined ones written <like this>) behind a

@@ -106,6 +106,7 @@ _BYTE_CHARS = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0x
 _CHAR_TO_BYTE = {chr(c): c for c in _BYTE_CHARS}
 _CHAR_TO_BYTE.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _BYTE_CHARS)})
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SPACE = "\u2581"   # SentencePiece's escaped space
 
@@ -320,6 +321,10 @@ class GGUFTokenizer:
     # -- tokenizing -------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``. Bytes that were not UTF-8 (lone surrogates, as
+        surrogateescape leaves them) become U+FFFD each, as llama.cpp reads them."""
+        if not text.isascii():
+            text = _LONE_SURROGATE.sub("\ufffd", text)
         with self._lock:
             self._hf.encode_special_tokens = not parse_special
             ids = self._hf.encode(text, add_special_tokens=False).ids
