@@ -48,7 +48,7 @@ def _module(name: str):
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
-        if e.name != "llama_cpp":
+        if (e.name or "").partition(".")[0] != "llama_cpp":
             raise
         raise ExtraNotInstalledError(f"the {name} backend runs on llama.cpp, which is not installed: "
                                      "pip install 'edgespec[llama]'") from None
@@ -83,7 +83,7 @@ def check_model(ref: str) -> Path:
     try:
         from .llama import check_loadable
     except ModuleNotFoundError as e:
-        if e.name != "llama_cpp":
+        if (e.name or "").partition(".")[0] != "llama_cpp":
             raise
         return path   # the native engine validates the whole file as it loads it
     check_loadable(path)

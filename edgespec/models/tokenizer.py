@@ -110,8 +110,8 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SPACE = "\u2581"   # SentencePiece's escaped space
 
-# A merges file derived from SentencePiece scores, kept between loads (a few
-# seconds of Python over a 262k vocabulary), one per model file.
+# The merges derived from SentencePiece scores, kept between loads (seconds
+# of Python over a 262k vocabulary), one file per model file.
 MERGES_DIR = "tokenizers"
 
 
@@ -228,8 +228,7 @@ class GGUFTokenizer:
               "EOS is added but the model has none")
         self.add_space_prefix = spm and bool(f.get("tokenizer.ggml.add_space_prefix", True))
         if spm:
-            scores = _numbers(f, "tokenizer.ggml.scores", n, "numbers")
-            merges = self._spm_merges(path, np.zeros(n) if scores is None else scores)
+            merges = self._spm_merges(path, f)
         else:
             merges = _strings(f, "tokenizer.ggml.merges")
             _need(merges is not None, path, "tokenizer.ggml.merges", "missing")
@@ -260,7 +259,7 @@ class GGUFTokenizer:
             pairs.append((left, right))
         return pairs
 
-    def _spm_merges(self, path: Path, scores: np.ndarray) -> list[tuple[str, str]]:
+    def _spm_merges(self, path: Path, f: GGUFFile) -> list[tuple[str, str]]:
         """SentencePiece's merge order as BPE merges: every split of a token
         into two tokens, the pair making the higher-scored token first (llama.cpp
         merges the adjacent pair whose concatenation scores highest). Kept in a
@@ -276,7 +275,8 @@ class GGUFTokenizer:
         except (OSError, ValueError):
             rows = None
         if rows is None or rows.ndim != 2 or rows.shape[1] != 2:
-            rows = self._derive_spm_merges(scores)
+            scores = _numbers(f, "tokenizer.ggml.scores", self.n_vocab, "numbers")
+            rows = self._derive_spm_merges(np.zeros(self.n_vocab) if scores is None else scores)
             try:
                 cache.parent.mkdir(parents=True, exist_ok=True)
                 with atomic_output(cache) as tmp, open(tmp, "wb") as out:
