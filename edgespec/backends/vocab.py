@@ -79,7 +79,7 @@ class Vocab(Closing):
         """Every token's bytes as llguidance takes them: special tokens shown,
         control tokens (and user-defined ones written <like this>) behind a
         0xff byte, as llguidance's own llama.cpp loader marks them."""
-        types, pieces = self._tok.types, self._tok.pieces
+        types, pieces = self._tok.types, self._tok.pieces()
         return [b"\xff" + p if types[t] == CONTROL or (types[t] == USER_DEFINED and p[:1] == b"<"
                                                        and p[-1:] == b">") else p
                 for t, p in enumerate(pieces)]

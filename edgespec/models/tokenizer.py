@@ -232,10 +232,10 @@ class GGUFTokenizer:
         else:
             merges = _strings(f, "tokenizer.ggml.merges")
             _need(merges is not None, path, "tokenizer.ggml.merges", "missing")
-            merges = self._split_merges(path, merges)
+            merges = self._split_merges(merges)
         self._hf = self._build(path, merges, regexes, ignore_merges, spm)
         self._lock = threading.Lock()   # encode_special_tokens is the tokenizer's state
-        self._pieces: list[bytes] | None = None
+        self._pieces: dict[int, bytes] = {}   # rendered on first use
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "GGUFTokenizer":
@@ -245,19 +245,10 @@ class GGUFTokenizer:
 
     # -- building ---------------------------------------------------------------
 
-    def _split_merges(self, path, merges: list[str]) -> list[tuple[str, str]]:
-        pairs = []
-        ids = self.ids
-        for i, m in enumerate(merges):
-            # llama.cpp splits at the first space after the first character
-            cut = m.find(" ", 1)
-            left, right = (m[:cut], m[cut + 1:]) if cut > 0 else ("", "")
-            if left not in ids or right not in ids or left + right not in ids:
-                what = next(w for w in (left, right, left + right) if w not in ids)
-                raise ModelFormatError(f"{path}: tokenizer.ggml.merges: merge {i} ({m!r}) names "
-                                       f"{what!r}, which is not a token")
-            pairs.append((left, right))
-        return pairs
+    @staticmethod
+    def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
+        # llama.cpp splits at the first space after the first character
+        return [(m[:cut], m[cut + 1:]) for m in merges for cut in (m.find(" ", 1),)]
 
     def _spm_merges(self, path: Path, f: GGUFFile) -> list[tuple[str, str]]:
         """SentencePiece's merge order as BPE merges: every split of a token
@@ -299,14 +290,20 @@ class GGUFTokenizer:
     def _build(self, path, merges, regexes, ignore_merges, spm):
         from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
 
-        vocab = self.ids
         if spm:
             unk = self.texts[self.unk] if self.unk is not None else None
-            tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True))
+            field, options = "tokenizer.ggml.scores", {"unk_token": unk, "byte_fallback": True}
+        else:
+            field, options = "tokenizer.ggml.merges", {"ignore_merges": ignore_merges}
+        try:
+            model = models.BPE(vocab=self.ids, merges=merges, **options)
+        except Exception as e:   # a merge naming a text that is no token: tokenizers' one line names it
+            raise ModelFormatError(f"{path}: {field}: {str(e).splitlines()[0]}") from None
+        tk = Tokenizer(model)
+        if spm:
             steps = [normalizers.Prepend(SPACE)] if self.add_space_prefix else []
             tk.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE)])
         else:
-            tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
             tk.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -337,14 +334,14 @@ class GGUFTokenizer:
         nothing unless ``special`` (llama.cpp's token_to_piece)."""
         if not special and self.types[token] in (CONTROL, UNKNOWN):
             return b""
-        return self.pieces[token]
+        cached = self._pieces.get(token)
+        if cached is None:
+            cached = self._pieces[token] = self._render(token)
+        return cached
 
-    @property
     def pieces(self) -> list[bytes]:
         """Every token's bytes as llama.cpp renders it with special tokens shown."""
-        if self._pieces is None:
-            self._pieces = [self._render(t) for t in range(self.n_vocab)]
-        return self._pieces
+        return [self.piece(t, special=True) for t in range(self.n_vocab)]
 
     def _render(self, token: int) -> bytes:
         text, kind = self.texts[token], self.types[token]
