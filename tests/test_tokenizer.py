@@ -21,7 +21,7 @@ from edgespec.errors import ModelFormatError, UnsupportedModelError
 from edgespec.grammar import tokenizer_for
 from edgespec.models import registry
 from edgespec.models.tokenizer import GGUFTokenizer
-from tests.tiny_gguf import _tokenizer_fields, _write_out, write_tiny_vocab
+from tests.tiny_gguf import _tokenizer_fields, _write_out, write_tiny_qwen3moe, write_tiny_vocab
 
 MIXED = [
     "", " ", "Hello, world: 42 caf\u00e9!", "def f(x):\n\treturn  x  \r\n\n\n    # odd   spacing\t\t \n",
@@ -247,7 +247,7 @@ def test_install_without_the_llama_extra_runs_the_native_engine(tmp_path):
     assert run.stderr.startswith("error: ") and "edgespec[llama]" in run.stderr
 
 
-def test_llama_backend_and_peers_without_the_extra_say_how_to_get_them(monkeypatch, tiny_vocab_path):
+def test_llama_backend_and_peers_without_the_extra_say_how_to_get_them(monkeypatch, tiny_vocab_path, tmp_path):
     from edgespec import backends
     from edgespec.bench.peers import LlamaCppPython, PeerError
     from edgespec.errors import ExtraNotInstalledError
@@ -261,6 +261,11 @@ def test_llama_backend_and_peers_without_the_extra_say_how_to_get_them(monkeypat
     with pytest.raises(PeerError) as e:
         LlamaCppPython("llama-cpp-python", tiny_vocab_path, threads=1, n_ctx=64, rss=None)
     assert "pip install 'edgespec[llama]'" in str(e.value)
-    # the native engine's tokenizer needs none of it
+    # the native engine's tokenizer needs none of it, and a mixture-of-experts
+    # file goes to the native engine rather than to the missing llama backend
     with Vocab.load(tiny_vocab_path) as v:
         assert v.tokenize("hi", add_special=False)
+    write_tiny_qwen3moe(tmp_path / "moe.gguf", tiny_vocab_path)
+    assert backends.default_backend(tmp_path / "moe.gguf") == "native"
+    monkeypatch.undo()
+    assert backends.default_backend(tmp_path / "moe.gguf") == "llama"

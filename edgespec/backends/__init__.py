@@ -7,6 +7,7 @@ protocol; a backend supplies only evaluation and truncation. Everything above
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 from pathlib import Path
@@ -27,10 +28,11 @@ NATIVE_DEFAULT_ARCHS = ("llama", "qwen2", "gemma3")
 def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
     """The backend a model runs on when none is named: native for the
     architectures of NATIVE_DEFAULT_ARCHS, onnx for an exported folder, llama
-    (llama.cpp) for everything else and whenever layers go to a GPU.
+    (llama.cpp) for everything else and whenever layers go to a GPU (without
+    the llama extra: native for any architecture it reads).
     ``model`` is a model reference (resolved, and downloaded if it must be)."""
     from ..models import registry
-    from ..models.gguf import GGUFFile
+    from ..models.gguf import GGUFFile, architectures
 
     if gpu_layers > 0:
         return "llama"
@@ -39,7 +41,12 @@ def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
     with GGUFFile(registry.resolve(str(model))) as f:
         arch = f.get("general.architecture")
         dense = not f.get(f"{arch}.expert_count", 0)
-    return "native" if arch in NATIVE_DEFAULT_ARCHS and dense else "llama"
+    if arch in NATIVE_DEFAULT_ARCHS and dense:
+        return "native"
+    # without the llama extra, what the native engine reads (MoE files) runs on it
+    if arch in architectures() and importlib.util.find_spec("llama_cpp") is None:
+        return "native"
+    return "llama"
 
 
 def _module(name: str):
