@@ -110,7 +110,7 @@ class Vocab(Closing):
         metadata or found by their text as llama.cpp finds them (Qwen's
         <|fim_prefix|>, StarCoder's <fim_prefix>, CodeLlama's <PRE>, ...);
         None when the model has no complete set."""
-        ids = tuple(self._tok.fim[r] for r in ("pre", "suf", "mid"))
+        ids = tuple(self._tok.roles[r] for r in ("pre", "suf", "mid"))
         return None if None in ids else ids
 
     @property
@@ -118,7 +118,7 @@ class Vocab(Closing):
         """The repository-level fill-in-the-middle tokens (repository name,
         file separator: Qwen's <|repo_name|>, <|file_sep|>), each None when
         the model has none."""
-        return self._tok.fim["rep"], self._tok.fim["sep"]
+        return self._tok.roles["rep"], self._tok.roles["sep"]
 
     @functools.cached_property
     def special_pattern(self) -> re.Pattern | None:

@@ -134,9 +134,7 @@ def _strings(f: GGUFFile, key: str) -> list[str] | None:
         return None
     n = f.array_length(key)
     out = raw.decode("utf-8", "surrogateescape").split("\0")[:-1] if n else []
-    if len(out) != n:  # a NUL inside a string: read them one by one
-        out = [s for s in f.get(key)]
-    return out
+    return out if len(out) == n else f.get(key)   # a NUL inside a string: read one by one
 
 
 def _numbers(f: GGUFFile, key: str, n: int, kind: str) -> np.ndarray | None:
@@ -183,41 +181,18 @@ class GGUFTokenizer:
         if types is None:
             types = np.full(n, NORMAL)
         bad = np.flatnonzero((types < NORMAL) | (types > BYTE))
-        _need(not len(bad), path, "tokenizer.ggml.token_type",
-              f"token {bad[0] if len(bad) else 0} has type {types[bad[0]] if len(bad) else 0}, outside 1..6")
+        if len(bad):
+            raise ModelFormatError(f"{path}: tokenizer.ggml.token_type: token {bad[0]} has type "
+                                   f"{types[bad[0]]}, outside 1..6")
         self.texts = texts
         self.ids = {t: i for i, t in enumerate(texts)}
         _need(len(self.ids) == n, path, "tokenizer.ggml.tokens", "a token text appears twice")
-        types = types.astype(np.int8)
-
         spm = model == "llama"
         self.bos = _token_id(f, "tokenizer.ggml.bos_token_id", n, 1 if spm else 11)
         self.eos = _token_id(f, "tokenizer.ggml.eos_token_id", n, 2 if spm else 11)
         self.unk = _token_id(f, "tokenizer.ggml.unknown_token_id", n, 0 if spm else None)
-        special = {role: _token_id(f, f"tokenizer.ggml.{role}_token_id", n, None)
-                   for role in ("eot", "eom")}
-        for role in FIM_TEXTS:
-            special[role] = _token_id(f, f"tokenizer.ggml.fim_{role}_token_id", n, None)
-        for role, old in (("pre", "prefix"), ("suf", "suffix"), ("mid", "middle")):
-            special[role] = _token_id(f, f"tokenizer.ggml.{old}_token_id", n, special[role])
-        # llama.cpp finds the roles not in the metadata by text and makes
-        # those tokens control tokens
-        found = {"eot": EOT_TEXTS, "eom": ("<|eom_id|>",), **FIM_TEXTS}
-        for role, candidates in found.items():
-            if special[role] is None:
-                special[role] = next((self.ids[t] for t in candidates if t in self.ids), None)
-                if special[role] is not None:
-                    types[special[role]] = CONTROL
-        eog = {special[r] for r in ("pad", "rep", "sep")} - {None}
-        for t in EOG_TEXTS & self.ids.keys():
-            eog.add(self.ids[t])
-            types[self.ids[t]] = CONTROL
-        eog |= {t for t in (self.eos, special["eot"], special["eom"]) if t is not None}
-        for t in ALWAYS_RENDERED & self.ids.keys():
-            types[self.ids[t]] = USER_DEFINED
-        self.eog = frozenset(eog)
-        self.fim = special
-        self.types = types
+        self.types = types.astype(np.int8)
+        self.roles, self.eog = self._roles(f)
 
         regexes, ignore_merges, add_bos = PRE_TOKENIZERS.get(pre, ((), False, spm))
         self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", add_bos))
@@ -244,6 +219,32 @@ class GGUFTokenizer:
             return cls(path, f)
 
     # -- building ---------------------------------------------------------------
+
+    def _roles(self, f: GGUFFile) -> tuple[dict[str, int | None], frozenset[int]]:
+        """The special tokens by role (eot, eom and the FIM roles pre, suf, mid,
+        pad, rep, sep) and the end-of-generation set, from the metadata, else
+        found by text as llama.cpp finds them; the tokens found by text become
+        control tokens (and the gpt-oss ones it always renders user-defined),
+        in ``self.types``."""
+        n, ids, types = self.n_vocab, self.ids, self.types
+        roles = {role: _token_id(f, f"tokenizer.ggml.{role}_token_id", n, None) for role in ("eot", "eom")}
+        for role in FIM_TEXTS:
+            roles[role] = _token_id(f, f"tokenizer.ggml.fim_{role}_token_id", n, None)
+        for role, old in (("pre", "prefix"), ("suf", "suffix"), ("mid", "middle")):
+            roles[role] = _token_id(f, f"tokenizer.ggml.{old}_token_id", n, roles[role])
+        for role, candidates in {"eot": EOT_TEXTS, "eom": ("<|eom_id|>",), **FIM_TEXTS}.items():
+            if roles[role] is None:
+                roles[role] = next((ids[t] for t in candidates if t in ids), None)
+                if roles[role] is not None:
+                    types[roles[role]] = CONTROL
+        eog = {roles[r] for r in ("pad", "rep", "sep")} - {None}
+        for t in EOG_TEXTS & ids.keys():
+            eog.add(ids[t])
+            types[ids[t]] = CONTROL
+        eog |= {t for t in (self.eos, roles["eot"], roles["eom"]) if t is not None}
+        for t in ALWAYS_RENDERED & ids.keys():
+            types[ids[t]] = USER_DEFINED
+        return roles, frozenset(eog)
 
     @staticmethod
     def _split_merges(merges: list[str]) -> list[tuple[str, str]]:
