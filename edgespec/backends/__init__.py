@@ -49,13 +49,18 @@ def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
     return "llama"
 
 
+def _lacks_llama(e: ModuleNotFoundError) -> bool:
+    """Whether an import failed for want of llama-cpp-python (the llama extra)."""
+    return (e.name or "").partition(".")[0] == "llama_cpp"
+
+
 def _module(name: str):
     if name not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
-        if (e.name or "").partition(".")[0] != "llama_cpp":
+        if not _lacks_llama(e):
             raise
         raise ExtraNotInstalledError(f"the {name} backend runs on llama.cpp, which is not installed: "
                                      "pip install 'edgespec[llama]'") from None
@@ -90,7 +95,7 @@ def check_model(ref: str) -> Path:
     try:
         from .llama import check_loadable
     except ModuleNotFoundError as e:
-        if (e.name or "").partition(".")[0] != "llama_cpp":
+        if not _lacks_llama(e):
             raise
         return path   # the native engine validates the whole file as it loads it
     check_loadable(path)
