@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Quickstart's first install timed as a new user meets it: a fresh clone
-# of REV, a fresh virtualenv, an empty pip cache (so llama-cpp-python
-# compiles from its sdist, having no Linux wheel on PyPI). It runs the install
+# of REV, a fresh virtualenv, an empty pip cache (so a revision that installs
+# llama-cpp-python compiles it from its sdist, having no Linux wheel on PyPI;
+# since the llama extra, the default install compiles only edgespec's C core). It runs the install
 # half of the README's first Quickstart line at that revision (the part before
 # `&& edgespec demo`), so two revisions are timed the same way their READMEs
 # tell a user to install them.
@@ -10,8 +11,9 @@
 #
 # --demo then times `edgespec demo` with an empty model cache ($EDGESPEC_HOME),
 # so the first model's download is in it. Prints the wall and CPU times, the
-# load average around the run (the machine may be shared) and where
-# llama-cpp-python's build spent its time (its ninja log, summed per folder).
+# load average around the run (the machine may be shared) and, where
+# llama-cpp-python was built, where its build spent its time (its ninja log,
+# summed per folder).
 set -euo pipefail
 rev=${1:-HEAD}
 demo=${2:-}
@@ -39,7 +41,7 @@ printf 'install: %.0f s wall, %.0f s CPU (user+sys)\n' "$wall" "$(echo "$user + 
 
 # .ninja_log: start and end (ms) of every build step; their wall times summed
 # per folder (with ninja's parallel jobs and others' load these exceed the CPU time).
-python3 - "$SKBUILD_BUILD_DIR/.ninja_log" <<'EOF'
+[ -f "$SKBUILD_BUILD_DIR/.ninja_log" ] && python3 - "$SKBUILD_BUILD_DIR/.ninja_log" <<'EOF'
 import collections, sys
 per = collections.Counter()
 for line in open(sys.argv[1]):

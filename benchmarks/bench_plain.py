@@ -20,7 +20,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as lc
 
 from edgespec import Engine
-from edgespec.backends.vocab import model_params
+from edgespec.backends.llama_vocab import model_params
 from edgespec.models import registry
 
 PROMPTS = [

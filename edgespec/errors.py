@@ -49,6 +49,11 @@ class BackendError(EdgespecError):
     """The inference backend (llama.cpp, native, onnxruntime) failed."""
 
 
+class ExtraNotInstalledError(EdgespecError, ImportError):
+    """A feature of an optional extra whose packages are not installed
+    (the llama backend and llama.cpp peers: ``pip install 'edgespec[llama]'``)."""
+
+
 class IncompatibleDraftModelError(InvalidArgumentError):
     """A draft model whose tokenizer differs from the target's."""
 

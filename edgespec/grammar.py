@@ -139,33 +139,31 @@ class Grammar:
         return cls(spec, source)
 
 
+class _TokenizerView:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: the token
+    table, the special tokens, and a call tokenizing text without them."""
+
+    def __init__(self, vocab, eog: list[int]):
+        table = vocab.token_table()
+        self.special_token_ids = [t for t, piece in enumerate(table) if piece[:1] == b"\xff"]
+        self.tokens = [piece[1:] if piece[:1] == b"\xff" else piece for piece in table]
+        self.eos_token_id = eog[0]
+        self.bos_token_id = vocab.bos_token if vocab.bos_token >= 0 else None
+        self._vocab = vocab
+
+    def __call__(self, text: str) -> list[int]:
+        return self._vocab.tokenize(text, add_special=False, parse_special=False)
+
+
 def tokenizer_for(backend):
     """llguidance's view of a backend's vocabulary: every token's bytes (control
-    tokens marked special, as llguidance expects: a 0xff byte first),
-    llama.cpp's own tokenizer, and the end-of-generation tokens as the
-    grammar's EOS. About a second for a 150k vocabulary: built once per engine."""
-    import ctypes
-
-    import llama_cpp as lc
-
+    tokens marked special: vocab.token_table), the backend's own tokenizer,
+    and the end-of-generation tokens as the grammar's EOS. About a second for
+    a 150k vocabulary: built once per engine."""
     llg = _llg()
-    vocab = backend.vocab.llama_vocab
-    n_vocab = backend.n_vocab
-    buf = ctypes.create_string_buffer(1024)
-    special = lc.LLAMA_TOKEN_ATTR_CONTROL
-    tokens: list[bytes] = []
-    for t in range(n_vocab):
-        n = lc.llama_token_to_piece(vocab, t, buf, len(buf), 0, True)
-        piece = buf.raw[:max(n, 0)]
-        attr = lc.llama_vocab_get_attr(vocab, t)
-        if attr & special or (attr & lc.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<")
-                              and piece.endswith(b">")):
-            piece = b"\xff" + piece
-        tokens.append(piece)
-    eog = [t for t in range(n_vocab) if backend.is_eog(t)] or [backend.eos_token]
-    tokenize = ctypes.cast(lc.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
-    return llg.LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=vocab, tokenize_fptr=tokenize,
-                                        eos_token=eog, slices=None)
+    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)] or [backend.eos_token]
+    return llg.LLTokenizer(llg.TokenizerWrapper(_TokenizerView(backend.vocab, eog)), n_vocab=backend.n_vocab,
+                           eos_token=eog, slices=None)
 
 
 class Constraint:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import llama_cpp.llama_cpp as lc
 
-from edgespec.backends.vocab import model_params
+from edgespec.backends.llama_vocab import model_params
 
 
 def greedy_reference(path, prompt: str, n_tokens: int, n_ctx: int = 1024) -> list[int]:

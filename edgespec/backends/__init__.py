@@ -7,12 +7,13 @@ protocol; a backend supplies only evaluation and truncation. Everything above
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 from pathlib import Path
 
 from ..config import BACKENDS  # noqa: F401  (re-exported: one list, the config's)
-from ..errors import InvalidArgumentError
+from ..errors import ExtraNotInstalledError, InvalidArgumentError
 from .base import Backend, GroupStep, Interrupted, default_threads  # noqa: F401  (the contract, re-exported)
 
 # Architectures the native engine decodes at least as fast as llama.cpp
@@ -27,10 +28,11 @@ NATIVE_DEFAULT_ARCHS = ("llama", "qwen2", "gemma3")
 def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
     """The backend a model runs on when none is named: native for the
     architectures of NATIVE_DEFAULT_ARCHS, onnx for an exported folder, llama
-    (llama.cpp) for everything else and whenever layers go to a GPU.
+    (llama.cpp) for everything else and whenever layers go to a GPU (without
+    the llama extra: native for any architecture it reads).
     ``model`` is a model reference (resolved, and downloaded if it must be)."""
     from ..models import registry
-    from ..models.gguf import GGUFFile
+    from ..models.gguf import GGUFFile, architectures
 
     if gpu_layers > 0:
         return "llama"
@@ -39,25 +41,50 @@ def default_backend(model: str | os.PathLike, gpu_layers: int = 0) -> str:
     with GGUFFile(registry.resolve(str(model))) as f:
         arch = f.get("general.architecture")
         dense = not f.get(f"{arch}.expert_count", 0)
-    return "native" if arch in NATIVE_DEFAULT_ARCHS and dense else "llama"
+    if arch in NATIVE_DEFAULT_ARCHS and dense:
+        return "native"
+    # without the llama extra, what the native engine reads (MoE files) runs on it
+    if arch in architectures() and importlib.util.find_spec("llama_cpp") is None:
+        return "native"
+    return "llama"
+
+
+def _lacks_llama(e: ModuleNotFoundError) -> bool:
+    """Whether an import failed for want of llama-cpp-python (the llama extra)."""
+    return (e.name or "").partition(".")[0] == "llama_cpp"
 
 
 def _module(name: str):
     if name not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)})")
-    return importlib.import_module(f"{__name__}.{name}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if not _lacks_llama(e):
+            raise
+        raise ExtraNotInstalledError(f"the {name} backend runs on llama.cpp, which is not installed: "
+                                     "pip install 'edgespec[llama]'") from None
 
 
 def check_model(ref: str) -> Path:
     """The file of ``ref``, checked as the backends check it before reading
     weights, so that `edgespec models info` gives the verdict `generate`
-    would: the GGUF validated (registry.model_path_checked), then read by
-    llama.cpp without its tensors' data (llama.check_loadable: the native
-    backend takes its tokenizer from llama.cpp too). ModelFormatError otherwise."""
+    would: the GGUF validated (registry.model_path_checked), its tokenizer
+    built and tried on a text of letters, digits, punctuation and a non-ASCII
+    letter, then, with the llama extra, read by llama.cpp without its
+    tensors' data (llama.check_loadable). ModelFormatError otherwise."""
     from ..models import registry
-    from .llama import check_loadable
+    from .vocab import Vocab
 
     path = registry.model_path_checked(ref)
+    with Vocab.load(path) as vocab:
+        vocab.tokenize("Hello, world: 42 caf\u00e9!")
+    try:
+        from .llama import check_loadable
+    except ModuleNotFoundError as e:
+        if not _lacks_llama(e):
+            raise
+        return path   # the native engine validates the whole file as it loads it
     check_loadable(path)
     return path
 

@@ -18,7 +18,8 @@ from ..config import DEFAULT_BATCH
 from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from ..models.gguf import GGUFFile
 from .base import Backend, EMBED_SEQS, context_size, default_threads
-from .vocab import Vocab, VocabMixin, init_llama, model_params
+from .llama_vocab import LlamaVocab, init_llama, model_params
+from .vocab import Vocab, VocabMixin
 
 
 # ggml's CPU buffers hold tensors at multiples of this many bytes (TENSOR_ALIGNMENT).
@@ -53,7 +54,7 @@ def check_loadable(path: Path) -> None:
     init_llama(False)
     model = _load(path, no_alloc=True, load_mode=lc.LLAMA_LOAD_MODE_NONE)  # mapping asserts under no_alloc
     try:
-        Vocab(model).tokenize("Hello, world: 42 caf\u00e9!")
+        LlamaVocab(model).tokenize("Hello, world: 42 caf\u00e9!")
     finally:
         lc.llama_model_free(model)
 
@@ -63,7 +64,7 @@ class LlamaBackend(VocabMixin, Backend):
     resizable = True
     embeds = True
     # llama.cpp objects, freed by close() in reverse order
-    _model = _ctx = _batch = _embed_ctx = _embed_batch = None
+    _model = _ctx = _batch = _embed_ctx = _embed_batch = vocab = None
     _contexts: list = []
     _n_tree_seqs = 1               # KV sequences the last draft tree used
 
@@ -76,7 +77,7 @@ class LlamaBackend(VocabMixin, Backend):
         self.path = Path(path)
 
         self._model = _load(self.path, n_gpu_layers=gpu_layers, load_mode=_load_mode(self.path))
-        self.vocab = Vocab(self._model)
+        self.vocab = Vocab.load(self.path, verbose=verbose)
         self.n_vocab = self.vocab.n_vocab
         self.n_embd = lc.llama_model_n_embd(self._model)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self._model)
@@ -251,6 +252,8 @@ class LlamaBackend(VocabMixin, Backend):
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None
+        if self.vocab is not None:
+            self.vocab.close()
 
 
 BACKEND = LlamaBackend

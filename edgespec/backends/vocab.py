@@ -1,210 +1,146 @@
-"""A GGUF model's tokenizer and metadata through llama.cpp, shared by every backend.
+"""A GGUF model's tokenizer and metadata, shared by every backend.
 
-llama.cpp reads the vocabulary of any GGUF it knows; with ``vocab_only`` it
-skips the weights, so backends that run the weights themselves (native, onnx)
-and tools that only tokenize (``edgespec drafter ngram``) use the same
-tokenizer as the llama backend, token for token.
+``Vocab.load(path)`` builds the tokenizer from the file's own metadata
+(edgespec.models.tokenizer: no llama.cpp), so every backend (native, onnx,
+llama) and every tool that only tokenizes (``edgespec drafter ngram``) uses
+the same tokenizer, token for token llama.cpp's. A tokenizer type it does not
+build is llama.cpp's ``vocab_only`` model when llama-cpp-python is installed
+(the llama extra: edgespec.backends.llama_vocab), else one line naming the
+type and the extra.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import os
 import re
 from pathlib import Path
 
-import llama_cpp.llama_cpp as lc
-
 from ..capi import Closing
-from ..errors import ModelFormatError
+from ..errors import UnsupportedModelError
+from ..models.gguf import GGUFFile
+from ..models.tokenizer import CONTROL, UNKNOWN, USER_DEFINED, GGUFTokenizer, UnknownTokenizerError
+
+LLAMA_EXTRA = "pip install 'edgespec[llama]'"
 
 
-@lc.llama_log_callback
-def _drop_log(level, text, user_data):  # llama.cpp prints nothing unless asked
-    pass
-
-
-@lc.llama_log_callback
-def _stderr_log(level, text, user_data):
-    os.write(2, text)
-
-
-_initialized = False
-
-
-def init_llama(verbose: bool) -> None:
-    """Start llama.cpp's backend once per process and route its log."""
-    global _initialized
-    lc.llama_log_set(_stderr_log if verbose else _drop_log, ctypes.c_void_p(0))
-    if not _initialized:
-        lc.llama_backend_init()
-        _initialized = True
-
-
-@functools.cache
-def _cpu_advertises_amx() -> bool:
-    """Whether /proc/cpuinfo lists AMX. A VM can advertise AMX it does not run
-    (seen on a Firecracker guest of a Sapphire Rapids host): the first
-    `ldtilecfg` in ggml's AMX matmul then kills the process with SIGILL."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return any(line.startswith("flags") and " amx_tile" in line for line in f)
-    except OSError:
-        return False
-
-
-def model_params(**fields):
-    """llama.cpp's default model parameters with ``fields`` set. Where the CPU
-    advertises AMX, without the extra buffer types (ggml's AMX and repacked
-    weights, as llama.cpp's --no-repack): a lost speed-up on a true AMX
-    machine is better than a crash on a VM that only claims it."""
-    params = lc.llama_model_default_params()
-    params.use_extra_bufts = not _cpu_advertises_amx()
-    for name, value in fields.items():
-        setattr(params, name, value)
-    return params
-
-
-def tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
-    """Token ids of ``text`` under a llama.cpp vocabulary."""
-    data = text.encode("utf-8")
-    cap = len(data) + 8
-    buf = (lc.llama_token * cap)()
-    n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
-    if n < 0:  # a negative count is the size that was needed
-        cap = -n
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
-    return list(buf[:n])
+def _meta_text(value) -> str:
+    """A metadata value as llama.cpp's llama_model_meta_val_str writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:f}"
+    if isinstance(value, list):
+        return "[" + ", ".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' if isinstance(v, str)
+                               else "???" if isinstance(v, list) else _meta_text(v) for v in value) + "]"
+    return str(value)
 
 
 class Vocab(Closing):
-    """Tokenizer, token pieces and metadata of one llama.cpp model.
+    """Tokenizer, token pieces and metadata of one GGUF file."""
 
-    ``Vocab.load(path)`` owns a vocabulary-only model and frees it on close();
-    ``Vocab(model)`` borrows a loaded model, which must outlive it.
-    """
-
-    _owned = None  # llama_model loaded by load(), freed by close()
-    path: Path | None = None  # the file load() read
-
-    def __init__(self, model):
-        self._model = model
-        self._vocab = lc.llama_model_get_vocab(model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
-        self._pieces: dict[int, bytes] = {}
-        self._eog: dict[int, bool] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
+    def __init__(self, path: Path, tokenizer: GGUFTokenizer, metadata: dict[str, object], arrays: set[str]):
+        self.path = path
+        self._tok = tokenizer
+        self._metadata = metadata      # every scalar key's value
+        self._arrays = arrays          # the array keys, read from the file when asked
+        self.n_vocab = tokenizer.n_vocab
 
     @classmethod
-    def load(cls, path: Path, *, verbose: bool = False) -> "Vocab":
-        init_llama(verbose)
-        model = lc.llama_model_load_from_file(str(path).encode(), model_params(vocab_only=True))
-        if not model:
-            raise ModelFormatError(f"{path}: llama.cpp could not read this model's vocabulary")
-        vocab = cls(model)
-        vocab._owned = model
-        vocab.path = Path(path)
-        return vocab
+    def load(cls, path: Path, *, verbose: bool = False):
+        """The vocabulary of ``path``: a Vocab, or llama.cpp's (LlamaVocab, the
+        same interface) for a tokenizer edgespec.models.tokenizer does not
+        build. UnsupportedModelError naming the type and the extra when
+        llama-cpp-python is not installed."""
+        path = Path(path)
+        with GGUFFile(path) as f:
+            try:
+                tokenizer = GGUFTokenizer(path, f)
+            except UnknownTokenizerError as e:
+                try:
+                    from .llama_vocab import LlamaVocab
+                except ImportError:
+                    raise UnsupportedModelError(f"{e}; {LLAMA_EXTRA} brings llama.cpp's tokenizer") from None
+                return LlamaVocab.load(path, verbose=verbose)
+            metadata, arrays = {}, set()
+            for key in f.keys():
+                if f.array_length(key) is None:
+                    metadata[key] = f.get(key)
+                else:
+                    arrays.add(key)
+        return cls(path, tokenizer, metadata, arrays)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        tokens = tokenize(self._vocab, text, add_special, parse_special)
-        bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
-        if bad is not None:   # a tokenizer (tokenizer.ggml.model) that does not fit the tokens
-            raise ModelFormatError(f"the model's tokenizer gave token id {bad}, outside its vocabulary "
-                                   f"[0, {self.n_vocab}): its tokenizer.ggml.model does not fit its tokens")
-        return tokens
+        return self._tok.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def piece(self, token: int) -> bytes:
         """The bytes of one token's text (control tokens render as nothing)."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            n = lc.llama_token_to_piece(self._vocab, token, self._piece_buf, 256, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = lc.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-                cached = buf.raw[:n]
-            else:
-                cached = self._piece_buf.raw[:n]
-            self._pieces[token] = cached
-        return cached
+        return self._tok.piece(token)
 
-    @property
-    def llama_vocab(self):
-        """The llama.cpp vocabulary handle (for the grammar engine's tokenizer);
-        borrowed, valid until close()."""
-        return self._vocab
+    def token_table(self) -> list[bytes]:
+        """Every token's bytes as llguidance takes them: special tokens shown,
+        control tokens (and user-defined ones written <like this>) behind a
+        0xff byte, as llguidance's own llama.cpp loader marks them."""
+        types, pieces = self._tok.types, self._tok.pieces()
+        return [b"\xff" + p if types[t] == CONTROL or (types[t] == USER_DEFINED and p[:1] == b"<"
+                                                       and p[-1:] == b">") else p
+                for t, p in enumerate(pieces)]
 
     def is_eog(self, token: int) -> bool:
-        eog = self._eog.get(token)
-        if eog is None:
-            eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self._vocab, token))
-        return eog
+        return token in self._tok.eog
 
     def token_text(self, token: int) -> str:
         """The vocabulary entry as stored (for compatibility checks)."""
-        raw = lc.llama_vocab_get_text(self._vocab, token)
-        return raw.decode("utf-8", "replace") if raw else ""
+        return self._tok.texts[token].encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
     @property
     def bos_token(self) -> int:
-        return lc.llama_vocab_bos(self._vocab)
+        return -1 if self._tok.bos is None else self._tok.bos
+
+    @property
+    def eos_token(self) -> int:
+        return -1 if self._tok.eos is None else self._tok.eos
 
     @property
     def adds_bos(self) -> bool:
         """Whether a tokenization with special tokens starts with BOS."""
-        return bool(lc.llama_vocab_get_add_bos(self._vocab))
+        return self._tok.add_bos
 
     @property
     def fim_tokens(self) -> tuple[int, int, int] | None:
-        """The fill-in-the-middle tokens (prefix, suffix, middle) that llama.cpp
-        finds in the metadata or by their text (Qwen's <|fim_prefix|>,
-        StarCoder's <fim_prefix>, CodeLlama's <PRE>, ...); None when the model
-        has no complete set."""
-        ids = (lc.llama_vocab_fim_pre(self._vocab), lc.llama_vocab_fim_suf(self._vocab),
-               lc.llama_vocab_fim_mid(self._vocab))
-        return ids if all(0 <= i < self.n_vocab for i in ids) else None
+        """The fill-in-the-middle tokens (prefix, suffix, middle), from the
+        metadata or found by their text as llama.cpp finds them (Qwen's
+        <|fim_prefix|>, StarCoder's <fim_prefix>, CodeLlama's <PRE>, ...);
+        None when the model has no complete set."""
+        ids = tuple(self._tok.roles[r] for r in ("pre", "suf", "mid"))
+        return None if None in ids else ids
 
     @property
     def fim_repo_tokens(self) -> tuple[int | None, int | None]:
         """The repository-level fill-in-the-middle tokens (repository name,
         file separator: Qwen's <|repo_name|>, <|file_sep|>), each None when
         the model has none."""
-        ids = (lc.llama_vocab_fim_rep(self._vocab), lc.llama_vocab_fim_sep(self._vocab))
-        return tuple(i if 0 <= i < self.n_vocab else None for i in ids)
-
-    @property
-    def eos_token(self) -> int:
-        return lc.llama_vocab_eos(self._vocab)
+        return self._tok.roles["rep"], self._tok.roles["sep"]
 
     @functools.cached_property
     def special_pattern(self) -> re.Pattern | None:
         """The texts that tokenize as a special token only when special tokens
-        are parsed (control and unknown tokens: llama.cpp matches user-defined
-        ones always), longest first; None when the vocabulary has none. A
-        scan of the vocabulary, once."""
-        parsed_only = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
-        texts = {self.token_text(t) for t in range(self.n_vocab)
-                 if lc.llama_vocab_get_attr(self._vocab, t) & parsed_only}
-        texts.discard("")
-        if not texts:
+        are parsed (control and unknown tokens: user-defined ones are matched
+        always), longest first; None when the vocabulary has none."""
+        types, texts = self._tok.types, self._tok.texts
+        found = {texts[t] for t in range(self.n_vocab) if types[t] in (CONTROL, UNKNOWN)}
+        if not found:
             return None
-        return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))))
+        return re.compile("|".join(map(re.escape, sorted(found, key=len, reverse=True))))
 
     def metadata(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
+        if key in self._metadata:
+            return _meta_text(self._metadata[key])
+        if key in self._arrays:
+            with GGUFFile(self.path) as f:
+                return _meta_text(f.get(key))
+        return None
 
     def close(self) -> None:
-        if self._owned:
-            lc.llama_model_free(self._owned)
-            self._owned = None
+        pass   # nothing held: the file was read whole at load
 
 
 class VocabMixin:

@@ -63,8 +63,8 @@ class LlamaCppPython:
         try:
             import llama_cpp
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        except ImportError as e:
-            raise PeerError(f"llama-cpp-python is not importable: {e}") from e
+        except ImportError:
+            raise PeerError("llama-cpp-python is not installed: pip install 'edgespec[llama]'") from None
         self._criteria = llama_cpp.StoppingCriteriaList
         self.name = name
         self.rss = rss
