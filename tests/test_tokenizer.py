@@ -21,7 +21,7 @@ from edgespec.errors import ModelFormatError, UnsupportedModelError
 from edgespec.grammar import tokenizer_for
 from edgespec.models import registry
 from edgespec.models.tokenizer import GGUFTokenizer
-from tests.tiny_gguf import _tokenizer_fields, _write_out, write_tiny_qwen3moe, write_tiny_vocab
+from tiny_gguf import _tokenizer_fields, _write_out, write_tiny_qwen3moe, write_tiny_vocab
 
 MIXED = [
     "", " ", "Hello, world: 42 caf\u00e9!", "def f(x):\n\treturn  x  \r\n\n\n    # odd   spacing\t\t \n",
