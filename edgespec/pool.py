@@ -329,8 +329,10 @@ class EnginePool:
                 engine.close()
             try:
                 engine = self._opener(str(path), config=self.config)
-                if entry.name in self._templates:
-                    engine.chat_template = self._templates[entry.name]
+                # serve --template, else what a Modelfile's TEMPLATE set for a local name
+                template = self._templates.get(entry.name) or registry.local_settings(entry.name).get("chat_template")
+                if template:
+                    engine.chat_template = template
             except BaseException:
                 with self._lock:
                     entry.bytes = 0   # the reserved room

@@ -412,7 +412,11 @@ def test_create_copy_delete_a_local_gguf(managed, tiny_llama_path):
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"model": "x", "modelfile": "FROM /a.gguf\nPARAMETER temperature 0.1\n"}, "PARAMETER"),
+    ({"model": "x", "modelfile": "FROM {path}\nADAPTER /a.gguf\n"}, "ADAPTER is not supported"),
+    ({"model": "x", "modelfile": "FROM {path}\nPARAMETER num_thread 3\n"}, "server's setting"),
+    ({"model": "x", "modelfile": "FROM {path}\nPARAMETER warp_speed 9\n"}, "warp_speed"),
+    ({"model": "x", "from": "{path}", "template": "{{{{ range $i, $m := .Messages }}}}{{{{ end }}}}"}, "range $i"),
+    ({"model": "x", "modelfile": "FROM {path}\nSYSTEM a\n", "system": "b"}, "given twice"),
     ({"model": "x", "from": "/no/such/file.gguf"}, "no GGUF file"),
     ({"model": "x", "files": {"m.gguf": "sha256:" + "0" * 64}}, "no uploads"),
     ({"model": "x", "from": "/a.gguf", "quantize": "q4_K_M"}, "quantize"),
@@ -427,6 +431,42 @@ def test_create_refusals(managed, body, words, tiny_llama_path, tmp_path):
             for k, v in body.items() if v is not None}
     status, _, data = request(server, "POST", "/api/create", {**body, "stream": False})
     assert status == 400 and words in json.loads(data)["error"], data
+
+
+GO_TEMPLATE = "{{ if .System }}[{{ .System }}]\n{{ end }}Q: {{ .Prompt }}\nA: {{ .Response }}\n"
+
+
+def test_create_keeps_a_modelfiles_system_parameters_and_template(managed, tiny_llama_path):
+    from edgespec.chat import gotemplate
+    from edgespec.chat import template as chat_templates
+
+    server, _ = managed
+    client = _client(server)
+    params = {"temperature": 0, "top_k": 0, "top_p": 1.0, "repeat_penalty": 1.0, "num_predict": 5}
+    assert client.create("terse", from_=str(tiny_llama_path), system="Be terse.", parameters=params,
+                         template=GO_TEMPLATE).status == "success"
+    shown = client.show("terse")
+    assert shown.template == GO_TEMPLATE and "num_predict" in shown.parameters
+    assert 'SYSTEM """Be terse."""' in shown.modelfile
+    assert json.loads(request(server, "POST", "/api/show", {"model": "terse"})[2])["system"] == "Be terse."
+    rendered = chat_templates.render(gotemplate.to_jinja(GO_TEMPLATE), [
+        {"role": "system", "content": "Be terse."}, {"role": "user", "content": "hello"}])
+    assert rendered == "[Be terse.]\nQ: hello\nA: "   # Ollama's last turn ends at .Response
+    with Engine(str(tiny_llama_path), threads=1, drafter="none") as engine:
+        want = engine.generate(engine.tokenize(rendered), max_tokens=5, temperature=0, top_k=0, top_p=1.0,
+                               repeat_penalty=1.0)
+    out = client.generate("terse", "hello")   # the model's PARAMETERs, SYSTEM and TEMPLATE apply
+    assert out.eval_count == 5 and out.response == want.text
+    assert out.prompt_eval_count == want.stats.prompt_tokens
+    assert client.chat("terse", [{"role": "user", "content": "hello"}]).message.content == want.text
+    assert client.generate("terse", "hello", options={"num_predict": 2}).eval_count == 2   # a request's own win
+    modelfile = f'FROM {tiny_llama_path}\nSYSTEM """Be\nterse."""\nPARAMETER num_predict 3\nPARAMETER stop "Q:"\n'
+    status, _, data = request(server, "POST", "/api/create", {"model": "byfile", "modelfile": modelfile, "stream": False})
+    assert status == 200, data
+    assert json.loads(request(server, "POST", "/api/show", {"model": "byfile"})[2])["system"] == "Be\nterse."
+    assert client.generate("byfile", "hi").eval_count <= 3
+    client.copy("terse", "terse-too")
+    assert client.show("terse-too").template == GO_TEMPLATE
 
 
 def test_delete_removes_a_pulled_built_in_model_from_the_cache_only(managed, fake_model, home):   # noqa: F811

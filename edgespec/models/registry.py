@@ -761,9 +761,26 @@ def local_models() -> dict[str, str]:
     return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
 
 
-def _edit_local(change) -> None:
-    """Apply ``change`` (dict -> None) to the local names, under the cache's
-    lock; CacheError where the cache cannot be written."""
+def local_settings(name: str) -> dict:
+    """What a Modelfile (Ollama's create) set for local model ``name``
+    besides its file: ``system``, ``parameters``, ``template`` (Ollama's Go
+    text) with ``chat_template`` (its Jinja translation), ``license``; {} if none."""
+    try:
+        data = json.loads(_settings_file().read_text("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    found = data.get(name) if isinstance(data, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def _settings_file() -> Path:
+    return models_dir() / "local-settings.json"
+
+
+def _edit_local(change, settings=None) -> None:
+    """Apply ``change`` (dict -> None) to the local names, and ``settings``
+    (dict -> None) to their settings, under the cache's lock; CacheError
+    where the cache cannot be written."""
     with cache_writes(models_dir()):
         models_dir().mkdir(parents=True, exist_ok=True)
         fd = os.open(models_dir() / ".local.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -772,14 +789,23 @@ def _edit_local(change) -> None:
             names = local_models()
             change(names)
             write_atomic(_local_file(), json.dumps(names, indent=1, sort_keys=True).encode())
+            if settings is not None:
+                try:
+                    kept = json.loads(_settings_file().read_text("utf-8"))
+                except (OSError, ValueError):
+                    kept = {}
+                kept = {k: v for k, v in kept.items() if k in names} if isinstance(kept, dict) else {}
+                settings(kept)
+                write_atomic(_settings_file(), json.dumps(kept, indent=1, sort_keys=True).encode())
         finally:
             os.close(fd)
 
 
-def add_local(name: str, path: str | os.PathLike) -> Path:
+def add_local(name: str, path: str | os.PathLike, settings: dict | None = None) -> Path:
     """Serve the GGUF at ``path`` as ``name`` (replacing what the name named,
-    unless it is a built-in model's). The file is validated as a model first
-    (ModelFormatError); a bad name is an InvalidArgumentError."""
+    unless it is a built-in model's), with ``settings`` (see local_settings;
+    None: none). The file is validated as a model first (ModelFormatError);
+    a bad name is an InvalidArgumentError."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise InvalidArgumentError(f"a model name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
                                    f"or digit; got {str(name)[:80]!r}")
@@ -790,7 +816,8 @@ def add_local(name: str, path: str | os.PathLike) -> Path:
         raise ModelNotFoundError(f"no model file at {file}")
     gguf.check_gguf(file)
     file = file.resolve()
-    _edit_local(lambda names: names.__setitem__(name, str(file)))
+    _edit_local(lambda names: names.__setitem__(name, str(file)),
+                lambda kept: kept.__setitem__(name, settings) if settings else kept.pop(name, None))
     return file
 
 
@@ -799,7 +826,7 @@ def remove(name: str) -> str:
     it is); a built-in model's cached copy is deleted. Returns what was done;
     ModelNotFoundError for a name that is neither."""
     if name in local_models():
-        _edit_local(lambda names: names.pop(name, None))
+        _edit_local(lambda names: names.pop(name, None), lambda kept: kept.pop(name, None))
         return f"removed the name {name} (its file stays where it is)"
     entry = builtin_models().get(name)
     if entry is None:

@@ -2,7 +2,8 @@
 ``GET /api/version``, ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``,
 ``POST /api/generate`` and ``POST /api/chat`` (NDJSON streaming by default,
 ``"stream": false`` for one object), ``POST /api/pull`` (built-in names, NDJSON
-progress), ``POST /api/create`` (a name for a GGUF file on this machine),
+progress), ``POST /api/create`` (a name for a GGUF file on this machine, with
+a Modelfile's SYSTEM, PARAMETERs and TEMPLATE kept for it: modelfile.py),
 ``POST /api/copy``, ``DELETE /api/delete``, ``POST /api/embed`` (and the
 older ``/api/embeddings``). Refusals
 are Ollama's ``{"error": message}``. /api/tags lists the served models whose
@@ -57,6 +58,7 @@ from starlette.routing import Route
 import anyio
 
 from .. import __version__
+from ..chat import gotemplate
 from ..chat import tools as chat_tools
 from ..errors import EdgespecError, GrammarError, InvalidArgumentError
 from ..grammar import Grammar
@@ -64,7 +66,7 @@ from ..models import registry
 from ..pool import keep_alive_seconds
 from ..progress import Progress
 from ..sampling import SamplingParams
-from . import fields
+from . import fields, modelfile
 from .request import Stream, endpoint, note, pick_runner, read_json, runners_of, stream_pieces
 from .errors import OLLAMA, ApiError, is_int, is_number, show
 from .runner import FINISH_REASON, Completion, Job
@@ -206,10 +208,15 @@ async def show_model(request: Request):
     card, info = _describe(runner)
     engine = runner.engine
     capabilities = await anyio.to_thread.run_sync(lambda: engine.capabilities)
+    settings = registry.local_settings(runner.name)
+    parameters = {**DEFAULTS, **settings.get("parameters", {})}
+    extra = {k: settings[k] for k in ("system", "license") if settings.get(k)}
     return JSONResponse({
-        "modelfile": f"# served by edgespec\nFROM {engine.model_path}\n",
-        "parameters": "\n".join(f"{k:<30} {v}" for k, v in DEFAULTS.items()),
-        "template": _go_template(engine, capabilities),
+        **extra,
+        "modelfile": f"# served by edgespec\nFROM {engine.model_path}\n{modelfile.lines(settings)}\n",
+        "parameters": "\n".join(f"{k:<30} {json.dumps(x) if isinstance(x, str) else x}"
+                                 for k, v in parameters.items() for x in (v if isinstance(v, list) else [v])),
+        "template": settings.get("template") or _go_template(engine, capabilities),
         "details": card["details"], "model_info": {**info, f"{info['general.architecture']}.context_length":
                                                    runner.n_ctx},
         "capabilities": list(capabilities), "modified_at": card["modified_at"]})
@@ -239,12 +246,14 @@ def _go_template(engine, capabilities) -> str:
 
 # -- endpoints: generation ------------------------------------------------------------------
 
-def _options(body: dict, runner) -> dict:
-    """Engine.stream's keyword arguments from a request's ``options`` (see
-    the module docstring: every option is applied, or refused naming it)."""
+def _options(body: dict, runner, settings: dict | None = None) -> dict:
+    """Engine.stream's keyword arguments from a request's ``options`` over
+    the model's own PARAMETERs (``settings``; see the module docstring: every
+    option is applied, or refused naming it)."""
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise _bad("options must be an object")
+    opts = {**(settings or {}).get("parameters", {}), **opts}
     engine = runner.engine
     out = dict(DEFAULTS)
     for key, value in opts.items():
@@ -368,7 +377,9 @@ async def generate(request: Request):
     raw = body.get("raw", False)
     if not isinstance(raw, bool):
         raise _bad("raw must be a boolean")
-    opts = {**_options(body, runner), **_format(body)}
+    settings = registry.local_settings(runner.name)
+    system = system or settings.get("system", "")
+    opts = {**_options(body, runner, settings), **_format(body)}
     if suffix:
         c = Completion(prompt=prompt, suffix=suffix)
     elif raw:   # the prompt as the model reads it: special-token text is those tokens (as Ollama's)
@@ -408,7 +419,10 @@ async def chat(request: Request):
         if m.get("tool_calls") not in (None, []):
             msg["tool_calls"] = _calls_in(m, i)
         msgs.append(msg)
-    opts = {**_options(body, runner), **_format(body), **_tools(body)}
+    settings = registry.local_settings(runner.name)
+    if settings.get("system") and not any(m["role"] == "system" for m in msgs):
+        msgs.insert(0, {"role": "system", "content": settings["system"]})
+    opts = {**_options(body, runner, settings), **_format(body), **_tools(body)}
     c = Completion(messages=msgs)
     c.options, c.keep_alive = opts, keep_alive
     return await _answer(request, runner, c, model, stream, chat=True)
@@ -630,7 +644,63 @@ async def pull(request: Request):
 
 # What a create request may carry besides its source: a 400 naming any of these (edgespec
 # serves a GGUF as it is: no quantizing, adapters, Go templates, default prompts or parameters).
-CREATE_UNSERVED = ("quantize", "adapters", "template", "system", "parameters", "messages", "license")
+CREATE_UNSERVED = ("quantize", "adapters", "messages")
+SETTINGS = ("system", "template", "license", "parameters")   # what a create keeps with the model
+
+
+def _create_settings(body: dict) -> dict:
+    """What a create keeps with the model (registry.local_settings): a
+    Modelfile's SYSTEM, PARAMETER, TEMPLATE and LICENSE, or the request's
+    own ``system``, ``parameters``, ``template`` and ``license``; the
+    template translated into Jinja now (a construct it cannot take is a 400
+    naming it), the parameters checked as a request's options are."""
+    found = modelfile.parse(body["modelfile"]) if isinstance(body.get("modelfile"), str) else {}
+    found.pop("from", None)
+    for key in SETTINGS:
+        if body.get(key) not in (None, "", {}, []):
+            if key in found:
+                raise _bad(f"{key} is given twice: in the modelfile and as a field")
+            found[key] = body[key]
+    for key in ("system", "template"):
+        if key in found and not isinstance(found[key], str):
+            raise _bad(f"{key} must be a string")
+    if isinstance(found.get("license"), list) and all(isinstance(x, str) for x in found["license"]):
+        found["license"] = "\n".join(found["license"])
+    if "license" in found and not isinstance(found["license"], str):
+        raise _bad("license must be a string or a list of strings")
+    if "parameters" in found:
+        found["parameters"] = _check_parameters(found["parameters"])
+    if "template" in found:
+        try:
+            found["chat_template"] = gotemplate.to_jinja(found["template"])
+        except InvalidArgumentError as e:
+            raise _bad(str(e)) from None
+    return found
+
+
+def _check_parameters(params) -> dict:
+    """A model's PARAMETERs: each an option a request may send, of its type
+    (the server's own settings, num_thread and the like, are not a model's)."""
+    if not isinstance(params, dict):
+        raise _bad("parameters must be an object")
+    for key, value in params.items():
+        if key in SERVER:
+            raise _bad(f"PARAMETER {key} is the server's setting, not a model's")
+        if key == "stop":
+            if not (isinstance(value, list) and len(value) <= fields.MAX_STOP and all(isinstance(v, str) and v for v in value)):
+                raise _bad(f"PARAMETER stop must be at most {fields.MAX_STOP} non-empty strings")
+        elif key in WHOLE or key == "num_keep":
+            if not is_int(value):
+                raise _bad(f"PARAMETER {key} must be an integer, got {show(value)}")
+        elif key in DEFAULTS or key in INERT:
+            if not is_number(value):
+                raise _bad(f"PARAMETER {key} must be a number, got {show(value)}")
+        elif key in FIXED:
+            if value != FIXED[key]:
+                raise _bad(f"PARAMETER {key} is not supported (only {json.dumps(FIXED[key])})")
+        else:
+            raise _bad(f"PARAMETER {show(key)} is not an option this server knows (docs/server.md lists them)")
+    return dict(params)
 
 
 def _create_source(request: Request, body: dict) -> Path:
@@ -644,17 +714,9 @@ def _create_source(request: Request, body: dict) -> Path:
     if given[0] == "modelfile":
         if not isinstance(value, str):
             raise _bad("modelfile must be a string")
-        froms = []
-        for line in value.splitlines():
-            word, _, rest = line.strip().partition(" ")
-            if not word or word.startswith("#"):
-                continue
-            if word.upper() != "FROM":
-                raise _bad(f"modelfile: {word.upper()} is not supported by this server (only FROM a GGUF file)")
-            froms.append(rest.strip())
-        if len(froms) != 1:
-            raise _bad("modelfile needs one FROM line")
-        value = froms[0]
+        value = modelfile.parse(value).get("from")
+        if not value:
+            raise _bad("modelfile needs a FROM line")
     elif given[0] == "files":
         if not (isinstance(value, dict) and len(value) == 1 and all(isinstance(v, str) for v in value.values())):
             raise _bad('files must name one GGUF file: {"model.gguf": "/path/to/model.gguf" or "sha256:<digest>"}')
@@ -699,9 +761,10 @@ async def create(request: Request):
     for field in CREATE_UNSERVED:
         if body.get(field) not in (None, "", [], {}):
             raise _bad(f"{field} is not supported by create here (a GGUF file is served as it is)")
+    settings = _create_settings(body)
     source = await anyio.to_thread.run_sync(_create_source, request, body)   # a Hub fetch may take minutes
     try:
-        path = await anyio.to_thread.run_sync(registry.add_local, name, source)
+        path = await anyio.to_thread.run_sync(registry.add_local, name, source, settings)
     except EdgespecError as e:   # a bad name, a file that is not a model
         raise _bad(str(e)) from None
     runners_of(request).get(name)   # served from now on (by a pool)
@@ -725,7 +788,8 @@ async def copy(request: Request):
     except EdgespecError:
         raise ApiError(404, f"model {show(source)} does not exist here") from None
     try:
-        await anyio.to_thread.run_sync(registry.add_local, destination.removesuffix(":latest"), path)
+        await anyio.to_thread.run_sync(registry.add_local, destination.removesuffix(":latest"), path,
+                                       registry.local_settings(source.removesuffix(":latest")))
     except EdgespecError as e:
         raise _bad(str(e)) from None
     runners_of(request).get(destination)
