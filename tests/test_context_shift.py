@@ -84,3 +84,25 @@ def test_the_engine_option_sets_the_default(tiny_llama_path):
         r = e.generate(PROMPT, max_tokens=80, **_greedy(e))
         assert r.stats.context_shifts >= 1
         assert e.generate(PROMPT, max_tokens=80, context_shift=False, **_greedy(e)).stats.stop_reason == "context"
+
+
+def test_serve_context_shift_goes_past_the_context_on_the_openai_api(tiny_llama_path):
+    import threading
+
+    openai = pytest.importorskip("openai")
+    from edgespec.server import make_server
+
+    with Engine(str(tiny_llama_path), threads=1, n_ctx=N_CTX, context_shift=True) as e:
+        server = make_server(e, port=0, quiet=True, model_name="tiny")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=120, temperature=0,
+                                          logit_bias={str(e.backend.eos_token): -100})
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(10)
+        assert r.usage.completion_tokens == 120 > N_CTX and r.choices[0].finish_reason == "length"
+        assert r.choices[0].text == e.generate(PROMPT, max_tokens=120, **_greedy(e)).text
