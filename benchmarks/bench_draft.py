@@ -99,9 +99,9 @@ def overhead(args) -> None:
             return wrapper
 
         engine.generate(PROSE[0], max_tokens=8)  # a first generation, as every other one
-        for d in engine._open_drafters("auto"):
+        for d in engine.lanes[0].open_drafters("auto"):
             d.accept = timed(d.accept)
-        planner = engine._planner
+        planner = engine.lanes[0].planner
         for name in ("choose", "record", "record_step_time"):
             setattr(planner, name, timed(getattr(planner, name)))
         fractions, per_step, plain_speed, auto_speed, drafted = [], [], [], [], 0
