@@ -140,6 +140,23 @@ def _other_load() -> float:
         return 0.0
 
 
+def _cached(path: Path, key: str, field: str, valid: Callable[[Any], bool]) -> tuple[dict, Any, float]:
+    """The cache file's table, the value cached under ``key`` (None: missing,
+    not ``valid``, or provisional and the machine quieter now) and the load now."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
+    entry, load = table.get(key), _other_load()
+    # (an entry without a recorded load was written before loads were: measured again once)
+    if (isinstance(entry, dict) and valid(entry.get(field))
+            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
+        return table, entry[field], load
+    return table, None, load
+
+
 def cached_measurement(file: str, key: str, field: str, measure: Callable[[], Any],
                        valid: Callable[[Any], bool], *, remeasure: bool = False,
                        notice: str | None = None) -> Any:
@@ -153,17 +170,9 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
     machine is quiet, so one busy first run does not decide for good (and a
     machine whose load only wavers is not measured at every load)."""
     path = registry.home() / file
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
-    entry, load = table.get(key), _other_load()
-    # (an entry without a recorded load was written before loads were: measured again once)
-    if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
-            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
-        return entry[field]
+    table, value, load = _cached(path, key, field, valid)
+    if value is not None and not remeasure:
+        return value
     if notice:
         log.info("measuring %s (once for this machine; cached in %s)", notice, path)
     value = measure()
@@ -225,13 +234,35 @@ def measure_draft_cost(target, draft, *, reps: int = 5, prefix: int = 64) -> Dra
     return DraftCost(best["draft"] / best["target"], best["batch"] / CATCH_UP_BATCH / best["target"])
 
 
+def draft_cost_key(target, backend: str, path, rows: int = 0, ep: str | None = None) -> str:
+    """What a draft model's cost beside ``target`` (open) depends on, known
+    without opening it: the target's cost key (thread count and kernel set,
+    which the draft model shares), the draft's backend (and ONNX execution
+    provider), its file and the rows of a trimmed output layer."""
+    path = Path(path)
+    size = path.stat().st_size if path.is_file() else 0
+    return (f"{cost_key(target)}|{backend}{f'@{ep}' if ep else ''}:{path.name}:{size}"
+            f"{f':rows-{rows}' if rows else ''}")
+
+
+def _valid_draft_cost(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v)
+
+
+def known_draft_cost(target, backend: str, path, rows: int = 0, ep: str | None = None) -> DraftCost | None:
+    """The cached cost of the draft model at ``path`` beside ``target``,
+    without opening it (None: not measured yet, or to be measured again)."""
+    _, value, _ = _cached(registry.home() / DRAFT_COST_FILE, draft_cost_key(target, backend, path, rows, ep),
+                          "cost", _valid_draft_cost)
+    return DraftCost(*value) if value is not None else None
+
+
 def draft_cost(target, draft, *, remeasure: bool = False) -> DraftCost:
     """The cached cost of draft backend ``draft`` beside ``target`` (both
     open), measured when missing."""
+    key = draft_cost_key(target, draft.name, draft.path, getattr(draft, "output_rows", 0), getattr(draft, "ep", None))
     value = cached_measurement(
-        DRAFT_COST_FILE, f"{cost_key(target)}|{cost_key(draft)}", "cost",
-        lambda: measure_draft_cost(target, draft).to_list(),
-        lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v),
+        DRAFT_COST_FILE, key, "cost", lambda: measure_draft_cost(target, draft).to_list(), _valid_draft_cost,
         remeasure=remeasure,
         notice=f"the cost of draft model {Path(draft.path).name} beside {Path(target.path).name}")
     return DraftCost(*value)

@@ -46,7 +46,7 @@ from ..backends import open_backend
 from ..onnx import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
-from ..costs import draft_cost
+from ..costs import draft_cost, known_draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models import registry
 from ..models.gguf import GGUFFile
@@ -187,10 +187,21 @@ def check_tokenizers(target, draft, draft_ref: str) -> tuple[str, str | None]:
     return CROSS_TOKENIZER, difference
 
 
+class _File:
+    """A GGUF draft model's vocabulary as its file says, without opening the
+    model: what the vocabulary checks read of a backend (``path``, ``n_vocab``)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        with GGUFFile(self.path) as f:
+            self.n_vocab = f.array_length("tokenizer.ggml.tokens") or 0
+
+
 class TokenMap:
     """A specialized drafter's ids against the target's."""
 
     def __init__(self, to_target: np.ndarray, unk: int, n_target: int):
+        self.n_draft = len(to_target)
         self.to_target = to_target                          # (n_draft,) drafter id -> target id
         self.to_draft = np.full(n_target, unk, np.int32)    # (n_target,) target id -> drafter id
         self.to_draft[to_target] = np.arange(len(to_target), dtype=np.int32)
@@ -366,34 +377,47 @@ class ModelDrafter(Drafter):
         # Its cache follows the target's text, also past its own training context
         # (an ONNX export's cache length is fixed when it is exported: ep instead).
         extra = {"ep": config.options.ep} if name == "onnx" else {"ctx_extend": True}
-        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads, **extra)
+        self._open_args = (name, path, dict(n_ctx=config.n_ctx, threads=config.options.threads, **extra))
+        self._backend = None
+        self._rows = None   # draft_vocab: the output rows kept (FR-Spec), set on the backend when it opens
+        self.target = config.target
+        # A GGUF draft model opens when the planner first asks it for a draft
+        # (a short answer never may): its vocabulary is read from the file,
+        # and its cost from the cache, known without opening it. A draft
+        # model of another tokenizer (whose check needs its tokenizer), of
+        # unmeasured cost, or an ONNX export opens now.
+        file = _File(path) if Path(path).suffix == ".gguf" and Path(path).is_file() else None
         try:
-            self._map = token_map(config.target, path, self.backend.n_vocab, ref)
+            self._map = token_map(config.target, path, file.n_vocab if file else self.backend.n_vocab, ref)
             if self._map is not None:
-                self.mode, self.difference = TRIMMED, (f"draft model {ref} keeps {self.backend.n_vocab} of "
+                self.mode, self.difference = TRIMMED, (f"draft model {ref} keeps {self._map.n_draft} of "
                                                        f"the target's {config.target.n_vocab} tokens")
             else:
-                self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
+                difference = _vocab_difference(config.target, file, ref) if file else "not a GGUF file"
+                self.mode, self.difference = ((SAME_VOCAB, None) if difference is None
+                                              else check_tokenizers(config.target, self.backend, ref))
             if config.options.draft_vocab:
-                self._trim_head(config.target, config.options.draft_vocab, ref)
-            # What drafting costs beside this target, measured now (once per
-            # machine) so that the planner charges it before the first try.
-            self.cost = draft_cost(config.target, self.backend)
+                self._trim_head(config.options.draft_vocab, name, file.n_vocab if file else self.backend.n_vocab)
+            # What drafting costs beside this target, measured at load (once
+            # per machine) so that the planner charges it before the first try.
+            self.cost = known_draft_cost(config.target, name, path, config.options.draft_vocab or 0,
+                                         extra.get("ep")) if file else None
+            if self.cost is None:
+                self.cost = draft_cost(config.target, self.backend)
         except BaseException:
-            self.backend.close()
+            self.close()
             raise
         target_path = Path(config.target.path)
         if Path(path).is_file() and Path(path).stat().st_size > target_path.stat().st_size:
             warnings.warn(f"draft model {ref} is larger than the target {target_path.name}: "
                           "it is used only where the planner measures that it pays", stacklevel=2)
-        self.target = config.target
         # Small models of one family agree with each other on most tokens;
         # text re-tokenized across vocabularies loses some at the boundary.
         self.prior = 0.7 if self.mode == SAME_VOCAB else 0.6
         # q rows handed to verification, over the target's vocabulary (trimmed mode).
         self._q = np.empty((0, config.target.n_vocab), dtype=np.float32)
         self.planner = None               # set by the engine: decides on draft trees
-        self.n_vocab = self.backend.n_vocab
+        self.n_vocab = file.n_vocab if file else self.backend.n_vocab
         self._bridge = _TextBridge(config.target, self.backend) if self.mode == CROSS_TOKENIZER else None
         self._sampler: Sampler | None = None
         self._constraint = None   # the generation's grammar, drafted inside (same vocabulary)
@@ -406,18 +430,30 @@ class ModelDrafter(Drafter):
         self.n_trees = 0
         self.n_boundary_misses = 0        # cross-tokenizer drafts lost to the context boundary
 
-    def _trim_head(self, target, n: int, ref: str) -> None:
+    @property
+    def backend(self):
+        """The draft model's backend, opened on first use."""
+        if self._backend is None:
+            name, path, options = self._open_args
+            self._backend = open_backend(name, path, **options)
+            if self._rows is not None:
+                self._backend.restrict_output(self._rows)
+        return self._backend
+
+    def _trim_head(self, n: int, backend: str, n_vocab: int) -> None:
         """Compute only the ``n`` most used tokens' logits (FR-Spec): the
         others are -inf, so greedy drafts among them and a sampled draft's q
-        is zero outside them; verification is exact for any q."""
+        is zero outside them; verification is exact for any q. Checked now,
+        set on the backend when it opens."""
         if self.mode != SAME_VOCAB:
             raise InvalidArgumentError(f"draft_vocab (--draft-vocab) trims a draft model that shares the "
-                                       f"target's vocabulary; {ref} is a {self.mode} draft")
-        if not hasattr(self.backend, "restrict_output"):
+                                       f"target's vocabulary; {self.ref} is a {self.mode} draft")
+        if backend != "native":
             raise InvalidArgumentError(f"draft_vocab (--draft-vocab) needs the draft model on the native "
-                                       f"backend, not {self.backend.name}")
-        self.backend.restrict_output(ranks.top_tokens(target_fingerprint(target), n,
-                                                      self.backend.n_vocab, ref))
+                                       f"backend, not {backend}")
+        self._rows = ranks.top_tokens(target_fingerprint(self.target), n, n_vocab, self.ref)
+        if self._backend is not None:
+            self._backend.restrict_output(self._rows)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """Draft with the target's sampling settings on an RNG stream of its own."""
@@ -431,9 +467,10 @@ class ModelDrafter(Drafter):
                                                          if same and t < self.n_vocab)), self.n_vocab)
         self._chain = []
         # What the cache holds of this prompt (a prefix shared with the last
-        # generation's text stays; the bridge keeps no such record).
-        self._seen = 0 if self._bridge is not None else common_prefix(
-            self.backend.cached_tokens, self._drafter_ids(prompt), len(prompt))
+        # generation's text stays; the bridge keeps no such record; a draft
+        # model not opened yet holds nothing).
+        self._seen = 0 if self._bridge is not None or self._backend is None else common_prefix(
+            self._backend.cached_tokens, self._drafter_ids(prompt), len(prompt))
 
     def _drafter_ids(self, tokens: Sequence[int]) -> list[int]:
         return list(tokens) if self._map is None else self._map.drafter_ids(tokens)
@@ -605,10 +642,12 @@ class ModelDrafter(Drafter):
                 **({"boundary_misses": self.n_boundary_misses} if self._bridge is not None else {})}
 
     def close(self) -> None:
-        if self._sampler is not None:
+        if getattr(self, "_sampler", None) is not None:
             self._sampler.close()
             self._sampler = None
-        self.backend.close()
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
 
 
 DRAFTER = ModelDrafter
