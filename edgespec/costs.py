@@ -38,6 +38,10 @@ DRAFT_COST_FILE = "draft-costs.json"
 MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
 CATCH_UP_BATCH = 32       # batch a draft model's catch-up is timed with (a prompt evaluates in such chunks)
 BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measurement is provisional
+CURVE_ROUNDS = 3      # most times the batches are timed at a load when the curve looks disturbed
+NON_MONOTONE = 0.8    # a batch timed below this share of a smaller one's time: the smaller one was disturbed
+ROOFLINE_SLACK = 4.0  # a one-token step this many times the memory roofline's time: the machine was busy
+SUSPECT_TRIES = 2     # loads that measure a curve still looking disturbed before it is kept as it is
 
 log = logging.getLogger("edgespec")
 
@@ -107,17 +111,69 @@ def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int
     return times
 
 
-def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
-    """Time target batches of MEASURED sizes after a short prefix; returns
-    cost[k] = t(k) / t(1) for k = 0..MAX_BATCH (cost[0] = 0), interpolated
-    linearly between measured sizes. Leaves the KV cache cleared."""
-    times = time_batches(backend, MEASURED, reps=reps, prefix=prefix)
+class Suspect(list):
+    """A measurement that looks taken while other work disturbed it; ``why`` says what."""
+
+    def __init__(self, value, why: str):
+        super().__init__(value)
+        self.why = why
+
+
+def disturbed(times: dict[int, float], roofline_s: float | None = None) -> str | None:
+    """What says that batch timings (seconds by size) were taken on a busy
+    machine (None: nothing): a batch markedly faster than a smaller one
+    (physics has a bigger batch read the same weights and compute more), or
+    a one-token step far slower than the memory roofline (``roofline_s``:
+    the time to read the weights once at this machine's bandwidth)."""
+    sizes = sorted(times)
+    slowest = 0.0
+    for k in sizes:
+        if slowest and times[k] < NON_MONOTONE * slowest:
+            return f"a batch of {k} tokens took {times[k] / slowest:.2f}x the time of a smaller one"
+        slowest = max(slowest, times[k])
+    if roofline_s and times[sizes[0]] > ROOFLINE_SLACK * roofline_s:
+        return (f"a one-token step took {times[sizes[0]] * 1e3:.1f} ms, {times[sizes[0]] / roofline_s:.1f}x "
+                f"the memory roofline's {roofline_s * 1e3:.1f} ms")
+    return None
+
+
+def checked_curve(timer: Callable[[], dict[int, float]], roofline_s: float | None = None) -> list[float]:
+    """The batch cost curve from ``timer()`` (seconds by size, MEASURED
+    sizes), timed again up to CURVE_ROUNDS times while the fastest time of
+    each size so far still looks ``disturbed``: cost[k] = t(k) / t(1) for
+    k = 0..MAX_BATCH (cost[0] = 0), interpolated linearly between measured
+    sizes; a ``Suspect`` when it still looks disturbed."""
+    best: dict[int, float] = {}
+    for _ in range(CURVE_ROUNDS):
+        for k, t in timer().items():
+            best[k] = min(t, best.get(k, float("inf")))
+        why = disturbed(best, roofline_s)
+        if why is None:
+            break
     costs = [0.0] * (MAX_BATCH + 1)
     for lo, hi in zip(MEASURED, MEASURED[1:]):
         for k in range(lo, hi + 1):
             w = (k - lo) / (hi - lo)
-            costs[k] = ((1 - w) * times[lo] + w * times[hi]) / times[1]
-    return plausible(costs)
+            costs[k] = ((1 - w) * best[lo] + w * best[hi]) / best[1]
+    return plausible(costs) if why is None else Suspect(plausible(costs), why)
+
+
+def roofline_s(backend) -> float | None:
+    """Seconds a native one-token step takes at least: its weights (the file)
+    read once at this machine's read bandwidth, where that is cached already
+    (None elsewhere: other backends, an expert cache reading a part of them)."""
+    if backend.name != "native" or getattr(backend, "expert_cache", None) is not None:
+        return None
+    _, bps, _ = _cached(registry.home() / BANDWIDTH_FILE, f"{cpu_name()}:{backend.threads}", "bytes_per_s",
+                        lambda v: isinstance(v, (int, float)) and v > 0)
+    return Path(backend.path).stat().st_size / bps if bps else None
+
+
+def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
+    """Time target batches of MEASURED sizes after a short prefix (each the
+    fastest of ``reps``, the whole curve again where it looks disturbed:
+    ``checked_curve``). Leaves the KV cache cleared."""
+    return checked_curve(lambda: time_batches(backend, MEASURED, reps=reps, prefix=prefix), roofline_s(backend))
 
 
 def plausible(costs: list[float]) -> list[float]:
@@ -151,8 +207,10 @@ def _cached(path: Path, key: str, field: str, valid: Callable[[Any], bool]) -> t
         table = {}
     entry, load = table.get(key), _other_load()
     # (an entry without a recorded load was written before loads were: measured again once)
+    # (a curve that looked disturbed is measured again at the next loads, SUSPECT_TRIES in all)
     if (isinstance(entry, dict) and valid(entry.get(field))
-            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
+            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)
+            and not (entry.get("suspect") and entry.get("tries", 1) < SUSPECT_TRIES)):
         return table, entry[field], load
     return table, None, load
 
@@ -176,7 +234,14 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
     if notice:
         log.info("measuring %s (once for this machine; cached in %s)", notice, path)
     value = measure()
-    table[key] = {field: value, "load": round(load, 3)}
+    old = table.get(key) if isinstance(table.get(key), dict) else {}
+    table[key] = {field: list(value) if isinstance(value, Suspect) else value, "load": round(load, 3)}
+    if isinstance(value, Suspect):   # what looked disturbed, and how many loads measured it so
+        tries = old.get("tries", 0) + 1 if old.get("suspect") else 1
+        table[key].update(suspect=value.why, tries=tries)
+        log.warning("the %s looks measured on a busy machine (%s): %s", notice or key, value.why,
+                    "used for now, and measured again at the next load" if tries < SUSPECT_TRIES
+                    else "kept, corrected by the planner's own timings")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(table, indent=1).encode())
