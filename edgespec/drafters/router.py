@@ -73,10 +73,35 @@ CODE_SHARE = 0.03
 INDENTED_SHARE = 0.3
 
 
+# The most frequent short words of the languages in Latin letters that the
+# prompt suites have most text in: a Latin text's language is the one whose
+# words it uses most, ahead of the next (the script alone says it for most
+# others). One-letter words are left out: languages share them.
+LATIN_WORDS = {
+    "eng": "the and of to is in that it for you with are this be",
+    "deu": "der die und das ist nicht ein eine zu den mit sich auf für",
+    "fra": "le la les et des est une un du que pour dans pas sur",
+    "spa": "el la los las de que es en un una por para con del",
+    "ita": "il la di che un una per non sono del della con gli",
+    "por": "os as de que um uma para com não do da em se",
+    "nld": "de het een en van is dat niet op te zijn met voor",
+}
+_LATIN_WORDS = {lang: frozenset(words.split()) for lang, words in LATIN_WORDS.items()}
+
+
+def latin_language(text: str) -> str | None:
+    """The language of LATIN_WORDS whose words ``text`` uses most (None: none of them)."""
+    words = Counter(w.strip(".,;:!?\"'()«»") for w in text.casefold().split())
+    hits = {lang: sum(words[w] for w in ws) for lang, ws in _LATIN_WORDS.items()}
+    best, second = sorted(hits, key=hits.get, reverse=True)[:2]
+    return best if hits[best] >= 2 and hits[best] > hits[second] else None
+
+
 def text_route(text: str) -> str:
     """The route of a request's text, what the planner keeps acceptance
-    apart by: the script most of its letters are in and whether it reads as
-    code or prose ("latin:prose", "han:prose", "latin:code"; "none:prose"
+    apart by: the script most of its letters are in (with the language for
+    prose in Latin letters, ``latin_language``) and whether it reads as code
+    or prose ("latin-eng:prose", "han:prose", "latin:code"; "none:prose"
     without letters), from its last ROUTING_CHARS characters."""
     text = text[-ROUTING_CHARS:]
     shares = script_shares(text)
@@ -85,7 +110,8 @@ def text_route(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     code = ((visible and sum(c in CODE_CHARS for c in visible) / len(visible) >= CODE_SHARE)
             or (lines and sum(line.startswith(("    ", "\t")) for line in lines) / len(lines) >= INDENTED_SHARE))
-    return f"{main}:{'code' if code else 'prose'}"
+    language = latin_language(text) if main == "latin" and not code else None
+    return f"{main}{f'-{language}' if language else ''}:{'code' if code else 'prose'}"
 
 
 def _overlap(scripts: dict[str, float], profile_scripts: dict[str, float]) -> float:
