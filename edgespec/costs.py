@@ -314,17 +314,11 @@ def _valid_draft_cost(v) -> bool:
     return isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v)
 
 
-def known_draft_cost(target, backend: str, path, rows: int = 0, ep: str | None = None) -> DraftCost | None:
-    """The cached cost of the draft model at ``path`` beside ``target``,
-    without opening it (None: not measured yet, or to be measured again)."""
-    _, value, _ = _cached(registry.home() / DRAFT_COST_FILE, draft_cost_key(target, backend, path, rows, ep),
-                          "cost", _valid_draft_cost)
-    return DraftCost(*value) if value is not None else None
-
-
 def draft_cost(target, draft, *, remeasure: bool = False) -> DraftCost:
-    """The cached cost of draft backend ``draft`` beside ``target`` (both
-    open), measured when missing."""
+    """The cached cost of draft backend ``draft`` beside ``target`` (open),
+    measured when missing: the key reads only ``draft``'s name, path and,
+    where it has them, ``output_rows`` and ``ep``, so a draft model known
+    to the cache need not be open."""
     key = draft_cost_key(target, draft.name, draft.path, getattr(draft, "output_rows", 0), getattr(draft, "ep", None))
     value = cached_measurement(
         DRAFT_COST_FILE, key, "cost", lambda: measure_draft_cost(target, draft).to_list(), _valid_draft_cost,

@@ -46,7 +46,7 @@ from ..backends import open_backend
 from ..onnx import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
-from ..costs import draft_cost, known_draft_cost
+from ..costs import draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models import registry
 from ..models.gguf import GGUFFile
@@ -195,6 +195,19 @@ class _File:
         self.path = Path(path)
         with GGUFFile(self.path) as f:
             self.n_vocab = f.array_length("tokenizer.ggml.tokens") or 0
+
+
+class _Deferred:
+    """A draft model's backend as the cost cache sees it: what its key reads
+    (backend name, file, output rows, execution provider) known without
+    opening it; anything else (a measurement's decoding) opens it."""
+
+    def __init__(self, drafter, name: str, path, output_rows: int, ep: str | None):
+        self._drafter = drafter
+        self.name, self.path, self.output_rows, self.ep = name, path, output_rows, ep
+
+    def __getattr__(self, attr):
+        return getattr(self._drafter.backend, attr)
 
 
 class TokenMap:
@@ -400,10 +413,8 @@ class ModelDrafter(Drafter):
                 self._trim_head(config.options.draft_vocab, name, file.n_vocab if file else self.backend.n_vocab)
             # What drafting costs beside this target, measured at load (once
             # per machine) so that the planner charges it before the first try.
-            self.cost = known_draft_cost(config.target, name, path, config.options.draft_vocab or 0,
-                                         extra.get("ep")) if file else None
-            if self.cost is None:
-                self.cost = draft_cost(config.target, self.backend)
+            self.cost = draft_cost(config.target, _Deferred(self, name, path, config.options.draft_vocab or 0,
+                                                            extra.get("ep")))
         except BaseException:
             self.close()
             raise
@@ -637,7 +648,7 @@ class ModelDrafter(Drafter):
         self._chain = []
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "draft_model": self.ref, "drafts": self.n_drafts,
+        return {"mode": self.mode, "draft_model": self.ref, "opened": self._backend is not None, "drafts": self.n_drafts,
                 "draft_tokens_evaluated": self.n_evaluated, "trees": self.n_trees,
                 **({"boundary_misses": self.n_boundary_misses} if self._bridge is not None else {})}
 
