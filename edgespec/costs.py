@@ -239,7 +239,7 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
     if isinstance(value, Suspect):   # what looked disturbed, and how many loads measured it so
         tries = old.get("tries", 0) + 1 if old.get("suspect") else 1
         table[key].update(suspect=value.why, tries=tries)
-        log.warning("the %s looks measured on a busy machine (%s): %s", notice or key, value.why,
+        log.warning("%s looks measured on a busy machine (%s): %s", notice or key, value.why,
                     "used for now, and measured again at the next load" if tries < SUSPECT_TRIES
                     else "kept, corrected by the planner's own timings")
     try:
