@@ -331,7 +331,14 @@ class Planner:
         with ``shared`` other tokens: the batch with these n_tokens against
         the batch with one of them."""
         if self.shared:
-            return self._cost(self.shared + n_tokens) / self._cost(self.shared + 1)
+            # Each token added to the batch costs at least what the batch's
+            # tokens beyond the first cost on average: a curve flat there
+            # (measured while other work disturbed it) must not make a
+            # shared batch's extra tokens free, and the steps of shared
+            # batches are not timed to correct it (edgespec.engine).
+            base = self._cost(self.shared + 1)
+            floor = 1.0 + (n_tokens - 1) * (base - 1.0) / self.shared / base
+            return max(self._cost(self.shared + n_tokens) / base, floor)
         return self._cost(n_tokens)
 
     def _cost(self, n_tokens: int) -> float:

@@ -553,3 +553,18 @@ def test_a_suspect_curve_is_measured_again_at_the_next_load_then_kept(tiny_llama
         assert len(timed) == 2 * costs.CURVE_ROUNDS
         costs.batch_costs(backend)                       # after SUSPECT_TRIES loads: kept
         assert len(timed) == 2 * costs.CURVE_ROUNDS
+
+
+def test_in_a_shared_batch_a_curve_flat_there_does_not_make_drafts_free():
+    """A curve measured while the machine was busy: 2 to 8 tokens all cost
+    1.8 one-token steps. Beside 3 other generations' tokens, taken at its
+    word a draft of 4 would ride free; each added token is charged at least
+    the batch's average cost per token beyond the first instead (0.27 of a
+    step), which drafts accepted half the time do not repay."""
+    flat_middle = [0.0, 1.0] + [1.8] * 7 + [1.8 + 0.3 * k for k in range(1, MAX_BATCH - 7)]
+    p = Planner(flat_middle)
+    p.shared = 3
+    assert p.cost(5) > 1.5
+    for _ in range(30):
+        p.record("k", 4, 2)
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 0
