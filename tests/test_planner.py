@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import Draft, Drafter
-from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, ExpertMisses, Planner
+from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, CostCurve, ExpertMisses, Planner
 
 LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
 FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
@@ -565,6 +565,8 @@ def test_in_a_shared_batch_a_curve_flat_there_does_not_make_drafts_free():
     p = Planner(flat_middle)
     p.shared = 3
     assert p.cost(5) > 1.5
-    for _ in range(30):
-        p.record("k", 4, 2)
+    for i in range(30):
+        p.record("k", 4, i % 2)               # half the first tokens accepted, no second one
     assert len(p.cut(chain(4), may_skip=True)[0]) == 0
+    p.shared, p.costs = 3, CostCurve(flat_middle[:5] + [1.8 + 0.27 * k for k in range(1, MAX_BATCH - 3)])
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 0   # the same as the curve beyond 4 were true
