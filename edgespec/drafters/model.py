@@ -46,7 +46,7 @@ from ..backends import open_backend
 from ..onnx import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
-from ..costs import draft_cost
+from ..costs import cached_measurement, draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models import registry
 from ..models.gguf import GGUFFile
@@ -232,11 +232,33 @@ def target_fingerprint(target) -> str:
     return vocabulary(target).fingerprint
 
 
-def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
+VOCAB_CHECK_FILE = "vocab-checks.json"
+
+
+def _file_id(path) -> str:
+    st = Path(path).stat()
+    return f"{Path(path).name}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def checked_once(what: str, target, draft_path, check):
+    """``check()``'s result (a JSON list: what the vocabulary check ``what``
+    of the draft file at ``draft_path`` against ``target`` found), kept per
+    check and pair of files (name, size, modification time) in
+    ``VOCAB_CHECK_FILE``: a later load of the same pair need not read and
+    compare two vocabularies again. A check that raises is not kept."""
+    target_path = getattr(target, "path", None)
+    if not target_path or not Path(target_path).is_file() or not Path(draft_path).is_file():
+        return check()
+    return cached_measurement(VOCAB_CHECK_FILE, f"{what}:{_file_id(target_path)}|{_file_id(draft_path)}",
+                              "check", check, lambda v: isinstance(v, list))
+
+
+def token_map(target, draft_path, n_draft: int, draft_ref: str, *, checked: bool = False) -> TokenMap | None:
     """The id map of a specialized drafter (None for any other draft model, an
     ONNX export folder included), checked: every key present and in range, and
     the vocabulary it was trained for the ``target`` backend's (else
-    IncompatibleDraftModelError saying which)."""
+    IncompatibleDraftModelError saying which; ``checked``: that comparison
+    passed at an earlier load of the same files, ``checked_once``)."""
     if not Path(draft_path).is_file():
         return None
     with GGUFFile(draft_path) as f:
@@ -245,7 +267,7 @@ def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | No
         ids, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
         trained_for, fingerprint = f.get(specialized.KEY_TARGET), f.get(specialized.KEY_TARGET_VOCAB)
     n_target = target.n_vocab
-    if fingerprint != target_fingerprint(target):
+    if not checked and fingerprint != target_fingerprint(target):
         target_path = getattr(target, "path", None)
         raise IncompatibleDraftModelError(
             f"draft model {draft_ref} was trained for {trained_for or 'another model'}, whose vocabulary "
@@ -395,22 +417,18 @@ class ModelDrafter(Drafter):
         self._rows = None   # draft_vocab: the output rows kept (FR-Spec), set on the backend when it opens
         self.target = config.target
         # A GGUF draft model opens when the planner first asks it for a draft
-        # (a short answer never may): its vocabulary is read from the file,
-        # and its cost from the cache, known without opening it. A draft
-        # model of another tokenizer (whose check needs its tokenizer), of
-        # unmeasured cost, or an ONNX export opens now.
-        file = _File(path) if Path(path).suffix == ".gguf" and Path(path).is_file() else None
+        # (a short answer never may): its vocabulary checks are read from the
+        # files (once per pair of files: checked_once), and its cost from the
+        # cache, without opening it. A draft model of another tokenizer
+        # (drafting re-tokenizes with it), of unmeasured cost, or an ONNX
+        # export opens now.
+        gguf = Path(path).suffix == ".gguf" and Path(path).is_file()
         try:
-            self._map = token_map(config.target, path, file.n_vocab if file else self.backend.n_vocab, ref)
-            if self._map is not None:
-                self.mode, self.difference = TRIMMED, (f"draft model {ref} keeps {self._map.n_draft} of "
-                                                       f"the target's {config.target.n_vocab} tokens")
-            else:
-                difference = _vocab_difference(config.target, file, ref) if file else "not a GGUF file"
-                self.mode, self.difference = ((SAME_VOCAB, None) if difference is None
-                                              else check_tokenizers(config.target, self.backend, ref))
+            self.mode, self.difference, n_vocab = (checked_once("mode", config.target, path, lambda: self._check(path))
+                                                   if gguf else self._check(path))
+            self._map = token_map(config.target, path, n_vocab, ref, checked=True) if self.mode == TRIMMED else None
             if config.options.draft_vocab:
-                self._trim_head(config.options.draft_vocab, name, file.n_vocab if file else self.backend.n_vocab)
+                self._trim_head(config.options.draft_vocab, name, n_vocab)
             # What drafting costs beside this target, measured at load (once
             # per machine) so that the planner charges it before the first try.
             self.cost = draft_cost(config.target, _Deferred(self, name, path, config.options.draft_vocab or 0,
@@ -428,7 +446,7 @@ class ModelDrafter(Drafter):
         # q rows handed to verification, over the target's vocabulary (trimmed mode).
         self._q = np.empty((0, config.target.n_vocab), dtype=np.float32)
         self.planner = None               # set by the engine: decides on draft trees
-        self.n_vocab = file.n_vocab if file else self.backend.n_vocab
+        self.n_vocab = n_vocab
         self._bridge = _TextBridge(config.target, self.backend) if self.mode == CROSS_TOKENIZER else None
         self._sampler: Sampler | None = None
         self._constraint = None   # the generation's grammar, drafted inside (same vocabulary)
@@ -440,6 +458,19 @@ class ModelDrafter(Drafter):
         self.n_evaluated = 0
         self.n_trees = 0
         self.n_boundary_misses = 0        # cross-tokenizer drafts lost to the context boundary
+
+    def _check(self, path) -> list:
+        """[mode, why the vocabularies differ (None: they do not), the draft
+        model's vocabulary size] of the draft model at ``path`` (the GGUF
+        file read, else the model opened)."""
+        target, ref = self.target, self.ref
+        file = _File(path) if Path(path).suffix == ".gguf" and Path(path).is_file() else None
+        n_vocab = file.n_vocab if file else self.backend.n_vocab
+        if token_map(target, path, n_vocab, ref) is not None:
+            return [TRIMMED, f"draft model {ref} keeps {n_vocab} of the target's {target.n_vocab} tokens", n_vocab]
+        difference = _vocab_difference(target, file, ref) if file else "not a GGUF file"
+        mode, difference = (SAME_VOCAB, None) if difference is None else check_tokenizers(target, self.backend, ref)
+        return [mode, difference, n_vocab]
 
     @property
     def backend(self):

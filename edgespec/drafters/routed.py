@@ -132,13 +132,17 @@ def check_info(info: DrafterInfo, target) -> DrafterInfo:
     """``info`` with ``problem`` set when its drafter cannot draft for the
     ``target`` vocabulary (anything with ``n_vocab`` and ``token_text``): the
     trimmed-vocabulary checks of the model drafter."""
-    from .model import token_map   # the draft model's module loads backends: only when needed
+    from .model import checked_once, token_map   # the draft model's module loads backends: only when needed
 
-    if info.problem is None:
+    def problem() -> list:
         try:
             token_map(target, info.path, info.n_vocab, info.name)
         except EdgespecError as e:
-            info.problem = str(e)
+            return [str(e)]
+        return [None]
+
+    if info.problem is None:
+        info.problem = checked_once("token-map", target, info.path, problem)[0]
     return info
 
 
