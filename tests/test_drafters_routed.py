@@ -292,7 +292,7 @@ def test_a_draft_model_of_known_cost_opens_only_when_first_asked(tiny_llama_path
     measure); the next engine knows it from the cache by the draft file and
     does not open the model for a one-token answer."""
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
-    options = dict(backend="native", threads=1, n_ctx=512, drafter="auto", draft_model=str(tiny_llama_path))
+    options = {"backend": "native", "threads": 1, "n_ctx": 512, "drafter": "auto", "draft_model": str(tiny_llama_path)}
     with Engine(str(tiny_llama_path), **options) as e:
         assert e.generate("Hello", max_tokens=1).stats.spec.drafters["model"]["opened"]
     with Engine(str(tiny_llama_path), **options) as e:
