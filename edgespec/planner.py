@@ -298,6 +298,7 @@ class Planner:
         self.drafters: dict[str, DrafterCosts] = {}   # costly drafters by name
         self.plain_steps = 0                          # plain steps since the last draft
         self.route = ""                               # the current request's route of text ("": unknown)
+        self._evidence: set[str] = set()              # acceptance keys (key@route) verified since the last end()
         # Tokens of other generations in the batch this one's steps join
         # (an engine's parallel generations): what this one's tokens cost is
         # what they add to that batch, and what they hold up is the others' output.
@@ -314,9 +315,10 @@ class Planner:
         """A generation ended: what was learned becomes the memory's (saved)."""
         if self.memory is None:
             return
-        for key, acc in self.acceptance.items():
-            if acc.trials[0] > 0:
-                self.memory.learn(key, acc.hits, acc.trials)
+        for key in self._evidence:
+            acc = self.acceptance[key]
+            self.memory.learn(key, acc.hits, acc.trials)
+        self._evidence.clear()
         for name, d in self.drafters.items():
             if d.per_token.median is not None:
                 self.memory.learn_cost(name, *self.drafter_cost(name).to_list())
@@ -369,12 +371,16 @@ class Planner:
         token now, in target tokens."""
         return self.drafter_costs(key).now(self.t_token)
 
+    def _on_route(self, key: str) -> str:
+        """Acceptance key ``key`` on the current route."""
+        return f"{key}@{self.route}" if self.route else key
+
     def _acc(self, key: str, prior: float | None = None) -> Acceptance:
         """The acceptance of drafts of ``key`` on the current route: made on
         first use from what the memory learned of them, else from ``prior``
         (the drafter's guess; None: PRIOR_ALPHA), which a drafter may revise
         for each request (a router's confidence)."""
-        key = f"{key}@{self.route}" if self.route else key
+        key = self._on_route(key)
         acc = self.acceptance.get(key)
         if acc is None:
             acc = self.acceptance[key] = Acceptance(prior if prior is not None else PRIOR_ALPHA)
@@ -552,6 +558,7 @@ class Planner:
             return
         self.plain_steps = 0
         self._acc(key).update(depth, n_accepted)
+        self._evidence.add(self._on_route(key))
 
     def record_step_time(self, seconds: float, n_tokens: int, misses: int = 0, stall_s: float = 0.0) -> None:
         """A target step of ``n_tokens`` took ``seconds``, ``stall_s`` of them
