@@ -4,7 +4,10 @@
     python benchmarks/bench_auto.py --models qwen2.5-coder-1.5b smollm2-135m --per-suite 3 --repeats 3
 
 For each model and each prompt (held-out prompts of every shipped suite:
-never the TUNED ones the planner was developed on), each repeat runs
+never the TUNED ones the planner was developed on; and two suites made here
+from them: ``translate``, the multilingual suite's requests to translate
+dataset-build text into English from TRANSLATE_FROM, and ``short-chat``,
+the chat questions asking for an answer of a sentence or two), each repeat runs
 `edgespec generate -m MODEL --drafter none|auto --temperature 0 -n TOKENS
 --json PROMPT` once each, alternating which goes first. It prints per prompt
 the decode speed ratio auto / plain (median and lowest over the paired
@@ -27,19 +30,37 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from edgespec.bench import prompts
 from edgespec.models import registry
 
-SUITES = ("code", "chat", "edit", "multilingual")
+SUITES = ("code", "chat", "edit", "multilingual", "translate", "short-chat")
 # Prompts the planner was tuned on while it was developed: left out here.
 TUNED = {"humaneval-0", "humaneval-120", "humaneval-131", "humaneval-143"}
+# Languages of the translation prompts, in the order they are taken (different scripts first).
+TRANSLATE_FROM = ("deu", "zho", "rus", "fra", "jpn", "spa", "ara", "pol")
+SHORT = " Answer in one or two sentences."
+
+
+def suite_prompts(suite: str) -> list:
+    """The prompts of ``suite``: a shipped one, or one made here from them."""
+    if suite == "translate":
+        by_id = {p.id: p for p in prompts.load_suite("multilingual")}
+        return [replace(by_id[f"translate-{lang}"], suite=suite) for lang in TRANSLATE_FROM]
+    if suite == "short-chat":
+        return [replace(p, id=f"{p.id}-short", suite=suite, prompt=p.prompt + SHORT)
+                for p in prompts.load_suite("chat")]
+    return prompts.load_suite(suite)
 
 
 def held_out(suite: str, n: int) -> list:
-    """``n`` prompts of ``suite`` spread evenly over it, none of TUNED."""
-    kept = [p for p in prompts.load_suite(suite) if p.id not in TUNED]
+    """``n`` prompts of ``suite`` spread evenly over it, none of TUNED
+    (translations: the first ``n`` languages of TRANSLATE_FROM)."""
+    kept = [p for p in suite_prompts(suite) if p.id not in TUNED]
+    if suite == "translate":
+        return kept[:n]
     step = max(1, len(kept) // n)
     return kept[step // 2::step][:n]
 

@@ -39,6 +39,10 @@ DRAFT_COST_FILE = "draft-costs.json"
 MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
 CATCH_UP_BATCH = 32       # batch a draft model's catch-up is timed with (a prompt evaluates in such chunks)
 BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measurement is provisional
+CURVE_ROUNDS = 3      # most times the batches are timed at a load when the curve looks disturbed
+NON_MONOTONE = 0.8    # a batch timed below this share of a smaller one's time: the smaller one was disturbed
+ROOFLINE_SLACK = 4.0  # a one-token step this many times the memory roofline's time: the machine was busy
+SUSPECT_TRIES = 2     # loads that measure a curve still looking disturbed before it is kept as it is
 
 log = logging.getLogger("edgespec")
 
@@ -99,17 +103,69 @@ def time_batches(backend, sizes, *, reps: int = 3, prefix: int = 64) -> dict[int
     return times
 
 
-def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
-    """Time target batches of MEASURED sizes after a short prefix; returns
-    cost[k] = t(k) / t(1) for k = 0..MAX_BATCH (cost[0] = 0), interpolated
-    linearly between measured sizes. Leaves the KV cache cleared."""
-    times = time_batches(backend, MEASURED, reps=reps, prefix=prefix)
+class Suspect(list):
+    """A measurement that looks taken while other work disturbed it; ``why`` says what."""
+
+    def __init__(self, value, why: str):
+        super().__init__(value)
+        self.why = why
+
+
+def disturbed(times: dict[int, float], roofline_s: float | None = None) -> str | None:
+    """What says that batch timings (seconds by size) were taken on a busy
+    machine (None: nothing): a batch markedly faster than a smaller one
+    (physics has a bigger batch read the same weights and compute more), or
+    a one-token step far slower than the memory roofline (``roofline_s``:
+    the time to read the weights once at this machine's bandwidth)."""
+    sizes = sorted(times)
+    slowest = 0.0
+    for k in sizes:
+        if slowest and times[k] < NON_MONOTONE * slowest:
+            return f"a batch of {k} tokens took {times[k] / slowest:.2f}x the time of a smaller one"
+        slowest = max(slowest, times[k])
+    if roofline_s and times[sizes[0]] > ROOFLINE_SLACK * roofline_s:
+        return (f"a one-token step took {times[sizes[0]] * 1e3:.1f} ms, {times[sizes[0]] / roofline_s:.1f}x "
+                f"the memory roofline's {roofline_s * 1e3:.1f} ms")
+    return None
+
+
+def checked_curve(timer: Callable[[], dict[int, float]], roofline_s: float | None = None) -> list[float]:
+    """The batch cost curve from ``timer()`` (seconds by size, MEASURED
+    sizes), timed again up to CURVE_ROUNDS times while the fastest time of
+    each size so far still looks ``disturbed``: cost[k] = t(k) / t(1) for
+    k = 0..MAX_BATCH (cost[0] = 0), interpolated linearly between measured
+    sizes; a ``Suspect`` when it still looks disturbed."""
+    best: dict[int, float] = {}
+    for _ in range(CURVE_ROUNDS):
+        for k, t in timer().items():
+            best[k] = min(t, best.get(k, float("inf")))
+        why = disturbed(best, roofline_s)
+        if why is None:
+            break
     costs = [0.0] * (MAX_BATCH + 1)
     for lo, hi in zip(MEASURED, MEASURED[1:]):
         for k in range(lo, hi + 1):
             w = (k - lo) / (hi - lo)
-            costs[k] = ((1 - w) * times[lo] + w * times[hi]) / times[1]
-    return plausible(costs)
+            costs[k] = ((1 - w) * best[lo] + w * best[hi]) / best[1]
+    return plausible(costs) if why is None else Suspect(plausible(costs), why)
+
+
+def roofline_s(backend) -> float | None:
+    """Seconds a native one-token step takes at least: its weights (the file)
+    read once at this machine's read bandwidth, where that is cached already
+    (None elsewhere: other backends, an expert cache reading a part of them)."""
+    if backend.name != "native" or getattr(backend, "expert_cache", None) is not None:
+        return None
+    _, bps, _ = _cached(registry.home() / BANDWIDTH_FILE, f"{cpu_name()}:{backend.threads}", "bytes_per_s",
+                        lambda v: isinstance(v, (int, float)) and v > 0)
+    return Path(backend.path).stat().st_size / bps if bps else None
+
+
+def measure_batch_costs(backend, *, reps: int = 3, prefix: int = 64) -> list[float]:
+    """Time target batches of MEASURED sizes after a short prefix (each the
+    fastest of ``reps``, the whole curve again where it looks disturbed:
+    ``checked_curve``). Leaves the KV cache cleared."""
+    return checked_curve(lambda: time_batches(backend, MEASURED, reps=reps, prefix=prefix), roofline_s(backend))
 
 
 def plausible(costs: list[float]) -> list[float]:
@@ -140,6 +196,25 @@ _unsaved: dict[tuple[Path, str], dict] = {}
 _said_unsaved: set[Path] = set()
 
 
+def _cached(path: Path, key: str, field: str, valid: Callable[[Any], bool]) -> tuple[dict, Any, float]:
+    """The cache file's table, the value cached under ``key`` (None: missing,
+    not ``valid``, or provisional and the machine quieter now) and the load now."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
+    entry, load = _unsaved.get((path, key), table.get(key)), _other_load()
+    # (an entry without a recorded load was written before loads were: measured again once)
+    # (a curve that looked disturbed is measured again at the next loads, SUSPECT_TRIES in all)
+    if (isinstance(entry, dict) and valid(entry.get(field))
+            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)
+            and not (entry.get("suspect") and entry.get("tries", 1) < SUSPECT_TRIES)):
+        return table, entry[field], load
+    return table, None, load
+
+
 def cached_measurement(file: str, key: str, field: str, measure: Callable[[], Any],
                        valid: Callable[[Any], bool], *, remeasure: bool = False,
                        notice: str | None = None) -> Any:
@@ -155,17 +230,9 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
     file cannot be written (a read-only or full cache) the value is kept in
     this process instead, and that is said once per file."""
     path = registry.home() / file
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict):
-        table = {}
-    entry, load = _unsaved.get((path, key), table.get(key)), _other_load()
-    # (an entry without a recorded load was written before loads were: measured again once)
-    if (not remeasure and isinstance(entry, dict) and valid(entry.get(field))
-            and not (entry.get("load", 0.0) > BUSY and load <= BUSY)):
-        return entry[field]
+    table, value, load = _cached(path, key, field, valid)
+    if value is not None and not remeasure:
+        return value
     unsaved = _cannot_save(path)
     if notice:
         log.info("measuring %s (%s)", notice, f"once for this machine; cached in {path}" if unsaved is None
@@ -173,7 +240,14 @@ def cached_measurement(file: str, key: str, field: str, measure: Callable[[], An
         if unsaved is not None:
             _said_unsaved.add(path)
     value = measure()
-    table[key] = {field: value, "load": round(load, 3)}
+    old = table.get(key) if isinstance(table.get(key), dict) else {}
+    table[key] = {field: list(value) if isinstance(value, Suspect) else value, "load": round(load, 3)}
+    if isinstance(value, Suspect):   # what looked disturbed, and how many loads measured it so
+        tries = old.get("tries", 0) + 1 if old.get("suspect") else 1
+        table[key].update(suspect=value.why, tries=tries)
+        log.warning("%s looks measured on a busy machine (%s): %s", notice or key, value.why,
+                    "used for now, and measured again at the next load" if tries < SUSPECT_TRIES
+                    else "kept, corrected by the planner's own timings")
     try:
         write_atomic(path, json.dumps(table, indent=1).encode())
         _unsaved.pop((path, key), None)
@@ -248,13 +322,29 @@ def measure_draft_cost(target, draft, *, reps: int = 5, prefix: int = 64) -> Dra
     return DraftCost(best["draft"] / best["target"], best["batch"] / CATCH_UP_BATCH / best["target"])
 
 
+def draft_cost_key(target, backend: str, path, rows: int = 0, ep: str | None = None) -> str:
+    """What a draft model's cost beside ``target`` (open) depends on, known
+    without opening it: the target's cost key (thread count and kernel set,
+    which the draft model shares), the draft's backend (and ONNX execution
+    provider), its file and the rows of a trimmed output layer."""
+    path = Path(path)
+    size = path.stat().st_size if path.is_file() else 0
+    return (f"{cost_key(target)}|{backend}{f'@{ep}' if ep else ''}:{path.name}:{size}"
+            f"{f':rows-{rows}' if rows else ''}")
+
+
+def _valid_draft_cost(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v)
+
+
 def draft_cost(target, draft, *, remeasure: bool = False) -> DraftCost:
-    """The cached cost of draft backend ``draft`` beside ``target`` (both
-    open), measured when missing."""
+    """The cached cost of draft backend ``draft`` beside ``target`` (open),
+    measured when missing: the key reads only ``draft``'s name, path and,
+    where it has them, ``output_rows`` and ``ep``, so a draft model known
+    to the cache need not be open."""
+    key = draft_cost_key(target, draft.name, draft.path, getattr(draft, "output_rows", 0), getattr(draft, "ep", None))
     value = cached_measurement(
-        DRAFT_COST_FILE, f"{cost_key(target)}|{cost_key(draft)}", "cost",
-        lambda: measure_draft_cost(target, draft).to_list(),
-        lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v),
+        DRAFT_COST_FILE, key, "cost", lambda: measure_draft_cost(target, draft).to_list(), _valid_draft_cost,
         remeasure=remeasure,
         notice=f"the cost of draft model {Path(draft.path).name} beside {Path(target.path).name}")
     return DraftCost(*value)

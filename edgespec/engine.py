@@ -35,13 +35,14 @@ from .backends import default_backend, open_backend
 from .backends.base import kv_cache_bytes
 from .batching import Batcher
 from .config import AUTO_PARALLEL, EngineConfig
-from .costs import available_memory, batch_costs
+from .costs import available_memory, batch_costs, cost_key
 from .drafters import DrafterConfig, routed
 from .drafters.router import open_router
 from .errors import InvalidArgumentError, UnsupportedModelError
 from .generation import Generation, Outcome, Request, check_request, pieces
 from .grammar import Constraint, Grammar, tokenizer_for
 from .lanes import Lane, Lanes
+from .learned import AcceptanceMemory
 from . import onnx  # noqa: F401  (extends resolve_model to the onnx backend: an export made on first use)
 from .models import registry, resolve_model
 from .planner import ExpertMisses, Planner
@@ -177,7 +178,7 @@ class Engine:
         if getattr(b, "expert_cache", None) is not None:
             experts = ExpertMisses(int(b.metadata(f"{b.arch}.expert_count")),
                                    int(b.metadata(f"{b.arch}.expert_used_count")))
-        return Planner(self._batch_costs(), experts)
+        return Planner(self._batch_costs(), experts, AcceptanceMemory(cost_key(b)))
 
     def _batch_costs(self, remeasure: bool = False) -> list[float]:
         if self._costs is None or remeasure:

@@ -451,6 +451,8 @@ def pieces(lane: Lane, request: Request, outcome: Outcome, *, draft_max: int, bu
             d.route(request.text)
             d.begin(request.prompt_tokens, request.sampling)
             d.constrain(grammar)
+        if planner is not None:
+            planner.begin(request.text)   # the route of text whose learned acceptance applies
         loop = steps(lane, request, sampler, drafters, draft_max, outcome.cancel, grammar, busy_slots)
         try:
             yield from _text(loop, lane, request, outcome, stats, out, text)
@@ -464,6 +466,7 @@ def pieces(lane: Lane, request: Request, outcome: Outcome, *, draft_max: int, bu
             stats.experts = backend.expert_stats()
             if stats.spec is not None:
                 stats.spec.planner = planner.summary()
+                planner.end()   # what it learned kept for the next process
                 stats.spec.drafters = {d.name: d.stats() for d in drafters}
             parsed = chat_tools.parse(text.text, request.tool_style, request.tools) if request.tools else None
             outcome.result = Result(text=text.text, tokens=out, stats=stats,

@@ -33,6 +33,16 @@ tokens still to generate exceeds its catch-up, and one without evidence yet
 only while trying it costs less than EXPLORE_SHARE of that generation's
 plain decoding time; it is then asked for as many tokens as pay once its own
 time per token is added to the cost.
+
+In a batch shared with other generations (``shared``: their tokens in it),
+a draft is weighed by the whole batch's tokens per unit of time: it must
+add more than the time its tokens add to the batch takes from the others.
+
+Acceptance is kept per route of text (``begin``: the request's script and
+whether it is code or prose, ``drafters.router.text_route``), and with an
+``AcceptanceMemory`` (edgespec.learned) what one process learned per route,
+and each costly drafter's measured cost, are the next process's priors
+(``end`` saves them).
 """
 from __future__ import annotations
 
@@ -45,6 +55,8 @@ from typing import Sequence
 
 from .costs import MAX_BATCH, DraftCost, plausible
 from .drafters import Draft, Drafter
+from .drafters.router import text_route
+from .learned import AcceptanceMemory
 
 DECAY = 0.95              # weight kept by old acceptance counts at each update (about 20 steps' memory)
 PRIOR_STRENGTH = 2.0      # observations' worth of evidence a drafter's guessed acceptance counts as
@@ -55,6 +67,7 @@ MIN_SAMPLES = 3           # timings before a measured value moves away from its 
 PRIOR_WEIGHT = 0.5        # timings' worth of evidence a cached measurement counts as
 REBUILD_EVERY = 8         # plain steps between rebuilds of the corrected cost curve
 EXPLORE_SHARE = 0.03      # most of a generation's plain decoding time trying an unproven costly drafter may cost
+MEMORY_STRENGTH = 8.0     # observations' worth (at depth 1) of what earlier processes learned about a key
 
 
 class Timings:
@@ -284,16 +297,40 @@ class Planner:
     """Chooses, each step, whether and how much to speculate. Lives as long as
     its engine: acceptance and costs learned in one generation serve the next."""
 
-    def __init__(self, costs: list[float], experts: ExpertMisses | None = None):
+    def __init__(self, costs: list[float], experts: ExpertMisses | None = None,
+                 memory: AcceptanceMemory | None = None):
         self.costs = CostCurve(costs)
         self.experts = experts
-        self.acceptance: dict[str, Acceptance] = {}
+        self.memory = memory
+        self.acceptance: dict[str, Acceptance] = {}   # by key@route (key alone before any route)
         self.drafters: dict[str, DrafterCosts] = {}   # costly drafters by name
         self.plain_steps = 0                          # plain steps since the last draft
+        self.route = ""                               # the current request's route of text ("": unknown)
+        self._evidence: set[str] = set()              # acceptance keys (key@route) verified since the last end()
         # Tokens of other generations in the batch this one's steps join
         # (an engine's parallel generations): what this one's tokens cost is
-        # what they add to that batch.
+        # what they add to that batch, and what they hold up is the others' output.
         self.shared = 0
+
+    # -- a generation ------------------------------------------------------------------
+
+    def begin(self, text: str | None) -> None:
+        """A generation about ``text`` (its request's text; None: only its
+        tokens say) starts: acceptance is looked up on its route."""
+        self.route = text_route(text) if text is not None else ""
+
+    def end(self) -> None:
+        """A generation ended: what was learned becomes the memory's (saved)."""
+        if self.memory is None:
+            return
+        for key in self._evidence:
+            acc = self.acceptance[key]
+            self.memory.learn(key, acc.hits, acc.trials)
+        self._evidence.clear()
+        for name, d in self.drafters.items():
+            if d.per_token.median is not None:
+                self.memory.learn_cost(name, *self.drafter_cost(name).to_list())
+        self.memory.save()
 
     # -- what things cost ------------------------------------------------------------
 
@@ -304,7 +341,14 @@ class Planner:
         with ``shared`` other tokens: the batch with these n_tokens against
         the batch with one of them."""
         if self.shared:
-            return self._cost(self.shared + n_tokens) / self._cost(self.shared + 1)
+            # Each token added to the batch costs at least what the batch's
+            # tokens beyond the first cost on average: a curve flat there
+            # (measured while other work disturbed it) must not make a
+            # shared batch's extra tokens free, and the steps of shared
+            # batches are not timed to correct it (edgespec.engine).
+            base = self._cost(self.shared + 1)
+            floor = 1.0 + (n_tokens - 1) * (base - 1.0) / self.shared / base
+            return max(self._cost(self.shared + n_tokens) / base, floor)
         return self._cost(n_tokens)
 
     def _cost(self, n_tokens: int) -> float:
@@ -321,11 +365,13 @@ class Planner:
         return self.costs.t_token
 
     def drafter_costs(self, key: str, prior: DraftCost | None = None) -> DrafterCosts:
-        """The cost record of costly drafter ``key``, made from ``prior`` (its
-        measured DraftCost; None: UNKNOWN_COST) when first asked for."""
+        """The cost record of costly drafter ``key``, made when first asked
+        for from what an earlier process measured of it (the memory's), else
+        ``prior`` (its DraftCost measured at load; None: UNKNOWN_COST)."""
         d = self.drafters.get(key)
         if d is None:
-            d = self.drafters[key] = DrafterCosts(prior or UNKNOWN_COST)
+            learned = self.memory.cost(key) if self.memory is not None else None
+            d = self.drafters[key] = DrafterCosts(DraftCost(*learned) if learned else prior or UNKNOWN_COST)
         return d
 
     def drafter_cost(self, key: str) -> DraftCost:
@@ -333,11 +379,40 @@ class Planner:
         token now, in target tokens."""
         return self.drafter_costs(key).now(self.t_token)
 
+    def _on_route(self, key: str) -> str:
+        """Acceptance key ``key`` on the current route."""
+        return f"{key}@{self.route}" if self.route else key
+
     def _acc(self, key: str, prior: float | None = None) -> Acceptance:
+        """The acceptance of drafts of ``key`` on the current route: made on
+        first use from what the memory learned of them, else from ``prior``
+        (the drafter's guess; None: PRIOR_ALPHA), which a drafter may revise
+        for each request (a router's confidence)."""
+        key = self._on_route(key)
         acc = self.acceptance.get(key)
         if acc is None:
             acc = self.acceptance[key] = Acceptance(prior if prior is not None else PRIOR_ALPHA)
+            learned = self.memory.counts(key) if self.memory is not None else None
+            if learned and learned[1] and learned[1][0] > 0:
+                hits, trials = learned
+                scale = min(1.0, MEMORY_STRENGTH / trials[0])
+                for d, (h, t) in enumerate(zip(hits, trials)):
+                    acc.hits[d], acc.trials[d] = h * scale, t * scale
+                acc.seen = sum(1 for t in trials if t > 0)
+        elif prior is not None:
+            acc.prior = prior
         return acc
+
+    def speed(self, expected: float, n_tokens: int, extra: float = 0.0) -> float:
+        """Expected output per unit of time of a step that adds ``expected``
+        tokens in a batch of ``n_tokens`` (its cost plus ``extra`` plain
+        steps), relative to a plain step. In a batch shared with other
+        generations' ``shared`` tokens, the whole batch's: (expected +
+        shared) / ((1 + shared) x cost), a draft paying only where it adds
+        more than its batch slots take from the others (their tokens taken
+        as output, which errs towards plain steps)."""
+        s = self.shared
+        return (expected + s) / ((1.0 + s) * (self.cost(n_tokens) + extra))
 
     def probing(self) -> bool:
         """Time to try a minimal draft so that acceptance estimates can recover."""
@@ -351,7 +426,7 @@ class Planner:
         included): a cheaper draft already worth as much makes asking it moot."""
         e = self._acc(key, prior).expected(limit)
         per_token = self.drafter_cost(key).per_token
-        return max((e[k] / (self.cost(k + 1) + per_token * k) for k in range(1, len(e))), default=0.0)
+        return max((self.speed(e[k], k + 1, per_token * k) for k in range(1, len(e))), default=0.0)
 
     def budget(self, key: str, limit: int, may_skip: bool, prior: float | None = None) -> int:
         """How many tokens to ask a costly drafter for: the chain length worth
@@ -362,7 +437,7 @@ class Planner:
         per_token = self.drafter_cost(key).per_token
         best_k, best = 0, 1.0
         for k in range(1, len(e)):
-            value = e[k] / (self.cost(k + 1) + per_token * k)
+            value = self.speed(e[k], k + 1, per_token * k)
             if value > best:
                 best_k, best = k, value
         if best_k == 0 and limit > 0 and (not may_skip or self.probing()):
@@ -443,10 +518,10 @@ class Planner:
         path costing its evaluation again with the next batch."""
         e = self._acc(key).expected(n_chain)[-1]
         marginal = self.cost(2) - self.cost(1)
-        best, best_j, g = e / self.cost(n_chain + 1), 0, 0.0
+        best, best_j, g = self.speed(e, n_chain + 1), 0, 0.0
         for j, gain in enumerate(gains, 1):
             g += gain
-            value = (e + g) / (self.cost(n_chain + 1 + j) + (e + g - 1.0) * marginal)
+            value = self.speed(e + g, n_chain + 1 + j, (e + g - 1.0) * marginal)
             if value > best:
                 best, best_j = value, j
         return best_j
@@ -471,11 +546,8 @@ class Planner:
             n_within[d] += n_within[d - 1]
         best_d, best = 0, 1.0
         for d in range(1, len(e)):
-            n = n_within[d]
-            cost = self.cost(n + 1)
-            if tree:  # the accepted path is evaluated again with the next batch
-                cost += (e[d] - 1.0) * marginal
-            value = e[d] / cost
+            # A tree's accepted path is evaluated again with the next batch.
+            value = self.speed(e[d], n_within[d] + 1, (e[d] - 1.0) * marginal if tree else 0.0)
             if value > best:
                 best_d, best = d, value
         if best_d == 0:
@@ -494,6 +566,7 @@ class Planner:
             return
         self.plain_steps = 0
         self._acc(key).update(depth, n_accepted)
+        self._evidence.add(self._on_route(key))
 
     def record_step_time(self, seconds: float, n_tokens: int, misses: int = 0, stall_s: float = 0.0) -> None:
         """A target step of ``n_tokens`` took ``seconds``, ``stall_s`` of them

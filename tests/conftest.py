@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.models)
 
 
+@pytest.fixture(autouse=True)
+def _learned_apart(monkeypatch, tmp_path_factory):
+    """Each test's planners learn in an acceptance file of their own
+    (edgespec.learned): what one test's drafts taught never decides another's."""
+    from edgespec import learned
+
+    monkeypatch.setattr(learned, "FILE", str(tmp_path_factory.mktemp("learned") / learned.FILE))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     return registry.resolve("smollm2-135m")

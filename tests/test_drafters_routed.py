@@ -246,3 +246,56 @@ def test_generate_says_which_specialized_drafter_it_used(tiny_llama_path, drafte
     assert p.returncode == 0, p.stderr
     result = json.loads(p.stdout.splitlines()[-1])
     assert result["drafter"] == "auto" and result["spec"]["specialized"] == "deu"
+
+
+class AlwaysPython(ProfileRouter):
+    """The profile router's confidence, but the Python drafter whatever the text."""
+
+    name = "always-python"
+
+    def choose(self, text, drafters):
+        return next(d for d in drafters if d.name == "python"), {"python": 1.0}
+
+
+def test_the_routers_confidence_sets_the_prior_and_prose_does_not_run_a_code_drafter(profiles):
+    infos = {i.name: i for i in _infos(profiles)}
+    router = ProfileRouter()
+    assert router.confidence(GERMAN, infos["python"], 0.6) == 0.0      # prose for a code drafter
+    assert router.confidence(PYTHON, infos["deu"], 0.6) == 0.0         # code for a prose drafter
+    assert router.confidence(PYTHON, infos["python"], 0.6) == 1.0
+    assert router.confidence(RUSSIAN, infos["deu"], 0.1) == 0.0        # another script
+    assert router.confidence(JAPANESE, infos["jpn"], 0.4) > 0.7
+
+
+def test_a_code_drafter_routed_prose_is_given_a_prior_too_low_to_draft_and_opens_lazily(
+        tiny_llama_path, drafter_set, monkeypatch, tmp_path):
+    """A router sure of the Python drafter for a German request: its
+    confidence in that is 0, so the drafter's prior is MIN_PRIOR and the
+    planner never asks it (it stays unopened); on Python code it drafts."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(model_drafter, "draft_cost", lambda target, draft: DraftCost(per_token=0.03, catch_up=0.005))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
+                drafter_dir=str(drafter_set), router=f"{__name__}:AlwaysPython") as e:
+        e.lanes[0].planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
+        german = _generate(e, GERMAN)
+        member = german.stats.spec.drafters[routed.PREFIX + "python"]
+        assert member["confidence"] == 0.0 and member["drafts"] == 0 and not member["opened"]
+        alpha = e.lanes[0].planner.summary()["alpha"]
+        assert [a[0] for k, a in alpha.items() if k.startswith(routed.PREFIX)] == [routed.MIN_PRIOR]
+        python = _generate(e, PYTHON)
+        member = python.stats.spec.drafters[routed.PREFIX + "python"]
+        assert member["confidence"] == 1.0 and member["drafts"] > 0 and member["opened"]
+
+
+def test_a_draft_model_of_known_cost_opens_only_when_first_asked(tiny_llama_path, monkeypatch, tmp_path):
+    """The draft model's cost measured once (the first engine opens it to
+    measure); the next engine knows it from the cache by the draft file and
+    does not open the model for a one-token answer."""
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    options = {"backend": "native", "threads": 1, "n_ctx": 512, "drafter": "auto", "draft_model": str(tiny_llama_path)}
+    with Engine(str(tiny_llama_path), **options) as e:
+        assert e.generate("Hello", max_tokens=1).stats.spec.drafters["model"]["opened"]
+    with Engine(str(tiny_llama_path), **options) as e:
+        r = e.generate("Hello", max_tokens=1)
+        assert not r.stats.spec.drafters["model"]["opened"]
+        assert r.stats.spec.drafters["model"]["mode"] == "same-vocabulary"

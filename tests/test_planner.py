@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import Draft, Drafter
-from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, ExpertMisses, Planner
+from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, CostCurve, ExpertMisses, Planner
 
 LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
 FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
@@ -334,3 +334,239 @@ def test_one_rejection_stops_a_hopeful_new_key_and_acceptances_bring_it_back():
     for _ in range(4):
         p.record("ngram:6", 3, 3)
     assert len(p.cut(draft, may_skip=True)[0]) >= 2
+
+
+# -- routes, learned acceptance, shared batches, a disturbed cost curve -------------------
+
+# A 2-core AVX2 machine's curve for a 1.5B target (4 tokens 1.33x, 8 tokens 2.53x one).
+AVX2 = [0.0, 1.0, 1.1, 1.2, 1.33, 1.6, 1.9, 2.2, 2.53] + [2.53 + 0.3 * k for k in range(1, MAX_BATCH - 7)]
+ENGLISH = "Please explain in a few sentences why the sky looks blue on a clear day."
+GERMAN = "Bitte erkläre in ein paar Sätzen, warum der Himmel an einem klaren Tag blau aussieht."
+
+
+class Bilingual(Drafter):
+    """A cheap costly drafter (a specialized one's cost) whose drafts the
+    target always accepts on English text and never on German; ``prior`` is
+    what its router gives it (both are prose in Latin letters: a router
+    sure of both)."""
+
+    name = "specialized:eng"
+    costly = True
+    prior = 0.5
+    cost = DraftCost(per_token=0.03, catch_up=0.01)
+
+    def draft(self, context, max_tokens):
+        return Draft(tokens=[7] * max_tokens, source=self.name)
+
+
+def generate(planner: Planner, drafter: Drafter, text: str, right: bool, n: int = 64) -> list[int]:
+    """A generation of ``n`` tokens about ``text`` with ``drafter`` alone
+    under auto; each step's draft is accepted whole (``right``) or not at
+    all. Returns the tokens drafted at each step (0: a plain step)."""
+    planner.begin(text)
+    drafted, produced = [], 0
+    while produced < n:
+        draft = planner.choose([drafter], list(range(100 + produced)), limit=8, room=n - produced,
+                               may_skip=True, trees=True)
+        accepted = len(draft) if right else 0
+        planner.record(draft.key or draft.source or "none", draft.depth, accepted)
+        drafted.append(len(draft))
+        produced += 1 + accepted
+    planner.end()
+    return drafted
+
+
+def test_a_drafter_wrong_on_one_language_stops_within_a_few_tokens_and_the_next_process_knows(tmp_path):
+    """Right on English, wrong on German: on German the planner drafts at
+    most N = 8 tokens (a first draft of 2 at its prior, 0.5, then single
+    tokens while the misses bring it down) and then decodes plainly; on
+    English it keeps drafting 3 deep (what pays on this curve). The next
+    process (a fresh planner over the same acceptance file) drafts nothing
+    on German and 3 deep on English from its first step."""
+    from edgespec.learned import AcceptanceMemory
+
+    path = tmp_path / "acceptance.json"
+    planner = Planner(AVX2, memory=AcceptanceMemory("target", path))
+    german = generate(planner, Bilingual(), GERMAN, right=False)
+    assert 0 < sum(german) <= 8 and not any(german[len(german) // 2:])
+    english = generate(planner, Bilingual(), ENGLISH, right=True)
+    assert sum(english) > 40 and max(english) >= 3
+
+    later = Planner(AVX2, memory=AcceptanceMemory("target", path))
+    assert sum(generate(later, Bilingual(), GERMAN, right=False)) == 0
+    assert generate(later, Bilingual(), ENGLISH, right=True)[0] >= 3
+    # Another target learned nothing of it: the guess again.
+    assert generate(Planner(AVX2, memory=AcceptanceMemory("other", path)), Bilingual(), GERMAN, right=False)[0] > 0
+
+
+def test_routes_keep_acceptance_apart_within_a_process():
+    p = Planner(AVX2)
+    generate(p, Bilingual(), GERMAN, right=False)
+    assert {"specialized:eng@latin-deu:prose"} <= set(p.acceptance)
+    p.begin("def f(x):\n    return {k: v for k, v in x.items()}\n")
+    assert p.route == "latin:code"
+    assert p._acc("specialized:eng").trials[0] == 0      # code: no evidence yet
+    p.begin(None)                                         # token ids only: no route
+    assert p.route == ""
+
+
+def test_a_slow_drafter_that_pays_alone_declines_in_a_batch_of_four():
+    """A draft model at 0.25 of a target token per drafted token, accepted
+    0.8 of the time: alone it pays (a few tokens per step); beside three
+    other generations (parallel=4, their 3 tokens in the batch) its tokens
+    take batch time from them that its acceptance does not repay."""
+    class Slow(Bilingual):
+        name = "model"
+        prior = 0.8
+        cost = DraftCost(per_token=0.25, catch_up=0.05)
+
+    p = Planner(AVX2)
+    slow = Slow()
+    assert len(p.choose([slow], list(range(100)), limit=8, room=200, may_skip=True, trees=True)) >= 2
+    p.shared = 3
+    assert len(p.choose([slow], list(range(100)), limit=8, room=200, may_skip=True, trees=True)) == 0
+    # Where batches are nearly free, a free draft with that acceptance still pays in the batch.
+    flat = Planner(FLAT)
+    flat.shared = 3
+    assert len(flat.cut(Draft(tokens=[1, 2], source="ngram", prior=0.8), may_skip=True)[0]) >= 1
+
+
+def test_a_corrupt_or_foreign_acceptance_cache_is_ignored_with_a_notice_and_rewritten(tmp_path, caplog):
+    import json
+
+    from edgespec.learned import FORMAT, AcceptanceMemory
+
+    path = tmp_path / "acceptance.json"
+    for bad in ("{not json", json.dumps({"format": "someone-else", "version": 1}),
+                json.dumps({"format": FORMAT, "version": 99, "targets": {}}),
+                json.dumps({"format": FORMAT, "version": 1, "targets": {"t": {"acceptance": {"k": {"hits": "x"}}}}})):
+        path.write_text(bad)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="edgespec"):
+            planner = Planner(AVX2, memory=AcceptanceMemory("t", path))
+        notices = [r.getMessage() for r in caplog.records]
+        assert len(notices) == 1 and str(path) in notices[0] and "ignoring" in notices[0]
+        assert len(notices[0].splitlines()) == 1
+        generate(planner, Bilingual(), GERMAN, right=False)   # learns, and saves over the bad file
+        table = json.loads(path.read_text())
+        assert table["format"] == FORMAT and "specialized:eng@latin-deu:prose" in table["targets"]["t"]["acceptance"]
+
+
+def test_concurrent_writers_never_tear_the_acceptance_cache_nor_lose_keys(tmp_path):
+    """Eight writers (threads, each its own memory as a process would have)
+    save different keys 20 times each at once: the file always parses and
+    ends with every key."""
+    import json
+    import threading
+
+    from edgespec.learned import AcceptanceMemory
+
+    path = tmp_path / "acceptance.json"
+    torn = []
+
+    def writer(i):
+        m = AcceptanceMemory("t", path)
+        for j in range(20):
+            m.learn(f"k{i}", [float(j)], [float(j + 1)])
+            m.save()
+            try:
+                json.loads(path.read_text())
+            except ValueError as e:
+                torn.append(e)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not torn
+    keys = json.loads(path.read_text())["targets"]["t"]["acceptance"]
+    assert set(keys) == {f"k{i}" for i in range(8)} and all(keys[k]["trials"] == [20.0] for k in keys)
+
+
+def test_the_acceptance_cache_stays_bounded(tmp_path):
+    import json
+
+    from edgespec import learned
+
+    path = tmp_path / "acceptance.json"
+    for t in range(learned.MAX_TARGETS + 3):
+        m = learned.AcceptanceMemory(f"t{t}", path)
+        for k in range(learned.MAX_KEYS + 5):
+            m.learn(f"k{k}", [1.0] * 40, [2.0] * 40)
+        m.save()
+    table = json.loads(path.read_text())["targets"]
+    assert len(table) == learned.MAX_TARGETS
+    assert all(len(t["acceptance"]) == learned.MAX_KEYS for t in table.values())
+    assert all(len(e["hits"]) == learned.DEPTHS for t in table.values() for e in t["acceptance"].values())
+
+
+def quiet_times() -> dict[int, float]:
+    """Batch timings (seconds by size) of a quiet machine: 20 ms a token, the AVX2 curve."""
+    from edgespec.costs import MEASURED
+
+    return {k: 0.02 * AVX2[k] for k in MEASURED}
+
+
+def test_a_cost_curve_measured_on_a_busy_machine_is_timed_again_and_said(caplog):
+    """A scripted timer: the first round was disturbed (the one-token step
+    took 3x its time, so every batch looks cheap), the second quiet. The
+    disturbed round is detected and the curve comes from the fastest times."""
+    from edgespec.costs import Suspect, checked_curve, disturbed
+
+    busy = {**quiet_times(), 1: 0.06, 2: 0.05}
+    rounds = iter([busy, quiet_times()])
+    assert disturbed(busy) is not None and disturbed(quiet_times()) is None
+    curve = checked_curve(lambda: next(rounds))
+    assert not isinstance(curve, Suspect)
+    assert abs(curve[4] - AVX2[4]) < 1e-9 and abs(curve[8] - AVX2[8]) < 1e-9
+    # Busy at every round: a suspect curve, saying why.
+    curve = checked_curve(lambda: busy)
+    assert isinstance(curve, Suspect) and "smaller one" in curve.why
+    # A one-token step far above the roofline (20 ms where reading the weights takes 2 ms).
+    slow = checked_curve(quiet_times, roofline_s=0.002)
+    assert isinstance(slow, Suspect) and "roofline" in slow.why
+    assert not isinstance(checked_curve(quiet_times, roofline_s=0.01), Suspect)
+
+
+def test_a_suspect_curve_is_measured_again_at_the_next_load_then_kept(tiny_llama_path, tmp_path, monkeypatch,
+                                                                      caplog):
+    import json
+    import os
+
+    from edgespec import costs
+    from edgespec.backends import open_backend
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))   # the load average sees nothing
+    timed = []
+    busy = {**quiet_times(), 1: 0.06, 2: 0.05}
+    monkeypatch.setattr(costs, "time_batches", lambda *a, **k: timed.append(1) or busy)
+    with open_backend("native", tiny_llama_path, n_ctx=256, threads=1) as backend:
+        with caplog.at_level("WARNING", logger="edgespec"):
+            costs.batch_costs(backend)
+        assert len(timed) == costs.CURVE_ROUNDS
+        assert any("busy machine" in r.getMessage() for r in caplog.records)
+        entry = json.loads((tmp_path / costs.COST_FILE).read_text())[costs.cost_key(backend)]
+        assert entry["suspect"] and entry["tries"] == 1
+        costs.batch_costs(backend)                       # measured again at the next load
+        assert len(timed) == 2 * costs.CURVE_ROUNDS
+        costs.batch_costs(backend)                       # after SUSPECT_TRIES loads: kept
+        assert len(timed) == 2 * costs.CURVE_ROUNDS
+
+
+def test_in_a_shared_batch_a_curve_flat_there_does_not_make_drafts_free():
+    """A curve measured while the machine was busy: 2 to 8 tokens all cost
+    1.8 one-token steps. Beside 3 other generations' tokens, taken at its
+    word a draft of 4 would ride free; each added token is charged at least
+    the batch's average cost per token beyond the first instead (0.27 of a
+    step), which drafts accepted half the time do not repay."""
+    flat_middle = [0.0, 1.0] + [1.8] * 7 + [1.8 + 0.3 * k for k in range(1, MAX_BATCH - 7)]
+    p = Planner(flat_middle)
+    p.shared = 3
+    assert p.cost(5) > 1.5
+    for i in range(30):
+        p.record("k", 4, i % 2)               # half the first tokens accepted, no second one
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 0
+    p.shared, p.costs = 3, CostCurve(flat_middle[:5] + [1.8 + 0.27 * k for k in range(1, MAX_BATCH - 3)])
+    assert len(p.cut(chain(4), may_skip=True)[0]) == 0   # the same as the curve beyond 4 were true

@@ -55,11 +55,11 @@ def result_summary(result) -> str:
         if mode:
             line += f"; draft model {s.spec.drafters['model']['draft_model']} ({mode})"
     if s.experts is not None:
-        line += "; " + expertsresult_summary(s.experts)
+        line += "; " + experts_summary(s.experts)
     return line
 
 
-def expertsresult_summary(x: dict) -> str:
+def experts_summary(x: dict) -> str:
     """The expert cache's counters of one generation, in one phrase."""
     return (f"experts: {100 * x['hit_rate']:.0f}% hits, {x['bytes_read'] / 1e6:.1f} MB read, "
             f"{x['substitutions']} substituted, prefetch {100 * x['prefetch_accuracy']:.0f}% used, "

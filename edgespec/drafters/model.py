@@ -47,7 +47,7 @@ from .. import onnx  # noqa: F401  (extends resolve_model to the onnx backend)
 from ..models import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
-from ..costs import draft_cost
+from ..costs import cached_measurement, draft_cost
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models import registry
 from ..models.gguf import GGUFFile
@@ -189,10 +189,34 @@ def check_tokenizers(target, draft, draft_ref: str) -> tuple[str, str | None]:
     return CROSS_TOKENIZER, difference
 
 
+class _File:
+    """A GGUF draft model's vocabulary as its file says, without opening the
+    model: what the vocabulary checks read of a backend (``path``, ``n_vocab``)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        with GGUFFile(self.path) as f:
+            self.n_vocab = f.array_length("tokenizer.ggml.tokens") or 0
+
+
+class _Deferred:
+    """A draft model's backend as the cost cache sees it: what its key reads
+    (backend name, file, output rows, execution provider) known without
+    opening it; anything else (a measurement's decoding) opens it."""
+
+    def __init__(self, drafter, name: str, path, output_rows: int, ep: str | None):
+        self._drafter = drafter
+        self.name, self.path, self.output_rows, self.ep = name, path, output_rows, ep
+
+    def __getattr__(self, attr):
+        return getattr(self._drafter.backend, attr)
+
+
 class TokenMap:
     """A specialized drafter's ids against the target's."""
 
     def __init__(self, to_target: np.ndarray, unk: int, n_target: int):
+        self.n_draft = len(to_target)
         self.to_target = to_target                          # (n_draft,) drafter id -> target id
         self.to_draft = np.full(n_target, unk, np.int32)    # (n_target,) target id -> drafter id
         self.to_draft[to_target] = np.arange(len(to_target), dtype=np.int32)
@@ -210,11 +234,33 @@ def target_fingerprint(target) -> str:
     return vocabulary(target).fingerprint
 
 
-def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | None:
+VOCAB_CHECK_FILE = "vocab-checks.json"
+
+
+def _file_id(path) -> str:
+    st = Path(path).stat()
+    return f"{Path(path).name}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def checked_once(what: str, target, draft_path, check):
+    """``check()``'s result (a JSON list: what the vocabulary check ``what``
+    of the draft file at ``draft_path`` against ``target`` found), kept per
+    check and pair of files (name, size, modification time) in
+    ``VOCAB_CHECK_FILE``: a later load of the same pair need not read and
+    compare two vocabularies again. A check that raises is not kept."""
+    target_path = getattr(target, "path", None)
+    if not target_path or not Path(target_path).is_file() or not Path(draft_path).is_file():
+        return check()
+    return cached_measurement(VOCAB_CHECK_FILE, f"{what}:{_file_id(target_path)}|{_file_id(draft_path)}",
+                              "check", check, lambda v: isinstance(v, list))
+
+
+def token_map(target, draft_path, n_draft: int, draft_ref: str, *, checked: bool = False) -> TokenMap | None:
     """The id map of a specialized drafter (None for any other draft model, an
     ONNX export folder included), checked: every key present and in range, and
     the vocabulary it was trained for the ``target`` backend's (else
-    IncompatibleDraftModelError saying which)."""
+    IncompatibleDraftModelError saying which; ``checked``: that comparison
+    passed at an earlier load of the same files, ``checked_once``)."""
     if not Path(draft_path).is_file():
         return None
     with GGUFFile(draft_path) as f:
@@ -223,7 +269,7 @@ def token_map(target, draft_path, n_draft: int, draft_ref: str) -> TokenMap | No
         ids, unk = f.get(specialized.KEY_TOKEN_MAP), f.get(specialized.KEY_UNK)
         trained_for, fingerprint = f.get(specialized.KEY_TARGET), f.get(specialized.KEY_TARGET_VOCAB)
     n_target = target.n_vocab
-    if fingerprint != target_fingerprint(target):
+    if not checked and fingerprint != target_fingerprint(target):
         target_path = getattr(target, "path", None)
         raise IncompatibleDraftModelError(
             f"draft model {draft_ref} was trained for {trained_for or 'another model'}, whose vocabulary "
@@ -356,34 +402,41 @@ class ModelDrafter(Drafter):
         # (an ONNX export's cache length is fixed when it is exported: ep instead).
         extra = ({"ep": config.options.ep} if name == "onnx" else
                  {"ctx_extend": True, **(config.options.native_options if name == "native" else {})})
-        self.backend = open_backend(name, path, n_ctx=config.n_ctx, threads=config.options.threads, **extra)
+        self._open_args = (name, path, dict(n_ctx=config.n_ctx, threads=config.options.threads, **extra))
+        self._backend = None
+        self._rows = None   # draft_vocab: the output rows kept (FR-Spec), set on the backend when it opens
+        self.target = config.target
+        # A GGUF draft model opens when the planner first asks it for a draft
+        # (a short answer never may): its vocabulary checks are read from the
+        # files (once per pair of files: checked_once), and its cost from the
+        # cache, without opening it. A draft model of another tokenizer
+        # (drafting re-tokenizes with it), of unmeasured cost, or an ONNX
+        # export opens now.
+        gguf = Path(path).suffix == ".gguf" and Path(path).is_file()
         try:
-            self._map = token_map(config.target, path, self.backend.n_vocab, ref)
-            if self._map is not None:
-                self.mode, self.difference = TRIMMED, (f"draft model {ref} keeps {self.backend.n_vocab} of "
-                                                       f"the target's {config.target.n_vocab} tokens")
-            else:
-                self.mode, self.difference = check_tokenizers(config.target, self.backend, ref)
+            self.mode, self.difference, n_vocab = (checked_once("mode", config.target, path, lambda: self._check(path))
+                                                   if gguf else self._check(path))
+            self._map = token_map(config.target, path, n_vocab, ref, checked=True) if self.mode == TRIMMED else None
             if config.options.draft_vocab:
-                self._trim_head(config.target, config.options.draft_vocab, ref)
-            # What drafting costs beside this target, measured now (once per
-            # machine) so that the planner charges it before the first try.
-            self.cost = draft_cost(config.target, self.backend)
+                self._trim_head(config.options.draft_vocab, name, n_vocab)
+            # What drafting costs beside this target, measured at load (once
+            # per machine) so that the planner charges it before the first try.
+            self.cost = draft_cost(config.target, _Deferred(self, name, path, config.options.draft_vocab or 0,
+                                                            extra.get("ep")))
         except BaseException:
-            self.backend.close()
+            self.close()
             raise
         target_path = Path(config.target.path)
         if Path(path).is_file() and Path(path).stat().st_size > target_path.stat().st_size:
             warnings.warn(f"draft model {ref} is larger than the target {target_path.name}: "
                           "it is used only where the planner measures that it pays", stacklevel=2)
-        self.target = config.target
         # Small models of one family agree with each other on most tokens;
         # text re-tokenized across vocabularies loses some at the boundary.
         self.prior = 0.7 if self.mode == SAME_VOCAB else 0.6
         # q rows handed to verification, over the target's vocabulary (trimmed mode).
         self._q = np.empty((0, config.target.n_vocab), dtype=np.float32)
         self.planner = None               # set by the engine: decides on draft trees
-        self.n_vocab = self.backend.n_vocab
+        self.n_vocab = n_vocab
         self._bridge = _TextBridge(config.target, self.backend) if self.mode == CROSS_TOKENIZER else None
         self._sampler: Sampler | None = None
         self._constraint = None   # the generation's grammar, drafted inside (same vocabulary)
@@ -396,18 +449,43 @@ class ModelDrafter(Drafter):
         self.n_trees = 0
         self.n_boundary_misses = 0        # cross-tokenizer drafts lost to the context boundary
 
-    def _trim_head(self, target, n: int, ref: str) -> None:
+    def _check(self, path) -> list:
+        """[mode, why the vocabularies differ (None: they do not), the draft
+        model's vocabulary size] of the draft model at ``path`` (the GGUF
+        file read, else the model opened)."""
+        target, ref = self.target, self.ref
+        file = _File(path) if Path(path).suffix == ".gguf" and Path(path).is_file() else None
+        n_vocab = file.n_vocab if file else self.backend.n_vocab
+        if token_map(target, path, n_vocab, ref) is not None:
+            return [TRIMMED, f"draft model {ref} keeps {n_vocab} of the target's {target.n_vocab} tokens", n_vocab]
+        difference = _vocab_difference(target, file, ref) if file else "not a GGUF file"
+        mode, difference = (SAME_VOCAB, None) if difference is None else check_tokenizers(target, self.backend, ref)
+        return [mode, difference, n_vocab]
+
+    @property
+    def backend(self):
+        """The draft model's backend, opened on first use."""
+        if self._backend is None:
+            name, path, options = self._open_args
+            self._backend = open_backend(name, path, **options)
+            if self._rows is not None:
+                self._backend.restrict_output(self._rows)
+        return self._backend
+
+    def _trim_head(self, n: int, backend: str, n_vocab: int) -> None:
         """Compute only the ``n`` most used tokens' logits (FR-Spec): the
         others are -inf, so greedy drafts among them and a sampled draft's q
-        is zero outside them; verification is exact for any q."""
+        is zero outside them; verification is exact for any q. Checked now,
+        set on the backend when it opens."""
         if self.mode != SAME_VOCAB:
             raise InvalidArgumentError(f"draft_vocab (--draft-vocab) trims a draft model that shares the "
-                                       f"target's vocabulary; {ref} is a {self.mode} draft")
-        if not hasattr(self.backend, "restrict_output"):
+                                       f"target's vocabulary; {self.ref} is a {self.mode} draft")
+        if backend != "native":
             raise InvalidArgumentError(f"draft_vocab (--draft-vocab) needs the draft model on the native "
-                                       f"backend, not {self.backend.name}")
-        self.backend.restrict_output(ranks.top_tokens(target_fingerprint(target), n,
-                                                      self.backend.n_vocab, ref))
+                                       f"backend, not {backend}")
+        self._rows = ranks.top_tokens(target_fingerprint(self.target), n, n_vocab, self.ref)
+        if self._backend is not None:
+            self._backend.restrict_output(self._rows)
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """Draft with the target's sampling settings on an RNG stream of its own."""
@@ -421,9 +499,10 @@ class ModelDrafter(Drafter):
                                                          if same and t < self.n_vocab)), self.n_vocab)
         self._chain = []
         # What the cache holds of this prompt (a prefix shared with the last
-        # generation's text stays; the bridge keeps no such record).
-        self._seen = 0 if self._bridge is not None else common_prefix(
-            self.backend.cached_tokens, self._drafter_ids(prompt), len(prompt))
+        # generation's text stays; the bridge keeps no such record; a draft
+        # model not opened yet holds nothing).
+        self._seen = 0 if self._bridge is not None or self._backend is None else common_prefix(
+            self._backend.cached_tokens, self._drafter_ids(prompt), len(prompt))
 
     def _drafter_ids(self, tokens: Sequence[int]) -> list[int]:
         return list(tokens) if self._map is None else self._map.drafter_ids(tokens)
@@ -590,15 +669,17 @@ class ModelDrafter(Drafter):
         self._chain = []
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "draft_model": self.ref, "drafts": self.n_drafts,
+        return {"mode": self.mode, "draft_model": self.ref, "opened": self._backend is not None, "drafts": self.n_drafts,
                 "draft_tokens_evaluated": self.n_evaluated, "trees": self.n_trees,
                 **({"boundary_misses": self.n_boundary_misses} if self._bridge is not None else {})}
 
     def close(self) -> None:
-        if self._sampler is not None:
+        if getattr(self, "_sampler", None) is not None:
             self._sampler.close()
             self._sampler = None
-        self.backend.close()
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
 
 
 DRAFTER = ModelDrafter

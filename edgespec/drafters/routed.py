@@ -32,6 +32,8 @@ from . import Draft, Drafter, DrafterConfig, Verified, specialized
 from .router import open_router
 
 PREFIX = "specialized:"   # drafter name of a set's member: PREFIX + its file stem
+GUESS = 0.5               # a member's acceptance guess where its recipe measured none
+MIN_PRIOR = 0.05          # its prior on text its router is sure it was not made for
 
 
 @dataclass
@@ -130,13 +132,17 @@ def check_info(info: DrafterInfo, target) -> DrafterInfo:
     """``info`` with ``problem`` set when its drafter cannot draft for the
     ``target`` vocabulary (anything with ``n_vocab`` and ``token_text``): the
     trimmed-vocabulary checks of the model drafter."""
-    from .model import token_map   # the draft model's module loads backends: only when needed
+    from .model import checked_once, token_map   # the draft model's module loads backends: only when needed
 
-    if info.problem is None:
+    def problem() -> list:
         try:
             token_map(target, info.path, info.n_vocab, info.name)
         except EdgespecError as e:
-            info.problem = str(e)
+            return [str(e)]
+        return [None]
+
+    if info.problem is None:
+        info.problem = checked_once("token-map", target, info.path, problem)[0]
     return info
 
 
@@ -160,8 +166,9 @@ class RoutedDrafter(Drafter):
             warnings.warn("no specialized drafter of this target's set can draft for it: "
                           + "; ".join(f"{i.path.name}: {i.problem}" for i in found), stacklevel=2)
         self.current: Drafter | None = None
-        # Every member opens now (they are small), so that what each costs is
-        # known before a request, and no request waits for one to load.
+        # Every member is made now, so that what each costs is known before a
+        # request (from the cost cache, else measured now); each opens its
+        # model when the planner first asks it for a draft.
         self._open: dict[str, Drafter] = {}
         try:
             for info in self.members:
@@ -173,6 +180,7 @@ class RoutedDrafter(Drafter):
         self.planner = None
         self._text: str | None = None
         self.scores: dict[str, float] = {}
+        self.confidence: float | None = None   # the router's in the drafter chosen for the request
 
     @property
     def prior(self):
@@ -194,8 +202,6 @@ class RoutedDrafter(Drafter):
 
         d = ModelDrafter(replace(self.config, options=self.config.options.but(draft_model=str(info.path))))
         d.name = PREFIX + info.name
-        if info.held_out_acceptance is not None:
-            d.prior = info.held_out_acceptance
         return d
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
@@ -206,8 +212,14 @@ class RoutedDrafter(Drafter):
         self._text = None
         chosen, self.scores = self.router.choose(text, self.members) if self.members else (None, {})
         self.current = self._open[chosen.name] if chosen is not None else None
+        self.confidence = None
         self.name = self.current.name if self.current is not None else PREFIX.rstrip(":")
         if self.current is not None:
+            # Its acceptance guess (what its training measured on held-out
+            # text) as far as the router is sure this text is what it was made for.
+            self.confidence = self.router.confidence(text, chosen, self.scores.get(chosen.name, 0.0))
+            guess = chosen.held_out_acceptance if chosen.held_out_acceptance is not None else GUESS
+            self.current.prior = max(MIN_PRIOR, guess * self.confidence)
             self.current.planner = self.planner
             self.current.begin(prompt, sampling)
 
@@ -230,6 +242,7 @@ class RoutedDrafter(Drafter):
     def stats(self) -> dict:
         chosen = self.current.name[len(PREFIX):] if self.current is not None else None
         return {"specialized": chosen, "router": self.router.name, "scores": self.scores,
+                "confidence": round(self.confidence, 3) if self.confidence is not None else None,
                 **(self.current.stats() if self.current is not None else {})}
 
     def close(self) -> None:

@@ -36,6 +36,13 @@ class Router(ABC):
         """The drafter for a request whose text is ``text`` (None: none fits),
         and each drafter's score by name (for the stats)."""
 
+    def confidence(self, text: str, drafter, score: float) -> float:
+        """How sure the router is, in [0, 1], that ``drafter`` (chosen with
+        ``score``) was made for text like ``text``: the routed drafter's
+        acceptance prior is its own guess times this, so that text it was
+        not made for stops it after a miss or two. By default the score."""
+        return min(max(score, 0.0), 1.0)
+
 
 def script(ch: str) -> str | None:
     """The Unicode script of a letter, from its character name ("LATIN",
@@ -55,6 +62,61 @@ def script_shares(text: str) -> dict[str, float]:
     counts = Counter(s for s in map(script, text) if s is not None)
     total = sum(counts.values())
     return {s: n / total for s, n in counts.items()} if total else {}
+
+
+# Characters of code that prose seldom has (parentheses it has): a text with
+# CODE_SHARE of its visible characters among them, or INDENTED_SHARE of its
+# lines indented, reads as code (every prompt of the code suite does, no
+# translation, chat or prose continuation prompt does).
+CODE_CHARS = frozenset("{}[];=<>_#/\\*|&$`")
+CODE_SHARE = 0.03
+INDENTED_SHARE = 0.3
+
+
+# The most frequent short words of the languages in Latin letters that the
+# prompt suites have most text in: a Latin text's language is the one whose
+# words it uses most, ahead of the next (the script alone says it for most
+# others). One-letter words are left out: languages share them.
+LATIN_WORDS = {
+    "eng": "the and of to is in that it for you with are this be",
+    "deu": "der die und das ist nicht ein eine zu den mit sich auf für",
+    "fra": "le la les et des est une un du que pour dans pas sur",
+    "spa": "el la los las de que es en un una por para con del",
+    "ita": "il la di che un una per non sono del della con gli",
+    "por": "os as de que um uma para com não do da em se",
+    "nld": "de het een en van is dat niet op te zijn met voor",
+}
+_LATIN_WORDS = {lang: frozenset(words.split()) for lang, words in LATIN_WORDS.items()}
+
+
+def latin_language(text: str) -> str | None:
+    """The language of LATIN_WORDS whose words ``text`` uses most (None: none of them)."""
+    words = Counter(w.strip(".,;:!?\"'()«»") for w in text.casefold().split())
+    hits = {lang: sum(words[w] for w in ws) for lang, ws in _LATIN_WORDS.items()}
+    best, second = sorted(hits, key=hits.get, reverse=True)[:2]
+    return best if hits[best] >= 2 and hits[best] > hits[second] else None
+
+
+def text_route(text: str) -> str:
+    """The route of a request's text, what the planner keeps acceptance
+    apart by: the script most of its letters are in (with the language for
+    prose in Latin letters, ``latin_language``) and whether it reads as code
+    or prose ("latin-eng:prose", "han:prose", "latin:code"; "none:prose"
+    without letters), from its last ROUTING_CHARS characters."""
+    text = text[-ROUTING_CHARS:]
+    shares = script_shares(text)
+    main = max(shares, key=shares.get).lower() if shares else "none"
+    visible = [c for c in text if not c.isspace()]
+    lines = [line for line in text.splitlines() if line.strip()]
+    code = ((visible and sum(c in CODE_CHARS for c in visible) / len(visible) >= CODE_SHARE)
+            or (lines and sum(line.startswith(("    ", "\t")) for line in lines) / len(lines) >= INDENTED_SHARE))
+    language = latin_language(text) if main == "latin" and not code else None
+    return f"{main}{f'-{language}' if language else ''}:{'code' if code else 'prose'}"
+
+
+def _overlap(scripts: dict[str, float], profile_scripts: dict[str, float]) -> float:
+    """The share of a text's letters in a profile's scripts (1 for a text without letters)."""
+    return sum(min(s, profile_scripts.get(k, 0.0)) for k, s in scripts.items()) if scripts else 1.0
 
 
 class ProfileRouter(Router):
@@ -96,9 +158,22 @@ class ProfileRouter(Router):
         best = max(logp.values())
         floor = math.log(ABSENT)
         mean = sum(c * logp.get(g, floor) for g, c in counts.items()) / n
-        overlap = sum(min(s, profile_scripts.get(k, 0.0)) for k, s in scripts.items()) if scripts else 1.0
+        overlap = _overlap(scripts, profile_scripts)
         fit = max(0.0, (mean - floor) / (best - floor))
         return overlap * (1.0 - FIT_WEIGHT + FIT_WEIGHT * fit)
+
+    def confidence(self, text, drafter, score):
+        """0 where the text is code and the drafter's profile prose or the
+        other way round (Python's drafter on a German letter), else the share
+        of the text's letters in the profile's scripts. The n-gram fit is
+        left out: on the routing texts it does not tell code from prose
+        (HumanEval's docstrings fit a Python profile no better than chat
+        does), and a Han or kana text fits its own language's top-400
+        trigrams barely more than another's; another language of the same
+        script keeps its prior, and its misses teach the planner."""
+        if text_route(text).split(":")[1] != text_route("".join(drafter.profile)).split(":")[1]:
+            return 0.0
+        return _overlap(script_shares(specialized.normalise(text[-ROUTING_CHARS:])), self._model(drafter)[1])
 
     def choose(self, text, drafters):
         text = specialized.normalise(text[-ROUTING_CHARS:])
