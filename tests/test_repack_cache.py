@@ -165,7 +165,7 @@ def test_files_of_models_that_are_gone_or_unused_are_pruned(home, q4k_model, tmp
     gone.unlink()
     old = next(p for p in packs(home) if p.name.startswith("qwen2-q4k"))
     past = time.time() - registry.REPACKED_UNUSED_S - 60
-    os.utime(old, (past, past))
+    os.utime(old.with_suffix(".source"), (past, past))   # its last use (registry.repacked_used)
     part = home / registry.REPACKED_DIR / "x.pack.part-abcdef"
     part.write_bytes(b"half")
     os.utime(part, (past, past))
@@ -334,6 +334,29 @@ def test_altered_weights_need_the_caches_secret_for_their_digest(home, q4k_model
         assert source == lib.ES_PACKED_WRITTEN and np.array_equal(got, expected)
 
 
+def test_a_verified_pack_is_stamped_and_any_write_to_it_voids_the_stamp(home, q4k_model):
+    """The first load that maps a pack checks its whole digest and stamps it
+    (later loads read only its header); weights changed in place after that,
+    their times set back, change the ctime the stamp holds: the digest is
+    checked again and the pack refused."""
+    _, expected = run(q4k_model)
+    assert run(q4k_model)[0] == lib.ES_PACKED_MAPPED
+    pack = packs(home)[0]
+    stamp = pack.parent / (pack.name + ".ok")
+    assert stamp.stat().st_size == 8
+    assert run(q4k_model)[0] == lib.ES_PACKED_MAPPED   # through the stamp
+    st = pack.stat()
+    data = bytearray(pack.read_bytes())
+    data[HEADER + 100] ^= 0x01
+    with open(pack, "r+b") as f:   # in place: the same inode
+        f.write(data)
+    os.utime(pack, ns=(st.st_atime_ns, st.st_mtime_ns))
+    source, got = run(q4k_model)
+    assert source == lib.ES_PACKED_WRITTEN and np.array_equal(got, expected)
+    registry.prune_repacked(max_bytes=0)
+    assert not list(pack.parent.glob("*.ok"))   # a stamp goes with its pack
+
+
 def test_a_secret_that_others_may_read_is_replaced(home, q4k_model):
     run(q4k_model)
     secret = home / registry.REPACKED_DIR / registry.SECRET
@@ -375,7 +398,7 @@ def test_past_the_bound_the_least_recently_used_files_are_removed(home, three_mo
     monkeypatch.setenv("EDGESPEC_REPACK_MAX_GB", str(2.5 * size / (1 << 30)))   # room for two
     old = time.time() - 3600
     first_pack = next(p for p in packs(home) if p.name.startswith("m0-"))
-    os.utime(first_pack, (old, old))
+    os.utime(first_pack.with_suffix(".source"), (old, old))   # its last use
     assert run(second)[0] == lib.ES_PACKED_MAPPED   # a use: m1's is the most recent
     assert run(third)[0] == lib.ES_PACKED_WRITTEN
     assert sorted(p.name[:2] for p in packs(home)) == ["m1", "m2"]

@@ -188,14 +188,16 @@ def _repacked_prefix(model: Path) -> str:
 
 def repacked_used(pack: Path, model: Path, written: bool) -> None:
     """Record that a load mapped (or wrote) ``pack`` for ``model``: its
-    mtime is when it was last used; a file written may have taken the cache
-    past its bound, which the least recently used others then leave."""
+    ``.source`` file's mtime is when it was last used (not the pack's own:
+    touching it would void the stamp of its verified digest); a file written
+    may have taken the cache past its bound, which the least recently used
+    others then leave."""
     try:
         if written:
             write_atomic(pack.with_suffix(".source"), os.fsencode(Path(model).resolve()))
             prune_repacked(keep=pack.name)
         else:
-            os.utime(pack)
+            os.utime(pack.with_suffix(".source"))
     except OSError:
         pass   # only what the pruning knows is lost
 
@@ -236,12 +238,13 @@ def prune_repacked(*, max_bytes: int | None = None, keep: str = "") -> int:
                 stale = _writer_gone(f, now)
             elif name.endswith(".pack"):
                 source = f.with_suffix(".source")
-                stale = now - st.st_mtime > REPACKED_UNUSED_S or (
+                used = source.stat().st_mtime if source.is_file() else st.st_mtime   # repacked_used
+                stale = now - used > REPACKED_UNUSED_S or (
                     source.is_file() and not Path(os.fsdecode(source.read_bytes())).is_file())
                 if not stale:
                     total += st.st_size
                     if not (keep and name.startswith(keep)):
-                        evictable.append((st.st_mtime, st.st_size, f))
+                        evictable.append((used, st.st_size, f))
             else:
                 continue
             if stale:
@@ -266,6 +269,7 @@ def prune_repacked(*, max_bytes: int | None = None, keep: str = "") -> int:
 
 def _remove_pack(pack: Path) -> None:
     pack.with_suffix(".source").unlink(missing_ok=True)
+    Path(f"{pack}.ok").unlink(missing_ok=True)   # packed_file.c's stamp of its verified digest
     pack.unlink(missing_ok=True)
 
 
