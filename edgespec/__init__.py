@@ -6,11 +6,13 @@
 """
 from .errors import (  # noqa: F401
     BackendError,
+    CacheError,
     ContextOverflowError,
     DrafterError,
     EdgespecError,
     EngineBusyError,
     EngineClosedError,
+    ExtraNotInstalledError,
     GenerationAbandonedError,
     GrammarError,
     IncompatibleDraftModelError,
@@ -33,8 +35,8 @@ _LAZY = {"Engine": "engine", "EngineConfig": "config", "Result": "results", "Gen
          "TrainParams": "training.train", "train_model": "training.train"}
 
 
-_ERRORS = ["BackendError", "ContextOverflowError", "DrafterError", "EdgespecError", "EngineBusyError",
-           "EngineClosedError", "GenerationAbandonedError", "GrammarError", "IncompatibleDraftModelError",
+_ERRORS = ["BackendError", "CacheError", "ContextOverflowError", "DrafterError", "EdgespecError", "EngineBusyError",
+           "EngineClosedError", "ExtraNotInstalledError", "GenerationAbandonedError", "GrammarError", "IncompatibleDraftModelError",
            "InvalidArgumentError", "ModelFetchError", "ModelFormatError", "ModelNotFoundError", "NativeError",
            "UnsupportedModelError"]
 __all__ = ["__version__", *_ERRORS, *_LAZY]
