@@ -18,9 +18,11 @@ import pytest
 
 from edgespec import Engine
 from edgespec.backends import open_backend
+from edgespec.config import EngineConfig
 from edgespec.costs import MAX_BATCH
+from edgespec.drafters import DrafterConfig, auto_members
 from edgespec.drafters.head import random_head
-from edgespec.errors import IncompatibleDraftModelError, ModelFormatError
+from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFormatError
 from edgespec.models.gguf import GGUFFile
 from edgespec.planner import Planner
 from edgespec.sampling import SamplingParams
@@ -265,3 +267,30 @@ def test_a_cut_short_or_damaged_head_is_refused(tmp_path, head, target):
         target.open_head(damaged)
     with pytest.raises(ModelFormatError, match="not a draft head"):
         target.open_head(target.path)
+
+
+def test_greedy_output_through_a_context_shift(tiny_llama_path, head):
+    """A shift begins the drafters again on the shortened text: the head
+    starts its cache there and drafts on."""
+    path, _ = head
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=96, context_shift=True, drafter="head",
+                head=str(path), draft_max=4) as engine:
+        plain = engine.generate(TEXT, max_tokens=160, drafter="none")
+        engine.lanes[0].planner = Planner(CHEAP_BATCHES)
+        spec = engine.generate(TEXT, max_tokens=160)
+        assert spec.tokens == plain.tokens
+        assert len(spec.tokens) == 160 and spec.stats.spec.drafted > 0
+
+
+# -- options --------------------------------------------------------------------------
+
+
+def test_auto_has_the_head_only_when_one_is_given(tiny_llama_path):
+    assert "head" not in auto_members(DrafterConfig(n_vocab=10))
+    assert "head" in auto_members(DrafterConfig(n_vocab=10, options=EngineConfig(head="h.gguf")))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=128) as engine:
+        with pytest.raises(InvalidArgumentError, match="--head FILE"):
+            engine.generate(TEXT, max_tokens=2, drafter="head")
+    with Engine(str(tiny_llama_path), backend="llama", threads=1, n_ctx=128, head="h.gguf") as engine:
+        with pytest.raises(InvalidArgumentError, match="native backend"):
+            engine.generate(TEXT, max_tokens=2, drafter="head")

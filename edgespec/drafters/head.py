@@ -238,12 +238,16 @@ class HeadDrafter(Drafter):
         self._pending = np.concatenate([self._pending, features])
 
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
-        if self._prefill:   # the prompt's last row: the feature of position len(prompt) - 1
+        if len(context) != self._length:   # begun on a context already stepped (a context shift)
+            self._length = len(context)
+            if not self._prefill:
+                self._restart(len(context) - 1)
+        if self._prefill:   # the last evaluation's last row: the feature of the context's next-to-last position
             self._take(self.target.features()[-1:], len(context) - 2)
             self._prefill = False
         greedy = self._sampler.params.greedy
         n = len(self._pending)
-        if (max_tokens <= 0 or len(context) != self._length or n == 0
+        if (max_tokens <= 0 or n == 0
                 or self._base + self.head.n_past + n != len(context) - 1
                 or self.head.n_past + n + max_tokens > self.head.n_ctx
                 or (self._constraint is not None and not greedy)):   # q would have to follow the grammar
