@@ -21,12 +21,13 @@ from edgespec.backends import open_backend
 from edgespec.config import EngineConfig
 from edgespec.costs import MAX_BATCH
 from edgespec.drafters import DrafterConfig, auto_members
-from edgespec.drafters.head import random_head
+from edgespec.drafters.head import random_head, write_head
 from edgespec.errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFormatError
 from edgespec.models.gguf import GGUFFile
 from edgespec.planner import Planner
 from edgespec.sampling import SamplingParams
-from tiny_gguf import write_tiny_llama, write_tiny_vocab
+from gguf import GGMLQuantizationType as Q
+from tiny_gguf import copy_gguf, write_tiny_llama, write_tiny_vocab
 
 TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
 # A batch cost curve on which drafting pays, so that the planner drafts from the first step.
@@ -165,9 +166,14 @@ def test_drafted_chain_is_the_references_greedy_chain(target, head, tiny_llama_p
 # -- through the engine --------------------------------------------------------------
 
 
-def test_greedy_output_is_plain_decodings_past_256_positions(tiny_llama_path, head):
-    path, _ = head
-    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="head",
+@pytest.mark.parametrize("target_path", ["tiny_llama_path", "tiny_qwen2_path", "tiny_gemma3_path"])
+def test_greedy_output_is_plain_decodings_past_256_positions(request, tmp_path, target_path):
+    """On each architecture's tiny model (qwen2: NEOX RoPE; gemma3: Q/K norms,
+    post-norms, GELU, the embedding scale, the soft-cap), with a head of its own."""
+    target_path = request.getfixturevalue(target_path)
+    path = tmp_path / "head.gguf"
+    random_head(target_path, path, seed=4, gain=2.0)
+    with Engine(str(target_path), backend="native", threads=1, n_ctx=512, drafter="head",
                 head=str(path), draft_max=4) as engine:
         prompt = TEXT * 7
         assert len(engine.tokenize(prompt)) > 200
@@ -294,3 +300,32 @@ def test_auto_has_the_head_only_when_one_is_given(tiny_llama_path):
     with Engine(str(tiny_llama_path), backend="llama", threads=1, n_ctx=128, head="h.gguf") as engine:
         with pytest.raises(InvalidArgumentError, match="native backend"):
             engine.generate(TEXT, max_tokens=2, drafter="head")
+
+
+def test_a_head_that_computes_the_targets_choice_is_always_accepted(tmp_path, tiny_vocab_path):
+    """A one-layer target whose attention adds nothing (attn_v zero) chooses
+    each token from the last one alone; a head with that layer over the
+    token (fc_token the identity, fc_feature zero) chooses the same tokens
+    (its output is the target's before the final norm, whose weights are
+    ones: the same argmax), so its chains are accepted whole: the head is
+    fed each position's next token, and its own guesses while drafting."""
+    base, target_path = tmp_path / "base.gguf", tmp_path / "bigram.gguf"
+    write_tiny_llama(base, tiny_vocab_path, n_layer=1, dtype=Q.F32)
+    with GGUFFile(base) as f:
+        layer = {t.name: t.dequantize() for t in f.tensors if t.name.startswith("blk.0.")}
+        n_head, n_head_kv, n_ff = (f.get(f"llama.{k}") for k in ("attention.head_count", "attention.head_count_kv",
+                                                                  "feed_forward_length"))
+    layer["blk.0.attn_v.weight"] = np.zeros_like(layer["blk.0.attn_v.weight"])
+    copy_gguf(base, target_path, drop=["blk.0.attn_v.weight"], add={"blk.0.attn_v.weight": layer["blk.0.attn_v.weight"]})
+    n_embd = layer["blk.0.attn_norm.weight"].shape[0]
+    write_head(tmp_path / "head.gguf", target_path, {
+        "fc_feature.weight": np.zeros((n_embd, n_embd), np.float32),
+        "fc_token.weight": np.eye(n_embd, dtype=np.float32), **layer},
+        n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff)
+    with Engine(str(target_path), backend="native", threads=1, n_ctx=256, drafter="head",
+                head=str(tmp_path / "head.gguf"), draft_max=4) as engine:
+        plain = engine.generate(TEXT, max_tokens=60, drafter="none")
+        engine.lanes[0].planner = Planner(CHEAP_BATCHES)
+        spec = engine.generate(TEXT, max_tokens=60)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.spec.drafted > 20 and spec.stats.spec.acceptance_rate > 0.9
