@@ -218,7 +218,7 @@ class HeadDrafter(Drafter):
         if self._sampler is not None:
             self._sampler.close()
         self._sampler = Sampler(replace(sampling, seed=sampling.seed ^ DRAFT_SEED_XOR), self.n_vocab)
-        self._restart(len(prompt))
+        self._restart(max(len(prompt) - 1, 0))   # the prompt's last position: its feature comes first
         self._length = len(prompt) + 1   # the prompt's step samples one token
         self._prefill = True
 
