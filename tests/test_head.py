@@ -255,6 +255,15 @@ def test_a_head_for_another_tokenizer_is_refused(tmp_path, tiny_llama_path, targ
         target.open_head(tmp_path / "other-head.gguf")
 
 
+def test_a_head_for_a_model_of_the_same_shape_is_refused(tmp_path, tiny_vocab_path, target):
+    """Same tokenizer, width and layers, other weights: the digest tells them apart."""
+    other = tmp_path / "seed1.gguf"
+    write_tiny_llama(other, tiny_vocab_path, seed=1)
+    random_head(other, tmp_path / "seed1-head.gguf")
+    with pytest.raises(IncompatibleDraftModelError, match="token embeddings or tokenizers differ"):
+        target.open_head(tmp_path / "seed1-head.gguf")
+
+
 def test_a_cut_short_or_damaged_head_is_refused(tmp_path, head, target):
     path, _ = head
     data = path.read_bytes()
