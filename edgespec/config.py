@@ -24,7 +24,7 @@ from .errors import InvalidArgumentError
 from .moe import DEFAULT_PREFETCH, POLICIES, PRECISIONS, ExpertCache
 
 BACKENDS = ("llama", "native", "onnx")
-DRAFTERS = ("none", "ngram", "recycle", "cache", "model", "auto")
+DRAFTERS = ("none", "ngram", "recycle", "cache", "model", "head", "auto")
 DEFAULT_DRAFT_MAX = 16    # most draft tokens (tree nodes) per target step
 MAX_DRAFT = 64            # draft_max < min(n_batch, MAX_DRAFT)
 MIN_CTX = 16              # smaller caches trip llama.cpp's asserts, and hold no useful text
@@ -128,12 +128,18 @@ class EngineConfig:
                                   "(llama backend).")
     drafter: str = option(
         "none", "--drafter", choices=DRAFTERS, cli_default="auto",
-        help="none, ngram, recycle, cache, model or auto (chooses per step among ngram, cache, the specialized "
-             "drafters and the draft model, and decodes plainly when speculation does not pay).")
+        help="none, ngram, recycle, cache, model, head or auto (chooses per step among ngram, cache, the "
+             "specialized drafters, the draft head and the draft model, and decodes plainly when speculation "
+             "does not pay).")
     draft_model: str | None = option(
         None, "--draft-model",
         help="Draft model for the model and auto drafters (default: the model's paired draft model, if the "
              "registry names one; a draft model with another tokenizer drafts text in cross-tokenizer mode).")
+    head: str | None = option(
+        None, "--head", metavar="FILE",
+        help="Draft head file (EAGLE: one layer over the target's own hidden states, a GGUF made for this "
+             "target) for the head and auto drafters; native backend (default: none, and auto drafts without "
+             "one).")
     draft_backend: str | None = option(
         None, "--draft-backend", choices=BACKENDS,
         help="Backend of the draft model (default: the target's), e.g. onnx on an NPU with a llama target.")

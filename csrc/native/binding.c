@@ -81,20 +81,16 @@ static bool row_applies(int32_t flags, bool experts) {
     return !((flags & ES_TENSOR_DENSE) && experts) && !((flags & ES_TENSOR_EXPERTS) && !experts);
 }
 
-int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap) {
-    const es_tensor * embd = es_gguf_find_tensor(m->gguf, "token_embd.weight");
-    if (!embd) {
-        es__set_err(err, err_cap, "tensor token_embd.weight is missing");
-        return ES_ERR_FORMAT;
-    }
-    m->n_vocab = (int32_t) embd->ne[1];
+// Binds m->arch's table rows that apply (globals: the global rows too).
+static int bind_rows(es_model * m, bool experts, bool globals, char * err, size_t err_cap) {
     int64_t size[ES_DIM_COUNT];
     model_dims(m, size);
     int rc = ES_OK;
     for (int32_t r = 0; rc == ES_OK && r < m->arch->n_tensors; r++) {
         const es_arch_row * row = &m->arch->tensors[r];
         const es_tensor_spec * sp = &row->spec;
-        if (row->field == ES_UNBOUND || !row_applies(sp->flags, experts)) continue;
+        if (row->field == ES_UNBOUND || !row_applies(sp->flags, experts) ||
+            (!globals && !(sp->flags & ES_TENSOR_LAYER))) continue;
         const int64_t n_in = size[sp->ne[0]], n_out = size[sp->ne[1]];
         const int32_t n_layers = sp->flags & ES_TENSOR_LAYER ? m->n_layer : 1;
         for (int32_t il = 0; rc == ES_OK && il < n_layers; il++) {
@@ -116,8 +112,23 @@ int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap) {
             rc = bind_tensor(m, name, n_in, n_out, required, (es_weight *) (base + row->field), err, err_cap);
         }
     }
+    return rc;
+}
+
+int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap) {
+    const es_tensor * embd = es_gguf_find_tensor(m->gguf, "token_embd.weight");
+    if (!embd) {
+        es__set_err(err, err_cap, "tensor token_embd.weight is missing");
+        return ES_ERR_FORMAT;
+    }
+    m->n_vocab = (int32_t) embd->ne[1];
+    const int rc = bind_rows(m, experts, true, err, err_cap);
     if (rc == ES_OK && !m->output.data) m->output = m->tok_embd;  // tied embeddings
     return rc;
+}
+
+int es__bind_layers(es_model * m, char * err, size_t err_cap) {
+    return bind_rows(m, false, false, err, err_cap);
 }
 
 static int key_num(const es_model * m, const char * key, bool required, double * out,

@@ -430,6 +430,101 @@ const char * es_model_expert_error(const es_model * model);
 uint64_t es_sidecar_checksum(const void * data, size_t n);
 
 /* ========================================================================
+ * Draft heads (head.c)
+ *
+ * A draft head (EAGLE-1) drafts from its target's own hidden states: one
+ * decoder layer of the target's width, computed by the target's layer code
+ * (its architecture's traits), over
+ *
+ *   x = fc_feature · f + fc_token · embed(t) (+ fc.bias)
+ *
+ * where f is the target's hidden state after its final norm at a position
+ * (es_context_keep_features) and t the token that follows it: the single
+ * (2 n_embd -> n_embd) fc of EAGLE over [f, embed(t)], stored as its two
+ * halves. The layer's output is the head's guess of the target's next
+ * feature: it goes straight into the target's output layer (as EAGLE-1,
+ * no final norm; the target's soft-cap applies) and, while drafting a chain,
+ * back in as the next row's f. The head has its own small KV cache of
+ * (f, t) rows; it borrows the target's token embeddings and output layer,
+ * so the target must outlive it. Its output may be restricted to a subset
+ * of the vocabulary (es_head_set_output_rows: FR-Spec).
+ *
+ * The file: a GGUF with general.architecture "eagle"; keys eagle.* as a
+ * decoder's (embedding_length = the target's, block_count = 1,
+ * attention.head_count[_kv], attention.key_length, feed_forward_length,
+ * attention.layer_norm_rms_epsilon, rope.freq_base), the tensors
+ * fc_feature.weight, fc_token.weight (n_embd, n_embd), fc.bias (n_embd,
+ * optional) and blk.0.* as one layer of the target's architecture; the
+ * target it was made for (eagle.target.name, .architecture, .vocab_size,
+ * .block_count, .digest = es_head_target_digest of the target) and
+ * eagle.digest, es_head_digest over every tensor in file order.
+ * ======================================================================== */
+
+typedef struct es_head es_head;
+
+typedef struct es_head_params {
+    int32_t n_ctx;      // the head's KV cache, in rows; <= 0: the target's training context; default 4096
+    int32_t n_batch;    // most rows one es_head_decode takes (at most n_ctx); default 512
+    int32_t n_threads;  // worker threads; <= 0: one per online CPU; default 0
+} es_head_params;
+
+es_head_params es_head_default_params(void);
+
+// What identifies a target for its heads: its vocabulary size, width and
+// layer count, its token embedding's type, shape and 64 rows spread over it,
+// and its token texts (tokenizer.ggml.tokens): cheap (no pass over the
+// weights) and different for another model, tokenizer or width.
+// ES_ERR_INVALID_ARG: g or out NULL; ES_ERR_FORMAT: g has no token_embd.weight.
+int es_head_target_digest(const es_gguf * g, uint64_t * out);
+
+// Folds one tensor (its name, then its n bytes of data) into a head's
+// content digest h (0 to start): eagle.digest is every tensor's, in file
+// order (FNV-1a).
+uint64_t es_head_digest(uint64_t h, const char * name, const void * data, size_t n);
+
+// Loads the head file at path for target (borrowed: it must outlive the
+// head). On failure *out stays NULL and err holds a one-line reason that
+// does not repeat the path. ES_ERR_IO: missing or unreadable; ES_ERR_FORMAT:
+// damaged, cut short, eagle.digest not the tensors', a key or tensor
+// missing or misshapen, a tensor the head does not read; ES_ERR_INVALID_ARG:
+// NULL arguments, or a head made for another target (another vocabulary,
+// tokenizer, width or layer count: err names both); ES_ERR_UNSUPPORTED: a
+// weight type the kernels lack, a mixture-of-experts target;
+// ES_ERR_NO_MEMORY.
+int  es_head_init(es_model * target, const char * path, const es_head_params * params, es_head ** out,
+                  char * err, size_t err_cap);
+void es_head_free(es_head * head);  // NULL is a no-op
+
+int32_t es_head_n_ctx(const es_head * head);
+int32_t es_head_n_batch(const es_head * head);
+int32_t es_head_n_past(const es_head * head);  // rows held in the head's cache
+
+// Appends n rows to the head's cache: row i reads features[i] (n_embd
+// floats: a target feature, or the head's own output of the row before
+// while drafting) and tokens[i] (the token after that feature's position).
+// Rows [logits_from, n) keep their logits (es_head_logits) and outputs
+// (es_head_hidden). Each row's results are the same whatever the batch.
+// ES_ERR_CONTEXT_FULL: n_past + n > n_ctx; ES_ERR_INVALID_ARG: n outside
+// [1, n_batch], a token outside the vocabulary, bad logits_from. On error
+// the cache is as before.
+int es_head_decode(es_head * head, const float * features, const es_token * tokens, int32_t n,
+                   int32_t logits_from);
+
+// The last es_head_decode's (n - logits_from, n_vocab) logits (-infinity
+// outside a restricted output) and (n - logits_from, n_embd) layer outputs
+// (the guessed next features); owned by head, valid until its next decode.
+const float * es_head_logits(const es_head * head);
+const float * es_head_hidden(const es_head * head);
+
+// Keeps the first n_keep rows of the head's cache; n_keep in [0, n_past].
+int es_head_truncate(es_head * head, int32_t n_keep);
+
+// Computes the logits of the n tokens ids only (the others -infinity), as
+// es_model_set_output_rows does for a model; n = 0 (ids NULL): every row.
+// ES_ERR_INVALID_ARG: an id outside the vocabulary, or twice; ES_ERR_NO_MEMORY.
+int es_head_set_output_rows(es_head * head, const es_token * ids, int32_t n);
+
+/* ========================================================================
  * Architectures (arch/<name>.c)
  *
  * Each architecture the engine reads is one file holding its tensor table:

@@ -680,6 +680,40 @@ static int reserve_logits(es_context * ctx, int32_t rows) {
     return ES_OK;
 }
 
+// The vocabulary projection of w->xn's first rows rows into w->logits
+// (reserved here), soft-capped where the model says. The kept rows of a
+// restricted output layer (es_model_set_output_rows) go to w->kept and are
+// spread out, the others -infinity.
+int es__output_logits(es_context * w, int32_t rows) {
+    const es_model * m = w->model;
+    int rc = reserve_logits(w, rows);
+    if (rc != ES_OK) return rc;
+    const bool restricted = m->n_output_rows > 0;
+    const es_weight * out_w = restricted ? &m->output_rows : &m->output;
+    const int64_t width = restricted ? m->n_output_rows : m->n_vocab;
+    if (restricted && (size_t) rows * (size_t) width > w->kept_cap) {
+        float * k = malloc((size_t) rows * (size_t) width * sizeof *k);
+        if (!k) return ES_ERR_NO_MEMORY;
+        free(w->kept);
+        w->kept = k;
+        w->kept_cap = (size_t) rows * (size_t) width;
+    }
+    float * out = restricted ? w->kept : w->logits;
+    rc = es__matmul(w, 1, &out_w, w->xn, &out, rows);
+    if (rc != ES_OK) return rc;
+    if (m->traits.final_softcap > 0.0f) {
+        const float c = m->traits.final_softcap, inv = 1.0f / c;
+        const size_t nl = (size_t) rows * (size_t) width;
+        for (size_t i = 0; i < nl; i++) out[i] = tanhf(out[i] * inv) * c;
+    }
+    for (int32_t r = 0; restricted && r < rows; r++) {
+        float * row = w->logits + (size_t) r * (size_t) m->n_vocab;
+        for (int64_t i = 0; i < m->n_vocab; i++) row[i] = -INFINITY;
+        for (int64_t i = 0; i < width; i++) row[m->output_ids[i]] = w->kept[(size_t) r * (size_t) width + i];
+    }
+    return ES_OK;
+}
+
 // Evaluates the batch planned in w (w->n rows in w->n_seqs sequences, the
 // logits buffer reserved): embeddings, every layer, then the final norm of
 // each sequence's kept rows and (without embeddings) their vocabulary
@@ -720,33 +754,8 @@ static int forward(es_context * w) {
     }
     es__rms_norm(w->x, &m->output_norm, w->xn, rows, D, m->norm_eps);
     w->n_embd_rows = rows;
-    if (!w->embeddings) {
-        // The kept rows of a restricted output layer (es_model_set_output_rows)
-        // go to w->kept and are spread out, the others -infinity.
-        const bool restricted = m->n_output_rows > 0;
-        const es_weight * out_w = restricted ? &m->output_rows : &m->output;
-        const int64_t width = restricted ? m->n_output_rows : m->n_vocab;
-        if (restricted && (size_t) rows * (size_t) width > w->kept_cap) {
-            float * k = malloc((size_t) rows * (size_t) width * sizeof *k);
-            if (!k) { w->n = 0; return ES_ERR_NO_MEMORY; }
-            free(w->kept);
-            w->kept = k;
-            w->kept_cap = (size_t) rows * (size_t) width;
-        }
-        float * out = restricted ? w->kept : w->logits;
-        rc = es__matmul(w, 1, &out_w, w->xn, &out, rows);
-        if (rc != ES_OK) { w->n = 0; return rc; }
-        if (m->traits.final_softcap > 0.0f) {
-            const float c = m->traits.final_softcap, inv = 1.0f / c;
-            const size_t nl = (size_t) rows * (size_t) width;
-            for (size_t i = 0; i < nl; i++) out[i] = tanhf(out[i] * inv) * c;
-        }
-        for (int32_t r = 0; restricted && r < rows; r++) {
-            float * row = w->logits + (size_t) r * (size_t) m->n_vocab;
-            for (int64_t i = 0; i < m->n_vocab; i++) row[i] = -INFINITY;
-            for (int64_t i = 0; i < width; i++) row[m->output_ids[i]] = w->kept[(size_t) r * (size_t) width + i];
-        }
-    }
+    if (!w->embeddings) rc = es__output_logits(w, rows);
+    if (rc != ES_OK) { w->n = 0; return rc; }
     for (int32_t s = 0; s < w->n_seqs; s++) w->seqs[s].kv->n_past += w->seqs[s].n;
     w->n = 0;
     return ES_OK;

@@ -19,6 +19,8 @@
  *   arch/<name>.c     one file per architecture: tensor table, traits, hyperparameters;
  *                     found by name through es__archs[] (arch/registry.c)
  *   arch/decoder.c    the decoder layer, as an architecture's traits say
+ *   head.c            draft heads (EAGLE): one layer over the target's features, a
+ *                     one-layer es_model borrowing the target's embeddings and output
  */
 #ifndef EDGESPEC_NATIVE_H
 #define EDGESPEC_NATIVE_H
@@ -525,6 +527,10 @@ void es__set_err(char * err, size_t err_cap, const char * fmt, ...);
 // layer with a fused attn_qkv instead of attn_q/k/v is ES_ERR_UNSUPPORTED.
 // Errors name the tensor.
 int es__bind_tensors(es_model * m, bool experts, char * err, size_t err_cap);
+// Binds the per-layer rows of m->arch's table alone, dense rows only (a
+// draft head: one layer of its target's architecture, without the target's
+// embeddings).
+int es__bind_layers(es_model * m, char * err, size_t err_cap);
 // Reads <arch>.<key> (an integer or float) into *out; absent and not
 // required: *out unchanged. Errors name the key.
 int es__key_i32(const es_model * m, const char * key, bool required, int32_t * out,
@@ -549,6 +555,11 @@ int es__load_dense(es_model * m, char * err, size_t err_cap);
 // scaling, the sliding window), post-norms, and the FFN (dense with the
 // traits' activation, or the experts).
 int es__decoder_layer(es_context * ctx, int32_t il);
+// The vocabulary projection of ctx->xn's first rows rows (model.c) into
+// ctx->logits (grown as needed): the output layer or its kept rows
+// (es_model_set_output_rows, the others -infinity), soft-capped where the
+// model's traits say.
+int es__output_logits(es_context * ctx, int32_t rows);
 
 /* ---- blocks (blocks.c), over ctx->n token rows --------------------------------
  * Each row is computed the same way whatever the batch, so results are batch

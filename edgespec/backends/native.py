@@ -24,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, kernel_set, lib
-from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
+from ..errors import (BackendError, ContextOverflowError, IncompatibleDraftModelError, InvalidArgumentError,
+                      ModelFormatError)
 from .. import moe
 from ..config import DEFAULT_BATCH, KERNEL_SETS, EngineConfig
 from ..models import registry
@@ -215,6 +216,68 @@ class NativeContext(Owned):
     def set_state(self, state: bytes, n_past: int) -> None:
         check(lib.es_context_state_set(self._ptr, ffi.from_buffer(state), len(state), n_past),
               f"a saved state of {n_past} cells")
+
+
+class NativeHead(Owned):
+    """An es_head: a draft head (EAGLE) over a NativeModel, which must outlive
+    it; its own KV cache of (feature, token) rows."""
+
+    _free = lib.es_head_free
+    output_rows = 0   # restrict_output: the output layer's rows computed (0: all)
+
+    def __init__(self, model: NativeModel, path: Path, *, n_ctx: int, n_batch: int, threads: int):
+        params = lib.es_head_default_params()
+        params.n_ctx, params.n_batch, params.n_threads = n_ctx, n_batch, threads
+        out = ffi.new("es_head **")
+        err = ffi.new("char[]", ERR_CAP)
+        status = lib.es_head_init(model.handle, str(path).encode(), ffi.new("es_head_params *", params), out,
+                                  err, ERR_CAP)
+        if status == lib.ES_ERR_INVALID_ARG and err[0] != b"\0":   # made for another target
+            raise IncompatibleDraftModelError(f"{path}: {ffi.string(err).decode('utf-8', 'replace')}")
+        check_file(status, err, path, "es_head_init")
+        self._ptr = out[0]
+        self.model = model
+        self.n_vocab, self.n_embd = model.n_vocab, model.n_embd
+        self.n_ctx = lib.es_head_n_ctx(self._ptr)
+        self.n_batch = lib.es_head_n_batch(self._ptr)
+        self.n_rows = 0   # kept rows of the last decode
+
+    @property
+    def n_past(self) -> int:
+        return lib.es_head_n_past(self._ptr)
+
+    def decode(self, features: np.ndarray, tokens: Sequence[int], logits_from: int) -> int:
+        """One es_head_decode of (n, n_embd) float32 ``features`` and n
+        ``tokens``; returns the address of the first kept logits row."""
+        features = np.ascontiguousarray(features, dtype=np.float32)
+        n = len(tokens)
+        if features.shape != (n, self.n_embd):
+            raise InvalidArgumentError(f"head rows: {features.shape} features for {n} tokens of width {self.n_embd}")
+        status = lib.es_head_decode(self._ptr, ffi.cast("float *", features.ctypes.data),
+                                    ffi.new("es_token[]", list(tokens)), n, logits_from)
+        if status == lib.ES_ERR_CONTEXT_FULL:
+            raise ContextOverflowError(f"{self.n_past + n} rows do not fit the head's cache of {self.n_ctx}")
+        check(status, "es_head_decode")
+        self.n_rows = n - logits_from
+        return int(ffi.cast("uintptr_t", lib.es_head_logits(self._ptr)))
+
+    def hidden(self) -> np.ndarray:
+        """The last decode's (n_rows, n_embd) layer outputs (the guessed next features), a copy."""
+        rows = lib.es_head_hidden(self._ptr)
+        if rows == ffi.NULL:
+            return np.zeros((0, self.n_embd), dtype=np.float32)
+        return np.frombuffer(ffi.buffer(rows, self.n_rows * self.n_embd * 4), dtype=np.float32).reshape(
+            self.n_rows, self.n_embd).copy()
+
+    def truncate(self, n_keep: int) -> None:
+        check(lib.es_head_truncate(self._ptr, n_keep), f"head truncate to {n_keep} rows")
+
+    def restrict_output(self, ids: Sequence[int]) -> None:
+        """Compute the logits of the tokens ``ids`` only (the others -inf)."""
+        arr = np.ascontiguousarray(ids, dtype=np.int32)
+        check(lib.es_head_set_output_rows(self._ptr, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
+              "es_head_set_output_rows")
+        self.output_rows = len(arr)
 
 
 def _check_decode(status: int, model: NativeModel, where: str) -> None:
@@ -446,6 +509,15 @@ class NativeBackend(VocabMixin, Backend):
         check(lib.es_model_set_output_rows(self._model.handle, ffi.cast("es_token *", arr.ctypes.data), len(arr)),
               "es_model_set_output_rows")
         self.output_rows = len(arr)
+
+    def open_head(self, path: Path, n_ctx: int | None = None) -> NativeHead:
+        """A draft head (``es_head``) for this model from the head file at
+        ``path``: IncompatibleDraftModelError for a head made for another
+        target (both named), ModelFormatError for a damaged file. Its cache
+        holds ``n_ctx`` rows (default: this backend's context)."""
+        self._check_open()
+        return NativeHead(self._model, Path(path), n_ctx=n_ctx or self.n_ctx, n_batch=self.n_batch,
+                          threads=self.threads)
 
     @property
     def expert_cache(self) -> moe.ExpertCache | None:

@@ -144,8 +144,9 @@ def open_drafter(name: str, config: DrafterConfig) -> Drafter:
 def auto_members(config: DrafterConfig) -> list[str]:
     """What "auto" chooses among: the n-gram drafter, plus the n-gram cache
     when the user gave one, the specialized drafter a router chooses per
-    request when the target has a set of them (``routed``), and the draft
-    model when the user gave one or the registry pairs one with the target.
+    request when the target has a set of them (``routed``), the draft head
+    when the user gave a head file (``head``), and the draft model when the
+    user gave one or the registry pairs one with the target.
     Cheap drafters come first (the engine asks a costly one only when the
     drafts before it are worth less; a specialized drafter costs a few
     percent of a paired model). Token recycling is left out: its trees cost
@@ -155,6 +156,8 @@ def auto_members(config: DrafterConfig) -> list[str]:
         names.append("cache")
     if config.specialized:
         names.append("routed")
+    if config.options.head:
+        names.append("head")
     if config.options.draft_model or config.paired_draft:
         names.append("model")
     return names
