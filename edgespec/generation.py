@@ -418,7 +418,7 @@ def _step(lane: Lane, planner: Planner | None, drafters: list[Drafter], sampler:
             io = planner.experts.waited(reads, backend.expert_stats()) if reads is not None else {}
             planner.record_step_time(evaluated.seconds if lane.batched else step.seconds, own, **io)
         planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
-        verified = Verified(draft, n_acc, new, evaluated.address, [context[-1]] + draft.tokens)
+        verified = Verified(draft, n_acc, new, evaluated.address, [context[-1]] + draft.tokens, lane.slot)
         for d in drafters:
             d.accept(verified)
     return step

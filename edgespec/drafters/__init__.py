@@ -69,6 +69,7 @@ class Verified:
     tokens: list[int]        # tokens appended to the text: accepted, then the target's own
     logits: int              # address of this step's (n_rows, n_vocab) target logits
     row_tokens: list[int]    # (n_rows) the token each logits row was computed at
+    slot: int | None = None  # the target's KV-cache slot the rows are of (None: the selected one)
 
 
 @dataclass

@@ -282,7 +282,7 @@ class HeadDrafter(Drafter):
 
     def accept(self, step: Verified) -> None:
         """The step's real features: the root's row, then the accepted nodes'."""
-        rows = self.target.features()
+        rows = self.target.features(step.slot)   # this generation's rows, also beside others in a batch
         root = self._length - 1
         self._length += len(step.tokens)
         self._prefill = False
