@@ -22,7 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, kernel_set, lib
-from ..errors import BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError
+from ..errors import (BackendError, ContextOverflowError, InvalidArgumentError, ModelFormatError,
+                      UnsupportedModelError)
 from .. import moe
 from ..config import DEFAULT_BATCH, KERNEL_SETS, EngineConfig
 from ..models import registry
@@ -129,8 +130,11 @@ class NativeContext(Owned):
         params.type_k, params.type_v = (_CACHE_TYPES[t] for t in cache_types)
         params.embeddings = embeddings
         out = ffi.new("es_context **")
-        check(lib.es_context_init(model.handle, ffi.new("es_context_params *", params), out),
-              f"native context of {n_ctx} tokens with a {'/'.join(cache_types)} KV cache")
+        status = lib.es_context_init(model.handle, ffi.new("es_context_params *", params), out)
+        if status == lib.ES_ERR_UNSUPPORTED:
+            raise UnsupportedModelError(f"a {'/'.join(cache_types)} (key/value) KV cache: this model's attention "
+                                        "heads are not a multiple of 32 wide (one Q8_0 block); use f16")
+        check(status, f"native context of {n_ctx} tokens")
         self._ptr = out[0]
         self.model = model  # must outlive the context
         self.cache_types = cache_types
