@@ -186,6 +186,20 @@ void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads) {
 
 /* ---- blocks: attention ----------------------------------------------------- */
 
+// acc[i] += e * v[i] for one Q8_0 row v of n values (ggml's block_q8_0,
+// kernels/kernels.h: per 32 values an F16 scale d, then 32 int8 q; v = d q):
+// the weight folded into each block's scale, so the row is never dequantized
+// into memory. The same arithmetic for every row whatever the batch.
+static void axpy_q8_0(int32_t n, float e, const uint8_t * v, float * acc) {
+    for (int32_t b = 0; b < n / 32; b++, v += 2 + 32, acc += 32) {
+        uint16_t d;
+        memcpy(&d, v, sizeof d);
+        const float s = e * es_half_to_f32(d);
+        const int8_t * q = (const int8_t *) (v + 2);
+        for (int32_t j = 0; j < 32; j++) acc[j] += s * (float) q[j];
+    }
+}
+
 typedef struct attn_job {
     es_context * ctx;
     int32_t      il;
@@ -202,9 +216,8 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     const bool swa = m->layers[job->il].traits.swa;
     const int32_t n_swa = m->traits.n_swa;
     const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
-    float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
-    float * vr  = scores + ctx->n_ctx;   // (hd) a Q8_0 V row, dequantized
-    float * qa  = vr + hd;               // (hd floats of room) the query in the keys' dot format:
+    float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 2 * hd);  // (n_ctx)
+    float * qa  = scores + ctx->n_ctx;   // (hd floats of room) the query in the keys' dot format:
                                          //   F16 (rounded as llama.cpp does) or Q8_0 (ggml's
                                          //   vec_dot_type for Q8_0 keys): at most 4 bytes a value
     float * acc = qa + hd;               // (hd) the weighted sum of V rows
@@ -247,12 +260,8 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             const float e = expf(scores[c] - max);
             sum += e;
             const uint8_t * vc = V + (size_t) c * kv->v_row;
-            if (kv->type_v == ES_TYPE_F16) {
-                es_axpy_f16(hd, e, (const uint16_t *) vc, acc);
-            } else {
-                es_dequantize_row(kv->type_v, vc, vr, hd);
-                for (int32_t d = 0; d < hd; d++) acc[d] += e * vr[d];
-            }
+            if (kv->type_v == ES_TYPE_F16) es_axpy_f16(hd, e, (const uint16_t *) vc, acc);
+            else axpy_q8_0(hd, e, vc, acc);
         }
         float * o = ctx->att + ((size_t) t * n_head + h) * hd;
         const float inv = 1.0f / sum;

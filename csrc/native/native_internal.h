@@ -497,9 +497,9 @@ struct es_context {
     float    * out;        // (n_batch, n_embd) a block's output, before the residual add
     uint8_t  * act;        // (n_batch, act_row) matmul inputs in es_act_type format
     size_t     act_row;    // bytes: the widest activation row any weight needs
-    float    * scratch;    // (n_threads, n_ctx + 3 * head_dim) per thread: attention scores
-                           // (n_ctx), a V row dequantized, the query in the keys' dot
-                           // format and an accumulator (3 * head_dim); RoPE's (n_rot) cos, sin
+    float    * scratch;    // (n_threads, n_ctx + 2 * head_dim) per thread: attention scores
+                           // (n_ctx), the query in the keys' dot format and an
+                           // accumulator (2 * head_dim); RoPE's (n_rot) cos, sin
                            // pairs use the calling thread's slice
     float    * logits;     // (rows, n_vocab) rows [logits_from, n) of the last es_decode
     size_t     logits_cap; // floats allocated at logits; grows on demand
