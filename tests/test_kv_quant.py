@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -74,22 +75,12 @@ def test_speculation_gives_plain_decodings_output_with_the_same_cache(qwen2_hd32
 
 def test_concurrent_generations_over_q8_0_caches_match_plain(qwen2_hd32):
     """parallel=2: both generations' steps go as one es_decode_group."""
-    import threading
-
     with Engine(str(qwen2_hd32), backend="native", threads=1, n_ctx=256, parallel=2, drafter="ngram",
                 **Q8) as engine:
         plain = [engine.generate(p, max_tokens=32, drafter="none").tokens for p in COPY_PROMPTS]
-        got = [None, None]
-
-        def run(i):
-            got[i] = engine.generate(COPY_PROMPTS[i], max_tokens=32).tokens
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert got == plain
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda p: engine.generate(p, max_tokens=32).tokens, COPY_PROMPTS))
+    assert together == plain
 
 
 def test_a_q8_0_slot_restores_and_an_f16_slot_is_refused(qwen2_hd32, tmp_path):
