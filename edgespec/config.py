@@ -105,9 +105,10 @@ class EngineConfig:
     n_batch: int = option(DEFAULT_BATCH, minimum=1, help="Most tokens one evaluation takes.")
     cache_type_k: str = option(
         "f16", "--cache-type-k", "-ctk", choices=CACHE_TYPES,
-        help="The KV cache's key type, as llama.cpp's -ctk: f16 or q8_0 (blocks of 32 int8 and a scale: 47% "
-             "less memory per token; logits within rounding of f16's, not identical; speculation stays exact "
-             "against plain decoding with the same type) (native and llama backends; default: f16).")
+        help="The KV cache's key type, as llama.cpp's -ctk: f16 or q8_0 (ggml's blocks of 32 int8 and a scale: "
+             "1.06 bytes a value instead of 2; the logits move, so greedy text may differ from f16's, keys more "
+             "than values; speculation stays exact against plain decoding with the same types) (native and llama "
+             "backends; default: f16).")
     cache_type_v: str = option(
         "f16", "--cache-type-v", "-ctv", choices=CACHE_TYPES,
         help="The KV cache's value type, as llama.cpp's -ctv: f16 or q8_0 (see --cache-type-k) (native and "
