@@ -200,6 +200,32 @@ static void axpy_q8_0(int32_t n, float e, const uint8_t * v, float * acc) {
     }
 }
 
+// Q8_0 keys are stored rotated, as llama.cpp stores quantized keys (its
+// "rotate activations", PR 21038): a head row times the orthonormal Hadamard
+// matrix H / sqrt(head_dim) spreads the few large values of a key (Qwen2's
+// key biases put them in fixed dims) over every block, so no block's scale
+// is set by one outlier; the query gets the same rotation, which leaves
+// q.k unchanged. Head widths that are powers of two (the fast transform's).
+static bool keys_rotated(const es_context * kv, int32_t hd) {
+    return kv->type_k == ES_TYPE_Q8_0 && (hd & (hd - 1)) == 0;
+}
+
+// In place: x (n values, n a power of two) times H / sqrt(n), by the fast
+// Walsh-Hadamard butterflies in a fixed order.
+static void hadamard(float * x, int32_t n) {
+    for (int32_t len = 1; len < n; len <<= 1) {
+        for (int32_t i = 0; i < n; i += 2 * len) {
+            for (int32_t j = i; j < i + len; j++) {
+                const float a = x[j], b = x[j + len];
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+        }
+    }
+    const float scale = 1.0f / sqrtf((float) n);
+    for (int32_t i = 0; i < n; i++) x[i] *= scale;
+}
+
 typedef struct attn_job {
     es_context * ctx;
     int32_t      il;
@@ -216,8 +242,9 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     const bool swa = m->layers[job->il].traits.swa;
     const int32_t n_swa = m->traits.n_swa;
     const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
-    float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 2 * hd);  // (n_ctx)
-    float * qa  = scores + ctx->n_ctx;   // (hd floats of room) the query in the keys' dot format:
+    float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
+    float * qr  = scores + ctx->n_ctx;   // (hd) the query rotated, for rotated keys
+    float * qa  = qr + hd;               // (hd floats of room) the query in the keys' dot format:
                                          //   F16 (rounded as llama.cpp does) or Q8_0 (ggml's
                                          //   vec_dot_type for Q8_0 keys): at most 4 bytes a value
     float * acc = qa + hd;               // (hd) the weighted sum of V rows
@@ -240,6 +267,11 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             while (c0 < n_past && p - cell_pos[c0] >= n_swa) c0++;
         }
         const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
+        if (keys_rotated(kv, hd)) {
+            memcpy(qr, q, (size_t) hd * sizeof *qr);
+            hadamard(qr, hd);
+            q = qr;
+        }
         es_quantize_act(kv->type_k, q, qa, hd);
         es_matvec(kv->type_k, K, qa, hd, c0, end, scores + c0);
 
@@ -292,13 +324,16 @@ void es__attention(es_context * ctx, int32_t il, float kq_scale) {
     const int32_t hd = m->head_dim, n_kv = m->n_head_kv;
     // The batch's K and V into its sequences' cells, in each cache's types
     // (F16: llama.cpp's default; Q8_0: ggml's rounding, the activations'):
-    // each row by itself, so its bytes never depend on the batch.
+    // each row by itself, so its bytes never depend on the batch (Q8_0
+    // keys rotated first, in the batch's own buffer).
     for (int32_t t = 0; t < ctx->n; t++) {
         const es_seq_rows * seq = &ctx->seqs[ctx->row_seq[t]];
         es_context * kv = seq->kv;
         for (int32_t g = 0; g < n_kv; g++) {
             const size_t cell = ((size_t) il * n_kv + g) * kv->n_ctx + kv->n_past + (t - seq->r0);
-            es_quantize_act(kv->type_k, ctx->k + ((size_t) t * n_kv + g) * hd, kv->k_cache + cell * kv->k_row, hd);
+            float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
+            if (keys_rotated(kv, hd)) hadamard(k, hd);
+            es_quantize_act(kv->type_k, k, kv->k_cache + cell * kv->k_row, hd);
             es_quantize_act(kv->type_v, ctx->v + ((size_t) t * n_kv + g) * hd, kv->v_cache + cell * kv->v_row, hd);
         }
     }

@@ -512,7 +512,7 @@ static int context_new(es_model * m, int32_t n_ctx, int32_t n_batch, int32_t n_t
     c->ff_up    = alloc_lines(B * ff * sizeof *c->ff_up);
     c->out      = alloc_lines(B * D * sizeof *c->out);
     c->act      = malloc(3 * B * (c->act_row ? c->act_row : 1));
-    c->scratch  = malloc((size_t) n_threads * ((size_t) n_ctx + 2 * HD) * sizeof *c->scratch);
+    c->scratch  = malloc((size_t) n_threads * ((size_t) n_ctx + 3 * HD) * sizeof *c->scratch);
     if (!c->act_row || (with_kv && (!c->k_cache || !c->v_cache || !c->cell_pos)) || !c->seqs ||
         !c->row_seq || !c->pos || !c->sees ||
         !c->x || !c->xn || !c->q || !c->k || !c->v || !c->att || !c->ff_gate || !c->ff_up ||
