@@ -132,14 +132,12 @@ def test_the_llama_backend_takes_the_cache_types(qwen2_hd32):
 # -- a real model ----------------------------------------------------------------------------
 
 AGREEMENT_POSITIONS = 1000
-# What the q8_0 cache holds on qwen2.5-coder-0.5b over 1,000 positions
-# (measured: top-1 92.4%, mean KL 0.023). Issue 43 asks >= 99% / <= 0.01;
-# the keys are the loss (q8_0 values alone: 98% / 0.0017 over 400), since
-# Qwen2's key biases put a few large values in each 32-block of a key row,
-# and ggml's own q8_0 keys lose as much on this model (llama.cpp, keys only,
-# 400 positions: 93.5% / 0.010; edgespec 89.5% / 0.029, the same with the
-# keys dequantized into a float dot, so not the query's rounding).
-MIN_TOP1, MAX_KL = 0.90, 0.03
+# Issue 43 asks >= 99% top-1 and <= 0.01 mean KL. Measured on
+# qwen2.5-coder-0.5b over 1,000 positions: 93.5% and 0.0074 (keys rotated;
+# unrotated 92.4% and 0.023). The KL goal holds; top-1 does not, and does
+# not for llama.cpp's q8_0 cache either (keys only, 400 positions: 93.5%):
+# a 0.5B model's text has many near-ties, which any rounding flips.
+MIN_TOP1, MAX_KL = 0.92, 0.01
 
 
 def test_q8_0_cache_agrees_with_f16_on_a_real_model(qwen_coder_05b_path, monkeypatch):
