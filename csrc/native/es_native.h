@@ -259,8 +259,10 @@ typedef struct es_context_params {
     // The KV cache's key and value types: ES_TYPE_F16 (default; llama.cpp's)
     // or ES_TYPE_Q8_0 (blocks of 32: an F16 scale and 32 int8, ggml's
     // block_q8_0; 1.0625 bytes a value instead of 2; head_dim a multiple of
-    // 32). Q8_0 keys meet the query rounded to Q8_0 in an int8 dot product
-    // (ggml's vec_dot_type for Q8_0); Q8_0 values are dequantized as read.
+    // 32). Q8_0 keys are stored rotated (a Hadamard transform of each head
+    // row where head_dim is a power of two, as llama.cpp's quantized keys)
+    // and meet the query, rotated alike and rounded to Q8_0, in an int8 dot
+    // product (ggml's vec_dot_type for Q8_0); Q8_0 values are read block by block.
     int32_t type_k, type_v;
     bool    embeddings; // es_decode keeps the hidden states after the final norm of rows
                         // [logits_from, n) (es_context_embeddings) instead of logits, and
