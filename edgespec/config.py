@@ -40,6 +40,7 @@ KERNEL_SETS = ("auto", *(ffi.string(lib.es_kernels_available(i)).decode()
                          for i in range(16) if lib.es_kernels_available(i) != ffi.NULL))
 REPACK_MODES = ("cached", "memory", "off")
 EXPERT_WEIGHTS = ("mapped", "f32")
+CACHE_TYPES = ("f16", "q8_0")   # KV-cache key and value types (llama.cpp's -ctk / -ctv names)
 
 _C_CONTEXT = lib.es_context_default_params()
 DEFAULT_CTX = int(_C_CONTEXT.n_ctx)      # the KV cache size when none is asked for (capped at the training context)
@@ -102,6 +103,16 @@ class EngineConfig:
         help=f"Context window in tokens, >= {MIN_CTX} (default: {DEFAULT_CTX}, or the model's training context "
              "if smaller; longer needs --ctx-extend).")
     n_batch: int = option(DEFAULT_BATCH, minimum=1, help="Most tokens one evaluation takes.")
+    cache_type_k: str = option(
+        "f16", "--cache-type-k", "-ctk", choices=CACHE_TYPES,
+        help="The KV cache's key type, as llama.cpp's -ctk: f16 or q8_0 (ggml's blocks of 32 int8 and a scale: "
+             "1.06 bytes a value instead of 2; the logits move, so greedy text may differ from f16's, keys more "
+             "than values; speculation stays exact against plain decoding with the same types) (native and llama "
+             "backends; default: f16).")
+    cache_type_v: str = option(
+        "f16", "--cache-type-v", "-ctv", choices=CACHE_TYPES,
+        help="The KV cache's value type, as llama.cpp's -ctv: f16 or q8_0 (see --cache-type-k) (native and "
+             "llama backends; default: f16).")
     slots: int = option(1, "--slots", minimum=1, maximum=MAX_SLOTS,
                         help=f"KV-cache slots, [1, {MAX_SLOTS}]: each keeps one conversation's prefix (a context "
                              "of --ctx tokens each, made when first used).")
@@ -257,6 +268,13 @@ class EngineConfig:
     def native_options(self) -> dict:
         """The native backend's own options (open_backend keyword arguments)."""
         return {"kernels": self.kernels, "repack": self.repack, "expert_weights": self.expert_weights}
+
+    @property
+    def cache_types(self) -> dict:
+        """The KV-cache types these options ask for other than f16 (open_backend
+        keyword arguments: a backend without them refuses any)."""
+        return {name: value for name, value in (("cache_type_k", self.cache_type_k),
+                                                ("cache_type_v", self.cache_type_v)) if value != "f16"}
 
     @property
     def expert_cache(self) -> ExpertCache | None:

@@ -143,7 +143,7 @@ class Engine:
         slots = max(c.slots, c.parallel or AUTO_PARALLEL)
         options = dict(n_ctx=c.n_ctx, n_batch=c.n_batch, threads=c.threads, gpu_layers=c.gpu_layers,
                        n_seq=TREE_SEQS, slots=slots, ctx_extend=c.ctx_extend, experts=c.expert_cache,
-                       verbose=c.verbose)
+                       verbose=c.verbose, **c.cache_types)
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
             self.backend = open_backend(backend, self.model_path, **options,

@@ -4,7 +4,8 @@ of any size from 2 to 16 (the shapes speculative verification and draft
 trees produce), and whatever the number of threads (1 to 4); and, in every
 kernel set this CPU runs, whether the weights are repacked at load (the
 default: the tile kernels, kept in the cache between loads; or at every
-load, EDGESPEC_REPACK=memory) or not (EDGESPEC_REPACK=0).
+load, EDGESPEC_REPACK=memory) or not (EDGESPEC_REPACK=0); and over a q8_0
+KV cache as over the default f16 one.
 
 Each type gets a one-layer random qwen2 (QKV biases) 256 wide, so that the
 K-quants' 256-element super-blocks fit, over the generated tokenizer; the
@@ -58,6 +59,23 @@ def test_logits_equal_for_every_batch_size_and_thread_count(quantized_qwen2):
             for size in BATCHES if threads == 1 else [1, *BATCHES]:
                 got = in_batches(b, tokens, size)
                 assert np.array_equal(got, alone), f"{threads} threads, batches of {size}"
+
+
+def test_logits_equal_for_every_batch_size_over_a_q8_0_kv_cache(tmp_path, tiny_vocab_path):
+    """A q8_0 cache's rows are quantized one by one and read in ascending
+    cell order: its logits are as batch invariant as the f16 cache's."""
+    path = tmp_path / "qwen2-q8-cache.gguf"
+    write_tiny_qwen2(path, tiny_vocab_path, n_layer=1, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                     dtype=Q.Q4_K)   # heads of 64: two Q8_0 blocks a cache row
+    q8 = {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}
+    with open_backend("native", path, n_ctx=128, threads=1, **q8) as b:
+        tokens = b.tokenize(TEXT)[:40]
+        alone = in_batches(b, tokens, 1)
+    assert np.isfinite(alone).all() and alone.std() > 0
+    for threads in (1, 3):
+        with open_backend("native", path, n_ctx=128, threads=threads, **q8) as b:
+            for size in BATCHES:
+                assert np.array_equal(in_batches(b, tokens, size), alone), f"{threads} threads, batches of {size}"
 
 
 def kernel_sets() -> list[str]:

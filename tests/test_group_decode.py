@@ -22,10 +22,13 @@ def rows(b, address: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array(buf).reshape(n, b.n_vocab).copy()
 
 
-@pytest.fixture(params=["tiny_llama_path", "tiny_qwen2_path", "tiny_gemma3_path"])
+# gemma3 (heads of 32) also over a q8_0 KV cache: its sliding window read from q8_0 cells.
+@pytest.fixture(params=["tiny_llama_path", "tiny_qwen2_path", "tiny_gemma3_path", "tiny_gemma3_path:q8_0"])
 def backend(request):
-    with open_backend("native", request.getfixturevalue(request.param), n_ctx=N_CTX, n_batch=N_BATCH,
-                      threads=2, slots=SLOTS) as b:
+    fixture, _, cache = request.param.partition(":")
+    types = {"cache_type_k": cache, "cache_type_v": cache} if cache else {}
+    with open_backend("native", request.getfixturevalue(fixture), n_ctx=N_CTX, n_batch=N_BATCH,
+                      threads=2, slots=SLOTS, **types) as b:
         yield b
 
 

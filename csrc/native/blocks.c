@@ -1,7 +1,7 @@
 /*
  * blocks.c — the blocks every architecture's layer is made of (the MoE block
  * is moe.c's): RMSNorm and residuals, the matmul over the context's pool,
- * RoPE, attention over the F16 KV cache, the dense feed-forward and its
+ * RoPE, attention over the KV cache (F16 or Q8_0), the dense feed-forward and its
  * activations.
  *
  * Batch invariance: every token row goes through the same operations whatever
@@ -186,6 +186,46 @@ void es__rope(es_context * ctx, int32_t il, float * x, int32_t n_heads) {
 
 /* ---- blocks: attention ----------------------------------------------------- */
 
+// acc[i] += e * v[i] for one Q8_0 row v of n values (ggml's block_q8_0,
+// kernels/kernels.h: per 32 values an F16 scale d, then 32 int8 q; v = d q):
+// the weight folded into each block's scale, so the row is never dequantized
+// into memory. The same arithmetic for every row whatever the batch.
+static void axpy_q8_0(int32_t n, float e, const uint8_t * v, float * acc) {
+    for (int32_t b = 0; b < n / 32; b++, v += 2 + 32, acc += 32) {
+        uint16_t d;
+        memcpy(&d, v, sizeof d);
+        const float s = e * es_half_to_f32(d);
+        const int8_t * q = (const int8_t *) (v + 2);
+        for (int32_t j = 0; j < 32; j++) acc[j] += s * (float) q[j];
+    }
+}
+
+// Q8_0 keys are stored rotated, as llama.cpp stores quantized keys (its
+// "rotate activations", PR 21038): a head row times the orthonormal Hadamard
+// matrix H / sqrt(head_dim) spreads the few large values of a key (Qwen2's
+// key biases put them in fixed dims) over every block, so no block's scale
+// is set by one outlier; the query gets the same rotation, which leaves
+// q.k unchanged. Head widths that are powers of two (the fast transform's).
+static bool keys_rotated(const es_context * kv, int32_t hd) {
+    return kv->type_k == ES_TYPE_Q8_0 && (hd & (hd - 1)) == 0;
+}
+
+// In place: x (n values, n a power of two) times H / sqrt(n), by the fast
+// Walsh-Hadamard butterflies in a fixed order.
+static void hadamard(float * x, int32_t n) {
+    for (int32_t len = 1; len < n; len <<= 1) {
+        for (int32_t i = 0; i < n; i += 2 * len) {
+            for (int32_t j = i; j < i + len; j++) {
+                const float a = x[j], b = x[j + len];
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+        }
+    }
+    const float scale = 1.0f / sqrtf((float) n);
+    for (int32_t i = 0; i < n; i++) x[i] *= scale;
+}
+
 typedef struct attn_job {
     es_context * ctx;
     int32_t      il;
@@ -203,9 +243,10 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
     const int32_t n_swa = m->traits.n_swa;
     const int32_t hd = m->head_dim, n_head = m->n_head, group = m->n_head / m->n_head_kv;
     float * scores = ctx->scratch + (size_t) ith * ((size_t) ctx->n_ctx + 3 * hd);  // (n_ctx)
-    float * qr  = scores + ctx->n_ctx;   // (hd) the query, rounded to F16 as llama.cpp does
-    float * qa  = qr + hd;               // (hd floats of room) qr in the F16 dot's activation
-                                         //   format (F32 or F16: at most 4 bytes a value)
+    float * qr  = scores + ctx->n_ctx;   // (hd) the query rotated, for rotated keys
+    float * qa  = qr + hd;               // (hd floats of room) the query in the keys' dot format:
+                                         //   F16 (rounded as llama.cpp does) or Q8_0 (ggml's
+                                         //   vec_dot_type for Q8_0 keys): at most 4 bytes a value
     float * acc = qa + hd;               // (hd) the weighted sum of V rows
     for (int32_t task = ith; task < ctx->n * n_head; task += nth) {
         const int32_t t = task / n_head, h = task % n_head, g = h / group;
@@ -216,8 +257,8 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
         const int32_t n_past = kv->n_past;
         const int32_t * cell_pos = kv->cell_pos;
         const size_t head = ((size_t) job->il * m->n_head_kv + g) * (size_t) kv->n_ctx;
-        const uint16_t * K = kv->k_cache + head * hd;  // (n_ctx, hd)
-        const uint16_t * V = kv->v_cache + head * hd;  // (n_ctx, hd)
+        const uint8_t * K = kv->k_cache + head * kv->k_row;  // (n_ctx) rows of hd keys in type_k
+        const uint8_t * V = kv->v_cache + head * kv->v_row;  // (n_ctx) rows of hd values in type_v
         const uint8_t * sees = ctx->sees + (size_t) t * ctx->n_batch;
         const int32_t end = n_past + (t - seq->r0) + 1;  // the token's own cell is its last candidate
         // Cells before c0 fall out of a sliding window.
@@ -226,9 +267,13 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             while (c0 < n_past && p - cell_pos[c0] >= n_swa) c0++;
         }
         const float * q = ctx->q + ((size_t) t * n_head + h) * hd;
-        for (int32_t d = 0; d < hd; d++) qr[d] = es_half_to_f32(es_f32_to_half(q[d]));
-        es_quantize_act(ES_TYPE_F16, qr, qa, hd);
-        es_matvec(ES_TYPE_F16, K, qa, hd, c0, end, scores + c0);
+        if (keys_rotated(kv, hd)) {
+            memcpy(qr, q, (size_t) hd * sizeof *qr);
+            hadamard(qr, hd);
+            q = qr;
+        }
+        es_quantize_act(kv->type_k, q, qa, hd);
+        es_matvec(kv->type_k, K, qa, hd, c0, end, scores + c0);
 
         float max = -INFINITY;
         for (int32_t c = c0; c < end; c++) {
@@ -246,7 +291,9 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             if (scores[c] == -INFINITY) continue;
             const float e = expf(scores[c] - max);
             sum += e;
-            es_axpy_f16(hd, e, V + (size_t) c * hd, acc);
+            const uint8_t * vc = V + (size_t) c * kv->v_row;
+            if (kv->type_v == ES_TYPE_F16) es_axpy_f16(hd, e, (const uint16_t *) vc, acc);
+            else axpy_q8_0(hd, e, vc, acc);
         }
         float * o = ctx->att + ((size_t) t * n_head + h) * hd;
         const float inv = 1.0f / sum;
@@ -275,18 +322,19 @@ int es__attention_inputs(es_context * ctx, int32_t il) {
 void es__attention(es_context * ctx, int32_t il, float kq_scale) {
     const es_model * m = ctx->model;
     const int32_t hd = m->head_dim, n_kv = m->n_head_kv;
-    // The batch's K and V into its sequences' cells, as F16 (llama.cpp's cache type).
+    // The batch's K and V into its sequences' cells, in each cache's types
+    // (F16: llama.cpp's default; Q8_0: ggml's rounding, the activations'):
+    // each row by itself, so its bytes never depend on the batch (Q8_0
+    // keys rotated first, in the batch's own buffer).
     for (int32_t t = 0; t < ctx->n; t++) {
         const es_seq_rows * seq = &ctx->seqs[ctx->row_seq[t]];
         es_context * kv = seq->kv;
         for (int32_t g = 0; g < n_kv; g++) {
-            const size_t cell = (((size_t) il * n_kv + g) * kv->n_ctx + kv->n_past + (t - seq->r0)) * hd;
-            const float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
-            const float * v = ctx->v + ((size_t) t * n_kv + g) * hd;
-            for (int32_t d = 0; d < hd; d++) {
-                kv->k_cache[cell + d] = es_f32_to_half(k[d]);
-                kv->v_cache[cell + d] = es_f32_to_half(v[d]);
-            }
+            const size_t cell = ((size_t) il * n_kv + g) * kv->n_ctx + kv->n_past + (t - seq->r0);
+            float * k = ctx->k + ((size_t) t * n_kv + g) * hd;
+            if (keys_rotated(kv, hd)) hadamard(k, hd);
+            es_quantize_act(kv->type_k, k, kv->k_cache + cell * kv->k_row, hd);
+            es_quantize_act(kv->type_v, ctx->v + ((size_t) t * n_kv + g) * hd, kv->v_cache + cell * kv->v_row, hd);
         }
     }
     attn_job job = { .ctx = ctx, .il = il, .kq_scale = kq_scale };

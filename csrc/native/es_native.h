@@ -274,6 +274,14 @@ typedef struct es_context_params {
     int32_t n_ctx;      // KV cache capacity in tokens; <= 0: the model's training context; default 4096
     int32_t n_batch;    // most tokens one es_decode takes (at most n_ctx: larger is cut); default 512
     int32_t n_threads;  // worker threads; <= 0: one per online CPU; default 0
+    // The KV cache's key and value types: ES_TYPE_F16 (default; llama.cpp's)
+    // or ES_TYPE_Q8_0 (blocks of 32: an F16 scale and 32 int8, ggml's
+    // block_q8_0; 1.0625 bytes a value instead of 2; head_dim a multiple of
+    // 32). Q8_0 keys are stored rotated (a Hadamard transform of each head
+    // row where head_dim is a power of two, as llama.cpp's quantized keys)
+    // and meet the query, rotated alike and rounded to Q8_0, in an int8 dot
+    // product (ggml's vec_dot_type for Q8_0); Q8_0 values are read block by block.
+    int32_t type_k, type_v;
     bool    embeddings; // es_decode keeps the hidden states after the final norm of rows
                         // [logits_from, n) (es_context_embeddings) instead of logits, and
                         // skips the vocabulary projection; default false
@@ -282,12 +290,17 @@ typedef struct es_context_params {
 es_context_params es_context_default_params(void);
 
 // Makes a context on model, which must outlive it. *out is set on ES_OK only.
+// ES_ERR_INVALID_ARG: a cache type other than F16 and Q8_0; ES_ERR_UNSUPPORTED:
+// Q8_0 for a model whose head_dim is not a multiple of 32.
 int  es_context_init(es_model * model, const es_context_params * params, es_context ** out);
 void es_context_free(es_context * ctx);
 
 int32_t es_context_n_ctx(const es_context * ctx);
 int32_t es_context_n_batch(const es_context * ctx);
 int32_t es_context_n_past(const es_context * ctx);  // tokens held in the KV cache
+// Bytes one cell of the KV cache takes: every layer's keys and values of one
+// token in the context's cache types (the cache is n_ctx such cells).
+size_t  es_context_kv_cell_bytes(const es_context * ctx);
 
 // Evaluates n tokens, appended to the KV cache after its es_context_n_past()
 // cells. parents == NULL: a chain (token i follows token i-1, the first
@@ -326,13 +339,14 @@ void es_context_keep_features(es_context * ctx, bool on);
 int es_context_truncate(es_context * ctx, int32_t n_keep);
 
 // The KV cache's state, to save a conversation and restore it later into a
-// context of the same model (any n_ctx that holds it): the keys, values and
-// positions of its n_past cells. es_context_state_size: the bytes
+// context of the same model and cache types (any n_ctx that holds it): the
+// cache's types (int32 type_k, type_v: its first 8 bytes), then the keys,
+// values and positions of its n_past cells. es_context_state_size: the bytes
 // es_context_state_get writes (ES_ERR_INVALID_ARG when cap is smaller, or
 // on an embeddings context). es_context_state_set replaces the cache with
-// such a state of n_past cells; ES_ERR_INVALID_ARG when size is not n_past
-// cells' for this model, n_past exceeds n_ctx or a position is impossible
-// (the cache is then unchanged).
+// such a state of n_past cells; ES_ERR_INVALID_ARG when its types are not the
+// context's, size is not n_past cells' for this model, n_past exceeds n_ctx
+// or a position is impossible (the cache is then unchanged).
 size_t es_context_state_size(const es_context * ctx);
 int    es_context_state_get(es_context * ctx, void * buf, size_t cap);
 int    es_context_state_set(es_context * ctx, const void * buf, size_t size, int32_t n_past);

@@ -3,7 +3,7 @@
  * and validated by gguf.c and validate.c, its architecture found by
  * general.architecture in es__archs, its tensors bound by arch->load through
  * binding.c, its matrices repacked for the tile kernels), es_context (thread
- * pool, F16 KV cache and its saved state, batch buffers, logits), and
+ * pool, KV cache (F16 or Q8_0) and its saved state, batch buffers, logits), and
  * es_decode: positions and visibility of a chain or tree batch, embeddings,
  * arch->layer for every layer (built of blocks.c's blocks), final norm,
  * output matmul.
@@ -448,7 +448,8 @@ const char * es_model_expert_error(const es_model * m) {
 /* ---- context --------------------------------------------------------------- */
 
 es_context_params es_context_default_params(void) {
-    return (es_context_params) { .n_ctx = 4096, .n_batch = 512, .n_threads = 0, .embeddings = false };
+    return (es_context_params) { .n_ctx = 4096, .n_batch = 512, .n_threads = 0,
+                                 .type_k = ES_TYPE_F16, .type_v = ES_TYPE_F16, .embeddings = false };
 }
 
 // The widest activation row (bytes) any of the model's dense weights reads.
@@ -480,10 +481,11 @@ static int32_t threads_or_cpus(int32_t n_threads) {
 }
 
 // A context of n_batch token rows; with_kv: its own KV cache of n_ctx cells
-// (an es_context), else none (a group's work context, whose n_ctx only
-// sizes the attention scratch: the longest member cache it can read).
+// with keys of type_k and values of type_v (an es_context), else none (a
+// group's work context, whose n_ctx only sizes the attention scratch: the
+// longest member cache it can read).
 static int context_new(es_model * m, int32_t n_ctx, int32_t n_batch, int32_t n_threads,
-                       bool embeddings, bool with_kv, es_context ** out) {
+                       int32_t type_k, int32_t type_v, bool embeddings, bool with_kv, es_context ** out) {
     es_context * c = calloc(1, sizeof *c);
     if (!c) return ES_ERR_NO_MEMORY;
     c->model = m;
@@ -491,6 +493,10 @@ static int context_new(es_model * m, int32_t n_ctx, int32_t n_batch, int32_t n_t
     c->n_batch = n_batch;
     c->n_threads = n_threads;
     c->embeddings = embeddings;
+    c->type_k = type_k;
+    c->type_v = type_v;
+    c->k_row = es_type_row_bytes(type_k, m->head_dim);
+    c->v_row = es_type_row_bytes(type_v, m->head_dim);
     int rc = es_pool_init(n_threads, &c->pool);
     if (rc == ES_OK && m->experts) rc = es_moe_init(m->experts, n_batch, &c->moe);
     if (rc != ES_OK) { es_context_free(c); return rc; }
@@ -502,12 +508,12 @@ static int context_new(es_model * m, int32_t n_ctx, int32_t n_batch, int32_t n_t
         es_context_free(c);
         return ES_ERR_NO_MEMORY;
     }
-    const size_t kv = with_kv ? (size_t) m->n_layer * (size_t) m->n_head_kv * (size_t) n_ctx * HD : 0;
+    const size_t cells = with_kv ? (size_t) m->n_layer * (size_t) m->n_head_kv * (size_t) n_ctx : 0;
     const size_t ff = m->n_ff > 0 ? (size_t) m->n_ff : 1;
     c->act_row  = widest_act_row(m);
     if (with_kv) {
-        c->k_cache  = calloc(kv, sizeof *c->k_cache);
-        c->v_cache  = calloc(kv, sizeof *c->v_cache);
+        c->k_cache  = calloc(cells, c->k_row);
+        c->v_cache  = calloc(cells, c->v_row);
         c->cell_pos = calloc((size_t) n_ctx, sizeof *c->cell_pos);
     }
     c->seqs     = malloc(B * sizeof *c->seqs);
@@ -542,8 +548,14 @@ int es_context_init(es_model * m, const es_context_params * params, es_context *
     const es_context_params p = params ? *params : es_context_default_params();
     int32_t n_ctx = p.n_ctx > 0 ? p.n_ctx : m->n_ctx_train;
     if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
+    for (int i = 0; i < 2; i++) {
+        const int32_t type = i == 0 ? p.type_k : p.type_v;
+        if (type != ES_TYPE_F16 && type != ES_TYPE_Q8_0) return ES_ERR_INVALID_ARG;
+        if (es_type_row_bytes(type, m->head_dim) == 0) return ES_ERR_UNSUPPORTED;  // head_dim % 32
+    }
     const int32_t n_batch = p.n_batch < n_ctx ? p.n_batch : n_ctx;
-    return context_new(m, n_ctx, n_batch, threads_or_cpus(p.n_threads), p.embeddings, true, out);
+    return context_new(m, n_ctx, n_batch, threads_or_cpus(p.n_threads), p.type_k, p.type_v, p.embeddings,
+                       true, out);
 }
 
 void es_context_free(es_context * c) {
@@ -576,6 +588,9 @@ void es_context_free(es_context * c) {
 int32_t es_context_n_ctx(const es_context * c) { return c ? c->n_ctx : 0; }
 int32_t es_context_n_batch(const es_context * c) { return c ? c->n_batch : 0; }
 int32_t es_context_n_past(const es_context * c) { return c ? c->n_past : 0; }
+size_t es_context_kv_cell_bytes(const es_context * c) {
+    return c ? (size_t) c->model->n_layer * (size_t) c->model->n_head_kv * (c->k_row + c->v_row) : 0;
+}
 const float * es_context_logits(const es_context * c) { return c ? c->logits : NULL; }
 const float * es_context_embeddings(const es_context * c) {
     return c && (c->embeddings || c->features) && c->n_embd_rows > 0 ? c->xn : NULL;
@@ -592,25 +607,28 @@ int es_context_truncate(es_context * c, int32_t n_keep) {
 
 /* ---- the KV cache's state: save and restore a slot ------------------------ */
 
-// The state of n cells: per layer and KV head, the n keys then the n values
-// (head_dim F16 each), then the n cells' positions (int32).
-static size_t state_bytes(const es_model * m, int32_t n) {
-    return (size_t) n * ((size_t) 2 * m->n_layer * m->n_head_kv * m->head_dim * sizeof(uint16_t) + sizeof(int32_t));
+// The state of n cells: the cache's types (int32 type_k, type_v), then per
+// layer and KV head the n keys (k_row bytes each), per layer and KV head the
+// n values (v_row bytes each), then the n cells' positions (int32).
+#define STATE_HEAD (2 * sizeof(int32_t))
+
+static size_t state_bytes(const es_context * c, int32_t n) {
+    return STATE_HEAD + (size_t) n * (es_context_kv_cell_bytes(c) + sizeof(int32_t));
 }
 
 size_t es_context_state_size(const es_context * c) {
-    return c ? state_bytes(c->model, c->n_past) : 0;
+    return c ? state_bytes(c, c->n_past) : 0;
 }
 
-// Copies (or, with set, fills) the n_past cells' rows of every (layer, head)
-// block of the cache, whose row stride is n_ctx cells.
+// Copies (or, with set, fills) the n cells' rows of every (layer, head)
+// block of the cache, whose row stride is n_ctx cells; buf after the types.
 static void state_copy(es_context * c, uint8_t * buf, int32_t n, bool set) {
     const es_model * m = c->model;
-    const size_t row = (size_t) m->head_dim * sizeof(uint16_t), block = (size_t) n * row;
     for (int pass = 0; pass < 2; pass++) {
-        uint16_t * cache = pass == 0 ? c->k_cache : c->v_cache;
+        uint8_t * cache = pass == 0 ? c->k_cache : c->v_cache;
+        const size_t row = pass == 0 ? c->k_row : c->v_row, block = (size_t) n * row;
         for (int64_t b = 0; b < (int64_t) m->n_layer * m->n_head_kv; b++) {
-            uint8_t * at = (uint8_t *) (cache + (size_t) b * c->n_ctx * m->head_dim);
+            uint8_t * at = cache + (size_t) b * c->n_ctx * row;
             if (set) memcpy(at, buf, block);
             else memcpy(buf, at, block);
             buf += block;
@@ -622,19 +640,24 @@ static void state_copy(es_context * c, uint8_t * buf, int32_t n, bool set) {
 
 int es_context_state_get(es_context * c, void * buf, size_t cap) {
     if (!c || !buf || cap < es_context_state_size(c) || c->embeddings) return ES_ERR_INVALID_ARG;
-    state_copy(c, buf, c->n_past, false);
+    const int32_t types[2] = { c->type_k, c->type_v };
+    memcpy(buf, types, STATE_HEAD);
+    state_copy(c, (uint8_t *) buf + STATE_HEAD, c->n_past, false);
     return ES_OK;
 }
 
 int es_context_state_set(es_context * c, const void * buf, size_t size, int32_t n_past) {
-    if (!c || !buf || c->embeddings || n_past < 0 || n_past > c->n_ctx || size != state_bytes(c->model, n_past))
+    if (!c || !buf || c->embeddings || n_past < 0 || n_past > c->n_ctx || size != state_bytes(c, n_past))
         return ES_ERR_INVALID_ARG;
+    int32_t types[2];
+    memcpy(types, buf, STATE_HEAD);
+    if (types[0] != c->type_k || types[1] != c->type_v) return ES_ERR_INVALID_ARG;
     for (int32_t i = 0; i < n_past; i++) {   // a cell's position is at most its index (a chain: equal)
         int32_t pos;
         memcpy(&pos, (const uint8_t *) buf + size - (size_t) (n_past - i) * sizeof(int32_t), sizeof pos);
         if (pos < 0 || pos > i) return ES_ERR_INVALID_ARG;
     }
-    state_copy(c, (uint8_t *) buf, n_past, true);
+    state_copy(c, (uint8_t *) buf + STATE_HEAD, n_past, true);
     c->n_past = n_past;
     return ES_OK;
 }
@@ -803,7 +826,8 @@ int es_group_init(es_model * m, const es_group_params * params, es_group ** out)
     if (n_ctx <= 0 || p.n_batch <= 0) return ES_ERR_INVALID_ARG;
     es_group * g = calloc(1, sizeof *g);
     if (!g) return ES_ERR_NO_MEMORY;
-    const int rc = context_new(m, n_ctx, p.n_batch, threads_or_cpus(p.n_threads), false, false, &g->work);
+    const int rc = context_new(m, n_ctx, p.n_batch, threads_or_cpus(p.n_threads), ES_TYPE_F16, ES_TYPE_F16,
+                               false, false, &g->work);
     if (rc != ES_OK) {
         es_group_free(g);
         return rc;

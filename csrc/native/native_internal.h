@@ -480,8 +480,11 @@ struct es_context {
     bool       embeddings; // es_decode stops at the final norm: xn holds the output rows
     bool       features;   // es_context_keep_features: xn's output rows kept beside the logits
     int32_t    n_embd_rows;// rows of xn holding the last decode's final-normed output rows
-    uint16_t * k_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16, after RoPE
-    uint16_t * v_cache;    // (n_layer, n_head_kv, n_ctx, head_dim) F16
+    int32_t    type_k, type_v; // the cache's types (es_context_params): ES_TYPE_F16 or ES_TYPE_Q8_0
+    size_t     k_row, v_row;   // bytes of one cell's head_dim keys (values) in those types
+    uint8_t  * k_cache;    // (n_layer, n_head_kv, n_ctx) rows of k_row bytes: keys after RoPE
+                           // (Q8_0: rotated first, blocks.c)
+    uint8_t  * v_cache;    // (n_layer, n_head_kv, n_ctx) rows of v_row bytes: values
     int32_t  * cell_pos;   // (n_ctx) position of the token in each cell
     // The batch being evaluated.
     int32_t    n;          // tokens, all sequences'
@@ -506,8 +509,8 @@ struct es_context {
     uint8_t  * act;        // (n_batch, act_row) matmul inputs in es_act_type format
     size_t     act_row;    // bytes: the widest activation row any weight needs
     float    * scratch;    // (n_threads, n_ctx + 3 * head_dim) per thread: attention scores
-                           // (n_ctx), the query rounded and in activation format, a V row
-                           // and an accumulator (3 * head_dim); RoPE's (n_rot) cos, sin
+                           // (n_ctx), the query rotated (Q8_0 keys) and in the keys' dot
+                           // format, and an accumulator (3 * head_dim); RoPE's (n_rot) cos, sin
                            // pairs use the calling thread's slice
     float    * logits;     // (rows, n_vocab) rows [logits_from, n) of the last es_decode
     size_t     logits_cap; // floats allocated at logits; grows on demand

@@ -14,7 +14,7 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
-from ..config import DEFAULT_BATCH
+from ..config import DEFAULT_BATCH, EngineConfig
 from ..errors import BackendError, InvalidArgumentError, ModelFormatError
 from ..models.gguf import GGUFFile
 from .base import Backend, EMBED_SEQS, context_size, default_threads
@@ -24,6 +24,8 @@ from .vocab import Vocab, VocabMixin
 
 # ggml's CPU buffers hold tensors at multiples of this many bytes (TENSOR_ALIGNMENT).
 GGML_ALIGNMENT = 32
+# EngineConfig.cache_type_k / cache_type_v as llama.cpp's type_k / type_v.
+_CACHE_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0}
 
 
 def _load_mode(path: Path) -> int:
@@ -70,8 +72,11 @@ class LlamaBackend(VocabMixin, Backend):
 
     def __init__(self, path: Path, *, n_ctx: int | None = None, n_batch: int = DEFAULT_BATCH,
                  threads: int | None = None, gpu_layers: int = 0, n_seq: int = 1, slots: int = 1,
-                 swa_full: bool = True, ctx_extend: bool = False, verbose: bool = False):
+                 swa_full: bool = True, ctx_extend: bool = False, cache_type_k: str = "f16",
+                 cache_type_v: str = "f16", verbose: bool = False):
         super().__init__(slots)
+        self._cache_types = (EngineConfig.check("cache_type_k", cache_type_k),
+                             EngineConfig.check("cache_type_v", cache_type_v))
         self._contexts = [None] * slots
         init_llama(verbose)
         self.path = Path(path)
@@ -113,6 +118,8 @@ class LlamaBackend(VocabMixin, Backend):
         # A full-size sliding-window cache lets rejected draft positions be
         # removed again (llama.cpp cannot roll back a trimmed SWA cache).
         cparams.swa_full = self._swa_full
+        # A quantized V cache needs flash attention, which llama.cpp's default (auto) turns on where it can.
+        cparams.type_k, cparams.type_v = (_CACHE_TYPES[t] for t in self._cache_types)
         # Draft-tree branches are sequences sharing the prefix's cells; a unified
         # cache makes llama_memory_seq_cp a tag on those cells, not a copy.
         # (Embeddings: sequences of a batch take cells anywhere in the cache.)

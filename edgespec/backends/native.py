@@ -25,7 +25,7 @@ import numpy as np
 
 from ..capi import ERR_CAP, Owned, check, check_file, ffi, kernel_set, lib
 from ..errors import (BackendError, ContextOverflowError, IncompatibleDraftModelError, InvalidArgumentError,
-                      ModelFormatError)
+                      ModelFormatError, UnsupportedModelError)
 from .. import moe
 from ..config import DEFAULT_BATCH, KERNEL_SETS, EngineConfig
 from ..models import registry
@@ -35,6 +35,8 @@ from .vocab import Vocab, VocabMixin
 
 # EngineConfig.expert_weights: how MoE experts' weights are served.
 _EXPERT_WEIGHTS = {"mapped": lib.ES_EXPERTS_MAPPED, "f32": lib.ES_EXPERTS_F32}
+# EngineConfig.cache_type_k / cache_type_v: the KV cache's types (es_context_params.type_k, type_v).
+_CACHE_TYPES = {"f16": lib.ES_TYPE_F16, "q8_0": lib.ES_TYPE_Q8_0}
 
 log = logging.getLogger("edgespec")
 
@@ -147,19 +149,25 @@ class NativeContext(Owned):
     n_rows = 0   # logits rows (and features) of the last decode
 
     def __init__(self, model: NativeModel, *, n_ctx: int, n_batch: int, threads: int,
-                 embeddings: bool = False):
+                 cache_types: tuple[str, str] = ("f16", "f16"), embeddings: bool = False):
         params = lib.es_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_threads = threads
+        params.type_k, params.type_v = (_CACHE_TYPES[t] for t in cache_types)
         params.embeddings = embeddings
         out = ffi.new("es_context **")
-        check(lib.es_context_init(model.handle, ffi.new("es_context_params *", params), out),
-              f"native context of {n_ctx} tokens")
+        status = lib.es_context_init(model.handle, ffi.new("es_context_params *", params), out)
+        if status == lib.ES_ERR_UNSUPPORTED:
+            raise UnsupportedModelError(f"a {'/'.join(cache_types)} (key/value) KV cache: this model's attention "
+                                        "heads are not a multiple of 32 wide (one Q8_0 block); use f16")
+        check(status, f"native context of {n_ctx} tokens")
         self._ptr = out[0]
         self.model = model  # must outlive the context
+        self.cache_types = cache_types
         self.n_ctx = lib.es_context_n_ctx(self._ptr)
         self.n_batch = lib.es_context_n_batch(self._ptr)
+        self.kv_bytes_per_token = lib.es_context_kv_cell_bytes(self._ptr)
 
     @property
     def n_past(self) -> int:
@@ -214,6 +222,12 @@ class NativeContext(Owned):
         return ffi.buffer(buf, lib.es_context_state_size(self._ptr))[:]
 
     def set_state(self, state: bytes, n_past: int) -> None:
+        # The state's first 8 bytes are its cache types (es_context_state_get).
+        saved = tuple(next((name for name, t in _CACHE_TYPES.items() if t == v), str(v))
+                      for v in np.frombuffer(state[:8], dtype="<i4")) if len(state) >= 8 else None
+        if saved is not None and saved != self.cache_types:
+            raise InvalidArgumentError(f"the saved state holds a {'/'.join(saved)} (key/value) KV cache; this "
+                                       f"context keeps {'/'.join(self.cache_types)} (cache_type_k/cache_type_v)")
         check(lib.es_context_state_set(self._ptr, ffi.from_buffer(state), len(state), n_past),
               f"a saved state of {n_past} cells")
 
@@ -342,12 +356,15 @@ class NativeBackend(VocabMixin, Backend):
                  threads: int | None = None, n_seq: int = 1, slots: int = 1,
                  ctx_extend: bool = False, experts: moe.ExpertCache | None = None,
                  kernels: str | None = None, repack: str | None = None, expert_weights: str | None = None,
-                 verbose: bool = False):
+                 cache_type_k: str = "f16", cache_type_v: str = "f16", verbose: bool = False):
         # n_seq does not apply: draft trees need no sequences here (a tree is
         # one batch with parents). kernels, repack, expert_weights: EngineConfig's
-        # (None: its default, the environment's).
+        # (None: its default, the environment's); cache_type_k, cache_type_v:
+        # every slot's (and the hidden states') KV cache types.
         super().__init__(slots)
         self.path = Path(path)
+        self.cache_types = (EngineConfig.check("cache_type_k", cache_type_k),
+                            EngineConfig.check("cache_type_v", cache_type_v))
         given = {"kernels": kernels, "repack": repack, "expert_weights": expert_weights}
         self._model = NativeModel(self.path, experts, **{
             name: EngineConfig.default(name) if value is None else EngineConfig.check(name, value)
@@ -370,6 +387,7 @@ class NativeBackend(VocabMixin, Backend):
         self.arch = self._model.arch
         self.n_ctx = self._ctx.n_ctx
         self.n_batch = self._ctx.n_batch
+        self.kv_bytes_per_token = self._ctx.kv_bytes_per_token
 
     @property
     def vocab(self) -> Vocab:
@@ -409,7 +427,7 @@ class NativeBackend(VocabMixin, Backend):
 
     def _new_context(self, n_ctx: int, n_batch: int, embeddings: bool = False) -> NativeContext:
         ctx = NativeContext(self._model, n_ctx=n_ctx, n_batch=n_batch, threads=self.threads,
-                            embeddings=embeddings)
+                            cache_types=self.cache_types, embeddings=embeddings)
         if not embeddings:
             ctx.keep_features(self.features_kept)
         return ctx
