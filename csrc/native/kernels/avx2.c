@@ -247,7 +247,11 @@ static inline vi vi_bcast32(const void * p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
-static inline vi sb_step(vi acc, vi w, const int8_t * p) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, vi_bcast32(p))); }
+static inline vi sb_step(vi acc, vi w, const int8_t * p) {
+    vi sum = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, vi_bcast32(p)));
+    __asm__("" : "+x"(sum));
+    return sum;
+}
 static inline vi sb_scale(vi acc, vi s) { return _mm256_madd_epi16(acc, s); }
 static inline vi sb_widen(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 static inline vi scales_u8(const uint8_t * p, size_t gs) {  // (sc_r, sc_r) per row
