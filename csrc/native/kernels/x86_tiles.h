@@ -85,13 +85,20 @@ static ALWAYS_INLINE void pair_sums(const int16_t * bsums, int16_t out[8]) {
 K4_WEIGHT(q4_K)
 K4_WEIGHT(q5_K)
 
-// A super-block's float steps for one token: the scaled sums, less the mins.
-static ALWAYS_INLINE vf k4_finish(vf acc, const block_q4_Kx8 * b, size_t gs, const block_q8_K * y, vi sumi) {
+// A super-block's float steps for one token: the scaled sums, less the
+// mins; what the rows give, read once for all tokens (k4_rows).
+typedef struct { vf d, dmin; vi m16[4]; } k4_rows_t;
+static ALWAYS_INLINE k4_rows_t k4_rows(const block_q4_Kx8 * b, size_t gs) {
+    k4_rows_t r = {vf_halves(b->d, gs), vf_halves(b->dmin, gs), {vi_zero()}};
+    for (int k = 0; k < 4; k++) r.m16[k] = mins16(b->mins[k][0], gs);
+    return r;
+}
+static ALWAYS_INLINE vf k4_finish(vf acc, const k4_rows_t * r, const block_q8_K * y, vi sumi) {
     int16_t bp[8];
     pair_sums(y->bsums, bp);
     vi summ = vi_zero();
-    for (int k = 0; k < 4; k++) summ = mins_step(summ, mins16(b->mins[k][0], gs), bp + 2 * k);
-    return vf_fnma(vf_fma(acc, vf_halves(b->d, gs), y->d, sumi), vf_halves(b->dmin, gs), y->d, summ);
+    for (int k = 0; k < 4; k++) summ = mins_step(summ, r->m16[k], bp + 2 * k);
+    return vf_fnma(vf_fma(acc, r->d, y->d, sumi), r->dmin, y->d, summ);
 }
 
 #define K4_TILE(TYPE)                                                                           \
@@ -118,7 +125,8 @@ static ALWAYS_INLINE vf k4_finish(vf acc, const block_q4_Kx8 * b, size_t gs, con
                     for (int t = 0; t < T; t++) sumi[t] = vi_add(sumi[t], sb_scale(e[t], sc)); \
                 }                                                                             \
             }                                                                                 \
-            for (int t = 0; t < T; t++) acc[t] = k4_finish(acc[t], b, gs, &y[t][i], sumi[t]);  \
+            const k4_rows_t r = k4_rows(b, gs);                                               \
+            for (int t = 0; t < T; t++) acc[t] = k4_finish(acc[t], &r, &y[t][i], sumi[t]);    \
         }                                                                                     \
         for (int t = 0; t < T; t++) vf_store(out + (size_t) t * out_stride, acc[t], rows);    \
     }
@@ -139,11 +147,17 @@ static ALWAYS_INLINE vi q6_weights(const block_q6_Kx8 * b, size_t gs, int h, int
 }
 
 // A super-block's float step for one token: the scaled sums less 32 times
-// the scaled group sums.
-static ALWAYS_INLINE vf q6_finish(vf acc, const block_q6_Kx8 * b, size_t gs, const block_q8_K * y, vi sumi) {
+// the scaled group sums; what the rows give, read once (q6_rows).
+typedef struct { vf d; vi sp[8]; } q6_rows_t;
+static ALWAYS_INLINE q6_rows_t q6_rows(const block_q6_Kx8 * b, size_t gs) {
+    q6_rows_t r = {vf_halves(b->d, gs), {vi_zero()}};
+    for (int m = 0; m < 8; m++) r.sp[m] = pairs16(b->scales[2 * m], b->scales[2 * m + 1], gs);
+    return r;
+}
+static ALWAYS_INLINE vf q6_finish(vf acc, const q6_rows_t * r, const block_q8_K * y, vi sumi) {
     vi off = vi_zero();
-    for (int m = 0; m < 8; m++) off = mins_step(off, pairs16(b->scales[2 * m], b->scales[2 * m + 1], gs), y->bsums + 2 * m);
-    return vf_fma(acc, vf_halves(b->d, gs), y->d, vi_sub(sumi, vi_sll32(off, 5)));
+    for (int m = 0; m < 8; m++) off = mins_step(off, r->sp[m], y->bsums + 2 * m);
+    return vf_fma(acc, r->d, y->d, vi_sub(sumi, vi_sll32(off, 5)));
 }
 
 #define Q6_TILE()                                                                               \
@@ -171,7 +185,8 @@ static ALWAYS_INLINE vf q6_finish(vf acc, const block_q6_Kx8 * b, size_t gs, con
                     for (int t = 0; t < T; t++) sumi[t] = vi_add(sumi[t], sb_scale(e[t], sc)); \
                 }                                                                             \
             }                                                                                 \
-            for (int t = 0; t < T; t++) acc[t] = q6_finish(acc[t], b, gs, &y[t][i], sumi[t]);  \
+            const q6_rows_t r = q6_rows(b, gs);                                               \
+            for (int t = 0; t < T; t++) acc[t] = q6_finish(acc[t], &r, &y[t][i], sumi[t]);    \
         }                                                                                     \
         for (int t = 0; t < T; t++) vf_store(out + (size_t) t * out_stride, acc[t], rows);    \
     }
@@ -197,7 +212,8 @@ static ALWAYS_INLINE vf q6_finish(vf acc, const block_q6_Kx8 * b, size_t gs, con
 // A type defines its chunk (c = 0..15 of a super-block): WEIGHT_##TYPE(x,
 // c, g, gs, m4) group g = 0..3's weights (activation bytes CHUNK_ACT(c) +
 // 4g of the super-block); SCALES_##TYPE(x, c, gs) the sub-block's scales;
-// STAGE_##TYPE the groups summed in int16; FINISH_##TYPE the float steps.
+// STAGE_##TYPE the groups summed in int16; ROWS_##TYPE and FINISH_##TYPE
+// the float steps.
 #define WEIGHT_q4_K(x, c, g, gs, m4) k4_weight_q4_K(x, (c) / 2, 4 * ((c) % 2) + (g), gs, m4)
 #define WEIGHT_q5_K(x, c, g, gs, m4) k4_weight_q5_K(x, (c) / 2, 4 * ((c) % 2) + (g), gs, m4)
 #define WEIGHT_q6_K(x, c, g, gs, m4) q6_weights(x, gs, (c) / 8, ((c) / 2) % 4, 4 * ((c) % 2) + (g), m4)
@@ -208,8 +224,11 @@ static ALWAYS_INLINE vf q6_finish(vf acc, const block_q6_Kx8 * b, size_t gs, con
 #define STAGE_q4_K K4_STAGE_q4_K
 #define STAGE_q5_K K4_STAGE_q5_K
 #define STAGE_q6_K Q6_STAGE
+#define ROWS_q4_K(x, gs) k4_rows(x, gs)
+#define ROWS_q5_K(x, gs) k4_rows(K4_PART_q5_K(x), gs)
+#define ROWS_q6_K(x, gs) q6_rows(x, gs)
 #define FINISH_q4_K k4_finish
-#define FINISH_q5_K(acc, x, gs, y, sumi) k4_finish(acc, K4_PART_q5_K(x), gs, y, sumi)
+#define FINISH_q5_K k4_finish
 #define FINISH_q6_K q6_finish
 
 #define WIDE_TILE(TYPE)                                                                         \
@@ -254,8 +273,10 @@ static ALWAYS_INLINE vf q6_finish(vf acc, const block_q6_Kx8 * b, size_t gs, con
                     }                                                                         \
                 }                                                                             \
             }                                                                                 \
-            for (int k = 0; k < NG; k++)                                                      \
-                for (int t = 0; t < T; t++) acc[t][k] = FINISH_##TYPE(acc[t][k], b[k], gs, &y[t][i], sumi[t][k]); \
+            for (int k = 0; k < NG; k++) {                                                    \
+                const __typeof__(ROWS_##TYPE(b[k], gs)) r = ROWS_##TYPE(b[k], gs);            \
+                for (int t = 0; t < T; t++) acc[t][k] = FINISH_##TYPE(acc[t][k], &r, &y[t][i], sumi[t][k]); \
+            }                                                                                 \
         }                                                                                     \
         for (int t = 0; t < T; t++)                                                           \
             for (int k = 0; k < NG; k++)                                                      \
