@@ -221,7 +221,8 @@ EACH_NT2(DOT_K16, avx2, q3_K) NT_TABLE_SET(q3_K, avx2)
 // maddubs (pairs of u8 x s8) and adds (Q4_K: 16 terms of at most 15 * 127
 // per lane, Q5_K 8, Q6_K 4), then one madd by the rows' scales as int16
 // pairs. Four tokens fill the 16 registers (per token: the sub-block's int16
-// sums, the super-block's int32 sums, the float accumulator). Q8_0 has no
+// sums, the super-block's int32 sums, the float accumulator); more take the
+// wide tiles below, one pass over the weights for up to 16. Q8_0 has no
 // tile kernel: its values plus 128 would overflow maddubs' int16 pairs.
 typedef __m256i vi;
 typedef __m256  vf;

@@ -114,7 +114,7 @@ static ALWAYS_INLINE vf k4_finish(vf acc, const k4_rows_t * r, const block_q8_K 
             vi sumi[TILE_T];                                                                  \
             for (int t = 0; t < T; t++) sumi[t] = vi_zero();                                  \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                             \
-                    const vi sc = scales_u8(b->scales[j], gs);                                    \
+                const vi sc = scales_u8(b->scales[j], gs);                                    \
                 _Pragma("GCC unroll 8") for (int g0 = 0; g0 < 8; g0 += K4_STAGE_##TYPE) {     \
                     vi e[TILE_T];                                                             \
                     for (int t = 0; t < T; t++) e[t] = vi_zero();                             \
@@ -198,8 +198,8 @@ static ALWAYS_INLINE vf q6_finish(vf acc, const q6_rows_t * r, const block_q8_K 
 // takes a chunk of four groups (16 elements of every row) of WIDE_NG
 // vectors of rows at a time, unpacks them once into WIDE_NG x 4 registers,
 // then runs every token against them: one broadcast of four activation
-// bytes serves WIDE_NG vectors. A token's int16 sums live in two registers
-// over a chunk; its int32 and float sums, touched once per chunk and
+// bytes serves WIDE_NG vectors. A token's int16 sums live in WIDE_NG
+// registers over a chunk; its int32 and float sums, touched once per chunk and
 // super-block, in memory (L1). A stage of 8 groups (Q4_K) spans two chunks:
 // its int16 sums wait in memory between them. Same integer sums, same
 // float steps in the same order: the same bits as the tiles above.
@@ -286,7 +286,7 @@ static ALWAYS_INLINE vf q6_finish(vf acc, const q6_rows_t * r, const block_q8_K 
     /* WIDE_T at a time, each one pass over the groups, WIDE_NG at a time. */                \
     static void tile_##TYPE##_wide(int64_t n, const void * wp, int64_t n_groups, const void * a, \
                                    size_t a_stride, int32_t nt, float * y, size_t y_stride) { \
-        if (nt < WIDE_FROM_##TYPE) {                                                                 \
+        if (nt < WIDE_FROM_##TYPE) {                                                          \
             tile_##TYPE(n, wp, n_groups, a, a_stride, nt, y, y_stride);                       \
             return;                                                                           \
         }                                                                                     \
