@@ -8,8 +8,8 @@
  *   EDGESPEC_KERNELS=avx2 /tmp/bench_kernels  (another set than the best, as the engine's switch)
  *
  * One thread. Measured with the scalar kernels (es_kernels_select), then with
- * the best this CPU runs (or EDGESPEC_KERNELS's set); each line gives ns per row, weight GB/s and the
- * speed-up. Then the batch cost curve of es_matmat, over the rows as they
+ * the best this CPU runs (or EDGESPEC_KERNELS's set); each line gives ns per
+ * row, weight GB/s and the speed-up. Then the batch cost curve of es_matmat, over the rows as they
  * are and over their repacked copy. Weights are random bytes with sane
  * block scales.
  */
@@ -217,14 +217,15 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "error: n must be a positive multiple of 32, rows and reps positive\n");
         return 2;
     }
-    double scalar[N_BENCH], fast[N_BENCH];
-    if (es_kernels_select("scalar") != ES_OK) return 1;
-    measure(n, rows, reps, scalar);
-    const char * set = getenv("EDGESPEC_KERNELS");
-    if (es_kernels_select(set && *set ? set : "auto") != ES_OK) {
+    const char * env = getenv("EDGESPEC_KERNELS"), * set = env && *env ? env : "auto";
+    if (es_kernels_select(set) != ES_OK) {
         fprintf(stderr, "error: EDGESPEC_KERNELS=%s: no such kernel set on this CPU\n", set);
         return 2;
     }
+    double scalar[N_BENCH], fast[N_BENCH];
+    if (es_kernels_select("scalar") != ES_OK) return 1;
+    measure(n, rows, reps, scalar);
+    if (es_kernels_select(set) != ES_OK) return 1;
     measure(n, rows, reps, fast);
     double ggml[N_BENCH];
     int quant_diff[N_BENCH] = {0};
