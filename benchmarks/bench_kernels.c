@@ -5,10 +5,11 @@
  *   cmake -S . -B build && cmake --build build -j2   (the kernel files need their ISA flags)
  *   cc -O3 -Icsrc benchmarks/bench_kernels.c -Lbuild -ledgespec -Wl,-rpath,$PWD/build -lm -ldl -o /tmp/bench_kernels
  *   /tmp/bench_kernels [n] [rows] [reps]     (default 2048 4096 20)
+ *   EDGESPEC_KERNELS=avx2 /tmp/bench_kernels  (another set than the best, as the engine's switch)
  *
  * One thread. Measured with the scalar kernels (es_kernels_select), then with
- * the best this CPU runs; each line gives ns per row, weight GB/s and the
- * speed-up. Then the batch cost curve of es_matmat, over the rows as they
+ * the best this CPU runs (or EDGESPEC_KERNELS's set); each line gives ns per
+ * row, weight GB/s and the speed-up. Then the batch cost curve of es_matmat, over the rows as they
  * are and over their repacked copy. Weights are random bytes with sane
  * block scales.
  */
@@ -138,7 +139,7 @@ static void measure_ggml(int64_t n, int64_t rows, int reps, double * ns_per_row,
 // GGUF has them (how = 0) and over their repacked copy (how = 1; NAN for a
 // type without a repacked layout). Verifying B drafted tokens costs
 // curve[B] / curve[1] single tokens' worth of matmul.
-static const int BATCHES[] = {1, 2, 4, 8, 16};
+static const int BATCHES[] = {1, 2, 4, 8, 12, 16};
 #define N_BATCHES ((int) (sizeof(BATCHES) / sizeof(BATCHES[0])))
 #define MAX_BATCH 16
 static void measure_batch(int64_t n, int64_t rows, int reps, double ns[2][N_BENCH][N_BATCHES]) {
@@ -216,10 +217,15 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "error: n must be a positive multiple of 32, rows and reps positive\n");
         return 2;
     }
+    const char * env = getenv("EDGESPEC_KERNELS"), * set = env && *env ? env : "auto";
+    if (es_kernels_select(set) != ES_OK) {
+        fprintf(stderr, "error: EDGESPEC_KERNELS=%s: no such kernel set on this CPU\n", set);
+        return 2;
+    }
     double scalar[N_BENCH], fast[N_BENCH];
     if (es_kernels_select("scalar") != ES_OK) return 1;
     measure(n, rows, reps, scalar);
-    if (es_kernels_select("auto") != ES_OK) return 1;
+    if (es_kernels_select(set) != ES_OK) return 1;
     measure(n, rows, reps, fast);
     double ggml[N_BENCH];
     int quant_diff[N_BENCH] = {0};

@@ -221,7 +221,8 @@ EACH_NT2(DOT_K16, avx2, q3_K) NT_TABLE_SET(q3_K, avx2)
 // maddubs (pairs of u8 x s8) and adds (Q4_K: 16 terms of at most 15 * 127
 // per lane, Q5_K 8, Q6_K 4), then one madd by the rows' scales as int16
 // pairs. Four tokens fill the 16 registers (per token: the sub-block's int16
-// sums, the super-block's int32 sums, the float accumulator). Q8_0 has no
+// sums, the super-block's int32 sums, the float accumulator); more take the
+// wide tiles below, one pass over the weights for up to 16. Q8_0 has no
 // tile kernel: its values plus 128 would overflow maddubs' int16 pairs.
 typedef __m256i vi;
 typedef __m256  vf;
@@ -231,6 +232,15 @@ typedef __m256  vf;
 #define K4_STAGE_q4_K 8
 #define K4_STAGE_q5_K 4
 #define Q6_STAGE 2
+// The wide tiles (x86_tiles.h): two groups per activation broadcast (a
+// broadcast takes a vector pipe on Zen), from 5 tokens (Q5_K from 9: its
+// fifth bits' unpacking spills, and 8 tokens ran 10% slower than on two
+// 4-token tiles; measured on Zen 4, benchmarks/bench_kernels.c).
+#define WIDE_T 16
+#define WIDE_NG 2
+#define WIDE_FROM_q4_K 5
+#define WIDE_FROM_q5_K 9
+#define WIDE_FROM_q6_K 5
 
 static inline vi vi_load(const void * p, size_t gs) { (void) gs; return load256(p); }
 static inline vi vi_zero(void) { return _mm256_setzero_si256(); }
@@ -247,7 +257,16 @@ static inline vi vi_bcast32(const void * p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
-static inline vi sb_step(vi acc, vi w, const int8_t * p) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, vi_bcast32(p))); }
+// Each step's sum pinned in a register: GCC otherwise reassociates a
+// super-block's int16 adds into a tree and spills nearly every maddubs
+// result to the stack (256 spills in the 4-token Q4_K tile, which ran 25%
+// slower).
+static inline vi sb_step_b(vi acc, vi w, vi b) {
+    vi sum = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, b));
+    __asm__("" : "+x"(sum));
+    return sum;
+}
+static inline vi sb_step(vi acc, vi w, const int8_t * p) { return sb_step_b(acc, w, vi_bcast32(p)); }
 static inline vi sb_scale(vi acc, vi s) { return _mm256_madd_epi16(acc, s); }
 static inline vi sb_widen(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 static inline vi scales_u8(const uint8_t * p, size_t gs) {  // (sc_r, sc_r) per row
@@ -289,10 +308,13 @@ static inline vf vf_fma_bcast(vf acc, vf m, float s) { return _mm256_fmadd_ps(m,
 
 K4_TILE(q4_K)
 TILE_KERNEL(q4_K, block_q4_Kx8)
+WIDE_TILE(q4_K)
 K4_TILE(q5_K)
 TILE_KERNEL(q5_K, block_q5_Kx8)
+WIDE_TILE(q5_K)
 Q6_TILE()
 TILE_KERNEL(q6_K, block_q6_Kx8)
+WIDE_TILE(q6_K)
 Q32_TILE(q4_0)
 Q32_TILE(q4_1)
 Q32_TILE(q5_0)
@@ -328,8 +350,8 @@ static es_kernel_set KERNELS_AVX2 = {
     .dotn = {QUANTIZED_KERNELS(dotn, avx2)},
     .tile = {
         [ES_TYPE_Q4_0] = tile_q4_0, [ES_TYPE_Q4_1] = tile_q4_1, [ES_TYPE_Q5_0] = tile_q5_0,
-        [ES_TYPE_Q5_1] = tile_q5_1, [ES_TYPE_Q4_K] = tile_q4_K, [ES_TYPE_Q5_K] = tile_q5_K,
-        [ES_TYPE_Q6_K] = tile_q6_K,
+        [ES_TYPE_Q5_1] = tile_q5_1, [ES_TYPE_Q4_K] = tile_q4_K_wide, [ES_TYPE_Q5_K] = tile_q5_K_wide,
+        [ES_TYPE_Q6_K] = tile_q6_K_wide,
     },
     .axpy_f16 = axpy_f16_avx2,
     .int8_loop = int8_loop_avx2,

@@ -74,6 +74,33 @@ static ALWAYS_INLINE void pair_sums(const int16_t * bsums, int16_t out[8]) {
     _mm_storeu_si128((__m128i *) out, _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+// Sub-block j's group g (elements 4g .. 4g + 3 of every row) as u8.
+#define K4_WEIGHT(TYPE)                                                                         \
+    static ALWAYS_INLINE vi k4_weight_##TYPE(const block_##TYPE##x8 * x, int j, int g, size_t gs, vi m4) { \
+        const vi raw = vi_load(K4_PART_##TYPE(x)->qs[j / 2][g], gs);                          \
+        vi w = vi_and(j % 2 ? vi_srl16(raw, 4) : raw, m4);                                    \
+        K4_FIFTH_##TYPE(x, j, g, gs, w);                                                      \
+        return w;                                                                             \
+    }
+K4_WEIGHT(q4_K)
+K4_WEIGHT(q5_K)
+
+// A super-block's float steps for one token: the scaled sums, less the
+// mins; what the rows give, read once for all tokens (k4_rows).
+typedef struct { vf d, dmin; vi m16[4]; } k4_rows_t;
+static ALWAYS_INLINE k4_rows_t k4_rows(const block_q4_Kx8 * b, size_t gs) {
+    k4_rows_t r = {vf_halves(b->d, gs), vf_halves(b->dmin, gs), {vi_zero()}};
+    for (int k = 0; k < 4; k++) r.m16[k] = mins16(b->mins[k][0], gs);
+    return r;
+}
+static ALWAYS_INLINE vf k4_finish(vf acc, const k4_rows_t * r, const block_q8_K * y, vi sumi) {
+    int16_t bp[8];
+    pair_sums(y->bsums, bp);
+    vi summ = vi_zero();
+    for (int k = 0; k < 4; k++) summ = mins_step(summ, r->m16[k], bp + 2 * k);
+    return vf_fnma(vf_fma(acc, r->d, y->d, sumi), r->dmin, y->d, summ);
+}
+
 #define K4_TILE(TYPE)                                                                           \
     static ALWAYS_INLINE void tile_##TYPE##_body(int64_t nb, const block_##TYPE##x8 * x, size_t gs, \
                                                  const block_q8_K * const * y, float * out,     \
@@ -87,30 +114,19 @@ static ALWAYS_INLINE void pair_sums(const int16_t * bsums, int16_t out[8]) {
             vi sumi[TILE_T];                                                                  \
             for (int t = 0; t < T; t++) sumi[t] = vi_zero();                                  \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                             \
-                const int c = j / 2;                                                          \
                 const vi sc = scales_u8(b->scales[j], gs);                                    \
                 _Pragma("GCC unroll 8") for (int g0 = 0; g0 < 8; g0 += K4_STAGE_##TYPE) {     \
                     vi e[TILE_T];                                                             \
                     for (int t = 0; t < T; t++) e[t] = vi_zero();                             \
                     _Pragma("GCC unroll 8") for (int g = g0; g < g0 + K4_STAGE_##TYPE; g++) { \
-                        const vi raw = vi_load(b->qs[c][g], gs);                              \
-                        vi w = vi_and(j % 2 ? vi_srl16(raw, 4) : raw, m4);                    \
-                        K4_FIFTH_##TYPE(x + i, j, g, gs, w);                                  \
+                        const vi w = k4_weight_##TYPE(x + i, j, g, gs, m4);                   \
                         for (int t = 0; t < T; t++) e[t] = sb_step(e[t], w, y[t][i].qs + 32 * j + 4 * g); \
                     }                                                                         \
                     for (int t = 0; t < T; t++) sumi[t] = vi_add(sumi[t], sb_scale(e[t], sc)); \
                 }                                                                             \
             }                                                                                 \
-            const vf d = vf_halves(b->d, gs), dmin = vf_halves(b->dmin, gs);                  \
-            vi m16[4];                                                                        \
-            for (int k = 0; k < 4; k++) m16[k] = mins16(b->mins[k][0], gs);                   \
-            for (int t = 0; t < T; t++) {                                                     \
-                int16_t bp[8];                                                                \
-                pair_sums(y[t][i].bsums, bp);                                                 \
-                vi summ = vi_zero();                                                          \
-                for (int k = 0; k < 4; k++) summ = mins_step(summ, m16[k], bp + 2 * k);       \
-                acc[t] = vf_fnma(vf_fma(acc[t], d, y[t][i].d, sumi[t]), dmin, y[t][i].d, summ); \
-            }                                                                                 \
+            const k4_rows_t r = k4_rows(b, gs);                                               \
+            for (int t = 0; t < T; t++) acc[t] = k4_finish(acc[t], &r, &y[t][i], sumi[t]);    \
         }                                                                                     \
         for (int t = 0; t < T; t++) vf_store(out + (size_t) t * out_stride, acc[t], rows);    \
     }
@@ -128,6 +144,20 @@ static ALWAYS_INLINE vi q6_weights(const block_q6_Kx8 * b, size_t gs, int h, int
     const vi lq = vi_load(b->ql[h][k & 1][g], gs), qh = vi_load(b->qh[h][g], gs), m = vi_set8(0x30);
     const vi hi = k == 0 ? vi_sll16(qh, 4) : k == 1 ? vi_sll16(qh, 2) : k == 2 ? qh : vi_srl16(qh, 2);
     return vi_or(vi_and(k < 2 ? lq : vi_srl16(lq, 4), m4), vi_and(hi, m));
+}
+
+// A super-block's float step for one token: the scaled sums less 32 times
+// the scaled group sums; what the rows give, read once (q6_rows).
+typedef struct { vf d; vi sp[8]; } q6_rows_t;
+static ALWAYS_INLINE q6_rows_t q6_rows(const block_q6_Kx8 * b, size_t gs) {
+    q6_rows_t r = {vf_halves(b->d, gs), {vi_zero()}};
+    for (int m = 0; m < 8; m++) r.sp[m] = pairs16(b->scales[2 * m], b->scales[2 * m + 1], gs);
+    return r;
+}
+static ALWAYS_INLINE vf q6_finish(vf acc, const q6_rows_t * r, const block_q8_K * y, vi sumi) {
+    vi off = vi_zero();
+    for (int m = 0; m < 8; m++) off = mins_step(off, r->sp[m], y->bsums + 2 * m);
+    return vf_fma(acc, r->d, y->d, vi_sub(sumi, vi_sll32(off, 5)));
 }
 
 #define Q6_TILE()                                                                               \
@@ -155,16 +185,125 @@ static ALWAYS_INLINE vi q6_weights(const block_q6_Kx8 * b, size_t gs, int h, int
                     for (int t = 0; t < T; t++) sumi[t] = vi_add(sumi[t], sb_scale(e[t], sc)); \
                 }                                                                             \
             }                                                                                 \
-            vi sp[8];                                                                         \
-            for (int m = 0; m < 8; m++) sp[m] = pairs16(b->scales[2 * m], b->scales[2 * m + 1], gs); \
-            const vf d = vf_halves(b->d, gs);                                                 \
-            for (int t = 0; t < T; t++) {                                                     \
-                vi off = vi_zero();                                                           \
-                for (int m = 0; m < 8; m++) off = mins_step(off, sp[m], y[t][i].bsums + 2 * m); \
-                acc[t] = vf_fma(acc[t], d, y[t][i].d, vi_sub(sumi[t], vi_sll32(off, 5)));     \
-            }                                                                                 \
+            const q6_rows_t r = q6_rows(b, gs);                                               \
+            for (int t = 0; t < T; t++) acc[t] = q6_finish(acc[t], &r, &y[t][i], sumi[t]);    \
         }                                                                                     \
         for (int t = 0; t < T; t++) vf_store(out + (size_t) t * out_stride, acc[t], rows);    \
+    }
+
+// The wide tiles: up to WIDE_T tokens in one pass over the weights, for a
+// set whose registers hold too few tokens' sums (AVX2's 16: TILE_T = 4, so
+// 16 tokens took four passes, each unpacking every weight again and
+// spending a broadcast of the activation on one vector of rows). A pass
+// takes a chunk of four groups (16 elements of every row) of WIDE_NG
+// vectors of rows at a time, unpacks them once into WIDE_NG x 4 registers,
+// then runs every token against them: one broadcast of four activation
+// bytes serves WIDE_NG vectors. A token's int16 sums live in WIDE_NG
+// registers over a chunk; its int32 and float sums, touched once per chunk and
+// super-block, in memory (L1). A stage of 8 groups (Q4_K) spans two chunks:
+// its int16 sums wait in memory between them. Same integer sums, same
+// float steps in the same order: the same bits as the tiles above.
+//
+// For a set of one group per vector (VGROUPS 1), which defines WIDE_T (at
+// most TILE_TOKENS: dispatch.c's calls), WIDE_FROM_##TYPE (the fewest
+// tokens the wide tile takes), WIDE_NG and, beyond the tiles' list:
+//   vi vi_bcast32(p)             the 4 bytes at p in every lane
+//   vi sb_step_b(acc, w, b)      sb_step against a broadcast b
+// A type defines its chunk (c = 0..15 of a super-block): WEIGHT_##TYPE(x,
+// c, g, gs, m4) group g = 0..3's weights (activation bytes CHUNK_ACT(c) +
+// 4g of the super-block); SCALES_##TYPE(x, c, gs) the sub-block's scales;
+// STAGE_##TYPE the groups summed in int16; ROWS_##TYPE and FINISH_##TYPE
+// the float steps.
+#define WEIGHT_q4_K(x, c, g, gs, m4) k4_weight_q4_K(x, (c) / 2, 4 * ((c) % 2) + (g), gs, m4)
+#define WEIGHT_q5_K(x, c, g, gs, m4) k4_weight_q5_K(x, (c) / 2, 4 * ((c) % 2) + (g), gs, m4)
+#define WEIGHT_q6_K(x, c, g, gs, m4) q6_weights(x, gs, (c) / 8, ((c) / 2) % 4, 4 * ((c) % 2) + (g), m4)
+#define CHUNK_ACT(c) (32 * ((c) / 2) + 16 * ((c) % 2))  // sub-block c / 2's half c % 2 (Q6_K: sub-block c)
+#define SCALES_q4_K(x, c, gs) scales_u8(K4_PART_q4_K(x)->scales[(c) / 2], gs)
+#define SCALES_q5_K(x, c, gs) scales_u8(K4_PART_q5_K(x)->scales[(c) / 2], gs)
+#define SCALES_q6_K(x, c, gs) scales_s8((x)->scales[c], gs)
+#define STAGE_q4_K K4_STAGE_q4_K
+#define STAGE_q5_K K4_STAGE_q5_K
+#define STAGE_q6_K Q6_STAGE
+#define ROWS_q4_K(x, gs) k4_rows(x, gs)
+#define ROWS_q5_K(x, gs) k4_rows(K4_PART_q5_K(x), gs)
+#define ROWS_q6_K(x, gs) q6_rows(x, gs)
+#define FINISH_q4_K k4_finish
+#define FINISH_q5_K k4_finish
+#define FINISH_q6_K q6_finish
+
+#define WIDE_TILE(TYPE)                                                                         \
+    static ALWAYS_INLINE void tile_##TYPE##_wide_body(int64_t nb, const block_##TYPE##x8 * x,    \
+                                                      const block_q8_K * const * y, int T, float * out, \
+                                                      size_t out_stride, const int NG) {         \
+        const size_t gs = 0;  /* one group a vector */                                        \
+        _Static_assert(VGROUPS == 1 && (STAGE_##TYPE <= 4 || STAGE_##TYPE == 8), "one group a vector, a stage within a chunk or two"); \
+        const vi m4 = vi_set8(0x0F);                                                          \
+        vf acc[WIDE_T][WIDE_NG];                                                              \
+        vi sumi[WIDE_T][WIDE_NG], carry[WIDE_T][WIDE_NG];                                     \
+        for (int t = 0; t < T; t++)                                                           \
+            for (int k = 0; k < NG; k++) acc[t][k] = vf_zero();                               \
+        for (int64_t i = 0; i < nb; i++) {                                                    \
+            const block_##TYPE##x8 * b[WIDE_NG];  /* vector k's super-block i */              \
+            for (int k = 0; k < NG; k++) {                                                    \
+                b[k] = x + (int64_t) k * nb + i;                                              \
+                prefetch_block(b[k] + PREFETCH_AHEAD / sizeof *x, sizeof *x, gs);             \
+            }                                                                                 \
+            for (int t = 0; t < T; t++)                                                       \
+                for (int k = 0; k < NG; k++) sumi[t][k] = vi_zero();                          \
+            _Pragma("GCC unroll 16") for (int c = 0; c < 16; c++) {                           \
+                vi w[WIDE_NG][4], sc[WIDE_NG];                                                \
+                for (int k = 0; k < NG; k++) {                                                \
+                    sc[k] = SCALES_##TYPE(b[k], c, gs);                                       \
+                    for (int g = 0; g < 4; g++) w[k][g] = WEIGHT_##TYPE(b[k], c, g, gs, m4);  \
+                }                                                                             \
+                const bool opens = STAGE_##TYPE < 8 || c % 2 == 0, closes = STAGE_##TYPE < 8 || c % 2; \
+                _Pragma("GCC unroll 1") for (int t = 0; t < T; t++) {                         \
+                    const int8_t * a = y[t][i].qs + CHUNK_ACT(c);                            \
+                    vi e[WIDE_NG], s[WIDE_NG];                                                \
+                    for (int k = 0; k < NG; k++) e[k] = opens ? vi_zero() : carry[t][k], s[k] = vi_zero(); \
+                    for (int g = 0; g < 4; g++) {                                             \
+                        const vi bc = vi_bcast32(a + 4 * g);                                  \
+                        for (int k = 0; k < NG; k++) e[k] = sb_step_b(e[k], w[k][g], bc);     \
+                        if (STAGE_##TYPE < 8 && (g + 1) % STAGE_##TYPE == 0)                  \
+                            for (int k = 0; k < NG; k++) s[k] = vi_add(s[k], sb_scale(e[k], sc[k])), e[k] = vi_zero(); \
+                    }                                                                         \
+                    for (int k = 0; k < NG; k++) {                                            \
+                        if (closes) sumi[t][k] = vi_add(sumi[t][k], STAGE_##TYPE < 8 ? s[k] : sb_scale(e[k], sc[k])); \
+                        else carry[t][k] = e[k];                                              \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+            for (int k = 0; k < NG; k++) {                                                    \
+                const __typeof__(ROWS_##TYPE(b[k], gs)) r = ROWS_##TYPE(b[k], gs);            \
+                for (int t = 0; t < T; t++) acc[t][k] = FINISH_##TYPE(acc[t][k], &r, &y[t][i], sumi[t][k]); \
+            }                                                                                 \
+        }                                                                                     \
+        for (int t = 0; t < T; t++)                                                           \
+            for (int k = 0; k < NG; k++)                                                      \
+                vf_store(out + (size_t) t * out_stride + (size_t) (k * ES_GROUP_ROWS), acc[t][k], ES_GROUP_ROWS); \
+    }                                                                                         \
+    /* The type's tile_fn: fewer than WIDE_FROM_TYPE tokens on the register tiles, more */  \
+    /* WIDE_T at a time, each one pass over the groups, WIDE_NG at a time. */                \
+    static void tile_##TYPE##_wide(int64_t n, const void * wp, int64_t n_groups, const void * a, \
+                                   size_t a_stride, int32_t nt, float * y, size_t y_stride) { \
+        if (nt < WIDE_FROM_##TYPE) {                                                          \
+            tile_##TYPE(n, wp, n_groups, a, a_stride, nt, y, y_stride);                       \
+            return;                                                                           \
+        }                                                                                     \
+        const int64_t nb = n / QK_K;                                                          \
+        const block_##TYPE##x8 * x = wp;                                                      \
+        for (int32_t t0 = 0; t0 < nt; t0 += WIDE_T) {                                         \
+            const int32_t tn = nt - t0 < WIDE_T ? nt - t0 : WIDE_T;                           \
+            const block_q8_K * yt[WIDE_T];                                                    \
+            for (int32_t t = 0; t < tn; t++)                                                  \
+                yt[t] = (const block_q8_K *) ((const uint8_t *) a + (size_t) (t0 + t) * a_stride); \
+            float * out = y + (size_t) t0 * y_stride;                                         \
+            int64_t g = 0;                                                                    \
+            for (; g + WIDE_NG <= n_groups; g += WIDE_NG)                                     \
+                tile_##TYPE##_wide_body(nb, x + g * nb, yt, tn, out + ES_GROUP_ROWS * g, y_stride, WIDE_NG); \
+            for (; g < n_groups; g++)                                                         \
+                tile_##TYPE##_wide_body(nb, x + g * nb, yt, tn, out + ES_GROUP_ROWS * g, y_stride, 1); \
+        }                                                                                     \
     }
 
 // A K-quant's tile_fn: VGROUPS groups at a time (one alone at an odd end),
