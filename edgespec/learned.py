@@ -9,7 +9,8 @@ target steps). A new process's planner starts from them instead of the
 drafters' guesses, so a drafter that missed on this kind of text last time
 is not tried at length again; a fresh machine starts from the guesses.
 
-One JSON file in ``registry.home()`` beside the cost caches::
+One JSON file in ``registry.home()`` beside the cost caches (or where
+$EDGESPEC_ACCEPTANCE says)::
 
     {"format": FORMAT, "version": VERSION,
      "targets": {cost key: {"used": unix time,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,7 @@ from .files import write_atomic
 from .models import registry
 
 FILE = "acceptance.json"
+ENV = "EDGESPEC_ACCEPTANCE"   # another path for the file (tests give each test its own)
 FORMAT = "edgespec-acceptance"
 VERSION = 1
 MAX_TARGETS = 16   # targets kept (least recently used dropped)
@@ -91,7 +94,7 @@ class AcceptanceMemory:
 
     def __init__(self, target_key: str, path: Path | None = None):
         self.key = target_key
-        self.path = path or registry.home() / FILE
+        self.path = path or Path(os.environ.get(ENV) or registry.home() / FILE)
         target = self._read(notice=True).get("targets", {}).get(target_key, {})
         self.acceptance: dict[str, dict] = dict(target.get("acceptance", {}))
         self.costs: dict[str, list[float]] = dict(target.get("costs", {}))

@@ -29,11 +29,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _learned_apart(monkeypatch, tmp_path_factory):
-    """Each test's planners learn in an acceptance file of their own
-    (edgespec.learned): what one test's drafts taught never decides another's."""
+    """Each test's planners, its CLI and server processes too, learn in an
+    acceptance file of their own (edgespec.learned): what one test's drafts
+    taught never decides another's, nor what an earlier run left."""
     from edgespec import learned
 
-    monkeypatch.setattr(learned, "FILE", str(tmp_path_factory.mktemp("learned") / learned.FILE))
+    monkeypatch.setenv(learned.ENV, str(tmp_path_factory.mktemp("learned") / learned.FILE))
 
 
 @pytest.fixture(scope="session")
