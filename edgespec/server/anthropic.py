@@ -117,17 +117,17 @@ def _tools(body: dict) -> dict:
         tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
                                                    "parameters": t.get("input_schema", {"type": "object"})}}
                  for t in tools]
+    parallel = None   # the engine's: one call in a reply
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind not in ("auto", "any", "tool", "none") or (kind == "tool" and not isinstance(choice.get("name"), str)):
             raise bad("tool_choice", 'tool_choice must be {"type": "auto" | "any" | "none"} or '
                       '{"type": "tool", "name": ...}')
-        # several calls in one reply when the client says so (disable_parallel_tool_use: false)
-        parallel = choice.get("disable_parallel_tool_use") is False or None
+        if choice.get("disable_parallel_tool_use") is False:   # several calls in one reply, as the client says
+            parallel = True
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
             {"type": "function", "function": {"name": choice["name"]}}
-        return fields.tool_options({"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}, None)
-    return fields.tool_options({"tools": tools, "tool_choice": choice}, None)
+    return fields.tool_options({"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}, None)
 
 
 def options(body: dict) -> dict:
@@ -187,7 +187,7 @@ def _usage(job: Job) -> dict:
     return {"input_tokens": s.prompt_tokens, "output_tokens": s.n_tokens, "cache_read_input_tokens": s.cached_tokens}
 
 
-def _head(job: Job, runner) -> dict:
+def _head(runner) -> dict:
     return {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": runner.name}
 
 
@@ -212,7 +212,7 @@ async def messages(request: Request):
     runner = pick_runner(request, body.get("model"))
     c, stream = completion(body)
     job = await runner.start(c, request)
-    head = _head(job, runner)
+    head = _head(runner)
     if stream:
         return Stream(_events(request, job, head), "text/event-stream")
     text = await job.text()

@@ -850,7 +850,7 @@ def _embed_options(body: dict) -> int | None:
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise _bad("options must be an object")
-    known = {*DEFAULTS, *WHOLE, *FIXED, *INERT, *SERVER, "num_keep", "stop", "num_gpu", "num_thread"}
+    known = {*DEFAULTS, *WHOLE, *FIXED, *INERT, *SERVER, "num_keep", "stop"}
     for key, value in opts.items():
         if value is not None and key not in known:
             raise _bad(f"option {show(key)} is not an option this server knows (docs/server.md lists them)")
