@@ -166,8 +166,8 @@ class _Slow:
 def test_a_stopped_answer_is_marked_with_what_came(server, monkeypatch):
     from selenium.webdriver.common.by import By
 
-    stream = server.engine.stream
-    monkeypatch.setattr(server.engine, "stream", lambda *a, **kw: _Slow(stream(*a, **kw)))
+    start = server.engine.start   # what the server runs each request's generation with
+    monkeypatch.setattr(server.engine, "start", lambda *a, **kw: _Slow(start(*a, **kw)))
     driver = browser()
     try:
         wait = _page(driver, server)
