@@ -1,6 +1,7 @@
 """`edgespec drafter ngram`: build a static n-gram cache for the cache drafter;
 `edgespec drafter rank`: a tokenizer's token ranking, for trimmed draft heads;
 `edgespec drafter distill` / `train`: make a specialized drafter for a target;
+`edgespec drafter train-head`: a draft head on a target's own features;
 `edgespec drafter list`: a target's specialized drafters.
 
 The corpus is tokenized with the target model's own tokenizer, loaded alone:
@@ -160,6 +161,57 @@ def train_cmd(
                f"{result.steps} steps, {result.tokens_seen / 1e6:.1f}M tokens in {result.seconds / 60:.1f} min "
                f"({result.tokens_seen / max(result.seconds, 1e-9):.0f} tokens/s); "
                f"held-out acceptance {result.held_out_acceptance:.1%}")
+
+
+@drafter_app.command("train-head")
+def train_head_cmd(
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    lang: str = typer.Option(..., "--lang", help="The language or domain tag (python, eng, deu, ...): the "
+                             "dataset-build text read."),
+    out: Path = typer.Option(..., "--out", "-o", help="The head GGUF to write; OUT.data/ holds the target's "
+                             "features and OUT.ckpt the checkpoint, which a later run goes on from."),
+    sources: list[str] = typer.Option(None, "--source", help="Text, repeatable: dataset-build, python-stdlib "
+                                      "(lang python), or a file or folder of UTF-8 text. Default: dataset-build, "
+                                      "and python-stdlib for python."),
+    mode: str = typer.Option("text", "--mode", help="What the head learns from: text (the text itself), "
+                             "generate (the target's continuations of it), chat (its answers to requests about "
+                             "it), translate (its translations of it into English)."),
+    minutes: float = typer.Option(30.0, "--minutes", help="Training time of all runs together."),
+    data_minutes: float = typer.Option(None, "--data-minutes", help="Collect the target's features for this "
+                                       "long first (what is there is kept; default: all the text, or "
+                                       "--tokens; none when OUT.data/ has some and neither is given)."),
+    tokens: int = typer.Option(None, "--tokens", help="Collect until this many tokens in all."),
+    data: Path = typer.Option(None, "--data", help="The features folder (default OUT.data/)."),
+    ctx: int = typer.Option(256, "--ctx", help="Tokens per sequence, prompt and answer, [16, 4096]."),
+    prompt_tokens: int = typer.Option(96, "--prompt-tokens", help="generate, chat, translate: the text "
+                                      "each prompt is made of, in tokens."),
+    n_ff: int = typer.Option(2048, "--n-ff", help="The head's feed-forward width."),
+    draft_vocab: int = typer.Option(8192, "--draft-vocab", help="Output rows the head computes (the most "
+                                    "used tokens); the head drafter's default --draft-vocab."),
+    quant: str = typer.Option("q8_0", "--quant", help="The exported matrices: f16, q8_0 or q4_0."),
+    window: int = typer.Option(64, "--window", help="Rows per training window."),
+    batch_rows: int = typer.Option(1024, "--batch-rows", help="Rows per optimizer step."),
+    lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (AdamW, cosine decay)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for the target and PyTorch."),
+    restart: bool = typer.Option(False, "--restart", help="Train from the start, ignoring OUT.ckpt."),
+) -> None:
+    """Train a draft head (EAGLE-1) on TARGET's own features for `--drafter head --head OUT`: the target's
+    hidden states over text of the language (or its own answers), then the head's layer (PyTorch).
+    Resumable at every stage. Needs the train extra: pip install 'edgespec[train]'."""
+    import shlex
+    import sys
+
+    from ..training import head
+
+    params = head.HeadParams(lang=lang, sources=sources or _default_sources(lang), mode=mode, minutes=minutes,
+                             data_minutes=data_minutes, tokens=tokens, ctx=ctx, prompt_tokens=prompt_tokens,
+                             n_ff=n_ff, draft_vocab=draft_vocab, quant=quant, window=window,
+                             batch_rows=batch_rows, lr=lr, seed=seed, threads=threads)
+    command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    r = head.train_head_model(model, out, params, data=data, restart=restart, command=command)
+    typer.echo(f"wrote {r.out}: {r.bytes / 1e6:.1f} MB; {r.steps} steps, {r.rows_seen / 1e6:.2f}M rows in "
+               f"{r.seconds / 60:.1f} min; held-out agreement {r.held_out_agreement:.1%} (the chain's first token)")
 
 
 def _layers(text: str | None) -> int | list[int] | None:

@@ -23,6 +23,7 @@ acceptance, never exactness (every draft is verified).
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +42,8 @@ from . import Draft, Drafter, DrafterConfig, Verified, ranks
 from .model import DRAFT_SEED_XOR, target_fingerprint
 
 ARCH = "eagle"
+DRAFT_VOCAB_KEY = f"{ARCH}.draft_vocab"   # the output rows a head was trained to compute
+RECIPE_KEY = f"{ARCH}.recipe"             # how it was made (drafter train-head), JSON
 CATCH_UP_ROWS = 32   # rows a head's catch-up is timed with (a verified step's accepted tokens, and more)
 
 
@@ -57,12 +60,15 @@ def target_digest(target_path: Path) -> int:
 
 
 def write_head(path: Path, target_path: Path, tensors: dict[str, np.ndarray], *, n_head: int, n_head_kv: int,
-               n_ff: int, qtype: int | None = None) -> None:
+               n_ff: int, qtype: int | None = None, draft_vocab: int | None = None,
+               recipe: dict | None = None) -> None:
     """Writes a head file for the target GGUF at ``target_path``: ``tensors``
     (float arrays in numpy order: fc_feature.weight, fc_token.weight,
     optionally fc.bias, and blk.0.* of the target's architecture), matrices
     as ``qtype`` (default F32; vectors always F32), the target's identity
-    and the tensors' digest."""
+    and the tensors' digest; ``draft_vocab``, the output rows it was trained
+    to compute (``eagle.draft_vocab``: the drafter's default --draft-vocab),
+    and how it was made (``eagle.recipe``, JSON)."""
     gguf = gguf_module()
     with GGUFFile(target_path) as f:
         arch = f.get("general.architecture")
@@ -96,6 +102,10 @@ def write_head(path: Path, target_path: Path, tensors: dict[str, np.ndarray], *,
         w.add_uint32(f"{ARCH}.target.block_count", n_layer)
         w.add_uint64(f"{ARCH}.target.digest", target_digest(target_path))
         w.add_uint64(f"{ARCH}.digest", digest)
+        if draft_vocab:
+            w.add_uint32(DRAFT_VOCAB_KEY, draft_vocab)
+        if recipe is not None:
+            w.add_string(RECIPE_KEY, json.dumps(recipe, ensure_ascii=False))
 
     write_gguf(Path(path), ARCH, keys, infos, iter(data), Progress("head", 0, enabled=False))
 
@@ -128,6 +138,19 @@ def random_head(target_path: Path, path: Path, *, n_ff: int | None = None, seed:
         tensors[f"blk.0.{spec.name}"] = w
     write_head(path, target_path, tensors, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff, qtype=qtype)
     return tensors
+
+
+def trained_draft_vocab(path: Path) -> int | None:
+    """The output rows the head at ``path`` was trained to compute, if it says."""
+    with GGUFFile(path) as f:
+        return f.get(DRAFT_VOCAB_KEY)
+
+
+def recipe(path: Path) -> dict | None:
+    """How the head at ``path`` was made (drafter train-head), if it says."""
+    with GGUFFile(path) as f:
+        text = f.get(RECIPE_KEY)
+    return json.loads(text) if text else None
 
 
 # -- its cost ---------------------------------------------------------------------
@@ -193,8 +216,9 @@ class HeadDrafter(Drafter):
         self.path = Path(path)
         self.head = target.open_head(self.path, n_ctx=config.n_ctx)
         try:
-            if config.options.draft_vocab:
-                self.head.restrict_output(ranks.top_tokens(target_fingerprint(target), config.options.draft_vocab,
+            draft_vocab = config.options.draft_vocab or trained_draft_vocab(self.path)
+            if draft_vocab and draft_vocab < target.n_vocab:
+                self.head.restrict_output(ranks.top_tokens(target_fingerprint(target), draft_vocab,
                                                            target.n_vocab, self.path.name))
             self.cost = head_cost(target, self.head, self.path)
         except BaseException:

@@ -155,9 +155,13 @@ class DistillParams:
     temperature: float = 0.0         # generate mode: 0 = greedy, else sampled (seeded per sequence)
 
 
-def _check_params(p: DistillParams) -> None:
-    if not p.lang or not p.lang.replace("-", "").replace("_", "").isalnum():
-        raise InvalidArgumentError(f"--lang must be a language or domain tag such as python or deu, got {p.lang!r}")
+def check_lang(lang: str) -> None:
+    if not lang or not lang.replace("-", "").replace("_", "").isalnum():
+        raise InvalidArgumentError(f"--lang must be a language or domain tag such as python or deu, got {lang!r}")
+
+
+def check_params(p: DistillParams) -> None:
+    check_lang(p.lang)
     if not 1 <= p.top_k <= 64:
         raise InvalidArgumentError(f"--top-k must be in [1, 64], got {p.top_k}")
     if not MIN_SEQUENCE <= p.ctx <= 4096:
@@ -212,7 +216,7 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
     engine on the same backend), and the prompt plus it is what is labelled."""
     from ..capi import ffi
 
-    _check_params(params)
+    check_params(params)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     texts = corpus.source_texts(params.lang, params.sources, progress=progress)
@@ -284,7 +288,7 @@ def distill_model(model: str | None, out: str | os.PathLike, params: DistillPara
     from ..models import registry
     from ..drafters.model import target_fingerprint
 
-    _check_params(params)
+    check_params(params)
     ref = model or registry.default_model()
     path = registry.model_path_checked(ref)
     name = backend or default_backend(ref)

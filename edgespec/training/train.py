@@ -366,11 +366,11 @@ def train(target_path: Path, target_name: str, data_dir: Path, out: Path, p: Tra
     budget = p.minutes * 60
     n_params = sum(t.numel() for t in model.parameters())
     rng = np.random.default_rng(p.seed + state["step"])
-    bar = _Clock("train", int(budget), enabled=progress, lines=True)
+    bar = Clock("train", int(budget), enabled=progress, lines=True)
     bar.update(int(state["seconds"]))
     t_run = time.monotonic()
     seconds0 = state["seconds"]
-    checkpoints, evaluations = _Every(CHECKPOINT_SECONDS, EVAL_SHARE), _Every(EVAL_SECONDS, EVAL_SHARE)
+    checkpoints, evaluations = Every(CHECKPOINT_SECONDS, EVAL_SHARE), Every(EVAL_SECONDS, EVAL_SHARE)
 
     def save():
         with checkpoints:
@@ -449,7 +449,7 @@ def train_model(model: str | None, data: str | os.PathLike, out: str | os.PathLi
                  restart=restart, progress=progress, command=command)
 
 
-class _Every:
+class Every:
     """When a periodic task (a checkpoint, an evaluation) is due: at least
     ``seconds`` after the last one ended, and late enough that it takes at
     most ``share`` of the time (a grown drafter's checkpoint is large)."""
@@ -545,10 +545,10 @@ def tensor_bytes(shape, quant: str) -> int:
     """Bytes of an exported tensor of (numpy) ``shape``: a matrix as ``quant``, a vector F32."""
     from ..models.gguf_write import row_bytes
 
-    return shape[0] * row_bytes(_qtype(quant), shape[1]) if len(shape) == 2 else 4 * math.prod(shape)
+    return shape[0] * row_bytes(qtype_of(quant), shape[1]) if len(shape) == 2 else 4 * math.prod(shape)
 
 
-def _qtype(quant: str) -> int:
+def qtype_of(quant: str) -> int:
     import gguf
 
     return {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
@@ -650,7 +650,7 @@ def export_gguf(out: Path, model, d: TrainData, target_reader, *, lang: str, qua
                   if n in sd]
     if set(names) != set(sd):   # the network and the engine's table disagree: a bug here, not bad input
         raise AssertionError(f"tensors outside {s.arch}'s table: {sorted(set(sd) - set(names))}")
-    qtype = _qtype(quant)
+    qtype = qtype_of(quant)
     with gguf_output(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), s.arch)
         try:
@@ -692,7 +692,7 @@ def export_gguf(out: Path, model, d: TrainData, target_reader, *, lang: str, qua
             w.close()
 
 
-class _Clock(Progress):
+class Clock(Progress):
     """Training seconds against the budget, as m:ss."""
 
     def counter(self) -> str:

@@ -1,0 +1,570 @@
+"""`edgespec drafter train-head`: a draft head (EAGLE-1, see
+edgespec.drafters.head) for one target and one language or domain, trained
+on this machine in two resumable stages.
+
+1. **Collect** (``collect``): text of the language (``corpus``, the
+   benchmark suites held out), cut into sequences of ``ctx`` tokens and,
+   depending on ``mode``, turned into what the target says (self-
+   distillation, the seed's recipe):
+
+   * ``text``: the text itself (teacher forcing: a prefill's cost);
+   * ``generate``: the target's own continuation of each sequence's first
+     ``prompt_tokens`` tokens;
+   * ``chat``: the target's answer, through its chat template, to a request
+     about each sequence's first ``prompt_tokens`` tokens (explain,
+     summarise, continue, answer questions on it);
+   * ``translate``: the target's translation into English of them, through
+     its chat template (the seed paper's own task).
+
+   Each sequence's hidden states after the final norm (the features the
+   native engine keeps for a head, ``Backend.hidden_states``: no output
+   layer) are kept with its tokens and ``start``, the first row the head sees
+   at run time (the prompt's last position: a head's cache starts there) in
+   checksummed shards under ``OUT.data/``, one at least every minute, so a
+   killed run (even with -9) goes on from its last shard.
+
+2. **Train** (``train_head``): the head's layer (PyTorch, the target's own
+   block as ``network`` computes it, a narrower feed-forward) over
+   ``x = fc_feature f_p + fc_token embed(t_p+1)``, row p predicting
+   ``f_p+1``: EAGLE's loss, a smooth-L1 regression on the feature plus 0.1 x
+   the cross-entropy of the output layer's distribution of the guess against
+   the target's own (``softmax(W f_p+1)``), both over the ``draft_vocab``
+   most used tokens the head will compute (FR-Spec, the shipped ranking).
+   Input features get uniform noise (EAGLE-1: a drafted row reads the head's
+   own guess, never exact). AdamW, warm-up then cosine, ``minutes`` of all
+   runs together; ``OUT.ckpt`` every minute (a later run goes on from it);
+   the state of the best held-out agreement (the share of held-out rows
+   whose drafted token is the target's choice among those tokens) is
+   exported as a head GGUF (``write_head``), quantized, with its recipe
+   (``eagle.recipe``: command, data digest, minutes, tokens seen, held-out
+   agreement and its curve) and ``eagle.draft_vocab``, which the head
+   drafter trims its output to unless told otherwise.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import DrafterError, InvalidArgumentError
+from ..files import sha256_file, write_atomic
+from ..models import registry
+from ..models.gguf import GGUFFile
+from ..progress import Progress
+from ..drafters import head as head_file, ranks
+from ..drafters.model import target_fingerprint
+from . import corpus, distill, network
+from .network import import_torch
+from .train import CHECKPOINT_SECONDS, Clock, Every, load_checkpoint, qtype_of, save_checkpoint
+
+MANIFEST = "features.json"
+FORMAT = 1
+MODES = ("text", "generate", "chat", "translate")
+QUANTS = ("f16", "q8_0", "q4_0")
+SEQUENCES_PER_SHARD = 16
+EVAL_SECONDS = 30
+EVAL_SHARE = 0.1
+TOKEN_LOSS_WEIGHT = 0.1      # EAGLE's weight of the token loss beside the feature regression
+MAX_HEAD_BYTES = 30 * 1000 * 1000
+
+# chat mode: requests about a piece of text, one per sequence in turn
+CHAT_REQUESTS = ("Explain what the following text says, in plain words:\n\n{}",
+                 "Summarize the following text in a few sentences:\n\n{}",
+                 "Continue the following text:\n\n{}",
+                 "Write three questions about the following text and answer them:\n\n{}",
+                 "Rewrite the following text more clearly:\n\n{}")
+TRANSLATE_REQUEST = "Translate the following text into English:\n\n{}"
+
+
+@dataclass
+class HeadParams:
+    lang: str
+    sources: Sequence[str] = ()
+    mode: str = "text"             # how the sequences are made (MODES)
+    minutes: float = 30.0          # training time of all runs together
+    data_minutes: float | None = None   # collection time of this run (None: --tokens or all the text)
+    tokens: int | None = None      # collect sequences until this many tokens in all
+    ctx: int = 256                 # tokens per sequence (prompt and answer)
+    prompt_tokens: int = 96        # generate, chat, translate: the text a prompt is made of
+    n_ff: int = 2048               # the head's feed-forward width
+    draft_vocab: int = 8192        # tokens the head computes (the most used: FR-Spec)
+    quant: str = "q8_0"            # the exported matrices
+    window: int = 64               # rows per training window
+    batch_rows: int = 1024         # rows per optimizer step
+    lr: float = 5e-4
+    noise: float = 0.1             # uniform input-feature noise, times each row's RMS
+    held_out_share: float = 0.05   # of the sequences, for measuring agreement
+    seed: int = 0
+    threads: int | None = None
+
+    def shape(self) -> dict:
+        """What a checkpoint must share with a run that goes on from it."""
+        d = asdict(self)
+        for k in ("minutes", "data_minutes", "tokens", "threads"):
+            del d[k]
+        d["sources"] = list(d["sources"])
+        return d
+
+
+def check_params(p: HeadParams) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise InvalidArgumentError(what)
+
+    need(p.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {p.mode!r}")
+    need(p.minutes > 0, f"--minutes must be positive, got {p.minutes}")
+    need(p.data_minutes is None or p.data_minutes > 0, f"--data-minutes must be positive, got {p.data_minutes}")
+    need(p.tokens is None or p.tokens > 0, f"--tokens must be positive, got {p.tokens}")
+    need(distill.MIN_SEQUENCE <= p.ctx <= 4096, f"--ctx must be in [{distill.MIN_SEQUENCE}, 4096], got {p.ctx}")
+    need(p.mode == "text" or 8 <= p.prompt_tokens < p.ctx - 8,
+         f"--prompt-tokens must be in [8, {p.ctx - 9}] (below --ctx), got {p.prompt_tokens}")
+    need(16 <= p.n_ff <= 65536, f"--n-ff must be in [16, 65536], got {p.n_ff}")
+    need(p.quant in QUANTS, f"--quant must be one of {', '.join(QUANTS)}, got {p.quant!r}")
+    need(4 <= p.window <= p.ctx, f"--window must be in [4, --ctx {p.ctx}], got {p.window}")
+    need(p.window <= p.batch_rows <= 65536, f"--batch-rows must be in [--window {p.window}, 65536], got "
+                                            f"{p.batch_rows}")
+    need(0 < p.lr < 1, f"--lr must be in (0, 1), got {p.lr}")
+    need(0 <= p.noise < 1, f"--noise must be in [0, 1), got {p.noise}")
+    need(p.threads is None or p.threads > 0, f"--threads must be positive, got {p.threads}")
+    need(bool(p.sources), "give at least one --source")
+    distill.check_lang(p.lang)
+
+
+# -- stage 1: the target's features --------------------------------------------------------------
+
+@dataclass
+class Collected:
+    tokens: np.ndarray     # (n,) int32
+    start: int             # the first row the head sees at run time
+    features: np.ndarray   # (n, n_embd) float16: the target's hidden state after the final norm
+
+
+def _encode_shard(seqs: list[Collected]) -> bytes:
+    buf = io.BytesIO()
+    arrays = {}
+    for i, s in enumerate(seqs):
+        arrays[f"tokens{i}"], arrays[f"start{i}"], arrays[f"features{i}"] = s.tokens, np.int32(s.start), s.features
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def read_shard(path: Path) -> list[Collected]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            n = len(z.files) // 3
+            return [Collected(z[f"tokens{i}"], int(z[f"start{i}"]), z[f"features{i}"]) for i in range(n)]
+    except (OSError, ValueError, KeyError) as e:
+        raise DrafterError(f"{path}: not a feature shard ({e})") from None
+
+
+class FeatureSet:
+    """A folder of the target's features (``collect``): its manifest, checked."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        try:
+            self.manifest = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise DrafterError(f"{self.folder}: no {MANIFEST} (not a folder written by drafter train-head)") from None
+        except (OSError, ValueError) as e:
+            raise DrafterError(f"{path}: unreadable manifest ({e})") from None
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            raise DrafterError(f"{path}: not a feature manifest of format {FORMAT}")
+
+    def verify(self) -> None:
+        for shard in self.manifest["shards"]:
+            path = self.folder / shard["file"]
+            if not path.is_file():
+                raise DrafterError(f"{path}: missing (listed in {MANIFEST})")
+            if path.stat().st_size != shard["bytes"] or sha256_file(path) != shard["sha256"]:
+                raise DrafterError(f"{path}: its size or sha256 differs from the manifest's (truncated or altered)")
+
+    def sequences(self) -> list[Collected]:
+        return [s for shard in self.manifest["shards"] for s in read_shard(self.folder / shard["file"])]
+
+
+def _prompt(engine, p: HeadParams, piece: list[int], i: int) -> list[int]:
+    """The prompt made of a sequence's first tokens, as the mode says."""
+    if p.mode == "generate":
+        return piece
+    text = engine.detokenize(piece).strip()
+    request = TRANSLATE_REQUEST if p.mode == "translate" else CHAT_REQUESTS[i % len(CHAT_REQUESTS)]
+    return engine.request(messages=[{"role": "user", "content": request.format(text)}], max_tokens=1).prompt_tokens
+
+
+def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: bool = True) -> FeatureSet:
+    """Stage 1 into the folder ``out`` with ``engine`` (the target, on the
+    native backend), going on from where an earlier run on it stopped."""
+    out.mkdir(parents=True, exist_ok=True)
+    backend = engine.backend
+    texts = corpus.source_texts(p.lang, p.sources, progress=progress)
+    docs, dropped = corpus.documents(texts, corpus.HeldOut.suites())
+    random.Random(distill.SHUFFLE_SEED).shuffle(docs)
+    digest = hashlib.sha256()
+    for doc in docs:
+        digest.update(doc.text.encode("utf-8", "surrogatepass"))
+    config = {"format": FORMAT, "target": target_name, "target_vocab": target_fingerprint(backend),
+              "n_embd": backend.n_embd, "lang": p.lang, "sources": list(p.sources), "mode": p.mode, "ctx": p.ctx,
+              "prompt_tokens": p.prompt_tokens, "text_sha256": digest.hexdigest()}
+    manifest = _resume(out, config)
+    bos = backend.bos_token if backend.adds_bos else None
+    size = p.ctx if p.mode == "text" else p.prompt_tokens
+    pieces = distill.sequences(lambda t: backend.tokenize(t, add_special=False), docs, size, bos)
+    if not pieces:
+        raise InvalidArgumentError(f"the sources of --lang {p.lang} hold no text to train a head on")
+    manifest.update(sequences_total=len(pieces), held_out_paragraphs=dropped)
+    deadline = time.monotonic() + p.data_minutes * 60 if p.data_minutes else None
+    goal = p.tokens or math.inf   # tokens in all; else every sequence, or what --data-minutes allows
+    bar = Progress("features", p.tokens or (len(pieces) - manifest["sequences"]), enabled=progress, lines=True)
+    pending: list[Collected] = []
+    t0 = time.monotonic()
+    try:
+        for i in range(manifest["sequences"], len(pieces)):
+            if manifest["tokens"] + sum(len(s.tokens) for s in pending) >= goal or \
+                    (deadline is not None and time.monotonic() > deadline):
+                break
+            if p.mode == "text":
+                tokens, start = pieces[i], 0
+            else:
+                prompt = _prompt(engine, p, pieces[i], i)
+                room = p.ctx - len(prompt)
+                if room < 8:
+                    prompt, room = prompt[-(p.ctx - 8):], 8
+                answer = engine.generate(prompt, max_tokens=room, temperature=0.0).tokens
+                tokens, start = prompt + answer, len(prompt) - 1
+            features = backend.hidden_states([tokens])[0].astype(np.float16)
+            pending.append(Collected(np.asarray(tokens, np.int32), start, features))
+            bar.update(len(tokens) if p.tokens else 1, f"{len(tokens) - start} rows from sequence {i}")
+            if len(pending) == SEQUENCES_PER_SHARD or time.monotonic() - t0 >= CHECKPOINT_SECONDS:
+                _flush(out, manifest, pending, time.monotonic() - t0)
+                pending, t0 = [], time.monotonic()
+    finally:
+        # An interruption keeps what was collected: the sequences so far become a shard.
+        _flush(out, manifest, pending, time.monotonic() - t0)
+        bar.done()
+    return FeatureSet(out)
+
+
+def _resume(out: Path, config: dict) -> dict:
+    if not (out / MANIFEST).exists():
+        return {**config, "shards": [], "sequences": 0, "tokens": 0, "seconds": 0.0}
+    done = FeatureSet(out)
+    for key, value in config.items():
+        if key != "target" and done.manifest.get(key) != value:
+            raise InvalidArgumentError(f"{out} holds features with {key} {done.manifest.get(key)!r}, not {value!r}: "
+                                       "give the same options, or another --out")
+    done.verify()
+    return done.manifest
+
+
+def _flush(out: Path, manifest: dict, pending: list[Collected], seconds: float) -> None:
+    if not pending:
+        return
+    name = f"shard-{len(manifest['shards']):05d}.npz"
+    data = _encode_shard(pending)
+    write_atomic(out / name, data)
+    manifest["shards"].append({"file": name, "sequences": len(pending), "bytes": len(data),
+                               "sha256": hashlib.sha256(data).hexdigest()})
+    manifest["sequences"] += len(pending)
+    manifest["tokens"] += sum(len(s.tokens) for s in pending)
+    manifest["rows"] = manifest.get("rows", 0) + sum(len(s.tokens) - s.start - 1 for s in pending)
+    manifest["seconds"] = round(manifest["seconds"] + seconds, 1)
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
+
+
+# -- stage 2: the head -----------------------------------------------------------------------------
+
+def build_head(s: network.NetShape):
+    """The head: fc over [feature, embedding] and one block of the target's
+    architecture (``s``: the target's shape with one layer and the head's
+    feed-forward). fc_feature starts as the identity: an untrained head
+    guesses the next feature is this one's, plus what the block adds."""
+    torch = import_torch()
+    nn = torch.nn
+    one = network.build(replace(s, n_layer=1, n_vocab=1))
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shape = s
+            self.fc_feature = nn.Linear(s.n_embd, s.n_embd, bias=False)   # (n_embd, n_embd)
+            self.fc_token = nn.Linear(s.n_embd, s.n_embd, bias=False)
+            self.blk = one.blk        # blk.0.*, as the GGUF names them
+            self._rotation = one.rotation
+            with torch.no_grad():
+                self.fc_feature.weight.copy_(torch.eye(s.n_embd))
+                self.fc_token.weight.mul_(0.1)
+
+        def forward(self, features, embeddings):    # (B, T, n_embd) each -> the guessed next features
+            cos, sin = self._rotation(features.shape[1])
+            return self.blk[0](self.fc_feature(features) + self.fc_token(embeddings), cos, sin)
+
+    return Head()
+
+
+@dataclass
+class HeadData:
+    """Training rows in memory: each sequence's rows from its start."""
+
+    train: list[tuple[np.ndarray, np.ndarray]]      # (tokens (n,), features (n, n_embd) float16)
+    held_out: list[tuple[np.ndarray, np.ndarray]]
+    embed: dict[int, int]                           # target token id -> row of ``embeddings``
+    embeddings: np.ndarray                          # (n_used, n_embd) float32: the target's token_embd rows
+    output: np.ndarray                              # (draft_vocab, n_embd) float32: its output rows kept
+    keep: np.ndarray                                # (draft_vocab,) the kept token ids
+
+
+def prepare(target_path: Path, fingerprint: str, n_vocab: int, data: FeatureSet, p: HeadParams) -> HeadData:
+    seqs = [(s.tokens.astype(np.int64)[s.start:], s.features[s.start:]) for s in data.sequences()]
+    seqs = [s for s in seqs if len(s[0]) > 4]
+    if not seqs:
+        raise InvalidArgumentError(f"{data.folder} holds no sequences to train on: collect longer (--data-minutes)")
+    order = np.random.default_rng(p.seed).permutation(len(seqs))
+    n_held = max(1, int(round(len(seqs) * p.held_out_share))) if len(seqs) > 1 else 0
+    held, train_ = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]]
+    keep = (np.arange(n_vocab) if p.draft_vocab >= n_vocab   # every row: no ranking needed
+            else ranks.top_tokens(fingerprint, p.draft_vocab, n_vocab, data.manifest["target"]))
+    used = np.unique(np.concatenate([t for t, _ in seqs]))
+    with GGUFFile(target_path) as f:
+        embd = f.tensor("token_embd.weight")
+        out = f.tensor("output.weight")
+        embeddings = embd.dequantize()[used]
+        output = (embd if out is None else out).dequantize()[keep]   # tied: the embedding
+    return HeadData(train_, held, {int(t): i for i, t in enumerate(used)}, np.ascontiguousarray(embeddings, np.float32),
+                    np.ascontiguousarray(output, np.float32), keep)
+
+
+def _batch(d: HeadData, seqs, p: HeadParams, rng, device):
+    """Windows of ``p.window`` + 1 rows, as tensors: input features and
+    embeddings of rows 0..T-1, target features of rows 1..T."""
+    torch = import_torch()
+    feats, embs = [], []
+    for _ in range(max(1, p.batch_rows // p.window)):
+        tokens, features = seqs[rng.integers(len(seqs))]
+        T = min(p.window, len(tokens) - 1)
+        a = int(rng.integers(0, len(tokens) - T))
+        if T < p.window:   # a short sequence: padded with its last row, masked out below
+            a = 0
+        idx = np.minimum(np.arange(a, a + p.window + 1), len(tokens) - 1)
+        feats.append(features[idx].astype(np.float32))
+        embs.append(d.embeddings[[d.embed[int(t)] for t in tokens[np.minimum(idx[:-1] + 1, len(tokens) - 1)]]])
+        if T < p.window:
+            feats[-1][T + 1:] = np.nan   # marks the padding
+    f = torch.from_numpy(np.stack(feats)).to(device)        # (B, T+1, n_embd)
+    e = torch.from_numpy(np.stack(embs)).to(device)         # (B, T, n_embd)
+    valid = ~torch.isnan(f[:, 1:, 0])                       # (B, T)
+    f = torch.nan_to_num(f)
+    return f[:, :-1], e, f[:, 1:], valid
+
+
+def _losses(model, W, f_in, e, f_next, valid, noise: float):
+    torch = import_torch()
+    F = torch.nn.functional
+    if noise:
+        rms = f_in.pow(2).mean(-1, keepdim=True).sqrt()
+        f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * noise * rms
+    guess = model(f_in, e)                                   # (B, T, n_embd)
+    reg = F.smooth_l1_loss(guess, f_next, reduction="none").mean(-1)
+    teacher = (f_next @ W.T).float()                         # (B, T, draft_vocab)
+    student = guess @ W.T
+    tok = -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1)
+    m = valid.float()
+    agree = ((student.argmax(-1) == teacher.argmax(-1)).float() * m).sum()
+    return (reg * m).sum() / m.sum(), (tok * m).sum() / m.sum(), agree, m.sum()
+
+
+def held_out_agreement(model, W, d: HeadData) -> float:
+    """Share of held-out rows whose drafted token (from real features, the
+    chain's first) is the target's choice among the kept tokens."""
+    torch = import_torch()
+    model.eval()
+    hit = n = 0.0
+    with torch.no_grad():
+        for tokens, features in d.held_out:
+            f = torch.from_numpy(features.astype(np.float32))[None]
+            e = torch.from_numpy(d.embeddings[[d.embed[int(t)] for t in tokens[1:]]])[None]
+            valid = torch.ones(1, len(tokens) - 1, dtype=torch.bool)
+            _, _, agree, count = _losses(model, W, f[:, :-1], e, f[:, 1:], valid, 0.0)
+            hit, n = hit + float(agree), n + float(count)
+    model.train()
+    return hit / max(n, 1.0)
+
+
+@dataclass
+class HeadResult:
+    out: Path
+    steps: int
+    seconds: float
+    held_out_agreement: float
+    rows_seen: int
+    bytes: int
+
+
+def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path, p: HeadParams, *,
+               restart: bool = False, progress: bool = True, command: str = "") -> HeadResult:
+    """Stage 2: train (or go on training) the head on ``data``; export the best state to ``out``."""
+    torch = import_torch()
+    data.verify()
+    with GGUFFile(target_path) as f:
+        shape = replace(network.read_shape(f), n_layer=1, n_ff=p.n_ff)
+        n_vocab = shape.n_vocab
+    if data.manifest["n_embd"] != shape.n_embd:
+        raise InvalidArgumentError(f"{data.folder} holds features {data.manifest['n_embd']} wide, "
+                                   f"{target_name}'s are {shape.n_embd}")
+    _check_size(shape, p)
+    d = prepare(target_path, data.manifest["target_vocab"], n_vocab, data, p)
+    if not d.train:
+        raise InvalidArgumentError(f"{data.folder} holds too few sequences to train on: collect longer")
+    torch.manual_seed(p.seed)
+    if p.threads:
+        torch.set_num_threads(p.threads)
+    model = build_head(shape)
+    W = torch.from_numpy(d.output)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt_path = out.with_suffix(".ckpt")
+    state = {"step": 0, "seconds": 0.0, "rows": 0, "best": -1.0, "best_state": None, "curve": []}
+    digest = _data_digest(data)
+    if ckpt_path.exists() and not restart:
+        saved = load_checkpoint(ckpt_path)
+        if saved.get("kind") != "head" or saved["shape"] != p.shape() or saved["data"] != digest:
+            raise InvalidArgumentError(f"{ckpt_path} was trained with other options or data: give the same ones "
+                                       "to go on, or --restart to start over")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        state = saved["progress"]
+        torch.set_rng_state(saved["rng"])
+    budget = p.minutes * 60
+    rng = np.random.default_rng(p.seed + state["step"])
+    bar = Clock("train-head", int(budget), enabled=progress, lines=True)
+    bar.update(int(state["seconds"]))
+    t_run, seconds0 = time.monotonic(), state["seconds"]
+    checkpoints, evaluations = Every(CHECKPOINT_SECONDS, EVAL_SHARE), Every(EVAL_SECONDS, EVAL_SHARE)
+
+    def save():
+        with checkpoints:
+            save_checkpoint(ckpt_path, {"kind": "head", "shape": p.shape(), "data": digest,
+                                        "model": model.state_dict(), "optimizer": opt.state_dict(),
+                                        "progress": state, "rng": torch.get_rng_state()})
+
+    def evaluate() -> float:
+        with evaluations:
+            acc = held_out_agreement(model, W, d) if d.held_out else 0.0
+        state["curve"].append([state["rows"], round(acc, 4)])
+        if acc > state["best"]:
+            state["best"] = acc
+            state["best_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return acc
+
+    shown = f"{state['best']:.1%}" if state["curve"] else "-"   # the last held-out agreement
+    warmup = 20
+    try:
+        while state["seconds"] < budget:
+            frac = state["seconds"] / budget
+            lr = p.lr * min(1.0, (state["step"] + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            f_in, e, f_next, valid = _batch(d, d.train, p, rng, "cpu")
+            reg, tok, agree, count = _losses(model, W, f_in, e, f_next, valid, p.noise)
+            loss = reg + TOKEN_LOSS_WEIGHT * tok
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            state["step"] += 1
+            state["rows"] += int(count)
+            state["seconds"] = seconds0 + time.monotonic() - t_run
+            if evaluations.due():
+                shown = f"{evaluate():.1%}"
+            if checkpoints.due():
+                save()
+            bar.update(int(state["seconds"]) - bar.count,
+                       f"feature {reg.item():.3f}  token {tok.item():.3f}  batch agreement "
+                       f"{float(agree) / max(float(count), 1):.1%}  held-out {shown}  "
+                       f"{state['rows'] / max(state['seconds'], 1e-9):.0f} rows/s")
+        evaluate()
+    finally:
+        # Also when interrupted: the run so far is kept and its best state exported.
+        if state["step"]:
+            save()
+            if state["best_state"] is None:
+                evaluate()
+            model.load_state_dict(state["best_state"])
+            recipe = {"command": command, "lang": p.lang, "mode": p.mode,
+                      "data": {k: data.manifest.get(k) for k in ("target", "sources", "ctx", "prompt_tokens",
+                                                                 "sequences", "tokens", "rows", "text_sha256",
+                                                                 "seconds")},
+                      "data_digest": digest, "params": p.shape(), "steps": state["step"],
+                      "minutes": round(state["seconds"] / 60, 1), "rows_seen": state["rows"],
+                      "held_out_agreement": round(state["best"], 4), "curve": state["curve"]}
+            export(out, target_path, model, p, recipe)
+        bar.done()
+    return HeadResult(out, state["step"], state["seconds"], state["best"], state["rows"], out.stat().st_size)
+
+
+def _data_digest(data: FeatureSet) -> str:
+    return hashlib.sha256("".join(s["sha256"] for s in data.manifest["shards"]).encode()).hexdigest()
+
+
+def _check_size(s: network.NetShape, p: HeadParams) -> None:
+    from ..models.gguf_write import row_bytes
+
+    hd = s.head_dim
+    mats = [(s.n_embd, s.n_embd)] * 2 + [(s.n_head * hd, s.n_embd), (s.n_head_kv * hd, s.n_embd),
+                                         (s.n_head_kv * hd, s.n_embd), (s.n_embd, s.n_head * hd)] + \
+        [(p.n_ff, s.n_embd)] * 2 + [(s.n_embd, p.n_ff)]
+    size = sum(rows * row_bytes(qtype_of(p.quant), cols) for rows, cols in mats)
+    if size > MAX_HEAD_BYTES:
+        raise InvalidArgumentError(f"a head with --n-ff {p.n_ff} as {p.quant} takes {size / 1e6:.0f} MB, over "
+                                   f"{MAX_HEAD_BYTES / 1e6:.0f} MB: a narrower --n-ff or --quant q4_0")
+
+
+def export(out: Path, target_path: Path, model, p: HeadParams, recipe: dict) -> None:
+    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    tensors = {"fc_feature.weight": sd["fc_feature.weight"], "fc_token.weight": sd["fc_token.weight"]}
+    tensors.update({k: v for k, v in sd.items() if k.startswith("blk.0.")})
+    s = model.shape
+    head_file.write_head(out, target_path, tensors, n_head=s.n_head, n_head_kv=s.n_head_kv, n_ff=p.n_ff,
+                         qtype=qtype_of(p.quant), draft_vocab=p.draft_vocab if p.draft_vocab < s.n_vocab else None,
+                         recipe=recipe)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *, data: str | os.PathLike | None = None,
+                     restart: bool = False, progress: bool = True, command: str = "") -> HeadResult:
+    """Both stages for a model reference (a built-in name, a GGUF path;
+    default: the built-in default): features into ``data`` (default
+    OUT.data/) unless enough are there, then the head into ``out``."""
+    from ..engine import Engine
+
+    check_params(p)
+    import_torch()
+    out = Path(out)
+    if out.suffix != ".gguf":
+        raise InvalidArgumentError(f"--out must name a .gguf file, got {out}")
+    if not out.parent.is_dir():
+        raise InvalidArgumentError(f"--out: {out.parent}: no such folder")
+    ref = model or registry.default_model()
+    path = registry.model_path_checked(ref)
+    with GGUFFile(path) as f:
+        network.read_shape(f)   # an architecture the head's layer cannot compute is refused before any work
+    folder = Path(data) if data is not None else out.with_suffix(".data")
+    wants_more = p.data_minutes is not None or p.tokens is not None or not (folder / MANIFEST).exists()
+    if wants_more:
+        with Engine(ref, backend="native", threads=p.threads, n_ctx=p.ctx + 64, n_batch=max(p.ctx, 64),
+                    drafter="ngram") as engine:
+            features = collect(engine, registry.model_name(ref), folder, p, progress=progress)
+    else:
+        features = FeatureSet(folder)
+    return train_head(path, registry.model_name(ref), features, out, p, restart=restart, progress=progress,
+                      command=command)
