@@ -178,9 +178,8 @@ def train_head_cmd(
                              "it), translate (its translations of it into English)."),
     minutes: float = typer.Option(30.0, "--minutes", help="Training time of all runs together."),
     data_minutes: float = typer.Option(None, "--data-minutes", help="Collect the target's features for this "
-                                       "long first (what is there is kept; default: all the text, or "
-                                       "--tokens; none when OUT.data/ has some and neither is given)."),
-    tokens: int = typer.Option(None, "--tokens", help="Collect until this many tokens in all."),
+                                       "long, all runs together (default: all the text, or --tokens)."),
+    tokens: int = typer.Option(None, "--tokens", help="Collect until this many tokens, all runs together."),
     data: Path = typer.Option(None, "--data", help="The features folder (default OUT.data/)."),
     ctx: int = typer.Option(256, "--ctx", help="Tokens per sequence, prompt and answer, [16, 4096]."),
     prompt_tokens: int = typer.Option(96, "--prompt-tokens", help="generate, chat, translate: the text "

@@ -58,7 +58,7 @@ import numpy as np
 from ..errors import DrafterError, InvalidArgumentError
 from ..files import sha256_file, write_atomic
 from ..models import registry
-from ..models.gguf import GGUFFile
+from ..models.gguf import GGUFFile, arch_traits, architectures
 from ..progress import Progress
 from ..drafters import head as head_file, ranks
 from ..drafters.model import target_fingerprint
@@ -223,8 +223,9 @@ def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: boo
     if not pieces:
         raise InvalidArgumentError(f"the sources of --lang {p.lang} hold no text to train a head on")
     manifest.update(sequences_total=len(pieces), held_out_paragraphs=dropped)
-    deadline = time.monotonic() + p.data_minutes * 60 if p.data_minutes else None
-    goal = p.tokens or math.inf   # tokens in all; else every sequence, or what --data-minutes allows
+    # The goal of all runs together: --tokens, --data-minutes, else every sequence.
+    deadline = time.monotonic() + p.data_minutes * 60 - manifest["seconds"] if p.data_minutes else None
+    goal = p.tokens or math.inf
     bar = Progress("features", p.tokens or (len(pieces) - manifest["sequences"]), enabled=progress, lines=True)
     pending: list[Collected] = []
     t0 = time.monotonic()
@@ -255,8 +256,23 @@ def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: boo
     return FeatureSet(out)
 
 
+def collected(folder: Path, p: HeadParams) -> bool:
+    """Whether the folder holds what ``p`` asks for (of all runs together)."""
+    if not (folder / MANIFEST).exists():
+        return False
+    m = FeatureSet(folder).manifest
+    if p.tokens is not None:
+        return m["tokens"] >= p.tokens
+    if p.data_minutes is not None:
+        return m["seconds"] >= p.data_minutes * 60
+    return m["sequences"] >= m.get("sequences_total", math.inf)
+
+
 def _resume(out: Path, config: dict) -> dict:
     if not (out / MANIFEST).exists():
+        if any(out.iterdir()):   # never mixed into a folder of other files
+            raise InvalidArgumentError(f"{out}: a folder of other files, without {MANIFEST}: give an empty or "
+                                       "new folder for the features")
         return {**config, "shards": [], "sequences": 0, "tokens": 0, "seconds": 0.0}
     done = FeatureSet(out)
     for key, value in config.items():
@@ -421,7 +437,6 @@ def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path,
     if data.manifest["n_embd"] != shape.n_embd:
         raise InvalidArgumentError(f"{data.folder} holds features {data.manifest['n_embd']} wide, "
                                    f"{target_name}'s are {shape.n_embd}")
-    _check_size(shape, p)
     d = prepare(target_path, data.manifest["target_vocab"], n_vocab, data, p)
     if not d.train:
         raise InvalidArgumentError(f"{data.folder} holds too few sequences to train on: collect longer")
@@ -515,7 +530,8 @@ def _data_digest(data: FeatureSet) -> str:
     return hashlib.sha256("".join(s["sha256"] for s in data.manifest["shards"]).encode()).hexdigest()
 
 
-def _check_size(s: network.NetShape, p: HeadParams) -> None:
+def check_size(s: network.NetShape, p: HeadParams) -> None:
+    """InvalidArgumentError when a head of the target shape ``s`` and ``p`` is over MAX_HEAD_BYTES."""
     from ..models.gguf_write import row_bytes
 
     hd = s.head_dim
@@ -556,11 +572,15 @@ def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *
         raise InvalidArgumentError(f"--out: {out.parent}: no such folder")
     ref = model or registry.default_model()
     path = registry.model_path_checked(ref)
-    with GGUFFile(path) as f:
-        network.read_shape(f)   # an architecture the head's layer cannot compute is refused before any work
+    with GGUFFile(path) as f:   # an architecture the head's layer cannot be trained in: refused before any work
+        arch = f.get("general.architecture")
+        if not network.computes(arch_traits(arch)):
+            plain = (a for a in architectures() if network.computes(arch_traits(a)))
+            raise InvalidArgumentError(f"{path}: a draft head cannot be trained for a {arch} model "
+                                       f"(architectures: {', '.join(plain)})")
+        check_size(replace(network.read_shape(f), n_layer=1), p)
     folder = Path(data) if data is not None else out.with_suffix(".data")
-    wants_more = p.data_minutes is not None or p.tokens is not None or not (folder / MANIFEST).exists()
-    if wants_more:
+    if not collected(folder, p):
         with Engine(ref, backend="native", threads=p.threads, n_ctx=p.ctx + 64, n_batch=max(p.ctx, 64),
                     drafter="ngram") as engine:
             features = collect(engine, registry.model_name(ref), folder, p, progress=progress)

@@ -1,0 +1,226 @@
+"""`edgespec drafter train-head` end to end on the tiny llama: the target's
+features collected (text and its own continuations), checksummed and
+resumable; the head trained (PyTorch) and exported; the C head computing
+what was trained; the trained head drafting with output identical to plain
+decoding and accepted more than an untrained one; a run killed with -9
+going on from its checkpoint; bad input as one line, exit 2.
+
+Training text is tests/data/routing (real text, see its SOURCES.txt)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgespec import Engine, cli
+from edgespec.backends import open_backend
+from edgespec.drafters.head import DRAFT_VOCAB_KEY, random_head, recipe
+from edgespec.errors import DrafterError, InvalidArgumentError
+from edgespec.models.gguf import GGUFFile
+from edgespec.planner import Planner
+from edgespec.training import head, network
+from edgespec.training.train import load_checkpoint
+
+TEXT = str(Path(__file__).parent / "data" / "routing" / "python.txt")
+# A head small enough to train in seconds: the tiny llama's width, a narrow feed-forward.
+SMALL = dict(lang="python", sources=[TEXT], ctx=64, n_ff=64, quant="f16", window=32, batch_rows=256,
+             draft_vocab=1 << 20, threads=1)
+FLAGS = ["--lang", "python", "--source", TEXT, "--ctx", "64", "--n-ff", "64", "--quant", "f16", "--window", "32",
+         "--batch-rows", "256", "--draft-vocab", str(1 << 20), "--threads", "1"]
+# A batch cost curve on which drafting pays, so that the planner drafts from the first step.
+CHEAP_BATCHES = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, 17)]
+
+
+def run_cli(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["edgespec", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    out = capsys.readouterr()
+    return exit_.value.code or 0, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_llama_path) -> Path:
+    """A head trained for 20 s on the tiny llama's features of python.txt."""
+    out = tmp_path_factory.mktemp("head") / "py.gguf"
+    head.train_head_model(str(tiny_llama_path), out, head.HeadParams(**SMALL, minutes=1 / 3), progress=False)
+    return out
+
+
+def test_features_are_the_targets_hidden_states(trained, tiny_llama_path):
+    data = head.FeatureSet(trained.with_suffix(".data"))
+    data.verify()
+    seqs = data.sequences()
+    assert len(seqs) == data.manifest["sequences"] > 10 and all(s.start == 0 for s in seqs)
+    assert data.manifest["tokens"] == sum(len(s.tokens) for s in seqs)
+    with open_backend("native", tiny_llama_path, n_ctx=64, n_batch=64, threads=1) as target:
+        want = target.hidden_states([seqs[3].tokens.tolist()])[0]
+    np.testing.assert_allclose(seqs[3].features.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+
+
+def test_the_c_head_computes_what_was_trained(trained, tiny_llama_path):
+    """The exported file, run by the C core row by row (as it drafts), against
+    the PyTorch head of the checkpoint's best state (f16 weights: close)."""
+    torch = pytest.importorskip("torch")
+    seq = head.FeatureSet(trained.with_suffix(".data")).sequences()[5]
+    with GGUFFile(tiny_llama_path) as f:
+        shape = replace(network.read_shape(f), n_layer=1, n_ff=64)
+        embd = f.tensor("token_embd.weight").dequantize()
+    model = head.build_head(shape)
+    model.load_state_dict(load_checkpoint(trained.with_suffix(".ckpt"))["progress"]["best_state"])
+    tokens, features, n = seq.tokens.astype(np.int64), seq.features.astype(np.float32), 40
+    with torch.no_grad():
+        want = model(torch.from_numpy(features[:n])[None], torch.from_numpy(embd[tokens[1:n + 1]])[None])[0].numpy()
+    with open_backend("native", tiny_llama_path, n_ctx=128, n_batch=64, threads=1) as target:
+        h = target.open_head(trained)
+        for i in range(n):
+            h.decode(features[i:i + 1], tokens[i + 1:i + 2].tolist(), 0)
+            np.testing.assert_allclose(h.hidden()[-1], want[i], atol=0.02 * np.abs(want[i]).max())
+
+
+def test_the_file_says_how_it_was_made(trained):
+    r = recipe(trained)
+    assert r["lang"] == "python" and r["mode"] == "text" and r["steps"] > 0 and r["rows_seen"] > 0
+    assert r["data"]["tokens"] == head.FeatureSet(trained.with_suffix(".data")).manifest["tokens"]
+    assert 0 < r["held_out_agreement"] <= 1 and r["curve"][-1][0] <= r["rows_seen"]
+    with GGUFFile(trained) as f:
+        assert f.get(DRAFT_VOCAB_KEY) is None   # trained on every row: the drafter computes every row
+
+
+def test_a_trained_head_drafts_losslessly_and_beats_an_untrained_one(trained, tiny_llama_path, tmp_path):
+    untrained = tmp_path / "random.gguf"
+    random_head(tiny_llama_path, untrained, n_ff=64, seed=1)
+    prompt = Path(TEXT).read_text()[-300:]
+    accepted = {}
+    for name, path in (("trained", trained), ("untrained", untrained)):
+        with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, head=str(path),
+                    draft_max=4) as engine:
+            plain = engine.generate(prompt, max_tokens=300, drafter="none")
+            engine.lanes[0].planner = Planner(CHEAP_BATCHES)
+            spec = engine.generate(prompt, max_tokens=300, drafter="head")
+        assert spec.tokens == plain.tokens   # past 256 positions of the head's cache
+        accepted[name] = spec.stats.spec.accepted
+    assert accepted["trained"] > 2 * accepted["untrained"] + 5, accepted
+
+
+def test_generate_mode_learns_the_targets_own_continuations(tmp_path, tiny_llama_path):
+    out = tmp_path / "g.gguf"
+    p = head.HeadParams(**{**SMALL, "ctx": 48}, mode="generate", prompt_tokens=16, tokens=400, minutes=0.02)
+    head.train_head_model(str(tiny_llama_path), out, p, progress=False)
+    seqs = head.FeatureSet(out.with_suffix(".data")).sequences()
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=128, drafter="none") as engine:
+        for s in seqs[:2]:
+            prompt = s.tokens[:s.start + 1].tolist()
+            assert s.start == 15
+            assert s.tokens[s.start + 1:].tolist() == engine.generate(prompt, max_tokens=48 - 16,
+                                                                      temperature=0).tokens
+
+
+def test_a_collection_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_llama_path):
+    script = """if True:
+        import sys, time
+        from edgespec.backends import native
+        from edgespec.training import head
+        head.CHECKPOINT_SECONDS = 0.2
+        real = native.BACKEND.hidden_states
+        native.BACKEND.hidden_states = lambda self, *a: (time.sleep(0.1), real(self, *a))[1]
+        head.train_head_model(sys.argv[1], sys.argv[2], head.HeadParams(lang="python", sources=[sys.argv[3]],
+                              ctx=64, threads=1), progress=False)
+    """
+    out = tmp_path / "k.gguf"
+    manifest = out.with_suffix(".data") / head.MANIFEST
+    _killed_when(script, lambda: manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2,
+                 tiny_llama_path, out, TEXT)
+    done = head.FeatureSet(out.with_suffix(".data"))
+    done.verify()
+    n = done.manifest["sequences"]
+    assert 0 < n < done.manifest["sequences_total"]
+    head.train_head_model(str(tiny_llama_path), out, head.HeadParams(**SMALL, minutes=0.01), progress=False)
+    whole = head.FeatureSet(out.with_suffix(".data"))
+    assert whole.manifest["sequences"] == whole.manifest["sequences_total"]
+    assert whole.manifest["shards"][:len(done.manifest["shards"])] == done.manifest["shards"]
+
+
+def test_a_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, tiny_llama_path, trained):
+    script = """if True:
+        import sys
+        from pathlib import Path
+        from edgespec.training import head
+        head.CHECKPOINT_SECONDS = 0.3
+        p = head.HeadParams(lang="python", sources=[sys.argv[3]], ctx=64, n_ff=64, quant="f16", window=32,
+                            batch_rows=256, draft_vocab=1 << 20, threads=1, minutes=5)
+        head.train_head_model(sys.argv[1], sys.argv[2], p, data=sys.argv[4], progress=False)
+    """
+    out = tmp_path / "k.gguf"
+    ckpt = out.with_suffix(".ckpt")
+    _killed_when(script, ckpt.exists, tiny_llama_path, out, TEXT, trained.with_suffix(".data"))
+    saved = load_checkpoint(ckpt)["progress"]
+    assert saved["step"] > 0
+    p = head.HeadParams(**SMALL, minutes=(saved["seconds"] + 1) / 60)
+    resumed = head.train_head_model(str(tiny_llama_path), out, p, data=trained.with_suffix(".data"), progress=False)
+    assert resumed.steps > saved["step"] and resumed.seconds >= saved["seconds"] + 0.5
+    with pytest.raises(InvalidArgumentError, match="other options or data"):
+        head.train_head_model(str(tiny_llama_path), out, replace(p, n_ff=96), data=trained.with_suffix(".data"),
+                              progress=False)
+
+
+def _killed_when(script: str, ready, *args) -> None:
+    """Run ``script`` (Python) with ``args`` and kill it (-9) once ``ready()`` holds."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)])
+    try:
+        while not ready():
+            assert proc.poll() is None, "it ended before it was killed"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def test_damaged_features_are_refused(tmp_path, trained):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    src = trained.with_suffix(".data")
+    for f in src.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    shard = folder / head.FeatureSet(folder).manifest["shards"][0]["file"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+    with pytest.raises(DrafterError, match=f"{shard}: its size or sha256 differs"):
+        head.FeatureSet(folder).verify()
+
+
+def test_a_head_over_30_mb_is_refused():
+    qwen_15b = network.NetShape(arch="qwen2", n_vocab=151936, n_embd=1536, n_layer=1, n_head=12, n_head_kv=2,
+                                n_ff=8960, eps=1e-6, rope_base=1e6, qkv_bias=True)
+    head.check_size(qwen_15b, head.HeadParams(lang="eng", n_ff=2048, quant="q8_0"))   # the default: 21 MB
+    with pytest.raises(InvalidArgumentError, match="takes 55 MB, over 30 MB"):
+        head.check_size(qwen_15b, head.HeadParams(lang="eng", n_ff=8960, quant="q8_0"))
+
+
+def test_train_head_bad_input(monkeypatch, capsys, tmp_path, tiny_llama_path, tiny_qwen3_path, trained):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    base = ["drafter", "train-head", "--model", str(tiny_llama_path), "--minutes", "0.01"]
+    out = ["--out", str(tmp_path / "h.gguf")]
+    for args, says in (
+            (["--lang", "python", "--source", str(empty), *out], "hold no text"),
+            (["--lang", "x y", "--source", TEXT, *out], "--lang must be"),
+            (["--lang", "python", "--source", TEXT, "--mode", "poem", *out], "--mode must be one of"),
+            (["--lang", "python", "--source", TEXT, "--out", str(tmp_path / "h.bin")], "--out must name a .gguf"),
+            (["--lang", "python", "--source", TEXT, "--out", str(tmp_path / "no" / "h.gguf")], "no such folder"),
+            (["--lang", "python", "--source", TEXT, "--ctx", "64", "--prompt-tokens", "60", "--mode", "chat", *out],
+             "--prompt-tokens must be"),
+            (["--lang", "python", "--source", TEXT, "--data", str(tmp_path), *out], "without features.json"),
+    ):
+        code, _, err = run_cli(monkeypatch, capsys, *base, *args)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
+    code, _, err = run_cli(monkeypatch, capsys, "drafter", "train-head", "--model", str(tiny_qwen3_path),
+                           "--lang", "python", "--source", TEXT, *out)
+    assert code == 2 and "cannot be trained for a qwen3 model" in err, err
