@@ -226,7 +226,8 @@ def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: boo
     # The goal of all runs together: --tokens, --data-minutes, else every sequence.
     deadline = time.monotonic() + p.data_minutes * 60 - manifest["seconds"] if p.data_minutes else None
     goal = p.tokens or math.inf
-    bar = Progress("features", p.tokens or (len(pieces) - manifest["sequences"]), enabled=progress, lines=True)
+    bar = Progress("features", p.tokens or len(pieces), enabled=progress, lines=True)
+    bar.update(manifest["tokens"] if p.tokens else manifest["sequences"])
     pending: list[Collected] = []
     t0 = time.monotonic()
     try:
