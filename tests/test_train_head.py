@@ -21,6 +21,8 @@ import pytest
 
 from edgespec import Engine, cli
 from edgespec.backends import open_backend
+from edgespec.costs import MAX_BATCH, DraftCost
+from edgespec.drafters import head as head_drafter
 from edgespec.drafters.head import DRAFT_VOCAB_KEY, random_head, recipe
 from edgespec.errors import DrafterError, InvalidArgumentError
 from edgespec.models.gguf import GGUFFile
@@ -35,7 +37,7 @@ SMALL = dict(lang="python", sources=[TEXT], ctx=64, n_ff=64, quant="f16", window
 FLAGS = ["--lang", "python", "--source", TEXT, "--ctx", "64", "--n-ff", "64", "--quant", "f16", "--window", "32",
          "--batch-rows", "256", "--draft-vocab", str(1 << 20), "--threads", "1"]
 # A batch cost curve on which drafting pays, so that the planner drafts from the first step.
-CHEAP_BATCHES = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, 17)]
+CHEAP_BATCHES = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]
 
 
 def run_cli(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
@@ -224,3 +226,32 @@ def test_train_head_bad_input(monkeypatch, capsys, tmp_path, tiny_llama_path, ti
     code, _, err = run_cli(monkeypatch, capsys, "drafter", "train-head", "--model", str(tiny_qwen3_path),
                            "--lang", "python", "--source", TEXT, *out)
     assert code == 2 and "cannot be trained for a qwen3 model" in err, err
+
+
+def test_auto_routes_a_request_to_the_head_of_its_language(trained, tiny_llama_path, tmp_path, monkeypatch):
+    """A head in a target's drafter set is routed as a specialized drafter
+    is: by its language's profile (python.txt's), drafting under its file's
+    name; greedy output stays plain decoding's; German prose gets it with
+    no confidence, so it never drafts. The head here is as costly as the tiny target; the planner is
+    told it costs what a real one does beside a real target (3%)."""
+    monkeypatch.setattr(head_drafter, "head_cost", lambda target, h, path: DraftCost(per_token=0.03, catch_up=0.005))
+    real = Planner.record_draft_time
+    monkeypatch.setattr(Planner, "record_draft_time", lambda self, key, seconds, n: real(
+        self, key, seconds * (0.03 if key.startswith("specialized:") else 1.0), n))
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "python.gguf").write_bytes(trained.read_bytes())
+    german = (Path(TEXT).parent / "deu.txt").read_text()[:400]
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
+                drafter_dir=str(folder), draft_max=4) as engine:
+        engine.lanes[0].planner = Planner(CHEAP_BATCHES)
+        for prompt, code in ((Path(TEXT).read_text()[-300:], True), (german, False)):
+            spec = engine.generate(prompt, max_tokens=120)
+            assert spec.tokens == engine.generate(prompt, max_tokens=120, drafter="none").tokens
+            stats = spec.stats.spec
+            assert stats.specialized == "python" and stats.drafters["specialized:python"]["head"] == "python.gguf"
+            if code:
+                assert stats.per_drafter["specialized:python"]["accepted"] > 0
+            else:   # the only member, but prose for a code head: a prior too low to draft
+                assert stats.drafters["specialized:python"]["confidence"] == 0.0
+                assert "specialized:python" not in stats.per_drafter

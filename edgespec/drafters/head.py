@@ -33,17 +33,18 @@ import numpy as np
 
 from ..capi import ffi, lib
 from ..costs import DRAFT_COST_FILE, DraftCost, cached_measurement, cost_key
-from ..errors import InvalidArgumentError
+from ..errors import IncompatibleDraftModelError, InvalidArgumentError
 from ..models.gguf import GGUFFile, arch_tensors
 from ..models.gguf_write import gguf_module, quantize, write_gguf
 from ..progress import Progress
 from ..sampling import Sampler, SamplingParams
-from . import Draft, Drafter, DrafterConfig, Verified, ranks
+from . import Draft, Drafter, DrafterConfig, Verified, ranks, specialized
 from .model import DRAFT_SEED_XOR, target_fingerprint
 
 ARCH = "eagle"
 DRAFT_VOCAB_KEY = f"{ARCH}.draft_vocab"   # the output rows a head was trained to compute
-RECIPE_KEY = f"{ARCH}.recipe"             # how it was made (drafter train-head), JSON
+TARGET_N_VOCAB_KEY = f"{ARCH}.target.vocab_size"
+TARGET_DIGEST_KEY = f"{ARCH}.target.digest"
 CATCH_UP_ROWS = 32   # rows a head's catch-up is timed with (a verified step's accepted tokens, and more)
 
 
@@ -61,14 +62,16 @@ def target_digest(target_path: Path) -> int:
 
 def write_head(path: Path, target_path: Path, tensors: dict[str, np.ndarray], *, n_head: int, n_head_kv: int,
                n_ff: int, qtype: int | None = None, draft_vocab: int | None = None,
-               recipe: dict | None = None) -> None:
+               recipe: dict | None = None, langs: Sequence[str] = (), profile: Sequence[str] = ()) -> None:
     """Writes a head file for the target GGUF at ``target_path``: ``tensors``
     (float arrays in numpy order: fc_feature.weight, fc_token.weight,
     optionally fc.bias, and blk.0.* of the target's architecture), matrices
     as ``qtype`` (default F32; vectors always F32), the target's identity
     and the tensors' digest; ``draft_vocab``, the output rows it was trained
-    to compute (``eagle.draft_vocab``: the drafter's default --draft-vocab),
-    and how it was made (``eagle.recipe``, JSON)."""
+    to compute (``eagle.draft_vocab``: the drafter's default --draft-vocab);
+    and, as a specialized drafter's (``specialized.KEY_*``: what routes it
+    in a target's drafter set), its languages, its text's character profile
+    and how it was made (``recipe``, JSON)."""
     gguf = gguf_module()
     with GGUFFile(target_path) as f:
         arch = f.get("general.architecture")
@@ -98,14 +101,18 @@ def write_head(path: Path, target_path: Path, tensors: dict[str, np.ndarray], *,
         w.add_float32(f"{ARCH}.rope.freq_base", rope_base)
         w.add_string(f"{ARCH}.target.name", name)
         w.add_string(f"{ARCH}.target.architecture", arch)
-        w.add_uint32(f"{ARCH}.target.vocab_size", n_vocab)
+        w.add_uint32(TARGET_N_VOCAB_KEY, n_vocab)
         w.add_uint32(f"{ARCH}.target.block_count", n_layer)
-        w.add_uint64(f"{ARCH}.target.digest", target_digest(target_path))
+        w.add_uint64(TARGET_DIGEST_KEY, target_digest(target_path))
         w.add_uint64(f"{ARCH}.digest", digest)
         if draft_vocab:
             w.add_uint32(DRAFT_VOCAB_KEY, draft_vocab)
         if recipe is not None:
-            w.add_string(RECIPE_KEY, json.dumps(recipe, ensure_ascii=False))
+            w.add_string(specialized.KEY_RECIPE, json.dumps(recipe, ensure_ascii=False))
+        if langs:
+            w.add_string(specialized.KEY_TARGET, name)
+            w.add_array(specialized.KEY_LANGS, list(langs))
+            w.add_array(specialized.KEY_PROFILE, list(profile))
 
     write_gguf(Path(path), ARCH, keys, infos, iter(data), Progress("head", 0, enabled=False))
 
@@ -140,6 +147,20 @@ def random_head(target_path: Path, path: Path, *, n_ff: int | None = None, seed:
     return tensors
 
 
+def check_target(target, path: Path) -> None:
+    """Whether the head at ``path`` can draft for ``target`` (a backend)
+    without opening it: InvalidArgumentError off the native backend,
+    IncompatibleDraftModelError naming both when made for another target."""
+    if not hasattr(target, "open_head"):
+        raise InvalidArgumentError(f"a draft head drafts on the native backend's features, "
+                                   f"not the {target.name} backend's")
+    with GGUFFile(path) as f:
+        made_for, name = f.get(TARGET_DIGEST_KEY), f.get(f"{ARCH}.target.name")
+    if made_for != target_digest(target.path):
+        raise IncompatibleDraftModelError(f"draft head {Path(path).name} was made for {name}, "
+                                          f"not {Path(target.path).name}")
+
+
 def trained_draft_vocab(path: Path) -> int | None:
     """The output rows the head at ``path`` was trained to compute, if it says."""
     with GGUFFile(path) as f:
@@ -149,7 +170,7 @@ def trained_draft_vocab(path: Path) -> int | None:
 def recipe(path: Path) -> dict | None:
     """How the head at ``path`` was made (drafter train-head), if it says."""
     with GGUFFile(path) as f:
-        text = f.get(RECIPE_KEY)
+        text = f.get(specialized.KEY_RECIPE)
     return json.loads(text) if text else None
 
 

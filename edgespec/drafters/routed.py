@@ -28,7 +28,7 @@ from ..errors import EdgespecError, InvalidArgumentError
 from ..models import registry
 from ..models.gguf import GGUFFile
 from ..sampling import SamplingParams
-from . import Draft, Drafter, DrafterConfig, Verified, specialized
+from . import Draft, Drafter, DrafterConfig, Verified, head, specialized
 from .router import open_router
 
 PREFIX = "specialized:"   # drafter name of a set's member: PREFIX + its file stem
@@ -51,6 +51,7 @@ class DrafterInfo:
     n_params: int = 0
     size: int = 0             # bytes
     problem: str | None = None  # why it cannot draft for this target (None: it can)
+    head: bool = False        # a draft head (drafters.head) rather than a draft model
 
     def recipe_summary(self, width: int = 100) -> str:
         """The recipe in one short line: its command if it names one, else its scalar fields."""
@@ -66,15 +67,17 @@ class DrafterInfo:
         else:
             line = ", ".join(f"{k} {v}" for k, v in recipe.items() if isinstance(v, (str, int, float)))
         line = line if len(line) <= width else line[:width - 3] + "..."
-        if isinstance(recipe.get("held_out_acceptance"), (int, float)):
-            line += f" (held-out acceptance {recipe['held_out_acceptance']:.0%})"
+        if self.held_out_acceptance is not None:
+            line += f" (held-out acceptance {self.held_out_acceptance:.0%})"
         return line
 
     @property
     def held_out_acceptance(self) -> float | None:
         """The acceptance its training measured on held-out text (its recipe's), if any."""
         try:
-            value = json.loads(self.recipe).get("held_out_acceptance") if self.recipe else None
+            recipe = json.loads(self.recipe) if self.recipe else {}
+            # a head's: the agreement of its first drafted token with the target's choice
+            value = recipe.get("held_out_acceptance", recipe.get("held_out_agreement"))
         except (ValueError, AttributeError):
             return None
         return float(value) if isinstance(value, (int, float)) and 0 <= value <= 1 else None
@@ -114,14 +117,19 @@ def read_info(path: Path) -> DrafterInfo:
     try:
         info.size = path.stat().st_size
         with GGUFFile(path) as f:
-            if specialized.KEY_TOKEN_MAP not in f:
+            info.head = f.get("general.architecture") == head.ARCH
+            if info.head and specialized.KEY_LANGS not in f:
+                info.problem = f"a draft head with no languages to route it by (no {specialized.KEY_LANGS})"
+            elif not info.head and specialized.KEY_TOKEN_MAP not in f:
                 info.problem = f"not a specialized drafter (no {specialized.KEY_TOKEN_MAP})"
             info.target = str(f.get(specialized.KEY_TARGET, ""))
             info.langs = tuple(map(str, f.get(specialized.KEY_LANGS) or ()))
             info.profile = tuple(map(str, f.get(specialized.KEY_PROFILE) or ()))
             info.recipe = str(f.get(specialized.KEY_RECIPE, ""))
             info.n_vocab = f.array_length(specialized.KEY_TOKEN_MAP) or f.array_length("tokenizer.ggml.tokens") or 0
-            info.target_n_vocab = int(f.get(specialized.KEY_TARGET_N_VOCAB) or 0)
+            info.target_n_vocab = int(f.get(specialized.KEY_TARGET_N_VOCAB) or f.get(head.TARGET_N_VOCAB_KEY) or 0)
+            if info.head:
+                info.n_vocab = int(f.get(head.DRAFT_VOCAB_KEY) or info.target_n_vocab)
             info.n_params = sum(t.n_elements for t in f.tensors)
     except EdgespecError as e:
         info.problem = str(e)
@@ -136,7 +144,10 @@ def check_info(info: DrafterInfo, target) -> DrafterInfo:
 
     def problem() -> list:
         try:
-            token_map(target, info.path, info.n_vocab, info.name)
+            if info.head:
+                head.check_target(target, info.path)
+            else:
+                token_map(target, info.path, info.n_vocab, info.name)
         except EdgespecError as e:
             return [str(e)]
         return [None]
@@ -200,7 +211,10 @@ class RoutedDrafter(Drafter):
     def _load(self, info: DrafterInfo) -> Drafter:
         from .model import ModelDrafter
 
-        d = ModelDrafter(replace(self.config, options=self.config.options.but(draft_model=str(info.path))))
+        if info.head:
+            d = head.HeadDrafter(replace(self.config, options=self.config.options.but(head=str(info.path))))
+        else:
+            d = ModelDrafter(replace(self.config, options=self.config.options.but(draft_model=str(info.path))))
         d.name = PREFIX + info.name
         return d
 

@@ -60,7 +60,7 @@ from ..files import sha256_file, write_atomic
 from ..models import registry
 from ..models.gguf import GGUFFile, arch_traits, architectures
 from ..progress import Progress
-from ..drafters import head as head_file, ranks
+from ..drafters import head as head_file, ranks, specialized
 from ..drafters.model import target_fingerprint
 from . import corpus, distill, network
 from .network import import_torch
@@ -550,9 +550,11 @@ def export(out: Path, target_path: Path, model, p: HeadParams, recipe: dict) -> 
     tensors = {"fc_feature.weight": sd["fc_feature.weight"], "fc_token.weight": sd["fc_token.weight"]}
     tensors.update({k: v for k, v in sd.items() if k.startswith("blk.0.")})
     s = model.shape
+    # What routes it in a target's drafter set: its language and its text's profile.
+    profile = specialized.char_profile(t for _, t in corpus.source_texts(p.lang, p.sources, progress=False))
     head_file.write_head(out, target_path, tensors, n_head=s.n_head, n_head_kv=s.n_head_kv, n_ff=p.n_ff,
                          qtype=qtype_of(p.quant), draft_vocab=p.draft_vocab if p.draft_vocab < s.n_vocab else None,
-                         recipe=recipe)
+                         recipe=recipe, langs=[p.lang], profile=profile)
 
 
 # -- the command ---------------------------------------------------------------------------------
