@@ -87,6 +87,36 @@ def test_the_c_head_computes_what_was_trained(trained, tiny_llama_path):
             np.testing.assert_allclose(h.hidden()[-1], want[i], atol=0.02 * np.abs(want[i]).max())
 
 
+def test_chain_steps_are_trained_as_the_head_drafts_them(tiny_llama_path):
+    """Step j of the training's chains (all rows at once, under a mask) is
+    what the head computes drafting a chain from one root: the real rows up
+    to the root, then its own guesses, causally."""
+    torch = pytest.importorskip("torch")
+    with GGUFFile(tiny_llama_path) as f:
+        shape = replace(network.read_shape(f), n_layer=1, n_ff=64)
+    torch.manual_seed(0)
+    model = head.build_head(shape)
+    T, D = 12, shape.n_embd
+    f, e = torch.randn(1, T, D), torch.randn(1, T, D)
+    seen = {}
+    real = model.forward
+
+    def spy(features, embeddings, start=0, past=None, keep_kv=False):
+        out = real(features, embeddings, start, past, keep_kv)
+        seen[start] = (out[0] if keep_kv else out).detach()
+        return out
+
+    model.forward = spy
+    with torch.no_grad():
+        head._losses(model, torch.randn(5, D), f, e, torch.randn(1, T, D), torch.ones(1, T, dtype=torch.bool), 0.0, 3)
+        model.forward = real
+        for root in (0, 4, 8):
+            g2 = real(torch.cat([f[:, :root + 1], seen[0][:, root:root + 1]], 1), e[:, :root + 2])[:, -1]
+            torch.testing.assert_close(seen[1][:, root], g2, atol=1e-5, rtol=1e-4)
+            g3 = real(torch.cat([f[:, :root + 1], seen[0][:, root:root + 1], g2[:, None]], 1), e[:, :root + 3])[:, -1]
+            torch.testing.assert_close(seen[2][:, root], g3, atol=1e-5, rtol=1e-4)
+
+
 def test_the_file_says_how_it_was_made(trained):
     r = recipe(trained)
     assert r["lang"] == "python" and r["mode"] == "text" and r["steps"] > 0 and r["rows_seen"] > 0

@@ -191,6 +191,8 @@ def train_head_cmd(
     window: int = typer.Option(64, "--window", help="Rows per training window."),
     batch_rows: int = typer.Option(1024, "--batch-rows", help="Rows per optimizer step."),
     lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (AdamW, cosine decay)."),
+    unroll: int = typer.Option(2, "--unroll", help="Drafted tokens per chain trained on: step 2 on reads the "
+                               "head's own guesses, as drafting does (1: EAGLE-1's single step)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for the target and PyTorch."),
     restart: bool = typer.Option(False, "--restart", help="Train from the start, ignoring OUT.ckpt."),
@@ -206,7 +208,7 @@ def train_head_cmd(
     params = head.HeadParams(lang=lang, sources=sources or _default_sources(lang), mode=mode, minutes=minutes,
                              data_minutes=data_minutes, tokens=tokens, ctx=ctx, prompt_tokens=prompt_tokens,
                              n_ff=n_ff, draft_vocab=draft_vocab, quant=quant, window=window,
-                             batch_rows=batch_rows, lr=lr, seed=seed, threads=threads)
+                             batch_rows=batch_rows, lr=lr, unroll=unroll, seed=seed, threads=threads)
     command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     r = head.train_head_model(model, out, params, data=data, restart=restart, command=command)
     typer.echo(f"wrote {r.out}: {r.bytes / 1e6:.1f} MB; {r.steps} steps, {r.rows_seen / 1e6:.2f}M rows in "

@@ -102,6 +102,7 @@ class HeadParams:
     batch_rows: int = 1024         # rows per optimizer step
     lr: float = 5e-4
     noise: float = 0.1             # uniform input-feature noise, times each row's RMS
+    unroll: int = 2                # drafted tokens per chain trained on (1: EAGLE-1's single step)
     held_out_share: float = 0.05   # of the sequences, for measuring agreement
     seed: int = 0
     threads: int | None = None
@@ -134,6 +135,7 @@ def check_params(p: HeadParams) -> None:
                                             f"{p.batch_rows}")
     need(0 < p.lr < 1, f"--lr must be in (0, 1), got {p.lr}")
     need(0 <= p.noise < 1, f"--noise must be in [0, 1), got {p.noise}")
+    need(1 <= p.unroll <= min(8, p.window - 1), f"--unroll must be in [1, {min(8, p.window - 1)}], got {p.unroll}")
     need(p.threads is None or p.threads > 0, f"--threads must be positive, got {p.threads}")
     need(bool(p.sources), "give at least one --source")
     distill.check_lang(p.lang)
@@ -322,9 +324,11 @@ def build_head(s: network.NetShape):
                 self.fc_feature.weight.copy_(torch.eye(s.n_embd))
                 self.fc_token.weight.mul_(0.1)
 
-        def forward(self, features, embeddings):    # (B, T, n_embd) each -> the guessed next features
-            cos, sin = self._rotation(features.shape[1])
-            return self.blk[0](self.fc_feature(features) + self.fc_token(embeddings), cos, sin)
+        def forward(self, features, embeddings, start: int = 0, past=None, keep_kv: bool = False):
+            """(B, T, n_embd) each, rows at positions start.. -> the guessed
+            next features (past, keep_kv: the block's)."""
+            cos, sin = self._rotation(features.shape[1], start)
+            return self.blk[0](self.fc_feature(features) + self.fc_token(embeddings), cos, sin, past, keep_kv)
 
     return Head()
 
@@ -384,20 +388,49 @@ def _batch(d: HeadData, seqs, p: HeadParams, rng, device):
     return f[:, :-1], e, f[:, 1:], valid
 
 
-def _losses(model, W, f_in, e, f_next, valid, noise: float):
+def _losses(model, W, f_in, e, f_next, valid, noise: float, unroll: int = 1):
+    """EAGLE's losses over chains of ``unroll`` drafted tokens from each row
+    (the training-time test of EAGLE-3): step 1 reads the real features
+    (plus noise); step j reads step j - 1's guesses, each row seeing the
+    real rows up to its chain's root and its own chain's drafted rows, as
+    the head does at run time. Returns (feature loss, token loss) averaged
+    over the steps, and step 1's agreement count and row count."""
     torch = import_torch()
     F = torch.nn.functional
     if noise:
         rms = f_in.pow(2).mean(-1, keepdim=True).sqrt()
         f_in = f_in + (torch.rand_like(f_in) * 2 - 1) * noise * rms
-    guess = model(f_in, e)                                   # (B, T, n_embd)
-    reg = F.smooth_l1_loss(guess, f_next, reduction="none").mean(-1)
-    teacher = (f_next @ W.T).float()                         # (B, T, draft_vocab)
-    student = guess @ W.T
-    tok = -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1)
-    m = valid.float()
-    agree = ((student.argmax(-1) == teacher.argmax(-1)).float() * m).sum()
-    return (reg * m).sum() / m.sum(), (tok * m).sum() / m.sum(), agree, m.sum()
+    T = f_in.shape[1]
+    guess, kv = model(f_in, e, keep_kv=True)                 # (B, T, n_embd)
+    past_k, past_v = [kv[0]], [kv[1]]
+    reg_sum = tok_sum = 0.0
+    for j in range(1, unroll + 1):
+        if j > 1:   # chain step j: rows 0..T-j, row i at position i + j - 1
+            guess, kv = model(guess[:, :-1], e[:, j - 1:], start=j - 1, keep_kv=True,
+                              past=(torch.cat(past_k, 2), torch.cat(past_v, 2), _chain_mask(T, j)))
+            past_k.append(kv[0])
+            past_v.append(kv[1])
+        target, m = f_next[:, j - 1:], valid[:, j - 1:].float()
+        reg = F.smooth_l1_loss(guess, target, reduction="none").mean(-1)
+        teacher = (target @ W.T).float()                     # (B, n, draft_vocab)
+        student = guess @ W.T
+        tok = -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1)
+        reg_sum = reg_sum + (reg * m).sum() / m.sum().clamp(min=1)
+        tok_sum = tok_sum + (tok * m).sum() / m.sum().clamp(min=1)
+        if j == 1:
+            agree, count = ((student.argmax(-1) == teacher.argmax(-1)).float() * m).sum(), m.sum()
+    return reg_sum / unroll, tok_sum / unroll, agree, count
+
+
+def _chain_mask(T: int, j: int):
+    """What chain step j's rows (n = T - j + 1 of them) see: step 1's rows
+    0..i (real, (n, T)), then of each step 2..j (T - m + 1 rows each) row i."""
+    torch = import_torch()
+    n = T - j + 1
+    cols = [torch.ones(n, T, dtype=torch.bool).tril()]
+    for m in range(2, j + 1):
+        cols.append(torch.eye(n, T - m + 1, dtype=torch.bool))
+    return torch.cat(cols, 1)
 
 
 def held_out_agreement(model, W, d: HeadData) -> float:
@@ -490,7 +523,7 @@ def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path,
             for g in opt.param_groups:
                 g["lr"] = lr
             f_in, e, f_next, valid = _batch(d, d.train, p, rng, "cpu")
-            reg, tok, agree, count = _losses(model, W, f_in, e, f_next, valid, p.noise)
+            reg, tok, agree, count = _losses(model, W, f_in, e, f_next, valid, p.noise, p.unroll)
             loss = reg + TOKEN_LOSS_WEIGHT * tok
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -110,16 +110,29 @@ def build(s: NetShape):
             self.ffn_up = nn.Linear(s.n_embd, s.n_ff, bias=False)
             self.ffn_down = nn.Linear(s.n_ff, s.n_embd, bias=False)
 
-        def forward(self, x, cos, sin):
+        def forward(self, x, cos, sin, past=None, keep_kv: bool = False):
+            """x (B, T, n_embd) -> (B, T, n_embd), causal; with ``past`` =
+            (k, v, mask), x's rows also see earlier calls' k and v
+            ((B, H_kv, P, hd) each) as the boolean mask ((T, P + T): past
+            columns, then x's own) says, instead of causally (a draft head
+            trained on its own drafted rows). ``keep_kv``: also returns this
+            call's (k, v), for a later call's past."""
             B, T, _ = x.shape
             h = self.attn_norm(x)
             q = rope(self.attn_q(h).view(B, T, s.n_head, hd), cos, sin).transpose(1, 2)     # (B, H, T, hd)
             k = rope(self.attn_k(h).view(B, T, s.n_head_kv, hd), cos, sin).transpose(1, 2)
             v = self.attn_v(h).view(B, T, s.n_head_kv, hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.n_head_kv != s.n_head)
+            gqa = s.n_head_kv != s.n_head
+            if past is None:
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                pk, pv, mask = past
+                a = F.scaled_dot_product_attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), attn_mask=mask,
+                                                   enable_gqa=gqa)
             x = x + self.attn_output(a.transpose(1, 2).reshape(B, T, s.n_head * hd))
             h = self.ffn_norm(x)
-            return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+            out = x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+            return (out, (k, v)) if keep_kv else out
 
     class Network(nn.Module):
         def __init__(self):
@@ -131,9 +144,9 @@ def build(s: NetShape):
             if not s.tied:
                 self.output = nn.Linear(s.n_embd, s.n_vocab, bias=False)   # (n_vocab, n_embd)
 
-        def rotation(self, T: int):
-            """cos, sin (1, T, 1, hd/2) of positions 0..T-1."""
-            pos = torch.arange(T, dtype=torch.float32, device=self.token_embd.weight.device) * s.rope_scale
+        def rotation(self, T: int, start: int = 0):
+            """cos, sin (1, T, 1, hd/2) of positions start..start+T-1."""
+            pos = torch.arange(start, start + T, dtype=torch.float32, device=self.token_embd.weight.device) * s.rope_scale
             inv = s.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=pos.device) / hd)
             ang = pos[:, None] * inv[None, :]                         # (T, hd/2)
             return ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
