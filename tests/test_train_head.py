@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from edgespec import Engine, cli
-from edgespec.backends import open_backend
+from edgespec.backends import native, open_backend
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import head as head_drafter
 from edgespec.drafters.head import DRAFT_VOCAB_KEY, random_head, recipe
@@ -264,7 +264,7 @@ def test_auto_routes_a_request_to_the_head_of_its_language(trained, tiny_llama_p
     name; greedy output stays plain decoding's; German prose gets it with
     no confidence, so it never drafts. The head here is as costly as the tiny target; the planner is
     told it costs what a real one does beside a real target (3%)."""
-    monkeypatch.setattr(head_drafter, "head_cost", lambda target, h, path: DraftCost(per_token=0.03, catch_up=0.005))
+    monkeypatch.setattr(head_drafter, "head_cost", lambda *a: DraftCost(per_token=0.03, catch_up=0.005))
     real = Planner.record_draft_time
     monkeypatch.setattr(Planner, "record_draft_time", lambda self, key, seconds, n: real(
         self, key, seconds * (0.03 if key.startswith("specialized:") else 1.0), n))
@@ -285,3 +285,22 @@ def test_auto_routes_a_request_to_the_head_of_its_language(trained, tiny_llama_p
             else:   # the only member, but prose for a code head: a prior too low to draft
                 assert stats.drafters["specialized:python"]["confidence"] == 0.0
                 assert "specialized:python" not in stats.per_drafter
+
+
+def test_a_head_of_known_cost_opens_only_when_first_asked(trained, tiny_llama_path, tmp_path, monkeypatch):
+    """Heads in a drafter set cost nothing at load once their cost is known:
+    a request routed elsewhere (or answered in one token) never opens one."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "python.gguf").write_bytes(trained.read_bytes())
+    german = (Path(TEXT).parent / "deu.txt").read_text()[:400]
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
+                drafter_dir=str(folder)) as engine:
+        engine.generate(german, max_tokens=2)   # measures its cost once (the cache)
+    opened = []
+    real = native.BACKEND.open_head
+    monkeypatch.setattr(native.BACKEND, "open_head", lambda self, *a, **k: opened.append(a) or real(self, *a, **k))
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=512, drafter="auto",
+                drafter_dir=str(folder)) as engine:
+        engine.generate(german, max_tokens=8)
+    assert opened == []

@@ -207,12 +207,14 @@ def measure_head_cost(target, head, *, reps: int = 5, prefix: int = 64) -> Draft
     return DraftCost(best["head"] / best["target"], best["batch"] / CATCH_UP_ROWS / best["target"])
 
 
-def head_cost(target, head, path: Path, *, remeasure: bool = False) -> DraftCost:
-    """The cached cost of a head file beside ``target``, measured when missing."""
+def head_cost(target, path: Path, output_rows: int, open_head, *, remeasure: bool = False) -> DraftCost:
+    """The cached cost of a head file computing ``output_rows`` logits beside
+    ``target``, measured when missing on the head ``open_head()`` returns
+    (so a head of known cost is not opened for it)."""
     st = Path(path).stat()
     value = cached_measurement(
-        DRAFT_COST_FILE, f"{cost_key(target)}|head:{Path(path).name}:{st.st_size}:rows-{head.output_rows}",
-        "cost", lambda: measure_head_cost(target, head).to_list(),
+        DRAFT_COST_FILE, f"{cost_key(target)}|head:{Path(path).name}:{st.st_size}:rows-{output_rows}",
+        "cost", lambda: measure_head_cost(target, open_head()).to_list(),
         lambda v: isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in v),
         remeasure=remeasure, notice=f"the cost of draft head {Path(path).name} beside {Path(target.path).name}")
     return DraftCost(*value)
@@ -235,19 +237,23 @@ class HeadDrafter(Drafter):
             raise InvalidArgumentError(f"a draft head (--head) drafts on the native backend's features, "
                                        f"not the {target.name} backend's")
         self.path = Path(path)
-        self.head = target.open_head(self.path, n_ctx=config.n_ctx)
+        self.target = target
+        self._n_ctx = config.n_ctx
+        # The head opens when the planner first asks it for a draft (a short
+        # answer, or a request routed elsewhere, never may); its cost comes
+        # from the cache without opening it.
+        self._head = None
+        self._sampler: Sampler | None = None
         try:
             draft_vocab = config.options.draft_vocab or trained_draft_vocab(self.path)
-            if draft_vocab and draft_vocab < target.n_vocab:
-                self.head.restrict_output(ranks.top_tokens(target_fingerprint(target), draft_vocab,
-                                                           target.n_vocab, self.path.name))
-            self.cost = head_cost(target, self.head, self.path)
+            self._rows = (ranks.top_tokens(target_fingerprint(target), draft_vocab, target.n_vocab, self.path.name)
+                          if draft_vocab and draft_vocab < target.n_vocab else None)
+            self.cost = head_cost(target, self.path, target.n_vocab if self._rows is None else len(self._rows),
+                                  lambda: self.head)
         except BaseException:
-            self.head.close()
+            self.close()
             raise
-        self.target = target
         self.n_vocab = target.n_vocab
-        self._sampler: Sampler | None = None
         self._constraint = None
         self._probs = np.empty((0, self.n_vocab), dtype=np.float32)   # (max_draft, n_vocab) q rows
         self._base = 0          # context position of the head cache's first row
@@ -256,6 +262,19 @@ class HeadDrafter(Drafter):
         self._prefill = False   # the target's last evaluation was the prompt's: its last row is ours
         self.n_drafts = 0
         self.n_rows = 0         # rows the head evaluated (real and drafted)
+
+    @property
+    def head(self):
+        """The head (``NativeHead``), opened on first use."""
+        if self._head is None:
+            self._head = self.target.open_head(self.path, n_ctx=self._n_ctx)
+            if self._rows is not None:
+                self._head.restrict_output(self._rows)
+        return self._head
+
+    def _held(self) -> int:
+        """Rows in the head's cache (none before it opens)."""
+        return self._head.n_past if self._head is not None else 0
 
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """Keep the target's features from the prompt's evaluation on; the head starts empty."""
@@ -272,13 +291,14 @@ class HeadDrafter(Drafter):
 
     def _restart(self, position: int) -> None:
         """The head's cache empty, its next row at context ``position``."""
-        self.head.truncate(0)
+        if self._head is not None:
+            self._head.truncate(0)
         self._base = position
         self._pending = self._pending[:0]
 
     def _take(self, features: np.ndarray, position: int) -> None:
         """Real features of positions [position, position + len(features)) after the rows held."""
-        if position != self._base + self.head.n_past + len(self._pending):
+        if position != self._base + self._held() + len(self._pending):
             self._restart(position)   # a gap (steps this drafter did not see): start again there
         self._pending = np.concatenate([self._pending, features])
 
@@ -342,7 +362,9 @@ class HeadDrafter(Drafter):
         if self._sampler is not None:
             self._sampler.close()
             self._sampler = None
-        self.head.close()
+        if self._head is not None:
+            self._head.close()
+            self._head = None
 
 
 def accepted_nodes(draft: Draft, tokens: Sequence[int], n_accepted: int) -> list[int]:
