@@ -110,7 +110,7 @@ class HeadParams:
     def shape(self) -> dict:
         """What a checkpoint must share with a run that goes on from it."""
         d = asdict(self)
-        for k in ("minutes", "data_minutes", "tokens", "threads"):
+        for k in ("minutes", "data_minutes", "tokens", "threads", "quant"):   # quant: the export's alone
             del d[k]
         d["sources"] = list(d["sources"])
         return d
