@@ -21,6 +21,13 @@ tokens end a generation, fill-in-the-middle tokens, control-looking tokens)
 are applied here too, so tokens, pieces and special ids are llama.cpp's, token
 for token (tests/test_tokenizer.py compares them).
 
+Byte-level BPE under one pre-tokenizer regex (GPT-2's, SmolLM's, Qwen2's,
+Llama 3's) splits a text into words in Python's re and keeps each word's
+tokens, ``tokenizers`` encoding only the words not seen yet (on the whole
+text, most of its time goes to objects it builds for every word). A text
+holding a special token's text, or a character whose class re does not spell
+as Oniguruma does, goes through ``tokenizers`` whole.
+
     tok = GGUFTokenizer.load("model.gguf")   # UnknownTokenizerError: a type not known here
     tok.tokenize("text", add_special=True, parse_special=False)
     tok.piece(token)                        # bytes
@@ -50,14 +57,16 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
-# GPT-2's with the "|\s+" of tokenizers' ByteLevel: llama.cpp's leaves one
-# whitespace character before a non-space, not a space, unmatched (a piece
-# alone all the same); matched, the words of a text cover it (_word_regex).
+# GPT-2's, ending as tokenizers' ByteLevel does in "|\s+": llama.cpp's leaves
+# a whitespace character other than a space before a non-space unmatched (a
+# piece alone all the same); "\s+" matches it alone, so that the words findall
+# returns cover the text (_tokenize_words).
 _GPT2 = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",)
-# llama.cpp's "\p{N}" split, then GPT-2's in each piece, as one regex: every
-# number alone, and a piece's end (a number or the text's end) is where GPT-2's
-# (?!\S) holds, hence (?![^\s\p{N}]). No other alternative takes a number or
-# looks past its match, so each match is the one GPT-2's makes in its piece.
+# llama.cpp's "\p{N}" split, then GPT-2's in each piece, as one regex (one
+# pass, and one regex to spell in re): every number alone, and a piece's end (a
+# number or the text's end) is where GPT-2's (?!\S) holds, hence (?![^\s\p{N}]).
+# No other alternative takes a number or looks past its match, so each match
+# is the one GPT-2's makes in its piece.
 _SMOLLM = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+",)
 _CJK = "[一-龥ࠀ-一가-퟿]+"
 _DEEPSEEK_LLM = (
@@ -132,8 +141,10 @@ _NOT_SPELLED = frozenset({"Cn", "Nl", "No"})
 _REGEX_PART = re.compile(r"\[\^?(?:\\.|[^\]\\])*\]|\\p\{\w+\}|\\.|.", re.S)
 _LITERAL_CLASS = re.compile(r"\[\^?(?:[A-Za-z]|\\[rn])+\]")   # [sS], [\r\n]: the same in both
 # Words whose tokens are kept (_tokenize_words): a text's words recur, and a
-# few thousand cover most of a language's text.
-WORD_CACHE_SIZE = 1 << 16
+# few thousand cover most of a language's text; longer words (runs of spaces,
+# encoded blobs) seldom do, as tokenizers' own BPE cache reckons.
+_WORD_CACHE_SIZE = 1 << 16
+_CACHED_WORD_LENGTH = 256
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -378,7 +389,7 @@ class GGUFTokenizer:
         added = [AddedToken(self.texts[t], special=bool(self.types[t] != USER_DEFINED), normalized=False)
                  for t in np.flatnonzero(np.isin(self.types, (UNKNOWN, CONTROL, USER_DEFINED)))]
         tk.add_tokens(added)
-        texts = sorted({a.content for a in added}, key=len, reverse=True)
+        texts = sorted({a.content for a in added}, key=len, reverse=True) if self._words else ()
         self._added = re.compile("|".join(map(re.escape, texts))) if texts else None
         self._hf = tk
 
@@ -402,7 +413,7 @@ class GGUFTokenizer:
     def _tokenize_words(self, text: str) -> list[int] | None:
         """The tokens of ``text`` word by word, byte-level BPE's words being
         independent: the pre-tokenizer's split in Python's re and each word's
-        tokens kept, tokenizers encoding only words not seen yet. A third of
+        tokens kept, tokenizers encoding only words not seen yet: a third of
         tokenizers' time on a text (its split and encoding build objects for
         every word). None where the split could differ from tokenizers': no
         one regex spelled in re, a special token's text in ``text``, a
@@ -416,13 +427,16 @@ class GGUFTokenizer:
         cache = self._word_ids
         new = list(set(words).difference(cache))
         if new:
-            if len(cache) + len(new) > WORD_CACHE_SIZE:
+            if len(cache) + len(new) > _WORD_CACHE_SIZE:
                 cache.clear()
             encoded = self._word_bpe.encode_batch_fast(new, add_special_tokens=False)
             cache.update(zip(new, (e.ids for e in encoded)))
         ids: list[int] = []
         for word in words:
             ids += cache[word]
+        for word in new:
+            if len(word) > _CACHED_WORD_LENGTH:
+                del cache[word]
         return ids
 
     def piece(self, token: int, special: bool = False) -> bytes:
