@@ -20,7 +20,7 @@ from edgespec.backends.vocab import Vocab
 from edgespec.errors import ModelFormatError, UnsupportedModelError
 from edgespec.grammar import tokenizer_for
 from edgespec.models import registry
-from edgespec.models.tokenizer import GGUFTokenizer
+from edgespec.models.tokenizer import GGUFTokenizer, python_regex, re_spelled
 from tiny_gguf import _tokenizer_fields, _write_out, write_tiny_qwen3moe, write_tiny_vocab
 
 MIXED = [
@@ -30,6 +30,11 @@ MIXED = [
     "emoji 😀👍🏽 🇫🇷 👨‍👩‍👧 \u200b\u00a0x\u3000y", "don't I'LL we've THEY'RE it's", "1234567890" * 20, "3.14159e-10 0x1F 1_000_000",
     "a" * 500, " " * 300 + "x", "\n" * 40 + "y", "\t" * 33, "x\u0301\u0302 \ufeff \U0001F600\U0001F601", "<0xE2><0x96>",
     "bad bytes: \udce2\udc82 \udcff", "<|im_end", "</s><s>", "  <|im_end|>  ",
+    # spaces before numbers (smollm's one regex), numbers outside Nd, letters
+    # and numbers of Unicode 16, controls Python's \s takes for spaces, "_"
+    "a  1  b \t2\n3 \n x\u00a05\u30001 12 345 6789 ", "x\u00b2 \u00bd \u216b \u2460 9",
+    "\U000105c0\U00010d40 9 \u0e5f", "\x1c\x1f a\x1cb \x1c 1 \x1f\x1f 2", "foo_bar __init__ a_1 _9 ._",
+    "it's 'S 'll 're 9's", "tab\tx\n\tx\r\ny  \n  z\u2028q\x85r",
 ]
 
 
@@ -95,6 +100,28 @@ def test_tiny_vocab_is_llama_cpps_token_for_token(tiny_vocab_path, tmp_path):
     fim = tmp_path / "fim.gguf"
     write_tiny_vocab(fim, fim=True)
     _compare_vocabularies(fim, MIXED)
+
+
+@pytest.mark.parametrize("pre", ["smollm", "qwen2", "llama3"])
+def test_one_regex_pre_tokenizers_are_llama_cpps_token_for_token(tiny_vocab_path, tmp_path, pre):
+    """The pre-tokenizers whose regex tokenize() runs in Python's re (the tiny
+    vocabulary's own, gpt-2, above)."""
+    path = _rewrite(tiny_vocab_path, tmp_path / f"{pre}.gguf",
+                    **{"tokenizer.ggml.pre": (pre, gguf.GGUFValueType.STRING, None)})
+    _compare_vocabularies(path, MIXED)
+
+
+def test_re_spelling_is_oniguruma_s_on_every_character():
+    """Each class of the pre-tokenizer regexes as python_regex spells it
+    matches what tokenizers' Oniguruma matches, on every character re_spelled
+    lets through (a newer Python's Unicode, or an older tokenizers', shows here)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    chars = "".join(c for c in map(chr, range(0x110000)) if not 0xD800 <= ord(c) < 0xE000 and re_spelled(c))
+    for onig in (r"\p{L}", r"\p{N}", r"\s", r"\S", r"[^\s\p{N}]", r"[^\s\p{L}\p{N}]", r"[^\r\n\p{L}\p{N}]"):
+        unmatched = pre_tokenizers.Split(Regex(onig), "removed").pre_tokenize_str(chars)
+        want = set(chars) - set("".join(piece for piece, _ in unmatched))
+        assert set(python_regex(onig).findall(chars)) == want, onig
 
 
 def test_special_tokens_are_parsed_only_when_asked(tiny_vocab_path):

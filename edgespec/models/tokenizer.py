@@ -21,6 +21,13 @@ tokens end a generation, fill-in-the-middle tokens, control-looking tokens)
 are applied here too, so tokens, pieces and special ids are llama.cpp's, token
 for token (tests/test_tokenizer.py compares them).
 
+Byte-level BPE under one pre-tokenizer regex (GPT-2's, SmolLM's, Qwen2's,
+Llama 3's) splits a text into words in Python's re and keeps each word's
+tokens, ``tokenizers`` encoding only the words not seen yet (on the whole
+text, most of its time goes to objects it builds for every word). A text
+holding a special token's text, or a character whose class re does not spell
+as Oniguruma does, goes through ``tokenizers`` whole.
+
     tok = GGUFTokenizer.load("model.gguf")   # UnknownTokenizerError: a type not known here
     tok.tokenize("text", add_special=True, parse_special=False)
     tok.piece(token)                        # bytes
@@ -31,6 +38,7 @@ import hashlib
 import os
 import re
 import threading
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +51,23 @@ from .gguf import GGUFFile
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, llm_tokenizer_bpe),
-# applied one after another, each splitting the pieces the previous left.
+# applied one after another, each splitting the pieces the previous left (the
+# text between two matches is a piece too).
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
-_GPT2 = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",)
-_SMOLLM = (r"\p{N}",) + _GPT2
+# GPT-2's, ending as tokenizers' ByteLevel does in "|\s+": llama.cpp's leaves
+# a whitespace character other than a space before a non-space unmatched (a
+# piece alone all the same); "\s+" matches it alone, so that the words findall
+# returns cover the text (_tokenize_words).
+_GPT2 = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",)
+# llama.cpp's "\p{N}" split, then GPT-2's in each piece, as one regex (one
+# pass, and one regex to spell in re): every number alone, and a piece's end (a
+# number or the text's end) is where GPT-2's (?!\S) holds, hence (?![^\s\p{N}]).
+# No other alternative takes a number or looks past its match, so each match
+# is the one GPT-2's makes in its piece.
+_SMOLLM = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+",)
 _CJK = "[一-龥ࠀ-一가-퟿]+"
 _DEEPSEEK_LLM = (
     r"[\r\n]",
@@ -106,6 +124,28 @@ _BYTE_CHARS = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0x
 _CHAR_TO_BYTE = {chr(c): c for c in _BYTE_CHARS}
 _CHAR_TO_BYTE.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _BYTE_CHARS)})
 
+# Oniguruma's classes in the pre-tokenizer regexes as Python's re spells them
+# (python_regex), exact where re_spelled() holds: \s is Unicode's White_Space
+# (re's \s adds U+001C..U+001F); re's \d is Nd alone and [^\W\d_] is L with Nl
+# and No, so no Nl or No, and no character Python's unicodedata leaves
+# unassigned (tokenizers' Oniguruma may know it: Unicode 16, Python 3.11's is
+# 14). tests/test_tokenizer.py checks every class on every character.
+_WHITE_SPACE = r"\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_RE_SPELLING = {
+    r"\p{L}": r"[^\W\d_]", r"\p{N}": r"\d", r"\s": f"[{_WHITE_SPACE}]", r"\S": f"[^{_WHITE_SPACE}]",
+    r"[^\s\p{N}]": rf"[^\d{_WHITE_SPACE}]", r"[^\s\p{L}\p{N}]": rf"(?:[^\w{_WHITE_SPACE}]|_)",
+    r"[^\r\n\p{L}\p{N}]": r"(?:[^\r\n\w]|_)",
+}
+_NOT_SPELLED = frozenset({"Cn", "Nl", "No"})
+# a regex's parts: a class, \p{..}, an escape, one character
+_REGEX_PART = re.compile(r"\[\^?(?:\\.|[^\]\\])*\]|\\p\{\w+\}|\\.|.", re.S)
+_LITERAL_CLASS = re.compile(r"\[\^?(?:[A-Za-z]|\\[rn])+\]")   # [sS], [\r\n]: the same in both
+# Words whose tokens are kept (_tokenize_words): a text's words recur, and a
+# few thousand cover most of a language's text; longer words (runs of spaces,
+# encoded blobs) seldom do, as tokenizers' own BPE cache reckons.
+_WORD_CACHE_SIZE = 1 << 16
+_CACHED_WORD_LENGTH = 256
+
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 SPACE = "\u2581"   # SentencePiece's escaped space
@@ -113,6 +153,27 @@ SPACE = "\u2581"   # SentencePiece's escaped space
 # The merges derived from SentencePiece scores, kept between loads (seconds
 # of Python over a 262k vocabulary), one file per model file.
 MERGES_DIR = "tokenizers"
+
+
+def python_regex(pattern: str) -> re.Pattern | None:
+    """An Oniguruma pre-tokenizer regex in Python's re (alternation, greedy
+    quantifiers and lookahead mean the same in both), or None where it has a
+    class or escape not spelled here, or a group findall would return."""
+    parts = []
+    for part in _REGEX_PART.findall(pattern):
+        if part in _RE_SPELLING:
+            parts.append(_RE_SPELLING[part])
+        elif part[0] in "\\[" and not _LITERAL_CLASS.fullmatch(part):
+            return None
+        else:
+            parts.append(part)
+    regex = re.compile("".join(parts))
+    return regex if regex.groups == 0 else None
+
+
+def re_spelled(text: str) -> bool:
+    """Whether python_regex's classes are Oniguruma's on every character of ``text``."""
+    return text.isascii() or all(unicodedata.category(c) not in _NOT_SPELLED for c in set(text) if not c.isascii())
 
 
 class UnknownTokenizerError(UnsupportedModelError):
@@ -208,8 +269,9 @@ class GGUFTokenizer:
             merges = _strings(f, "tokenizer.ggml.merges")
             _need(merges is not None, path, "tokenizer.ggml.merges", "missing")
             merges = self._split_merges(merges)
-        self._hf = self._build(path, merges, regexes, ignore_merges, spm)
-        self._lock = threading.Lock()   # encode_special_tokens is the tokenizer's state
+        self._build(path, merges, regexes, ignore_merges, spm)
+        self._word_ids: dict[str, list[int]] = {}
+        self._lock = threading.Lock()   # encode_special_tokens and _word_ids are the tokenizer's state
         self._pieces: dict[int, bytes] = {}   # rendered on first use
 
     @classmethod
@@ -288,7 +350,12 @@ class GGUFTokenizer:
         ranked.sort()
         return np.array([(t, c) for _, t, c in ranked], dtype=np.int32).reshape(-1, 2)
 
-    def _build(self, path, merges, regexes, ignore_merges, spm):
+    def _build(self, path, merges, regexes, ignore_merges, spm) -> None:
+        """``self._hf``, tokenizers' tokenizer; for byte-level BPE under one
+        regex spelled in re, what _tokenize_words needs beside it: that regex
+        (``self._words``), the BPE on one word alone (``self._word_bpe``, the
+        same model) and the added tokens' texts, which it leaves to ``self._hf``
+        (``self._added``)."""
         from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
 
         if spm:
@@ -301,6 +368,12 @@ class GGUFTokenizer:
         except Exception as e:   # a merge naming a text that is no token: tokenizers' one line names it
             raise ModelFormatError(f"{path}: {field}: {str(e).splitlines()[0]}") from None
         tk = Tokenizer(model)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        self._words = python_regex(regexes[0]) if not spm and len(regexes) == 1 else None
+        self._word_bpe = None
+        if self._words is not None:
+            self._word_bpe = Tokenizer(model)
+            self._word_bpe.pre_tokenizer = byte_level
         if spm:
             steps = [normalizers.Prepend(SPACE)] if self.add_space_prefix else []
             tk.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", SPACE)])
@@ -309,15 +382,16 @@ class GGUFTokenizer:
             # tokenizers' Digits does it in a quarter of the regex's time
             tk.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Digits(individual_digits=True) if r == r"\p{N}" else
-                 pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
-                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+                 pre_tokenizers.Split(Regex(r), "isolated") for r in regexes] + [byte_level])
         # Split out before the model: user-defined tokens always, control and
         # unknown ones only when special tokens are parsed (llama.cpp's
         # tokenizer_st_partition); matched on the text as written.
         added = [AddedToken(self.texts[t], special=bool(self.types[t] != USER_DEFINED), normalized=False)
                  for t in np.flatnonzero(np.isin(self.types, (UNKNOWN, CONTROL, USER_DEFINED)))]
         tk.add_tokens(added)
-        return tk
+        texts = sorted({a.content for a in added}, key=len, reverse=True) if self._words else ()
+        self._added = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._hf = tk
 
     # -- tokenizing -------------------------------------------------------------
 
@@ -327,11 +401,42 @@ class GGUFTokenizer:
         if not text.isascii():
             text = _LONE_SURROGATE.sub("\ufffd", text)
         with self._lock:
-            self._hf.encode_special_tokens = not parse_special
-            # the batch call without offsets: half the time of encode()
-            ids = self._hf.encode_batch_fast([text], add_special_tokens=False)[0].ids
+            ids = self._tokenize_words(text)
+            if ids is None:
+                self._hf.encode_special_tokens = not parse_special
+                # the batch call without offsets: half the time of encode()
+                ids = self._hf.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special:
             ids = ([self.bos] if self.add_bos else []) + ids + ([self.eos] if self.add_eos else [])
+        return ids
+
+    def _tokenize_words(self, text: str) -> list[int] | None:
+        """The tokens of ``text`` word by word, byte-level BPE's words being
+        independent: the pre-tokenizer's split in Python's re and each word's
+        tokens kept, tokenizers encoding only words not seen yet: a third of
+        tokenizers' time on a text (its split and encoding build objects for
+        every word). None where the split could differ from tokenizers': no
+        one regex spelled in re, a special token's text in ``text``, a
+        character not re_spelled, words that do not cover the text."""
+        if (self._words is None or (self._added is not None and self._added.search(text))
+                or not re_spelled(text)):
+            return None
+        words = self._words.findall(text)
+        if sum(map(len, words)) != len(text):
+            return None
+        cache = self._word_ids
+        new = list(set(words).difference(cache))
+        if new:
+            if len(cache) + len(new) > _WORD_CACHE_SIZE:
+                cache.clear()
+            encoded = self._word_bpe.encode_batch_fast(new, add_special_tokens=False)
+            cache.update(zip(new, (e.ids for e in encoded)))
+        ids: list[int] = []
+        for word in words:
+            ids += cache[word]
+        for word in new:
+            if len(word) > _CACHED_WORD_LENGTH:
+                del cache[word]
         return ids
 
     def piece(self, token: int, special: bool = False) -> bytes:
