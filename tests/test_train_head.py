@@ -203,6 +203,31 @@ def test_a_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, tiny_lla
                               progress=False)
 
 
+def test_a_training_stopped_with_sigterm_keeps_and_exports_its_work(tmp_path, tiny_llama_path, trained):
+    """kill (SIGTERM), as a background run is stopped: the checkpoint and the
+    head of the best state so far are written before it exits."""
+    script = """if True:
+        import sys
+        from edgespec.training import head
+        p = head.HeadParams(lang="python", sources=[sys.argv[3]], ctx=64, n_ff=64, quant="f16", window=32,
+                            batch_rows=256, draft_vocab=1 << 20, threads=1, minutes=5)
+        head.train_head_model(sys.argv[1], sys.argv[2], p, data=sys.argv[4], progress=False)
+    """
+    out = tmp_path / "t.gguf"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tiny_llama_path), str(out), TEXT,
+                             str(trained.with_suffix(".data"))])
+    try:
+        time.sleep(8)
+        assert proc.poll() is None
+        proc.terminate()
+        assert proc.wait(60) == -signal.SIGINT   # an uncaught KeyboardInterrupt, after the finally
+    finally:
+        proc.kill()
+    assert load_checkpoint(out.with_suffix(".ckpt"))["progress"]["step"] > 0
+    with open_backend("native", tiny_llama_path, n_ctx=64, threads=1) as target:
+        target.open_head(out).close()
+
+
 def _killed_when(script: str, ready, *args) -> None:
     """Run ``script`` (Python) with ``args`` and kill it (-9) once ``ready()`` holds."""
     proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)])

@@ -189,8 +189,8 @@ def train_head_cmd(
                                     "used tokens); the head drafter's default --draft-vocab."),
     quant: str = typer.Option("q8_0", "--quant", help="The exported matrices: f16, q8_0 or q4_0."),
     window: int = typer.Option(64, "--window", help="Rows per training window."),
-    batch_rows: int = typer.Option(1024, "--batch-rows", help="Rows per optimizer step."),
-    lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (AdamW, cosine decay)."),
+    batch_rows: int = typer.Option(256, "--batch-rows", help="Rows per optimizer step."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW, cosine decay)."),
     unroll: int = typer.Option(2, "--unroll", help="Drafted tokens per chain trained on: step 2 on reads the "
                                "head's own guesses, as drafting does (1: EAGLE-1's single step)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),

@@ -48,6 +48,8 @@ import json
 import math
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -99,8 +101,8 @@ class HeadParams:
     draft_vocab: int = 8192        # tokens the head computes (the most used: FR-Spec)
     quant: str = "q8_0"            # the exported matrices
     window: int = 64               # rows per training window
-    batch_rows: int = 1024         # rows per optimizer step
-    lr: float = 5e-4
+    batch_rows: int = 256          # rows per optimizer step (small: a CPU run takes few steps)
+    lr: float = 1e-3
     noise: float = 0.1             # uniform input-feature noise, times each row's RMS
     unroll: int = 2                # drafted tokens per chain trained on (1: EAGLE-1's single step)
     held_out_share: float = 0.05   # of the sequences, for measuring agreement
@@ -515,6 +517,7 @@ def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path,
         return acc
 
     shown = f"{state['best']:.1%}" if state["curve"] else "-"   # the last held-out agreement
+    stopping = _StopOnTerm()
     warmup = 20
     try:
         while state["seconds"] < budget:
@@ -542,7 +545,9 @@ def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path,
                        f"{state['rows'] / max(state['seconds'], 1e-9):.0f} rows/s")
         evaluate()
     finally:
-        # Also when interrupted: the run so far is kept and its best state exported.
+        # Also when interrupted (^C, or SIGTERM: a background run's stop): the
+        # run so far is kept and its best state exported.
+        stopping.restore()
         if state["step"]:
             save()
             if state["best_state"] is None:
@@ -558,6 +563,26 @@ def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path,
             export(out, target_path, model, p, recipe)
         bar.done()
     return HeadResult(out, state["step"], state["seconds"], state["best"], state["rows"], out.stat().st_size)
+
+
+class _StopOnTerm:
+    """SIGTERM raises KeyboardInterrupt in the training loop (main thread
+    only), so that a background run stopped with kill keeps and exports its
+    work as ^C does; restore() puts the old handler back."""
+
+    def __init__(self):
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
 
 
 def _data_digest(data: FeatureSet) -> str:
