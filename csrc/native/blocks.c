@@ -271,19 +271,25 @@ static void attn_heads(void * arg, int32_t ith, int32_t nth) {
             scores[c] *= job->kq_scale;
             max = scores[c] > max ? scores[c] : max;
         }
-        // Each cell's weight in place of its score (0 for the cells it does
-        // not see), then the weighted sum of their V rows in cell order.
+        // The weighted sum of the seen cells' V rows, in cell order.
         float sum = 0.0f;
-        for (int32_t c = c0; c < end; c++) {
-            scores[c] = scores[c] == -INFINITY ? 0.0f : expf(scores[c] - max);
-            sum += scores[c];
-        }
         memset(acc, 0, (size_t) hd * sizeof *acc);
         if (kv->type_v == ES_TYPE_Q8_0) {
+            // Every weight first, in place of its score (0: a cell not seen),
+            // then one call over the rows, acc held in registers throughout.
+            for (int32_t c = c0; c < end; c++) {
+                scores[c] = scores[c] == -INFINITY ? 0.0f : expf(scores[c] - max);
+                sum += scores[c];
+            }
             es_axpy_q8_0(hd, end - c0, scores + c0, V + (size_t) c0 * kv->v_row, acc);
         } else {
+            // Row by row: a row's expf overlaps the previous row's accumulation
+            // (as two passes, F16 decode at 4,096 cells took 13% longer).
             for (int32_t c = c0; c < end; c++) {
-                if (scores[c] != 0.0f) es_axpy_f16(hd, scores[c], (const uint16_t *) (V + (size_t) c * kv->v_row), acc);
+                if (scores[c] == -INFINITY) continue;
+                const float e = expf(scores[c] - max);
+                sum += e;
+                es_axpy_f16(hd, e, (const uint16_t *) (V + (size_t) c * kv->v_row), acc);
             }
         }
         float * o = ctx->att + ((size_t) t * n_head + h) * hd;
