@@ -283,9 +283,9 @@ static void dot_rows_q8_0_neon(int64_t n, const void * w, int64_t rows, const vo
 static void axpy_q8_0_neon(int64_t n, int64_t rows, const float * e, const void * v, float * acc) {
     const int64_t nb = n / QK;
     for (int64_t i = 0; i < nb; i += 2) {
-        const int w = nb - i < 2 ? 1 : 2;  // blocks in this group
-        float32x4_t s4[16];
-        for (int k = 0; k < 8 * w; k++) s4[k] = vld1q_f32(acc + QK * i + 4 * k);
+        const int w = nb - i < 2 ? 1 : 2;  // blocks in this group of columns
+        float32x4_t col[16];  // acc[32 i .. 32 (i + w)), 4 values a register
+        for (int k = 0; k < 8 * w; k++) col[k] = vld1q_f32(acc + QK * i + 4 * k);
         const block_q8_0 * x = (const block_q8_0 *) v + i;
         for (int64_t r = 0; r < rows; r++, x += nb) {
             if (e[r] == 0.0f) continue;
@@ -297,13 +297,13 @@ static void axpy_q8_0_neon(int64_t n, int64_t rows, const float * e, const void 
                     const int32x4_t q[4] = {vmovl_s16(vget_low_s16(lo)), vmovl_high_s16(lo),
                                             vmovl_s16(vget_low_s16(hi)), vmovl_high_s16(hi)};
                     for (int k = 0; k < 4; k++) {
-                        float32x4_t * t = &s4[8 * j + 4 * h + k];
+                        float32x4_t * t = &col[8 * j + 4 * h + k];
                         *t = vfmaq_n_f32(*t, vcvtq_f32_s32(q[k]), s);
                     }
                 }
             }
         }
-        for (int k = 0; k < 8 * w; k++) vst1q_f32(acc + QK * i + 4 * k, s4[k]);
+        for (int k = 0; k < 8 * w; k++) vst1q_f32(acc + QK * i + 4 * k, col[k]);
     }
 }
 
