@@ -163,7 +163,7 @@ class Engine:
             return 1
         if asked is not None:
             return asked
-        kv = kv_cache_bytes(self.backend.metadata, self.backend.n_ctx)
+        kv = kv_cache_bytes(self.backend.metadata, self.backend.n_ctx, self.backend.cache_types)
         return auto_parallel(self._batch_costs(), kv, available_memory())
 
     def batch_costs(self, remeasure: bool = False) -> list[float]:

@@ -85,9 +85,11 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def model_bytes(path: Path, n_ctx: int | None, contexts: int) -> int:
+def model_bytes(path: Path, n_ctx: int | None, contexts: int,
+                cache_types: tuple[str, str] = ("f16", "f16")) -> int:
     """What a model at ``path`` costs loaded: its file(s) plus ``contexts`` KV
-    caches of ``n_ctx`` tokens (the engine's default when None)."""
+    caches of ``n_ctx`` tokens (the engine's default when None) of
+    ``cache_types`` (key type, value type)."""
     if path.is_dir():   # an ONNX export
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     size = path.stat().st_size
@@ -95,7 +97,7 @@ def model_bytes(path: Path, n_ctx: int | None, contexts: int) -> int:
         arch = f.get("general.architecture")
         train = f.get(f"{arch}.context_length") or 0
         ctx = n_ctx or (min(DEFAULT_CTX, train) if train else DEFAULT_CTX)
-        kv = kv_cache_bytes(f.get, ctx)
+        kv = kv_cache_bytes(f.get, ctx, cache_types)
     return size + contexts * (kv or 0)
 
 
@@ -148,6 +150,7 @@ class EnginePool:
         # contexts per model: a slot each (at least one per generation running
         # at once; parallel None chooses at most AUTO_PARALLEL), and the embeddings context
         self._contexts = max(self.config.slots, self.config.parallel or AUTO_PARALLEL) + 1
+        self._cache_types = (self.config.cache_type_k, self.config.cache_type_v)   # their key and value types
         self.keep_alive = None if keep_alive is None or keep_alive < 0 else float(keep_alive)
         self._lock = threading.Lock()
         self._clock = 0
@@ -307,7 +310,8 @@ class EnginePool:
         path = Path(entry.engine.model_path)
         if path.is_dir():
             return
-        extra = model_bytes(path, n_ctx, 1) - model_bytes(path, self.config.n_ctx, 1)
+        types = self._cache_types
+        extra = model_bytes(path, n_ctx, 1, types) - model_bytes(path, self.config.n_ctx, 1, types)
         with self._lock:
             used = sum(e.bytes for e in self._entries.values())
         if extra > 0 and used + extra > self.budget:
@@ -323,7 +327,7 @@ class EnginePool:
                     return self._take(entry)
             backend = self.config.backend or default_backend(entry.ref, self.config.gpu_layers)
             path = resolve_model(backend, entry.ref)   # pulls a built-in model on first use
-            need = model_bytes(path, self.config.n_ctx, self._contexts)
+            need = model_bytes(path, self.config.n_ctx, self._contexts, self._cache_types)
             victims = self._make_room(entry, need)
             for engine in victims:
                 engine.close()

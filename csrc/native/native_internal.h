@@ -120,6 +120,11 @@ int64_t es_int8_loop(int64_t iterations, int32_t * sink);
 // acc[i] += e * v[i] for n binary16 values v (attention's weighted sum of
 // V rows): the same arithmetic on every call within one kernel set.
 void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc);
+// acc[i] += sum over r of e[r] v_r[i] for `rows` consecutive rows v_r of n
+// Q8_0 values (whole blocks; attention's weighted sum of a Q8_0 cache's V
+// rows): each block's weight folded into its scale, so no row is
+// dequantized into memory; the same bits in every kernel set and batch.
+void es_axpy_q8_0(int64_t n, int64_t rows, const float * e, const void * v, float * acc);
 
 /* ---- thread pool (threadpool.c) ------------------------------------------ */
 

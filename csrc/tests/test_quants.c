@@ -14,6 +14,7 @@
  *    kernels.h), within the same 1e-5 relative bound for the float types
  *    (their sums group differently per set); the selection's refusals;
  *  - within one kernel set, bit-identical rows for any split of the rows range;
+ *  - es_axpy_q8_0 against a double-precision sum, every set bit for bit the scalar one;
  *  - weight quantization (Q2_K, Q3_K): error bounds, a grid reproduced, refusals;
  *  - the thread pool: every thread runs once per call, nth as asked, many
  *    calls, repeated init/free.
@@ -532,7 +533,7 @@ static void test_matvec(void) {
             // arithmetic, so its rows are the scalar set's bit for bit.
             // Float types: each set sums in its own order; both are within
             // 1e-5 sum|terms| of the reference, so within 2e-5 of each other.
-            const bool quantized = es_act_type(WEIGHT_TYPES[t]) != WEIGHT_TYPES[t];
+            const bool quantized = es_type_block(WEIGHT_TYPES[t]) > 1;  // Q8_0 is its own activation type
             double worst = 0;
             for (int r = 0; r < MV_ROWS; r++) {
                 const double d = fabs((double) fast->y[t][r] - scalar->y[t][r]) / fast->mag[t][r];
@@ -632,6 +633,9 @@ static void test_extreme_sums(void) {
             es_matvec(type, w, xq, MV_N, 0, 1, &want[sign]);
             for (int32_t k = 0; es_kernels_available(k); k++) {
                 CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
+                float rows[ROWS];  // es_matvec over a group of rows (a set's rows kernel)
+                es_matvec(type, w, xq, MV_N, 0, ROWS, rows);
+                for (int r = 0; r < ROWS; r++) CHECK(memcmp(&rows[r], &want[sign], sizeof(float)) == 0);
                 for (int nt = 1; nt <= 9; nt++) {  // one activation row repeated: every batched kernel
                     for (int how = 0; how < (packed ? 2 : 1); how++) {  // rows as they are, repacked
                         float ys[9][ROWS];
@@ -651,6 +655,46 @@ static void test_extreme_sums(void) {
         free(xq);
         free(packed);
         free(w);
+    }
+    CHECK(es_kernels_select("auto") == ES_OK);
+}
+
+// es_axpy_q8_0 (attention's weighted sum of Q8_0 value rows) for rows of
+// 1 to 4 blocks: within 1e-5 of sum|terms| of a double-precision sum onto
+// the starting acc, and every set's bit for bit the scalar set's. Rows of
+// weight 0 are skipped: one with an infinite scale leaves no NaN.
+static void test_axpy_q8_0(void) {
+    enum { ROWS = 13, MAX_N = 128 };
+    static uint8_t v[ROWS * MAX_N / 32 * 34];
+    float e[ROWS], start[MAX_N], want[MAX_N], got[MAX_N];
+    rng = 0x853C49E6748FEA9Bull;
+    for (int n = 32; n <= MAX_N; n += 32) {
+        const size_t rb = es_type_row_bytes(ES_TYPE_Q8_0, n);
+        random_rows(ES_TYPE_Q8_0, v, rb * ROWS);
+        for (int r = 0; r < ROWS; r++) e[r] = r % 5 == 2 ? 0.0f : next_float() * 0.5f + 0.5f;
+        put_half(v + 2 * rb, 0x7C00);  // row 2 (weight 0): scale +inf
+        for (int i = 0; i < n; i++) start[i] = next_float();
+        CHECK(es_kernels_select("scalar") == ES_OK);
+        memcpy(want, start, sizeof start);
+        es_axpy_q8_0(n, ROWS, e, v, want);
+        for (int i = 0; i < n; i++) {
+            double ref = start[i], mag = fabs(start[i]);
+            for (int r = 0; r < ROWS; r++) {
+                if (e[r] == 0.0f) continue;
+                const uint8_t * b = v + r * rb + i / 32 * 34;
+                const double term = e[r] * half_value((uint16_t) (b[0] | (b[1] << 8))) * (int8_t) b[2 + i % 32];
+                ref += term, mag += fabs(term);
+            }
+            CHECK(fabs(want[i] - ref) <= 1e-5 * mag);
+        }
+        for (int32_t k = 0; es_kernels_available(k); k++) {
+            CHECK(es_kernels_select(es_kernels_available(k)) == ES_OK);
+            memcpy(got, start, sizeof start);
+            es_axpy_q8_0(n, ROWS, e, v, got);
+            if (memcmp(got, want, (size_t) n * sizeof(float)) != 0)
+                fprintf(stderr, "es_axpy_q8_0 n=%d: %s differs from scalar\n", n, es_kernels_available(k));
+            CHECK(memcmp(got, want, (size_t) n * sizeof(float)) == 0);
+        }
     }
     CHECK(es_kernels_select("auto") == ES_OK);
 }
@@ -728,6 +772,7 @@ int main(void) {
     test_matvec();
     test_repacked();
     test_extreme_sums();
+    test_axpy_q8_0();
     test_type_table();
     test_half_conversion();
     test_dequant_float_types();

@@ -105,10 +105,19 @@ def context_size(requested: int | None, limit: int, *, extend: bool | None = Fal
     return requested
 
 
-def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:
-    """Bytes of an F16 KV cache of ``n_ctx`` tokens (keys and values, every
-    layer) from a model's GGUF hyperparameters (``metadata(key)``: a value or
-    None); None when the model does not state them."""
+def kv_row_bytes(cache_type: str, head_dim: int) -> int:
+    """Bytes of one head's ``head_dim`` keys or values in a KV-cache type
+    (EngineConfig.cache_type_k / cache_type_v): f16 two a value, q8_0 ggml's
+    blocks of 32 int8 and an F16 scale (34 bytes per 32 values)."""
+    return 2 * head_dim if cache_type == "f16" else -(-head_dim // 32) * 34
+
+
+def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int,
+                   cache_types: tuple[str, str] = ("f16", "f16")) -> int | None:
+    """Bytes of a KV cache of ``n_ctx`` tokens (keys and values, every layer)
+    of ``cache_types`` (key type, value type) from a model's GGUF
+    hyperparameters (``metadata(key)``: a value or None); None when the model
+    does not state them."""
     arch = metadata("general.architecture")
     try:
         n_layer = int(metadata(f"{arch}.block_count"))
@@ -118,7 +127,7 @@ def kv_cache_bytes(metadata: Callable[[str], object], n_ctx: int) -> int | None:
         head_dim = int(metadata(f"{arch}.attention.key_length") or n_embd // n_head)
     except (TypeError, ValueError, ZeroDivisionError):
         return None
-    return 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+    return n_layer * n_ctx * n_head_kv * sum(kv_row_bytes(t, head_dim) for t in cache_types)
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,7 @@ class Backend(Closing, ABC):
     ctx_extend = False  # contexts beyond the training context are allowed
     groups = False      # decode_group works (_evaluate_group)
     expert_cache = None  # the native engine's moe.ExpertCache, where it keeps one
+    cache_types = ("f16", "f16")  # the KV cache's key and value types (EngineConfig.cache_type_k / _v)
     _closed = False   # class defaults: close() works on a half-made backend too
 
     def __init__(self, slots: int = 1):
@@ -257,15 +267,16 @@ class Backend(Closing, ABC):
         return "", ""
 
     def _check_kv_memory(self, n_ctx: int) -> None:
-        """Refuse a KV cache (F16 keys and values, every layer) larger than the
-        memory available, before anything is allocated. Uses the GGUF's own
-        hyperparameters; a model that does not state them is not checked."""
+        """Refuse a KV cache (keys and values of ``cache_types``, every layer)
+        larger than the memory available, before anything is allocated. Uses
+        the GGUF's own hyperparameters; a model that does not state them is
+        not checked."""
         path = Path(getattr(self, "path", "") or "")
         if path.suffix == ".gguf" and path.is_file():   # the C reader: no tokenizer loaded to read four numbers
             with GGUFFile(path) as f:
-                need = kv_cache_bytes(f.get, n_ctx)
+                need = kv_cache_bytes(f.get, n_ctx, self.cache_types)
         else:
-            need = kv_cache_bytes(self.metadata, n_ctx)
+            need = kv_cache_bytes(self.metadata, n_ctx, self.cache_types)
         have = available_memory()
         if need is not None and have is not None and need > have:
             raise InvalidArgumentError(f"a context of {n_ctx} tokens needs {need / 2**30:.1f} GiB for its KV "

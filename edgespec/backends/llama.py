@@ -75,8 +75,8 @@ class LlamaBackend(VocabMixin, Backend):
                  swa_full: bool = True, ctx_extend: bool = False, cache_type_k: str = "f16",
                  cache_type_v: str = "f16", verbose: bool = False):
         super().__init__(slots)
-        self._cache_types = (EngineConfig.check("cache_type_k", cache_type_k),
-                             EngineConfig.check("cache_type_v", cache_type_v))
+        self.cache_types = (EngineConfig.check("cache_type_k", cache_type_k),
+                            EngineConfig.check("cache_type_v", cache_type_v))
         self._contexts = [None] * slots
         init_llama(verbose)
         self.path = Path(path)
@@ -119,7 +119,7 @@ class LlamaBackend(VocabMixin, Backend):
         # removed again (llama.cpp cannot roll back a trimmed SWA cache).
         cparams.swa_full = self._swa_full
         # A quantized V cache needs flash attention, which llama.cpp's default (auto) turns on where it can.
-        cparams.type_k, cparams.type_v = (_CACHE_TYPES[t] for t in self._cache_types)
+        cparams.type_k, cparams.type_v = (_CACHE_TYPES[t] for t in self.cache_types)
         # Draft-tree branches are sequences sharing the prefix's cells; a unified
         # cache makes llama_memory_seq_cp a tag on those cells, not a copy.
         # (Embeddings: sequences of a batch take cells anywhere in the cache.)

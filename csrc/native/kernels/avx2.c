@@ -78,6 +78,34 @@ static void axpy_f16_avx2(int64_t n, float e, const uint16_t * v, float * acc) {
     for (; i < n; i++) acc[i] = fmaf(e, half_to_f32(v[i]), acc[i]);
 }
 
+// es_axpy_q8_0 for nb = 1 or 2 blocks of each row (the columns of acc in
+// registers across all rows), rows `row` bytes apart.
+static ALWAYS_INLINE void axpy_q8_0_blocks(int nb, int64_t rows, const float * e, const block_q8_0 * x,
+                                           size_t row, float * acc) {
+    __m256 a[8];
+    for (int k = 0; k < 4 * nb; k++) a[k] = _mm256_loadu_ps(acc + 8 * k);
+    for (int64_t r = 0; r < rows; r++, x = (const block_q8_0 *) ((const uint8_t *) x + row)) {
+        if (e[r] == 0.0f) continue;
+        for (int i = 0; i < nb; i++) {
+            const __m256 s = _mm256_set1_ps(e[r] * h2f(x[i].d));
+            for (int k = 0; k < 4; k++) {
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (x[i].qs + 8 * k))));
+                a[4 * i + k] = _mm256_fmadd_ps(s, q, a[4 * i + k]);
+            }
+        }
+    }
+    for (int k = 0; k < 4 * nb; k++) _mm256_storeu_ps(acc + 8 * k, a[k]);
+}
+
+static void axpy_q8_0_avx2(int64_t n, int64_t rows, const float * e, const void * v, float * acc) {
+    const block_q8_0 * x = v;
+    const int64_t nb = n / QK;
+    const size_t row = (size_t) nb * sizeof *x;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) axpy_q8_0_blocks(2, rows, e, x + i, row, acc + QK * i);
+    if (i < nb) axpy_q8_0_blocks(1, rows, e, x + i, row, acc + QK * i);
+}
+
 /* ---- the set's integer products (x86.h's templates call them) -------------- */
 
 // 8 lanes of pairwise-summed u8 x s8 products as int32 (4 products per lane).
@@ -348,12 +376,14 @@ static es_kernel_set KERNELS_AVX2 = {
         QUANTIZED_KERNELS(dot, avx2),
     },
     .dotn = {QUANTIZED_KERNELS(dotn, avx2)},
+    .dot_rows = {[ES_TYPE_Q8_0] = dot_rows_q8_0_avx2},
     .tile = {
         [ES_TYPE_Q4_0] = tile_q4_0, [ES_TYPE_Q4_1] = tile_q4_1, [ES_TYPE_Q5_0] = tile_q5_0,
         [ES_TYPE_Q5_1] = tile_q5_1, [ES_TYPE_Q4_K] = tile_q4_K_wide, [ES_TYPE_Q5_K] = tile_q5_K_wide,
         [ES_TYPE_Q6_K] = tile_q6_K_wide,
     },
     .axpy_f16 = axpy_f16_avx2,
+    .axpy_q8_0 = axpy_q8_0_avx2,
     .int8_loop = int8_loop_avx2,
 };
 

@@ -9,7 +9,8 @@
  * instruction where AVX2 needs maddubs and madd, and vpdpwssd weights the
  * K-quants' int16 pair sums by their sub-block scales as it accumulates,
  * where AVX2 needs levels of hadd (the shuffle port) and a madd. F32/F16/BF16
- * and Q2_K/Q3_K keep the AVX2 set's kernels.
+ * and Q2_K/Q3_K keep the AVX2 set's kernels, as do attention's (es_axpy_f16,
+ * es_axpy_q8_0).
  */
 #include "kernels.h"
 
@@ -201,6 +202,7 @@ const es_kernel_set * es__kernels_avx512(void) {
     KERNELS_AVX512 = *avx2;
     KERNELS_AVX512.name = "avx512";
     KERNELS_AVX512.int8_loop = int8_loop_avx512;
+    KERNELS_AVX512.dot_rows[ES_TYPE_Q8_0] = dot_rows_q8_0_avx512;
     // This set's own kernels; the rest (float types, Q2_K, Q3_K) are the AVX2 set's.
 #define OWN(T, ID) {ID, dot_##T##_avx512, dotn_##T##_avx512, tile_##T}
     static const struct { int32_t type; vec_dot_fn dot; const vec_dotn_fn * dotn; tile_fn tile; } own[] = {

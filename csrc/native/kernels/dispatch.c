@@ -1,7 +1,7 @@
 /*
  * dispatch.c — which kernel set runs: the sets this build and CPU have, best
  * first (avx512, avx2 or neon, then scalar), es_kernels_select, and the
- * front ends es_matvec / es_matmat / es_axpy_f16 over the set in use.
+ * front ends es_matvec / es_matmat / es_axpy_f16 / es_axpy_q8_0 over the set in use.
  *
  * The CPU is asked here, in a file compiled without ISA flags, before any
  * function of a file compiled with them runs.
@@ -77,14 +77,22 @@ const char * es_kernels_available(int32_t i) {
 }
 
 void es_matvec(int32_t type, const void * w, const void * xq, int64_t n, int64_t r0, int64_t r1, float * y) {
+    const es_kernel_set * k = kernels();
     const size_t row_bytes = es_type_row_bytes(type, n);
-    const vec_dot_fn dot = type >= 0 && type < N_TYPES ? kernels()->dot[type] : NULL;
-    if (!dot || row_bytes == 0) return;
+    if (type < 0 || type >= N_TYPES || !k->dot[type] || row_bytes == 0 || r0 >= r1) return;
     const uint8_t * row = (const uint8_t *) w + (size_t) r0 * row_bytes;
-    for (int64_t r = r0; r < r1; r++, row += row_bytes) y[r - r0] = dot(n, row, xq);
+    if (k->dot_rows[type]) {
+        k->dot_rows[type](n, row, r1 - r0, xq, y);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r++, row += row_bytes) y[r - r0] = k->dot[type](n, row, xq);
 }
 
 void es_axpy_f16(int64_t n, float e, const uint16_t * v, float * acc) { kernels()->axpy_f16(n, e, v, acc); }
+
+void es_axpy_q8_0(int64_t n, int64_t rows, const float * e, const void * v, float * acc) {
+    kernels()->axpy_q8_0(n, rows, e, v, acc);
+}
 
 int64_t es_int8_loop(int64_t iterations, int32_t * sink) { return kernels()->int8_loop(iterations, sink); }
 

@@ -282,6 +282,11 @@ typedef void (*vec_dotn_fn)(int64_t n, const void * w, const void * a, size_t a_
 // Each (row, token) value is bit for bit what vec_dot_fn gives.
 typedef void (*tile_fn)(int64_t n, const void * wp, int64_t n_groups, const void * a, size_t a_stride,
                         int32_t nt, float * y, size_t y_stride);
+// One activation row a against `rows` consecutive rows of w (n elements
+// each), into y[0..rows-1]: es_matvec's product where a set reduces several
+// rows' block sums together (attention's thousands of short key rows). Each
+// value is bit for bit what vec_dot_fn gives.
+typedef void (*dot_rows_fn)(int64_t n, const void * w, int64_t rows, const void * a, float * y);
 
 typedef struct es_kernel_set {
     const char * name;
@@ -292,7 +297,12 @@ typedef struct es_kernel_set {
     // set's tile does it faster; NULL: tile. Every set computes the same
     // per-token arithmetic, so the choice leaves results bit-identical.
     tile_fn      tile_one[N_TYPES];
+    dot_rows_fn  dot_rows[N_TYPES];     // NULL: es_matvec calls dot per row
     void (*axpy_f16)(int64_t n, float e, const uint16_t * v, float * acc);
+    // es_axpy_q8_0 (native_internal.h): per row r and block, s = e[r] d, then
+    // acc[i] = fmaf(s, q[i], acc[i]) in row order (rows with e[r] == 0 add
+    // nothing and are skipped): the same bits in every set.
+    void (*axpy_q8_0)(int64_t n, int64_t rows, const float * e, const void * v, float * acc);
     // The set's integer step in its tightest loop, iterations times over
     // independent registers; returns the int8 multiply-accumulates done
     // (the result goes to *sink, so nothing is optimized away).

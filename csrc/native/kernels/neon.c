@@ -252,6 +252,61 @@ EACH_NT(DOT_K4_NEON_NT, q4_K) NT_TABLE_NEON(q4_K)
 EACH_NT(DOT_K4_NEON_NT, q5_K) NT_TABLE_NEON(q5_K)
 EACH_NT(DOT_Q6K_NEON_NT, q6_K) NT_TABLE_NEON(q6_K)
 
+// Q8_0 rows against one activation row (attention's keys): 4 rows at a
+// time, each in a lane: per block the 4 rows' exact sums reduced together
+// (pairwise adds), then each lane's float step of the per-token arithmetic,
+// so every row is bit for bit dot_q8_0_neon's; the rows left over by it.
+static void dot_rows_q8_0_neon(int64_t n, const void * w, int64_t rows, const void * a, float * y) {
+    const block_q8_0 * x = w, * q = a;
+    const int64_t nb = n / QK;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4, x += 4 * nb) {
+        float32x4_t acc = vdupq_n_f32(0);
+        for (int64_t i = 0; i < nb; i++) {
+            const int8x16_t q0 = vld1q_s8(q[i].qs), q1 = vld1q_s8(q[i].qs + 16);
+            int32x4_t p[4];
+            float d[4];
+            for (int k = 0; k < 4; k++) {
+                const block_q8_0 * b = x + k * nb + i;
+                p[k] = vaddq_s32(dot_s8x16(vld1q_s8(b->qs), q0), dot_s8x16(vld1q_s8(b->qs + 16), q1));
+                d[k] = half_to_f32(b->d);
+            }
+            const int32x4_t sums = vpaddq_s32(vpaddq_s32(p[0], p[1]), vpaddq_s32(p[2], p[3]));
+            acc = vfmaq_f32(acc, vmulq_n_f32(vld1q_f32(d), half_to_f32(q[i].d)), vcvtq_f32_s32(sums));
+        }
+        vst1q_f32(y + r, acc);
+    }
+    for (; r < rows; r++, x += nb) y[r] = dot_q8_0_neon(n, x, a);
+}
+
+// es_axpy_q8_0: two blocks of columns at a time, held in registers across all rows.
+static void axpy_q8_0_neon(int64_t n, int64_t rows, const float * e, const void * v, float * acc) {
+    const int64_t nb = n / QK;
+    for (int64_t i = 0; i < nb; i += 2) {
+        const int w = nb - i < 2 ? 1 : 2;  // blocks in this group of columns
+        float32x4_t col[16];  // acc[32 i .. 32 (i + w)), 4 values a register
+        for (int k = 0; k < 8 * w; k++) col[k] = vld1q_f32(acc + QK * i + 4 * k);
+        const block_q8_0 * x = (const block_q8_0 *) v + i;
+        for (int64_t r = 0; r < rows; r++, x += nb) {
+            if (e[r] == 0.0f) continue;
+            for (int j = 0; j < w; j++) {
+                const float s = e[r] * half_to_f32(x[j].d);
+                for (int h = 0; h < 2; h++) {
+                    const int8x16_t b = vld1q_s8(x[j].qs + 16 * h);
+                    const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+                    const int32x4_t q[4] = {vmovl_s16(vget_low_s16(lo)), vmovl_high_s16(lo),
+                                            vmovl_s16(vget_low_s16(hi)), vmovl_high_s16(hi)};
+                    for (int k = 0; k < 4; k++) {
+                        float32x4_t * t = &col[8 * j + 4 * h + k];
+                        *t = vfmaq_n_f32(*t, vcvtq_f32_s32(q[k]), s);
+                    }
+                }
+            }
+        }
+        for (int k = 0; k < 8 * w; k++) vst1q_f32(acc + QK * i + 4 * k, col[k]);
+    }
+}
+
 // Q2_K / Q3_K chunk k as u8 values 0..7 (elements 0..15 and 16..31: sub-blocks
 // 2k and 2k + 1), unpacked once for all tokens; per token the exact int sums
 // as in the scalar kernels.
@@ -629,7 +684,9 @@ static es_kernel_set KERNELS_NEON = {
         QUANTIZED_KERNELS(dot, neon),
     },
     .dotn = {QUANTIZED_KERNELS(dotn, neon)},
+    .dot_rows = {[ES_TYPE_Q8_0] = dot_rows_q8_0_neon},
     NEON_TILES
+    .axpy_q8_0 = axpy_q8_0_neon,
     .int8_loop = int8_loop_neon,
 };
 

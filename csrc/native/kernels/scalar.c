@@ -33,6 +33,17 @@ static void axpy_f16_scalar(int64_t n, float e, const uint16_t * v, float * acc)
     for (int64_t i = 0; i < n; i++) acc[i] += e * half_to_f32(v[i]);
 }
 
+static void axpy_q8_0_scalar(int64_t n, int64_t rows, const float * e, const void * v, float * acc) {
+    const block_q8_0 * x = v;
+    for (int64_t r = 0; r < rows; r++, x += n / QK) {
+        if (e[r] == 0.0f) continue;
+        for (int64_t i = 0; i < n / QK; i++) {
+            const float s = e[r] * half_to_f32(x[i].d);
+            for (int j = 0; j < QK; j++) acc[QK * i + j] = fmaf(s, (float) x[i].qs[j], acc[QK * i + j]);
+        }
+    }
+}
+
 static float dot_q4_0_scalar(int64_t n, const void * w, const void * a) {
     const block_q4_0 * x = w;
     const block_q8_0 * y = a;
@@ -394,6 +405,7 @@ static const es_kernel_set KERNELS_SCALAR = {
         [ES_TYPE_Q5_K] = tile_q5_K_scalar, [ES_TYPE_Q6_K] = tile_q6_K_scalar,
     },
     .axpy_f16 = axpy_f16_scalar,
+    .axpy_q8_0 = axpy_q8_0_scalar,
     .int8_loop = int8_loop_scalar,
 };
 

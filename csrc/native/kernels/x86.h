@@ -292,12 +292,49 @@ typedef struct { __m256i s[4]; } q6_scales;
         for (int t = 0; t < NT; t++) out[t] = acc[t];                                       \
     }
 
+/* ---- Q8_0 rows against one activation row (attention's keys) -------------- */
+
+// Lane r: the sum of p[r]'s 8 lanes (exact int32 sums).
+static inline __m256i hsum8_i32x8(const __m256i p[8]) {
+    const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    // a: p0..p3's low 128-bit halves' sums, then their high halves'; b: p4..p7's
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Rows 8 at a time, each in a lane: per block the 8 rows' exact sums
+// reduced together, then each lane's float step of the per-token
+// arithmetic (fma(d_w d_a, sumi, acc)), so every row is bit for bit
+// dot_q8_0_SET's; the rows left over by it.
+#define DOT_ROWS_Q8_0(SET)                                                                    \
+    static void dot_rows_q8_0_##SET(int64_t n, const void * w, int64_t rows, const void * a, float * y) { \
+        const block_q8_0 * x = w, * q = a;                                                  \
+        const int64_t nb = n / QK;                                                          \
+        int64_t r = 0;                                                                      \
+        for (; r + 8 <= rows; r += 8, x += 8 * nb) {                                        \
+            __m256 acc = _mm256_setzero_ps();                                               \
+            for (int64_t i = 0; i < nb; i++) {                                              \
+                __m256i p[8];                                                               \
+                float d[8];  /* scalar loads: a gather costs more here */                   \
+                for (int k = 0; k < 8; k++) {                                               \
+                    p[k] = PROD_SIGNED(SET, unpack_q8_0(x + k * nb + i), q[i].qs);           \
+                    d[k] = h2f(x[k * nb + i].d);                                            \
+                }                                                                           \
+                acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(d), _mm256_set1_ps(h2f(q[i].d))), \
+                                      _mm256_cvtepi32_ps(hsum8_i32x8(p)), acc);             \
+            }                                                                               \
+            _mm256_storeu_ps(y + r, acc);                                                   \
+        }                                                                                   \
+        for (; r < rows; r++, x += nb) y[r] = dot_q8_0_##SET(n, x, a);                      \
+    }
+
 // Every quantized type's unpacked kernels of a set (its primitives defined
-// before), for NT = 1..MAX_NT, with their tables.
+// before), for NT = 1..MAX_NT, with their tables; Q8_0's rows kernel.
 #define UNPACKED_KERNELS(SET)                                                                 \
     EACH_NT2(DOT32, SET, q4_0) NT_TABLE_SET(q4_0, SET)                                        \
     EACH_NT2(DOT32, SET, q5_0) NT_TABLE_SET(q5_0, SET)                                        \
-    EACH_NT2(DOT32, SET, q8_0) NT_TABLE_SET(q8_0, SET)                                        \
+    EACH_NT2(DOT32, SET, q8_0) NT_TABLE_SET(q8_0, SET) DOT_ROWS_Q8_0(SET)                     \
     EACH_NT2(DOT32, SET, q4_1) NT_TABLE_SET(q4_1, SET)                                        \
     EACH_NT2(DOT32, SET, q5_1) NT_TABLE_SET(q5_1, SET)                                        \
     EACH_NT2(DOT_K4, SET, q4_K) NT_TABLE_SET(q4_K, SET)                                       \
