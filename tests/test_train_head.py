@@ -120,7 +120,7 @@ def test_chain_steps_are_trained_as_the_head_drafts_them(tiny_llama_path):
 def test_the_file_says_how_it_was_made(trained):
     r = recipe(trained)
     assert r["lang"] == "python" and r["mode"] == "text" and r["steps"] > 0 and r["rows_seen"] > 0
-    assert r["data"]["tokens"] == head.FeatureSet(trained.with_suffix(".data")).manifest["tokens"]
+    assert r["data"][0]["tokens"] == head.FeatureSet(trained.with_suffix(".data")).manifest["tokens"]
     assert 0 < r["held_out_agreement"] <= 1 and r["curve"][-1][0] <= r["rows_seen"]
     with GGUFFile(trained) as f:
         assert f.get(DRAFT_VOCAB_KEY) is None   # trained on every row: the drafter computes every row
@@ -329,3 +329,27 @@ def test_a_head_of_known_cost_opens_only_when_first_asked(trained, tiny_llama_pa
                 drafter_dir=str(folder)) as engine:
         engine.generate(german, max_tokens=8)
     assert opened == []
+
+
+def test_a_head_trains_on_several_feature_sets(tmp_path, tiny_llama_path, trained):
+    """--data repeatable: this run's collection (the first) and earlier ones,
+    trained on together and named in the recipe; a set of another target's
+    features is refused naming it."""
+    out = tmp_path / "m.gguf"
+    p = head.HeadParams(**{**SMALL, "ctx": 48}, mode="generate", prompt_tokens=16, tokens=300, minutes=0.02)
+    head.train_head_model(str(tiny_llama_path), out, p, data=[tmp_path / "gen", trained.with_suffix(".data")],
+                          progress=False)
+    made = recipe(out)
+    assert [(x["mode"], x["tokens"]) for x in made["data"]] == [
+        ("generate", head.FeatureSet(tmp_path / "gen").manifest["tokens"]),
+        ("text", head.FeatureSet(trained.with_suffix(".data")).manifest["tokens"])]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for f in trained.with_suffix(".data").iterdir():
+        (foreign / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((foreign / head.MANIFEST).read_text())
+    manifest.update(target="other", target_vocab="0" * 16)
+    (foreign / head.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InvalidArgumentError, match=f"{foreign} holds features of other, not of"):
+        head.train_head_model(str(tiny_llama_path), tmp_path / "f.gguf", p, data=[tmp_path / "gen", foreign],
+                              progress=False)

@@ -180,7 +180,9 @@ def train_head_cmd(
     data_minutes: float = typer.Option(None, "--data-minutes", help="Collect the target's features for this "
                                        "long, all runs together (default: all the text, or --tokens)."),
     tokens: int = typer.Option(None, "--tokens", help="Collect until this many tokens, all runs together."),
-    data: Path = typer.Option(None, "--data", help="The features folder (default OUT.data/)."),
+    data: list[Path] = typer.Option(None, "--data", help="Features folders, repeatable: the first is where this "
+                                    "run collects (default OUT.data/), every one is trained on (others made by "
+                                    "earlier runs, e.g. English text beside translations)."),
     ctx: int = typer.Option(256, "--ctx", help="Tokens per sequence, prompt and answer, [16, 4096]."),
     prompt_tokens: int = typer.Option(96, "--prompt-tokens", help="generate, chat, translate: the text "
                                       "each prompt is made of, in tokens."),

@@ -347,16 +347,18 @@ class HeadData:
     keep: np.ndarray                                # (draft_vocab,) the kept token ids
 
 
-def prepare(target_path: Path, fingerprint: str, n_vocab: int, data: FeatureSet, p: HeadParams) -> HeadData:
-    seqs = [(s.tokens.astype(np.int64)[s.start:], s.features[s.start:]) for s in data.sequences()]
+def prepare(target_path: Path, target_name: str, fingerprint: str, n_vocab: int, data: Sequence[FeatureSet],
+            p: HeadParams) -> HeadData:
+    seqs = [(s.tokens.astype(np.int64)[s.start:], s.features[s.start:]) for d in data for s in d.sequences()]
     seqs = [s for s in seqs if len(s[0]) > 4]
     if not seqs:
-        raise InvalidArgumentError(f"{data.folder} holds no sequences to train on: collect longer (--data-minutes)")
+        raise InvalidArgumentError(f"{', '.join(str(d.folder) for d in data)}: no sequences to train on: "
+                                   "collect longer (--data-minutes)")
     order = np.random.default_rng(p.seed).permutation(len(seqs))
     n_held = max(1, int(round(len(seqs) * p.held_out_share))) if len(seqs) > 1 else 0
     held, train_ = [seqs[i] for i in order[:n_held]], [seqs[i] for i in order[n_held:]]
     keep = (np.arange(n_vocab) if p.draft_vocab >= n_vocab   # every row: no ranking needed
-            else ranks.top_tokens(fingerprint, p.draft_vocab, n_vocab, data.manifest["target"]))
+            else ranks.top_tokens(fingerprint, p.draft_vocab, n_vocab, target_name))
     used = np.unique(np.concatenate([t for t, _ in seqs]))
     with GGUFFile(target_path) as f:
         embd = f.tensor("token_embd.weight")
@@ -462,20 +464,26 @@ class HeadResult:
     bytes: int
 
 
-def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path, p: HeadParams, *,
+def train_head(target_path: Path, target_name: str, data: Sequence[FeatureSet], out: Path, p: HeadParams, *,
                restart: bool = False, progress: bool = True, command: str = "") -> HeadResult:
-    """Stage 2: train (or go on training) the head on ``data``; export the best state to ``out``."""
+    """Stage 2: train (or go on training) the head on the feature sets
+    ``data`` together; export the best state to ``out``."""
+    from ..backends.vocab import Vocab
+
     torch = import_torch()
-    data.verify()
     with GGUFFile(target_path) as f:
         shape = replace(network.read_shape(f), n_layer=1, n_ff=p.n_ff)
         n_vocab = shape.n_vocab
-    if data.manifest["n_embd"] != shape.n_embd:
-        raise InvalidArgumentError(f"{data.folder} holds features {data.manifest['n_embd']} wide, "
-                                   f"{target_name}'s are {shape.n_embd}")
-    d = prepare(target_path, data.manifest["target_vocab"], n_vocab, data, p)
+    with Vocab.load(target_path) as vocab:
+        fingerprint = target_fingerprint(vocab)
+    for d in data:
+        d.verify()
+        if d.manifest["target_vocab"] != fingerprint or d.manifest["n_embd"] != shape.n_embd:
+            raise InvalidArgumentError(f"{d.folder} holds features of {d.manifest['target']}, not of {target_name}")
+    d = prepare(target_path, target_name, fingerprint, n_vocab, data, p)
     if not d.train:
-        raise InvalidArgumentError(f"{data.folder} holds too few sequences to train on: collect longer")
+        raise InvalidArgumentError(f"{', '.join(str(x.folder) for x in data)}: too few sequences to train on: "
+                                   "collect longer")
     torch.manual_seed(p.seed)
     if p.threads:
         torch.set_num_threads(p.threads)
@@ -554,9 +562,9 @@ def train_head(target_path: Path, target_name: str, data: FeatureSet, out: Path,
                 evaluate()
             model.load_state_dict(state["best_state"])
             recipe = {"command": command, "lang": p.lang, "mode": p.mode,
-                      "data": {k: data.manifest.get(k) for k in ("target", "sources", "ctx", "prompt_tokens",
-                                                                 "sequences", "tokens", "rows", "text_sha256",
-                                                                 "seconds")},
+                      "data": [{k: x.manifest.get(k) for k in ("lang", "mode", "sources", "ctx", "prompt_tokens",
+                                                               "sequences", "tokens", "rows", "text_sha256",
+                                                               "seconds")} for x in data],
                       "data_digest": digest, "params": p.shape(), "steps": state["step"],
                       "minutes": round(state["seconds"] / 60, 1), "rows_seen": state["rows"],
                       "held_out_agreement": round(state["best"], 4), "curve": state["curve"]}
@@ -585,8 +593,8 @@ class _StopOnTerm:
             self._old = None
 
 
-def _data_digest(data: FeatureSet) -> str:
-    return hashlib.sha256("".join(s["sha256"] for s in data.manifest["shards"]).encode()).hexdigest()
+def _data_digest(data: Sequence[FeatureSet]) -> str:
+    return hashlib.sha256("".join(s["sha256"] for d in data for s in d.manifest["shards"]).encode()).hexdigest()
 
 
 def check_size(s: network.NetShape, p: HeadParams) -> None:
@@ -617,11 +625,14 @@ def export(out: Path, target_path: Path, model, p: HeadParams, recipe: dict) -> 
 
 # -- the command ---------------------------------------------------------------------------------
 
-def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *, data: str | os.PathLike | None = None,
+def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *,
+                     data: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
                      restart: bool = False, progress: bool = True, command: str = "") -> HeadResult:
     """Both stages for a model reference (a built-in name, a GGUF path;
-    default: the built-in default): features into ``data`` (default
-    OUT.data/) unless enough are there, then the head into ``out``."""
+    default: the built-in default): features into the first folder of
+    ``data`` (default OUT.data/) unless enough are there, then the head into
+    ``out``, trained on every folder of ``data`` (the others made by earlier
+    runs: English text beside translations, say)."""
     from ..engine import Engine
 
     check_params(p)
@@ -640,12 +651,14 @@ def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *
             raise InvalidArgumentError(f"{path}: a draft head cannot be trained for a {arch} model "
                                        f"(architectures: {', '.join(plain)})")
         check_size(replace(network.read_shape(f), n_layer=1), p)
-    folder = Path(data) if data is not None else out.with_suffix(".data")
-    if not collected(folder, p):
+    folders = ([Path(data)] if isinstance(data, (str, os.PathLike)) else [Path(x) for x in data or ()]) or \
+        [out.with_suffix(".data")]
+    others = [FeatureSet(x) for x in folders[1:]]   # made before: refused now when they are not
+    if not collected(folders[0], p):
         with Engine(ref, backend="native", threads=p.threads, n_ctx=p.ctx + 64, n_batch=max(p.ctx, 64),
                     drafter="ngram") as engine:
-            features = collect(engine, registry.model_name(ref), folder, p, progress=progress)
+            first = collect(engine, registry.model_name(ref), folders[0], p, progress=progress)
     else:
-        features = FeatureSet(folder)
-    return train_head(path, registry.model_name(ref), features, out, p, restart=restart, progress=progress,
-                      command=command)
+        first = FeatureSet(folders[0])
+    return train_head(path, registry.model_name(ref), [first, *others], out, p, restart=restart,
+                      progress=progress, command=command)
