@@ -36,16 +36,19 @@ from edgespec.drafters.model import target_fingerprint  # noqa: E402
 
 
 def cpu_flags() -> str:
-    flags = set()
+    flags, name = set(), platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
                 break
     except OSError:
         pass
     shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8") if f in flags]
-    return f"{platform.processor() or platform.machine()} [{' '.join(shown)}]"
+    return f"{name} [{' '.join(shown)}]"
 
 
 def run(engine: Engine, prompt, drafter: str, tokens: int):

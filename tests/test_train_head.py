@@ -353,3 +353,31 @@ def test_a_head_trains_on_several_feature_sets(tmp_path, tiny_llama_path, traine
     with pytest.raises(InvalidArgumentError, match=f"{foreign} holds features of other, not of"):
         head.train_head_model(str(tiny_llama_path), tmp_path / "f.gguf", p, data=[tmp_path / "gen", foreign],
                               progress=False)
+
+
+# -- the shipped heads (models tier) -----------------------------------------------------------
+
+SHIPPED_HEAD_PROMPTS = {
+    "eng": [{"role": "user", "content": "Why do leaves change colour in autumn? Explain it to a curious child."}],
+    "deu": [{"role": "user", "content": "Translate the following text into English:\n\nDer Zug hatte zwanzig "
+                                        "Minuten Verspätung, weil ein Baum auf die Gleise gefallen war. Die "
+                                        "Reisenden warteten geduldig und tranken Kaffee am Bahnsteig."}],
+}
+
+
+def test_shipped_heads_serve_qwen_coder(qwen_coder_15b_path, monkeypatch, capsys):
+    """Every shipped head is listed for its target, under the 30 MB cap, with
+    its recipe; auto routes a request of its language (our own, not a
+    suite's) to it, and the output is plain decoding's."""
+    code, out, err = run_cli(monkeypatch, capsys, "drafter", "list", "--model", "qwen2.5-coder-1.5b", "--json")
+    assert code == 0, err
+    heads = [json.loads(line) for line in out.splitlines() if "-head.gguf" in line]
+    assert sorted(h["langs"][0] for h in heads) == sorted(SHIPPED_HEAD_PROMPTS)
+    with Engine("qwen2.5-coder-1.5b", threads=2) as engine:
+        for info in heads:
+            assert info["problem"] is None and info["size"] <= head.MAX_HEAD_BYTES and "held-out" in info["recipe"]
+            lang = info["langs"][0]
+            plain = engine.generate(messages=SHIPPED_HEAD_PROMPTS[lang], max_tokens=48, drafter="none")
+            routed = engine.generate(messages=SHIPPED_HEAD_PROMPTS[lang], max_tokens=48, drafter="auto")
+            assert routed.tokens == plain.tokens
+            assert routed.stats.spec.specialized == Path(info["file"]).stem, routed.stats.spec.drafters
