@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +25,7 @@ from edgespec.training import corpus, distill, train
 from edgespec.drafters.model import target_fingerprint
 from edgespec.errors import DrafterError, InvalidArgumentError
 from edgespec.models.gguf import GGUFFile
-
+from processes import killed_when
 DATA = Path(__file__).parent / "data" / "routing"
 TEXT = str(DATA / "python.txt")
 # A drafter small enough to train in seconds.
@@ -125,18 +122,6 @@ def test_interrupted_distill_keeps_what_was_labelled(tmp_path, tiny_llama_path, 
     assert records(tmp_path) == records(distilled)
 
 
-def _killed_when(script: str, ready, *args) -> None:
-    """Run ``script`` (Python) with ``args`` and kill it (-9) once ``ready()`` holds."""
-    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)])
-    try:
-        while not ready():
-            assert proc.poll() is None, "it ended before it was killed"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-
-
 def test_a_distill_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_llama_path, distilled):
     # A shard every 0.2 s, a sequence every 0.1 s: killed after a few shards.
     script = """if True:
@@ -153,7 +138,7 @@ def test_a_distill_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_llam
                 fingerprint=target_fingerprint(target), progress=False)
     """
     manifest = tmp_path / distill.MANIFEST
-    _killed_when(script, lambda: manifest.exists() and json.loads(manifest.read_text())["sequences"] >= 3,
+    killed_when(script, lambda: manifest.exists() and json.loads(manifest.read_text())["sequences"] >= 3,
                  tiny_llama_path, tmp_path, TEXT)
     kept = distill.DistillSet(tmp_path).manifest["sequences"]
     assert 3 <= kept < distill.DistillSet(distilled).manifest["sequences"]
@@ -302,7 +287,7 @@ def test_a_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, distille
     """
     out = tmp_path / "k.gguf"
     ckpt = out.with_suffix(".ckpt")
-    _killed_when(script, ckpt.exists, tiny_llama_path, distilled, out)
+    killed_when(script, ckpt.exists, tiny_llama_path, distilled, out)
     saved = train.load_checkpoint(ckpt)["progress"]
     assert saved["step"] > 0
     params = train.TrainParams(lang="python", minutes=(saved["seconds"] + 1) / 60, n_embd=32, n_layer=1,

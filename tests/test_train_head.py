@@ -29,6 +29,7 @@ from edgespec.models.gguf import GGUFFile
 from edgespec.planner import Planner
 from edgespec.training import head, network
 from edgespec.training.train import load_checkpoint
+from processes import killed_when
 
 TEXT = str(Path(__file__).parent / "data" / "routing" / "python.txt")
 # A head small enough to train in seconds: the tiny llama's width, a narrow feed-forward.
@@ -168,7 +169,7 @@ def test_a_collection_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_l
     """
     out = tmp_path / "k.gguf"
     manifest = out.with_suffix(".data") / head.MANIFEST
-    _killed_when(script, lambda: manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2,
+    killed_when(script, lambda: manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2,
                  tiny_llama_path, out, TEXT)
     done = head.FeatureSet(out.with_suffix(".data"))
     done.verify()
@@ -192,7 +193,7 @@ def test_a_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, tiny_lla
     """
     out = tmp_path / "k.gguf"
     ckpt = out.with_suffix(".ckpt")
-    _killed_when(script, ckpt.exists, tiny_llama_path, out, TEXT, trained.with_suffix(".data"))
+    killed_when(script, ckpt.exists, tiny_llama_path, out, TEXT, trained.with_suffix(".data"))
     saved = load_checkpoint(ckpt)["progress"]
     assert saved["step"] > 0
     p = head.HeadParams(**SMALL, minutes=(saved["seconds"] + 1) / 60)
@@ -226,18 +227,6 @@ def test_a_training_stopped_with_sigterm_keeps_and_exports_its_work(tmp_path, ti
     assert load_checkpoint(out.with_suffix(".ckpt"))["progress"]["step"] > 0
     with open_backend("native", tiny_llama_path, n_ctx=64, threads=1) as target:
         target.open_head(out).close()
-
-
-def _killed_when(script: str, ready, *args) -> None:
-    """Run ``script`` (Python) with ``args`` and kill it (-9) once ``ready()`` holds."""
-    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)])
-    try:
-        while not ready():
-            assert proc.poll() is None, "it ended before it was killed"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
 
 
 def test_damaged_features_are_refused(tmp_path, trained):
