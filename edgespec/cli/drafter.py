@@ -144,7 +144,7 @@ def train_cmd(
 ) -> None:
     """Train a drafter for a target on its soft labels (from scratch: plain text first; or grown from a
     smaller model with the target's tokenizer, --init MODEL) and export it as a GGUF for `--drafter model
-    --draft-model OUT` or a target's drafter set. Needs the train extra: pip install 'edgespec[train]'."""
+    --draft-model OUT` or a target's drafter set. Needs the train extra: pip install 'edgespec\\[train]'."""
     import shlex
     import sys
 
@@ -201,7 +201,7 @@ def train_head_cmd(
 ) -> None:
     """Train a draft head (EAGLE-1) on TARGET's own features for `--drafter head --head OUT`: the target's
     hidden states over text of the language (or its own answers), then the head's layer (PyTorch).
-    Resumable at every stage. Needs the train extra: pip install 'edgespec[train]'."""
+    Resumable at every stage. Needs the train extra: pip install 'edgespec\\[train]'."""
     import shlex
     import sys
 
