@@ -370,3 +370,16 @@ def test_shipped_heads_serve_qwen_coder(qwen_coder_15b_path, monkeypatch, capsys
             routed = engine.generate(messages=SHIPPED_HEAD_PROMPTS[lang], max_tokens=48, drafter="auto")
             assert routed.tokens == plain.tokens
             assert routed.stats.spec.specialized == Path(info["file"]).stem, routed.stats.spec.drafters
+
+
+def test_a_head_in_the_set_stays_out_of_auto_on_the_llama_backend(trained, tiny_llama_path, tmp_path):
+    folder = tmp_path / "set"
+    folder.mkdir()
+    (folder / "python.gguf").write_bytes(trained.read_bytes())
+    prompt = Path(TEXT).read_text()[-300:]
+    with pytest.warns(UserWarning, match="native backend's features, not the llama backend's"):
+        with Engine(str(tiny_llama_path), backend="llama", threads=1, n_ctx=512, drafter="auto",
+                    drafter_dir=str(folder)) as engine:
+            spec = engine.generate(prompt, max_tokens=24)
+            assert spec.tokens == engine.generate(prompt, max_tokens=24, drafter="none").tokens
+    assert spec.stats.spec.specialized is None

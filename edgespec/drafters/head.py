@@ -148,17 +148,22 @@ def random_head(target_path: Path, path: Path, *, n_ff: int | None = None, seed:
 
 
 def check_target(target, path: Path) -> None:
-    """Whether the head at ``path`` can draft for ``target`` (a backend)
-    without opening it: InvalidArgumentError off the native backend,
-    IncompatibleDraftModelError naming both when made for another target."""
-    if not hasattr(target, "open_head"):
-        raise InvalidArgumentError(f"a draft head drafts on the native backend's features, "
-                                   f"not the {target.name} backend's")
+    """Whether the head at ``path`` was made for ``target`` (anything with
+    the target GGUF's ``path``: a backend, a vocabulary), without opening
+    it: IncompatibleDraftModelError naming both when not."""
     with GGUFFile(path) as f:
         made_for, name = f.get(TARGET_DIGEST_KEY), f.get(f"{ARCH}.target.name")
     if made_for != target_digest(target.path):
         raise IncompatibleDraftModelError(f"draft head {Path(path).name} was made for {name}, "
                                           f"not {Path(target.path).name}")
+
+
+def backend_problem(target) -> str | None:
+    """Why a head cannot draft on ``target``'s backend (None: it can; a bare
+    vocabulary, which has no backend name, is not asked)."""
+    if getattr(target, "name", None) is not None and not hasattr(target, "open_head"):
+        return f"a draft head drafts on the native backend's features, not the {target.name} backend's"
+    return None
 
 
 def trained_draft_vocab(path: Path) -> int | None:

@@ -154,6 +154,8 @@ def check_info(info: DrafterInfo, target) -> DrafterInfo:
 
     if info.problem is None:
         info.problem = checked_once("token-map", target, info.path, problem)[0]
+    if info.problem is None and info.head:   # the backend's, never cached with the files' check
+        info.problem = head.backend_problem(target)
     return info
 
 
