@@ -27,7 +27,8 @@ from edgespec.drafters import specialized
 from edgespec.drafters.model import target_fingerprint
 from edgespec.models.gguf import GGUFFile
 from edgespec.training import distill, network, train
-from test_drafter_train import _killed_when, distilled, run_cli  # noqa: F401 (distilled: a fixture)
+from processes import killed_when
+from test_drafter_train import distilled, run_cli  # noqa: F401 (distilled: a fixture)
 from tiny_gguf import Q, copy_gguf, write_tiny_gemma3, write_tiny_llama, write_tiny_qwen2
 
 torch = pytest.importorskip("torch")
@@ -176,7 +177,7 @@ def test_a_grown_training_killed_with_9_resumes_from_its_checkpoint(tmp_path, ti
     """
     out = tmp_path / "k.gguf"
     ckpt = out.with_suffix(".ckpt")
-    _killed_when(script, ckpt.exists, tiny_llama_path, distilled, out, init_model)
+    killed_when(script, ckpt.exists, tiny_llama_path, distilled, out, init_model)
     saved = train.load_checkpoint(ckpt)
     layers = saved["grown"]["layers"]
     assert saved["progress"]["step"] > 0 and layers == network.choose_layers(np.array(saved["grown"]["influence"]), 2)
