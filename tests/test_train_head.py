@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgespec import Engine, cli
+from edgespec import Engine
 from edgespec.backends import native, open_backend
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import head as head_drafter
@@ -30,23 +30,14 @@ from edgespec.planner import Planner
 from edgespec.training import head, network
 from edgespec.training.train import load_checkpoint
 from processes import killed_when
+from test_drafter_train import run_cli
 
 TEXT = str(Path(__file__).parent / "data" / "routing" / "python.txt")
 # A head small enough to train in seconds: the tiny llama's width, a narrow feed-forward.
 SMALL = dict(lang="python", sources=[TEXT], ctx=64, n_ff=64, quant="f16", window=32, batch_rows=256,
              draft_vocab=1 << 20, threads=1)
-FLAGS = ["--lang", "python", "--source", TEXT, "--ctx", "64", "--n-ff", "64", "--quant", "f16", "--window", "32",
-         "--batch-rows", "256", "--draft-vocab", str(1 << 20), "--threads", "1"]
 # A batch cost curve on which drafting pays, so that the planner drafts from the first step.
 CHEAP_BATCHES = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]
-
-
-def run_cli(monkeypatch, capsys, *argv) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["edgespec", *argv])
-    with pytest.raises(SystemExit) as exit_:
-        cli.main()
-    out = capsys.readouterr()
-    return exit_.value.code or 0, out.out, out.err
 
 
 @pytest.fixture(scope="module")
