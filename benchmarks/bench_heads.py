@@ -30,9 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_auto import held_out  # noqa: E402  (the held-out prompt choice, shared)
 
 from edgespec import Engine  # noqa: E402
-from edgespec.drafters import ranks  # noqa: E402
-from edgespec.drafters.head import measure_head_cost, trained_draft_vocab  # noqa: E402
-from edgespec.drafters.model import target_fingerprint  # noqa: E402
+from edgespec.drafters.head import measure_head_cost  # noqa: E402
 
 
 def cpu_flags() -> str:
@@ -102,15 +100,8 @@ def main() -> int:
                 print(f"| median (lowest) | {statistics.median(cols[0]):.1%} ({min(cols[0]):.1%}) | "
                       f"{statistics.median(cols[1]):.2f} | {statistics.median(cols[2]):.2f} ({min(cols[2]):.2f}) | "
                       f"{statistics.median(cols[3]):.2f} ({min(cols[3]):.2f}) | |")
-            h = engine.backend.open_head(Path(path))
-            try:
-                n = trained_draft_vocab(Path(path))
-                if n:
-                    h.restrict_output(ranks.top_tokens(target_fingerprint(engine.backend), n,
-                                                       engine.backend.n_vocab, Path(path).name))
-                cost = measure_head_cost(engine.backend, h)
-            finally:
-                h.close()
+            # the head the drafter opened (its output trimmed as it drafts), timed beside the target
+            cost = measure_head_cost(engine.backend, engine.lanes[0].drafters["head"].head)
             print(f"\ncost of a drafted token: {cost.per_token:.3f} of a target token "
                   f"(catch-up {cost.catch_up:.3f} a row)")
         shutil.rmtree(drafters, ignore_errors=True)

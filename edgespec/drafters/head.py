@@ -238,9 +238,9 @@ class HeadDrafter(Drafter):
         if not path:
             raise InvalidArgumentError("the head drafter needs a draft head file (--head FILE)")
         target = config.target
-        if not hasattr(target, "open_head"):
-            raise InvalidArgumentError(f"a draft head (--head) drafts on the native backend's features, "
-                                       f"not the {target.name} backend's")
+        problem = backend_problem(target)
+        if problem is not None:
+            raise InvalidArgumentError(problem)
         self.path = Path(path)
         self.target = target
         self._n_ctx = config.n_ctx

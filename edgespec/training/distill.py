@@ -219,17 +219,11 @@ def distill(backend, target_name: str, out: str | os.PathLike, params: DistillPa
     check_params(params)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    texts = corpus.source_texts(params.lang, params.sources, progress=progress)
-    docs, dropped = corpus.documents(texts, corpus.HeldOut.suites() if params.held_out else None)
-    # Shuffled once, deterministically: any prefix of the run samples every source.
-    random.Random(SHUFFLE_SEED).shuffle(docs)
-    text_digest = hashlib.sha256()
-    for doc in docs:
-        text_digest.update(doc.text.encode("utf-8", "surrogatepass"))
+    docs, dropped, text_sha256 = shuffled_documents(params.lang, params.sources, params.held_out, progress)
     config = {"format": FORMAT, "target": target_name, "target_vocab": fingerprint,
               "target_n_vocab": backend.n_vocab, "lang": params.lang, "sources": list(params.sources),
               "top_k": params.top_k, "ctx": params.ctx, "held_out": params.held_out,
-              "text_sha256": text_digest.hexdigest(), "mode": params.mode}
+              "text_sha256": text_sha256, "mode": params.mode}
     if params.mode == "generate":
         if continue_ is None:
             raise InvalidArgumentError("generate mode needs the target's engine (distill_model opens one)")
@@ -326,17 +320,38 @@ def _resume(out: Path, config: dict) -> dict:
 
 
 def _flush(out: Path, manifest: dict, pending: list[bytes], tokens: int, seconds: float) -> None:
-    if not pending:
-        return
-    name = f"shard-{len(manifest['shards']):05d}.bin"
-    data = b"".join(pending)
+    if pending:
+        append_shard(out, MANIFEST, manifest, "bin", b"".join(pending), len(pending), tokens, seconds)
+
+
+def shuffled_documents(lang: str, sources: Sequence[str], held_out: bool,
+                       progress: bool) -> tuple[list[corpus.Document], int, str]:
+    """The documents of ``sources`` (the suites' paragraphs left out when
+    ``held_out``), shuffled once, deterministically, so that any prefix of a
+    run samples every source; how many paragraphs were left out; the sha256
+    of their text, which a resumed run must find again."""
+    texts = corpus.source_texts(lang, sources, progress=progress)
+    docs, dropped = corpus.documents(texts, corpus.HeldOut.suites() if held_out else None)
+    random.Random(SHUFFLE_SEED).shuffle(docs)
+    digest = hashlib.sha256()
+    for doc in docs:
+        digest.update(doc.text.encode("utf-8", "surrogatepass"))
+    return docs, dropped, digest.hexdigest()
+
+
+def append_shard(out: Path, manifest_file: str, manifest: dict, ext: str, data: bytes, sequences: int,
+                 tokens: int, seconds: float) -> None:
+    """``data`` as the folder's next shard, then the manifest listing it
+    (each written whole): a run killed between the two leaves a shard no
+    manifest lists, which the next run writes over."""
+    name = f"shard-{len(manifest['shards']):05d}.{ext}"
     write_atomic(out / name, data)
-    manifest["shards"].append({"file": name, "sequences": len(pending), "bytes": len(data),
+    manifest["shards"].append({"file": name, "sequences": sequences, "bytes": len(data),
                                "sha256": hashlib.sha256(data).hexdigest()})
-    manifest["sequences"] += len(pending)
+    manifest["sequences"] += sequences
     manifest["tokens"] += tokens
     manifest["seconds"] = round(manifest["seconds"] + seconds, 1)
-    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
+    write_atomic(out / manifest_file, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
 
 
 class _TokenProgress(Progress):

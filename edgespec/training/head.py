@@ -47,7 +47,6 @@ import io
 import json
 import math
 import os
-import random
 import signal
 import threading
 import time
@@ -58,7 +57,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import DrafterError, InvalidArgumentError
-from ..files import sha256_file, write_atomic
+from ..files import sha256_file
 from ..models import registry
 from ..models.gguf import GGUFFile, arch_traits, architectures
 from ..progress import Progress
@@ -211,15 +210,10 @@ def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: boo
     native backend), going on from where an earlier run on it stopped."""
     out.mkdir(parents=True, exist_ok=True)
     backend = engine.backend
-    texts = corpus.source_texts(p.lang, p.sources, progress=progress)
-    docs, dropped = corpus.documents(texts, corpus.HeldOut.suites())
-    random.Random(distill.SHUFFLE_SEED).shuffle(docs)
-    digest = hashlib.sha256()
-    for doc in docs:
-        digest.update(doc.text.encode("utf-8", "surrogatepass"))
+    docs, dropped, text_sha256 = distill.shuffled_documents(p.lang, p.sources, True, progress)
     config = {"format": FORMAT, "target": target_name, "target_vocab": target_fingerprint(backend),
               "n_embd": backend.n_embd, "lang": p.lang, "sources": list(p.sources), "mode": p.mode, "ctx": p.ctx,
-              "prompt_tokens": p.prompt_tokens, "text_sha256": digest.hexdigest()}
+              "prompt_tokens": p.prompt_tokens, "text_sha256": text_sha256}
     manifest = _resume(out, config)
     bos = backend.bos_token if backend.adds_bos else None
     size = p.ctx if p.mode == "text" else p.prompt_tokens
@@ -289,18 +283,10 @@ def _resume(out: Path, config: dict) -> dict:
 
 
 def _flush(out: Path, manifest: dict, pending: list[Collected], seconds: float) -> None:
-    if not pending:
-        return
-    name = f"shard-{len(manifest['shards']):05d}.npz"
-    data = _encode_shard(pending)
-    write_atomic(out / name, data)
-    manifest["shards"].append({"file": name, "sequences": len(pending), "bytes": len(data),
-                               "sha256": hashlib.sha256(data).hexdigest()})
-    manifest["sequences"] += len(pending)
-    manifest["tokens"] += sum(len(s.tokens) for s in pending)
-    manifest["rows"] = manifest.get("rows", 0) + sum(len(s.tokens) - s.start - 1 for s in pending)
-    manifest["seconds"] = round(manifest["seconds"] + seconds, 1)
-    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
+    if pending:
+        manifest["rows"] = manifest.get("rows", 0) + sum(len(s.tokens) - s.start - 1 for s in pending)
+        distill.append_shard(out, MANIFEST, manifest, "npz", _encode_shard(pending), len(pending),
+                             sum(len(s.tokens) for s in pending), seconds)
 
 
 # -- stage 2: the head -----------------------------------------------------------------------------
