@@ -38,6 +38,10 @@ COST_FILE = "batch-costs.json"
 DRAFT_COST_FILE = "draft-costs.json"
 MEASURED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 28, 33)  # batch sizes timed; others interpolated
 CATCH_UP_BATCH = 32       # batch a draft model's catch-up is timed with (a prompt evaluates in such chunks)
+# Opening a draft model or head maps its (repacked) file and reads what its
+# checks need: the 468 MB qwen2.5-coder-0.5b opened in 0.11-0.19 s from the
+# page cache (AMD EPYC Zen 4), so about 2.5-4 GB/s; this is the cautious end.
+OPEN_BYTES_PER_S = 2e9
 BUSY = 0.5  # other work, in CPUs' worth per CPU, above which a measurement is provisional
 CURVE_ROUNDS = 3      # most times the batches are timed at a load when the curve looks disturbed
 NON_MONOTONE = 0.8    # a batch timed below this share of a smaller one's time: the smaller one was disturbed
@@ -320,6 +324,15 @@ def measure_draft_cost(target, draft, *, reps: int = 5, prefix: int = 64) -> Dra
     target.clear()
     draft.clear()
     return DraftCost(best["draft"] / best["target"], best["batch"] / CATCH_UP_BATCH / best["target"])
+
+
+def open_seconds(path) -> float:
+    """Seconds opening the draft model or head at ``path`` is expected to take
+    (by its size: OPEN_BYTES_PER_S)."""
+    try:
+        return Path(path).stat().st_size / OPEN_BYTES_PER_S
+    except OSError:
+        return 0.0
 
 
 def draft_cost_key(target, backend: str, path, rows: int = 0, ep: str | None = None) -> str:

@@ -147,7 +147,7 @@ class Engine:
         self.model_path: Path = resolve_model(backend, self.model_ref)
         try:
             self.backend = open_backend(backend, self.model_path, **options,
-                                        **(c.native_options if backend == "native" else {}),
+                                        **(dict(c.native_options, vocab_early=True) if backend == "native" else {}),
                                         ep=c.ep if backend == "onnx" else None)
         except UnsupportedModelError:
             if not (auto and backend == "native"):

@@ -445,19 +445,24 @@ class Planner:
         return best_k
 
     def catch_up_pays(self, key: str, backlog: int, room: int, alternative: float, limit: int,
-                      prior: float | None = None) -> bool:
+                      prior: float | None = None, opening_s: float = 0.0) -> bool:
         """Whether a costly drafter that must first evaluate ``backlog`` context
-        tokens it has not seen is worth asking: the time its expected speed
-        saves over ``alternative`` (the best draft in hand, or 1 for plain
-        decoding) for the ``room`` tokens left must exceed the catch-up time,
-        and a drafter with no evidence yet may spend at most EXPLORE_SHARE of
-        the plain time left finding out."""
-        if backlog <= 0:
+        tokens it has not seen, and first be opened (``opening_s`` seconds),
+        is worth asking: the time its expected speed saves over
+        ``alternative`` (the best draft in hand, or 1 for plain decoding) for
+        the ``room`` tokens left must exceed that time, and a drafter with no
+        evidence yet may spend at most EXPLORE_SHARE of the plain time left
+        finding out. Opening waits for a timed step to price it in tokens."""
+        if backlog <= 0 and opening_s <= 0:
             return True
         value = self.worth(key, limit, prior)
         if value <= alternative:
             return False
         catch_up = backlog * self.drafter_cost(key).catch_up
+        if opening_s > 0:
+            if not self.t_token:
+                return False
+            catch_up += opening_s / self.t_token
         if not self._acc(key, prior).seen and catch_up > EXPLORE_SHARE * room:
             return False
         return room / alternative - room / value > catch_up
@@ -486,9 +491,11 @@ class Planner:
                 if best_value and best_value >= self.worth(d.name, limit, d.prior):
                     continue  # a cheap draft is worth at least what this one could be
                 # Text that steps without this drafter added must be evaluated
-                # first: where the planner may choose (auto), only if that pays.
+                # first, and one opened on first use opened: where the planner
+                # may choose (auto), only if that pays.
                 behind = d.backlog(context)
-                if may_skip and not self.catch_up_pays(d.name, behind, room, max(best_value, 1.0), limit, d.prior):
+                if may_skip and not self.catch_up_pays(d.name, behind, room, max(best_value, 1.0), limit, d.prior,
+                                                       d.opening()):
                     continue
                 ask = self.budget(d.name, limit, may_skip, d.prior)
             else:

@@ -293,6 +293,7 @@ def test_planner_stops_asking_a_draft_model_slower_than_measured(tiny_llama_path
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     monkeypatch.setattr(model_drafter, "draft_cost", lambda target, draft: DraftCost(per_token=0.01, catch_up=0.001))
+    monkeypatch.setattr(model_drafter, "open_seconds", lambda path: 0.0)   # drafting time alone is at stake
     real = model_drafter.ModelDrafter.draft
 
     def slow(self, context, max_tokens):

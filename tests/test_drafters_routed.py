@@ -39,6 +39,14 @@ JAPANESE = "日本の四季について、それぞれの季節の特徴と行�
 RUSSIAN = "Напишите короткий рассказ о старом рыбаке, который каждое утро выходит в море."
 
 
+@pytest.fixture(autouse=True)
+def opening_is_free(monkeypatch):
+    """Opening a tiny drafter priced at nothing: its file is large against the
+    tiny target's sub-millisecond steps, unlike a real drafter beside a real
+    target (the planner's charge for it: tests/test_planner.py)."""
+    monkeypatch.setattr(model_drafter, "open_seconds", lambda path: 0.0)
+
+
 @pytest.fixture(scope="module")
 def profiles() -> dict[str, list[str]]:
     return {k: specialized.char_profile([(DATA / f"{k}.txt").read_text("utf-8")]) for k in LANGS}

@@ -155,6 +155,54 @@ def test_a_draft_model_is_asked_to_catch_up_only_where_that_pays():
     assert not p.catch_up_pays("m", 10, room=200, alternative=value, limit=4)
 
 
+def test_opening_a_draft_model_is_charged_as_its_backlog():
+    """A draft model not open yet must be opened before its first draft:
+    those seconds, in the machine's target tokens, count with its catch-up,
+    so that a short answer does not open it; before any step was timed
+    they cannot be priced, and it is not opened."""
+    p = Planner(FLAT)
+    p.drafter_costs("m", DraftCost(per_token=0.1, catch_up=0.05))
+    for _ in range(30):
+        p.record("m", 4, 4)
+    assert not p.catch_up_pays("m", 0, room=200, alternative=1.0, limit=4, opening_s=0.2)   # no step timed
+    for _ in range(MIN_SAMPLES):
+        p.record_step_time(0.01, 1)          # a target token takes 10 ms: opening is 20 tokens
+    assert p.catch_up_pays("m", 0, room=200, alternative=1.0, limit=4, opening_s=0.2)      # ~130 saved
+    assert not p.catch_up_pays("m", 0, room=25, alternative=1.0, limit=4, opening_s=0.2)   # ~17 saved
+    assert p.catch_up_pays("m", 0, room=25, alternative=1.0, limit=4)                      # open already
+
+
+class Unopened(Drafter):
+    """A costly drafter that opens on its first draft (as draft models and heads do)."""
+
+    name = "unopened"
+    costly = True
+    prior = 0.9
+    cost = DraftCost(per_token=0.1, catch_up=0.05)
+
+    def __init__(self, opening_s: float):
+        self.opening_s, self.asked = opening_s, 0
+
+    def opening(self):
+        return self.opening_s if not self.asked else 0.0
+
+    def draft(self, context, max_tokens):
+        self.asked += 1
+        return Draft(tokens=[1] * max_tokens, source=self.name)
+
+
+def test_choose_asks_an_unopened_drafter_only_where_opening_it_pays():
+    p = Planner(FLAT)
+    for _ in range(MIN_SAMPLES):
+        p.record_step_time(0.01, 1)
+    slow_to_open, quick_to_open = Unopened(opening_s=2.0), Unopened(opening_s=0.01)
+    for _ in range(5):
+        assert len(p.choose([slow_to_open], [1, 2, 3], limit=4, room=100, may_skip=True, trees=True)) == 0
+    assert slow_to_open.asked == 0
+    assert len(p.choose([quick_to_open], [1, 2, 3], limit=4, room=100, may_skip=True, trees=True)) > 0
+    assert len(p.choose([slow_to_open], [1, 2, 3], limit=4, room=100, may_skip=False, trees=True)) > 0
+
+
 class SlowDrafter(Drafter):
     """A costly drafter that has seen none of the text: every draft must first
     evaluate the whole context, at half a target token per context token."""

@@ -106,6 +106,12 @@ class Drafter(ABC):
         evaluate before drafting (a draft model that earlier steps went without)."""
         return 0
 
+    def opening(self) -> float:
+        """Seconds its first draft would spend opening what it drafts with
+        (a draft model or head opened on first use: costs.open_seconds), 0
+        once open: the planner charges them with its backlog."""
+        return 0.0
+
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A new generation starts: ``prompt`` is its whole context, ``sampling``
         how the target chooses tokens (a draft model drafts the same way)."""

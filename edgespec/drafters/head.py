@@ -32,13 +32,13 @@ from typing import Sequence
 import numpy as np
 
 from ..capi import ffi, lib
-from ..costs import DRAFT_COST_FILE, DraftCost, cached_measurement, cost_key
+from ..costs import DRAFT_COST_FILE, DraftCost, cached_measurement, cost_key, open_seconds
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError
 from ..models.gguf import GGUFFile, arch_tensors
 from ..models.gguf_write import gguf_module, quantize, write_gguf
 from ..progress import Progress
 from ..sampling import Sampler, SamplingParams
-from . import Draft, Drafter, DrafterConfig, Verified, ranks, specialized
+from . import Draft, Drafter, DrafterConfig, Verified, ranks, siblings, specialized
 from .model import DRAFT_SEED_XOR, target_fingerprint
 
 ARCH = "eagle"
@@ -267,6 +267,7 @@ class HeadDrafter(Drafter):
         self._prefill = False   # the target's last evaluation was the prompt's: its last row is ours
         self.n_drafts = 0
         self.n_rows = 0         # rows the head evaluated (real and drafted)
+        self.n_trees = 0        # drafts widened with runner-up leaves
 
     @property
     def head(self):
@@ -276,6 +277,9 @@ class HeadDrafter(Drafter):
             if self._rows is not None:
                 self._head.restrict_output(self._rows)
         return self._head
+
+    def opening(self) -> float:
+        return 0.0 if self._head is not None else open_seconds(self.path)
 
     def _held(self) -> int:
         """Rows in the head's cache (none before it opens)."""
@@ -337,18 +341,34 @@ class HeadDrafter(Drafter):
                 self._sampler.accept(t)
         if not greedy and self._probs.shape[0] < max_tokens:
             self._probs = np.empty((max_tokens, self.n_vocab), dtype=np.float32)
+        want_runners = greedy and siblings.wanted(self.planner, self.name, max_tokens)
         tokens: list[int] = []
+        runners: list[tuple] = []
         for i in range(max_tokens):
             if not greedy:
                 self._probs[i] = self._sampler.probs(logits)
             tok = self._sampler.sample(logits)
+            if want_runners:
+                runners.append(self._runner_up(logits, tok))
             self._sampler.accept(tok)
             tokens.append(tok)
             if i + 1 < max_tokens:
                 logits = self.head.decode(self.head.hidden(), [tok], 0)
                 self.n_rows += 1
         self.head.truncate(real)
-        return Draft(tokens=tokens, probs=None if greedy else self._probs.ctypes.data, source=self.name)
+        if greedy:
+            draft, widened = siblings.widen(self.planner, self.name, tokens, runners)
+            self.n_trees += widened
+            return draft
+        return Draft(tokens=tokens, probs=self._probs.ctypes.data, source=self.name)
+
+    def _runner_up(self, logits: int, tok: int) -> tuple[int, float, float]:
+        """siblings.runner_up over the rows the head computes."""
+        row = np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * self.n_vocab), dtype=np.float32)
+        if self._rows is None:
+            return siblings.runner_up(row, tok)
+        second, p1, p2 = siblings.runner_up(row[self._rows], int(np.argmax(row[self._rows])))
+        return int(self._rows[second]), p1, p2
 
     def accept(self, step: Verified) -> None:
         """The step's real features: the root's row, then the accepted nodes'."""
@@ -361,7 +381,8 @@ class HeadDrafter(Drafter):
         self._take(rows[[0, *(1 + i for i in accepted_nodes(step.draft, step.tokens, step.n_accepted))]], root)
 
     def stats(self) -> dict:
-        return {"head": self.path.name, "drafts": self.n_drafts, "head_rows_evaluated": self.n_rows}
+        return {"head": self.path.name, "drafts": self.n_drafts, "head_rows_evaluated": self.n_rows,
+                "trees": self.n_trees}
 
     def close(self) -> None:
         if self._sampler is not None:

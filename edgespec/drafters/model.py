@@ -47,13 +47,13 @@ from .. import onnx  # noqa: F401  (extends resolve_model to the onnx backend)
 from ..models import resolve_model
 from ..backends.base import common_prefix
 from ..capi import ffi
-from ..costs import cached_measurement, draft_cost
+from ..costs import cached_measurement, draft_cost, open_seconds
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models import registry
 from ..models.gguf import GGUFFile
 from ..sampling import Sampler, SamplingParams
 from ..text import complete_utf8
-from . import Draft, Drafter, DrafterConfig, Verified, ranks, specialized
+from . import Draft, Drafter, DrafterConfig, Verified, ranks, siblings, specialized
 
 DRAFT_SEED_XOR = 0x5EED_D4AF_7000_0001  # keeps the draft's draws independent of the target's
 
@@ -74,7 +74,6 @@ ROUND_TRIP_VOCAB_SAMPLE = 512   # target vocabulary entries checked (evenly spac
 
 SAFE_BOUNDARY = 4   # draft tokens re-tokenized again before the first changed byte
 ANCHOR = 3          # target tokens of the context re-tokenized with the draft's text
-UNCERTAIN = 0.8     # top-1 draft probability below which a sibling may be added
 
 
 # What must agree between draft and target, beyond the tokens, for ids to mean the same.
@@ -430,9 +429,14 @@ class ModelDrafter(Drafter):
         if Path(path).is_file() and Path(path).stat().st_size > target_path.stat().st_size:
             warnings.warn(f"draft model {ref} is larger than the target {target_path.name}: "
                           "it is used only where the planner measures that it pays", stacklevel=2)
-        # Small models of one family agree with each other on most tokens;
-        # text re-tokenized across vocabularies loses some at the boundary.
-        self.prior = 0.7 if self.mode == SAME_VOCAB else 0.6
+        # A fresh machine's guess, cautious: a small model of the target's
+        # family agrees on 60-86% of its tokens (qwen2.5-coder 0.5B beside
+        # the 1.5B: prose and code), yet at half a target step per drafted
+        # token even 60% does not pay, so the planner's default (0.5) until
+        # drafts on this kind of text say otherwise (edgespec.learned keeps
+        # what they said); text re-tokenized across vocabularies loses some
+        # more at the boundary.
+        self.prior = None if self.mode == SAME_VOCAB else 0.4
         # q rows handed to verification, over the target's vocabulary (trimmed mode).
         self._q = np.empty((0, config.target.n_vocab), dtype=np.float32)
         self.planner = None               # set by the engine: decides on draft trees
@@ -510,6 +514,9 @@ class ModelDrafter(Drafter):
     def backlog(self, context: Sequence[int]) -> int:
         return max(0, len(context) - self._seen)
 
+    def opening(self) -> float:
+        return 0.0 if self._backend is not None else open_seconds(self._open_args[1])
+
     def constrain(self, constraint) -> None:
         self._constraint = constraint
 
@@ -538,9 +545,7 @@ class ModelDrafter(Drafter):
         and the chain ends after the first token the grammar rejects (kept:
         verification needs its q row to stay exact)."""
         greedy = self._sampler.params.greedy
-        # Runner-ups only where even a certain leaf would pay on this cost curve.
-        want_runners = (greedy and self._bridge is None and self.planner is not None
-                        and self.planner.widen(self.name, n, [1.0]) > 0)
+        want_runners = greedy and self._bridge is None and siblings.wanted(self.planner, self.name, n)
         tokens: list[int] = []
         runners: list[tuple] = []
         for i in range(n):
@@ -548,12 +553,7 @@ class ModelDrafter(Drafter):
             if greedy:
                 tok = self._sampler.sample(logits, mask)
                 if want_runners:
-                    row = self._row(logits)
-                    top2 = np.argpartition(row, -2)[-2:]
-                    second = int(top2[0] if top2[1] == tok else top2[1])
-                    z = np.exp(row[[tok, second]] - row[tok])
-                    total = float(np.exp(row - row[tok]).sum())
-                    runners.append((second, float(z[0] / total), float(z[1] / total)))
+                    runners.append(siblings.runner_up(self._row(logits), tok))
             else:
                 if self._bridge is None:
                     self._probs[i] = self._sampler.probs(logits, mask)
@@ -621,21 +621,9 @@ class ModelDrafter(Drafter):
 
     def _widen(self, tokens: list[int], runners: list[tuple]) -> Draft:
         """A greedy chain, with runner-up leaves where the planner says they pay."""
-        chain = Draft(tokens=tokens, source=self.name)
-        if self.planner is None or not runners:
-            return chain
-        reach, gains = 1.0, []
-        for i, (second, p1, p2) in enumerate(runners):
-            if p1 < UNCERTAIN:
-                gains.append((reach * p2, i, second))
-            reach *= p1
-        chosen = self.planner.widen(self.name, len(tokens), [g for g, _, _ in sorted(gains, reverse=True)])
-        if not chosen:
-            return chain
-        leaves = sorted(sorted(gains, reverse=True)[:chosen], key=lambda x: x[1])
-        self.n_trees += 1
-        parents = list(range(-1, len(tokens) - 1)) + [i - 1 for _, i, _ in leaves]
-        return Draft(tokens=tokens + [t for _, _, t in leaves], parents=parents, source=self.name)
+        draft, widened = siblings.widen(self.planner, self.name, tokens, runners)
+        self.n_trees += widened
+        return draft
 
     def _draft_text(self, context: Sequence[int], max_tokens: int) -> Draft:
         """Cross-tokenizer mode: draft text, re-tokenized into target tokens."""

@@ -246,6 +246,9 @@ class RoutedDrafter(Drafter):
     def backlog(self, context: Sequence[int]) -> int:
         return self.current.backlog(context) if self.current is not None else 0
 
+    def opening(self) -> float:
+        return self.current.opening() if self.current is not None else 0.0
+
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
         if self.current is None:
             return Draft(source=self.name)
