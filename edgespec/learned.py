@@ -41,7 +41,7 @@ from .models import registry
 FILE = "acceptance.json"
 ENV = "EDGESPEC_ACCEPTANCE"   # another path for the file (tests give each test its own)
 FORMAT = "edgespec-acceptance"
-VERSION = 1
+VERSION = 2        # 2: drafter costs timed without their opening and a head's catch-up
 MAX_TARGETS = 16   # targets kept (least recently used dropped)
 MAX_KEYS = 64      # acceptance keys kept per target
 DEPTHS = 16        # draft depths kept per key

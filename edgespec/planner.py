@@ -502,6 +502,8 @@ class Planner:
                 ask = limit
             if ask <= 0:
                 continue
+            if d.costly:
+                d.open()
             t0 = time.perf_counter()
             draft = d.draft(context, ask)
             if d.costly:

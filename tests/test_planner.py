@@ -2,6 +2,8 @@
 the cached measurements at the end, on the tiny model)."""
 from __future__ import annotations
 
+import time
+
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import Draft, Drafter
 from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, CostCurve, ExpertMisses, Planner
@@ -181,10 +183,15 @@ class Unopened(Drafter):
     cost = DraftCost(per_token=0.1, catch_up=0.05)
 
     def __init__(self, opening_s: float):
-        self.opening_s, self.asked = opening_s, 0
+        self.opening_s, self.asked, self.opened = opening_s, 0, False
 
     def opening(self):
-        return self.opening_s if not self.asked else 0.0
+        return 0.0 if self.opened else self.opening_s
+
+    def open(self):
+        if not self.opened:
+            time.sleep(self.opening_s)
+            self.opened = True
 
     def draft(self, context, max_tokens):
         self.asked += 1
@@ -195,12 +202,14 @@ def test_choose_asks_an_unopened_drafter_only_where_opening_it_pays():
     p = Planner(FLAT)
     for _ in range(MIN_SAMPLES):
         p.record_step_time(0.01, 1)
-    slow_to_open, quick_to_open = Unopened(opening_s=2.0), Unopened(opening_s=0.01)
+    slow_to_open, quick_to_open = Unopened(opening_s=1.0), Unopened(opening_s=0.01)
     for _ in range(5):
         assert len(p.choose([slow_to_open], [1, 2, 3], limit=4, room=100, may_skip=True, trees=True)) == 0
     assert slow_to_open.asked == 0
     assert len(p.choose([quick_to_open], [1, 2, 3], limit=4, room=100, may_skip=True, trees=True)) > 0
     assert len(p.choose([slow_to_open], [1, 2, 3], limit=4, room=100, may_skip=False, trees=True)) > 0
+    # Opened before its draft was timed: a second of opening is not taken for drafting.
+    assert slow_to_open.opened and max(p.drafter_costs("unopened").per_token.window) < 0.01
 
 
 class SlowDrafter(Drafter):
@@ -482,12 +491,14 @@ def test_a_slow_drafter_that_pays_alone_declines_in_a_batch_of_four():
 def test_a_corrupt_or_foreign_acceptance_cache_is_ignored_with_a_notice_and_rewritten(tmp_path, caplog):
     import json
 
-    from edgespec.learned import FORMAT, AcceptanceMemory
+    from edgespec.learned import FORMAT, VERSION, AcceptanceMemory
 
     path = tmp_path / "acceptance.json"
-    for bad in ("{not json", json.dumps({"format": "someone-else", "version": 1}),
+    for bad in ("{not json", json.dumps({"format": "someone-else", "version": VERSION}),
                 json.dumps({"format": FORMAT, "version": 99, "targets": {}}),
-                json.dumps({"format": FORMAT, "version": 1, "targets": {"t": {"acceptance": {"k": {"hits": "x"}}}}})):
+                json.dumps({"format": FORMAT, "version": VERSION - 1, "targets": {}}),   # an older release's
+                json.dumps({"format": FORMAT, "version": VERSION,
+                            "targets": {"t": {"acceptance": {"k": {"hits": "x"}}}}})):
         path.write_text(bad)
         caplog.clear()
         with caplog.at_level("WARNING", logger="edgespec"):

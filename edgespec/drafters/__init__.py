@@ -112,6 +112,10 @@ class Drafter(ABC):
         once open: the planner charges them with its backlog."""
         return 0.0
 
+    def open(self) -> None:
+        """Open what it drafts with now (the planner does, before it times a
+        draft, so that opening is not taken for drafting)."""
+
     def begin(self, prompt: Sequence[int], sampling: SamplingParams) -> None:
         """A new generation starts: ``prompt`` is its whole context, ``sampling``
         how the target chooses tokens (a draft model drafts the same way)."""

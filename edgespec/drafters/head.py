@@ -281,6 +281,14 @@ class HeadDrafter(Drafter):
     def opening(self) -> float:
         return 0.0 if self._head is not None else open_seconds(self.path)
 
+    def open(self) -> None:
+        self.head   # the property opens it
+
+    def backlog(self, context: Sequence[int]) -> int:
+        """Real rows the head evaluates before drafting: a step's root and
+        accepted nodes, and those of every step it was not asked at."""
+        return len(self._pending) + self._prefill
+
     def _held(self) -> int:
         """Rows in the head's cache (none before it opens)."""
         return self._head.n_past if self._head is not None else 0
@@ -312,6 +320,7 @@ class HeadDrafter(Drafter):
         self._pending = np.concatenate([self._pending, features])
 
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
+        self.backlog_seconds = 0.0
         if len(context) != self._length:   # begun on a context already stepped (a context shift)
             self._length = len(context)
             if not self._prefill:
@@ -329,9 +338,14 @@ class HeadDrafter(Drafter):
         self.n_drafts += 1
         # The real rows: feature at p, token at p + 1; the last one's output drafts.
         first = len(context) - 1 - n
+        t0 = time.perf_counter()
         for at in range(0, n, self.head.n_batch):
             end = min(n, at + self.head.n_batch)
             logits = self.head.decode(self._pending[at:end], context[first + at + 1:first + end + 1], end - at - 1)
+        # Rows beyond those a head asked at every step evaluates (its root
+        # and accepted nodes) are steps it was not asked at: catching up.
+        per_step = max_tokens + 1
+        self.backlog_seconds = (time.perf_counter() - t0) * (n - per_step) / n if n > per_step else 0.0
         self.n_rows += n
         self._pending = self._pending[:0]
         real = self.head.n_past

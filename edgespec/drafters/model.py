@@ -517,6 +517,9 @@ class ModelDrafter(Drafter):
     def opening(self) -> float:
         return 0.0 if self._backend is not None else open_seconds(self._open_args[1])
 
+    def open(self) -> None:
+        self.backend   # the property opens it
+
     def constrain(self, constraint) -> None:
         self._constraint = constraint
 

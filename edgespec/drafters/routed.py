@@ -249,6 +249,10 @@ class RoutedDrafter(Drafter):
     def opening(self) -> float:
         return self.current.opening() if self.current is not None else 0.0
 
+    def open(self) -> None:
+        if self.current is not None:
+            self.current.open()
+
     def draft(self, context: Sequence[int], max_tokens: int) -> Draft:
         if self.current is None:
             return Draft(source=self.name)
