@@ -24,13 +24,17 @@ this machine (N / the measured cost of an N-token batch in units of a
 one-token step, edgespec.costs). Also, in the same rounds, the N clients at
 once on a ``--parallel 1`` server of the same model (one at a time, as
 before), and one client alone on each server: what serving several costs a
-lone user.
+lone user. ``--drafter auto,none`` serves the same clients through one
+server per drafter in the same rounds (the first drafter's server also
+answers the lone and ``--parallel 1`` ways): what drafting adds, or costs,
+when several users share the batch.
 
-    python benchmarks/bench_server.py --model qwen2.5-coder-0.5b --clients 4 --rounds 3
+    python benchmarks/bench_server.py --model qwen2.5-coder-0.5b --clients 4 --drafter auto,none --rounds 3
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import socket
@@ -169,60 +173,76 @@ def clients(server, prompts: list[str], tokens: int, together: bool) -> dict:
 
 
 def concurrency(args) -> None:
-    """N clients at once against the same requests one after another (see the module docstring)."""
+    """N clients at once against the same requests one after another (see the
+    module docstring), for each of ``--drafter``'s drafters, side by side."""
     from edgespec.server import make_server
 
     n = args.clients
+    drafters = args.drafter.split(",")
     prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(n)]
-    ways = ("serial", "concurrent", "concurrent, --parallel 1", "one client", "one client, --parallel 1")
+    ways = [f"{way} ({d})" for d in drafters for way in ("serial", "concurrent")]
+    ways += [f"{way} ({drafters[0]})" for way in ("concurrent, --parallel 1", "one client", "one client, --parallel 1")]
     rows = {way: [] for way in ways}
-    options = dict(threads=args.threads, n_ctx=1024, drafter=args.drafter, slots=n)
-    with Engine(args.model, parallel=args.parallel or n, **options) as engine, \
-            Engine(args.model, parallel=1, **options) as lone:
-        costs = engine.batch_costs()
-        servers = {"many": start(make_server, engine), "lone": start(make_server, lone)}
-        many, single = servers["many"][0], servers["lone"][0]
-        try:
-            for server in (many, single):   # warm-up: pages, every prompt's prefix in some slot
-                for p in prompts:
-                    stream_client(server, p, 4, time.perf_counter(), {})
-            for i in range(args.rounds):
-                rows["serial"].append(clients(many, prompts, args.tokens, together=False))
-                rows["concurrent"].append(clients(many, prompts, args.tokens, together=True))
-                rows["concurrent, --parallel 1"].append(clients(single, prompts, args.tokens, together=True))
-                lone = [("one client", many), ("one client, --parallel 1", single)]
-                for way, server in lone if i % 2 == 0 else lone[::-1]:   # either first in turn
-                    rows[way].append(clients(server, prompts[:1], args.tokens, together=True))
-        finally:
-            for server, thread in servers.values():
-                server.shutdown()
-                server.server_close()
-                thread.join(10)
+    options = dict(threads=args.threads, n_ctx=1024, slots=n)
+    with contextlib.ExitStack() as stack:
+        many = {d: stack.enter_context(Engine(args.model, parallel=args.parallel or n, drafter=d, **options))
+                for d in drafters}
+        lone = stack.enter_context(Engine(args.model, parallel=1, drafter=drafters[0], **options))
+        costs = many[drafters[0]].batch_costs()
+        running = [start(make_server, e) for e in (*many.values(), lone)]
+        stack.callback(stop, running)
+        servers = dict(zip(drafters, (server for server, _ in running)))
+        single = running[-1][0]
+        for server in (*servers.values(), single):   # warm-up: pages, every prompt's prefix in some slot
+            for p in prompts:
+                stream_client(server, p, 4, time.perf_counter(), {})
+        for i in range(args.rounds):
+            for d in drafters if i % 2 == 0 else drafters[::-1]:   # either first in turn
+                rows[f"serial ({d})"].append(clients(servers[d], prompts, args.tokens, together=False))
+                rows[f"concurrent ({d})"].append(clients(servers[d], prompts, args.tokens, together=True))
+            first = drafters[0]
+            rows[f"concurrent, --parallel 1 ({first})"].append(clients(single, prompts, args.tokens, together=True))
+            alone = [(f"one client ({first})", servers[first]), (f"one client, --parallel 1 ({first})", single)]
+            for way, server in alone if i % 2 == 0 else alone[::-1]:
+                rows[way].append(clients(server, prompts[:1], args.tokens, together=True))
     ceiling = n / costs[min(n, len(costs) - 1)]
-    ratios = [c["tokens_per_s"] / s["tokens_per_s"] for s, c in zip(rows["serial"], rows["concurrent"])]
-    lone_ratios = [a["tokens_per_s"] / b["tokens_per_s"]
-                   for a, b in zip(rows["one client"], rows["one client, --parallel 1"])]
-    same = all(r["texts"] == s["texts"] for s, *others in zip(rows["serial"], rows["concurrent"],
-                                                              rows["concurrent, --parallel 1"]) for r in others) and \
-        all(a["texts"] == b["texts"] for a, b in zip(rows["one client"], rows["one client, --parallel 1"]))
-    print(f"model {args.model}, {args.threads} threads, drafter {args.drafter}, {n} clients x {args.tokens} tokens, "
+
+    def per_round(a: str, b: str) -> list[float]:
+        return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(rows[a], rows[b])]
+
+    texts = [tuple(r["texts"]) for rs in rows.values() for r in rs if len(r["texts"]) == n]
+    same = len(set(texts)) == 1 and all(r["texts"] == list(texts[0][:1]) for way, rs in rows.items()
+                                        if way.startswith("one client") for r in rs)
+    print(f"model {args.model}, {args.threads} threads, {n} clients x {args.tokens} tokens, "
           f"--parallel {args.parallel or n}, {args.rounds} rounds (medians)")
     for way, rs in rows.items():
         firsts = [statistics.median(r["first_s"][i] for r in rs) for i in range(len(rs[0]["first_s"]))]
-        print(f"  {way:<26} {statistics.median(r['tokens_per_s'] for r in rs):7.1f} tok/s aggregate; "
+        print(f"  {way:<34} {statistics.median(r['tokens_per_s'] for r in rs):7.1f} tok/s aggregate; "
               f"first token per client (s): {', '.join(f'{f:.2f}' for f in firsts)}")
-    print(f"  concurrent / serial: {statistics.median(ratios):.2f}x "
-          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
-    print(f"  one client, --parallel {args.parallel or n} / --parallel 1: {statistics.median(lone_ratios):.3f}x "
-          f"(rounds: {', '.join(f'{r:.3f}' for r in lone_ratios)})")
+    ratios = {}
+    for d in drafters:
+        ratios[f"concurrent / serial ({d})"] = per_round(f"concurrent ({d})", f"serial ({d})")
+    for d in drafters[1:]:
+        ratios[f"concurrent ({drafters[0]}) / concurrent ({d})"] = per_round(f"concurrent ({drafters[0]})",
+                                                                             f"concurrent ({d})")
+    ratios[f"one client, --parallel {args.parallel or n} / --parallel 1"] = per_round(
+        f"one client ({drafters[0]})", f"one client, --parallel 1 ({drafters[0]})")
+    for name, rs in ratios.items():
+        print(f"  {name}: {statistics.median(rs):.2f}x (rounds: {', '.join(f'{r:.2f}' for r in rs)})")
     print(f"  greedy answers identical every way: {same}")
     print(f"  ceiling of batching {n} streams' steps: {ceiling:.2f}x "
           f"(an {n}-token batch costs {costs[min(n, len(costs) - 1)]:.2f} one-token steps here)")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "threads": args.threads, "clients": n,
-                                         "tokens": args.tokens, "rounds": rows, "ratios": ratios,
-                                         "lone_ratios": lone_ratios, "identical": same,
+                                         "tokens": args.tokens, "rounds": rows, "ratios": ratios, "identical": same,
                                          "batch_costs": costs, "ceiling": ceiling}, indent=1))
+
+
+def stop(running) -> None:
+    for server, thread in running:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
 
 
 def main() -> None:
@@ -236,7 +256,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
     ap.add_argument("--clients", type=int, default=0, help="several users at once: this many concurrent clients "
                     "against the same requests one after another (see above)")
-    ap.add_argument("--drafter", default="none", help="with --clients: the engine's drafter (default none)")
+    ap.add_argument("--drafter", default="none", help="with --clients: the engines' drafter, or several "
+                    "(auto,none: each its own server, side by side in the same rounds; default none)")
     ap.add_argument("--parallel", type=int, default=None, help="with --clients: the server's --parallel "
                     "(default: the number of clients)")
     args = ap.parse_args()
@@ -262,10 +283,7 @@ def main() -> None:
                     r["first_event"].append(first)
                     r["token_gap"] += gaps
         finally:
-            for server, thread in running.values():
-                server.shutdown()
-                server.server_close()
-                thread.join(10)
+            stop(running.values())
     summary = {name: {kind: quantiles(xs) for kind, xs in r.items()} for name, r in results.items()}
     print(f"model {args.model}, {args.threads} threads, {args.rounds} rounds; median / p90 in ms")
     print(f"{'server':<28} {'GET /v1/models':>18} {'completion, 1 tok':>18} {'first SSE event':>18} "
