@@ -26,6 +26,7 @@ from edgespec.drafters.model import target_fingerprint
 from edgespec.errors import DrafterError, InvalidArgumentError
 from edgespec.models.gguf import GGUFFile
 from processes import killed_when
+
 DATA = Path(__file__).parent / "data" / "routing"
 TEXT = str(DATA / "python.txt")
 # A drafter small enough to train in seconds.

@@ -427,16 +427,22 @@ class NativeBackend(VocabMixin, Backend):
         except BaseException as e:
             result.append(e)
 
-    def _loaded_vocab(self) -> Vocab:
-        """The early load's vocabulary (waited for), else one loaded now."""
+    def _early_vocab(self):
+        """The early load's outcome, waited for: its Vocab, the exception it
+        raised, or None where none is pending."""
         if self._vocab_loading is None:
-            return Vocab.load(self.path, verbose=self._verbose)
+            return None
         thread, result = self._vocab_loading
         self._vocab_loading = None
         thread.join()
-        if isinstance(result[0], BaseException):
-            raise result[0]
         return result[0]
+
+    def _loaded_vocab(self) -> Vocab:
+        """The early load's vocabulary, else one loaded now."""
+        early = self._early_vocab()
+        if isinstance(early, BaseException):
+            raise early
+        return early if early is not None else Vocab.load(self.path, verbose=self._verbose)
 
     @property
     def packed_from(self) -> int:
@@ -580,12 +586,9 @@ class NativeBackend(VocabMixin, Backend):
                 c.close()
         self._ctx = self._embed_ctx = self._group = None
         self._contexts = []
-        if self._vocab_loading is not None:   # closed before its vocabulary was asked for
-            thread, result = self._vocab_loading
-            self._vocab_loading = None
-            thread.join()
-            if result and not isinstance(result[0], BaseException):
-                result[0].close()
+        early = self._early_vocab()   # closed before its vocabulary was asked for
+        if early is not None and not isinstance(early, BaseException):
+            early.close()
         if self._vocab is not None:
             self._vocab.close()
             self._vocab = None

@@ -248,6 +248,7 @@ class HeadDrafter(Drafter):
         # answer, or a request routed elsewhere, never may); its cost comes
         # from the cache without opening it.
         self._head = None
+        self._open_s = open_seconds(self.path)   # what opening it is expected to take (opening())
         self._sampler: Sampler | None = None
         try:
             draft_vocab = config.options.draft_vocab or trained_draft_vocab(self.path)
@@ -279,7 +280,7 @@ class HeadDrafter(Drafter):
         return self._head
 
     def opening(self) -> float:
-        return 0.0 if self._head is not None else open_seconds(self.path)
+        return 0.0 if self._head is not None else self._open_s
 
     def open(self) -> None:
         self.head   # the property opens it
@@ -363,7 +364,7 @@ class HeadDrafter(Drafter):
                 self._probs[i] = self._sampler.probs(logits)
             tok = self._sampler.sample(logits)
             if want_runners:
-                runners.append(self._runner_up(logits, tok))
+                runners.append(siblings.runner_up(logits, self.n_vocab, tok, self._rows))
             self._sampler.accept(tok)
             tokens.append(tok)
             if i + 1 < max_tokens:
@@ -375,14 +376,6 @@ class HeadDrafter(Drafter):
             self.n_trees += widened
             return draft
         return Draft(tokens=tokens, probs=self._probs.ctypes.data, source=self.name)
-
-    def _runner_up(self, logits: int, tok: int) -> tuple[int, float, float]:
-        """siblings.runner_up over the rows the head computes."""
-        row = np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * self.n_vocab), dtype=np.float32)
-        if self._rows is None:
-            return siblings.runner_up(row, tok)
-        second, p1, p2 = siblings.runner_up(row[self._rows], int(np.argmax(row[self._rows])))
-        return int(self._rows[second]), p1, p2
 
     def accept(self, step: Verified) -> None:
         """The step's real features: the root's row, then the accepted nodes'."""

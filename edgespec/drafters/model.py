@@ -46,7 +46,6 @@ from ..backends import open_backend
 from .. import onnx  # noqa: F401  (extends resolve_model to the onnx backend)
 from ..models import resolve_model
 from ..backends.base import common_prefix
-from ..capi import ffi
 from ..costs import cached_measurement, draft_cost, open_seconds
 from ..errors import IncompatibleDraftModelError, InvalidArgumentError, ModelFetchError
 from ..models import registry
@@ -403,6 +402,7 @@ class ModelDrafter(Drafter):
                  {"ctx_extend": True, **(config.options.native_options if name == "native" else {})})
         self._open_args = (name, path, dict(n_ctx=config.n_ctx, threads=config.options.threads, **extra))
         self._backend = None
+        self._open_s = open_seconds(path)   # what opening it is expected to take (opening())
         self._rows = None   # draft_vocab: the output rows kept (FR-Spec), set on the backend when it opens
         self.target = config.target
         # A GGUF draft model opens when the planner first asks it for a draft
@@ -515,7 +515,7 @@ class ModelDrafter(Drafter):
         return max(0, len(context) - self._seen)
 
     def opening(self) -> float:
-        return 0.0 if self._backend is not None else open_seconds(self._open_args[1])
+        return 0.0 if self._backend is not None else self._open_s
 
     def open(self) -> None:
         self.backend   # the property opens it
@@ -536,9 +536,6 @@ class ModelDrafter(Drafter):
             self.backlog_seconds = (time.perf_counter() - t0) * (n - per_step) / n
         return logits
 
-    def _row(self, logits: int) -> np.ndarray:
-        return np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * self.n_vocab), dtype=np.float32)
-
     def _chain_from(self, logits: int, n: int, stop_at_control: bool,
                     look=None) -> tuple[list[int], list[tuple]]:
         """Sample up to ``n`` tokens after the row at ``logits``, evaluating all
@@ -556,7 +553,7 @@ class ModelDrafter(Drafter):
             if greedy:
                 tok = self._sampler.sample(logits, mask)
                 if want_runners:
-                    runners.append(siblings.runner_up(self._row(logits), tok))
+                    runners.append(siblings.runner_up(logits, self.n_vocab, tok))
             else:
                 if self._bridge is None:
                     self._probs[i] = self._sampler.probs(logits, mask)

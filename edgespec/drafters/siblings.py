@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..capi import ffi
 from . import Draft
 
 UNCERTAIN = 0.8     # top-1 draft probability below which a sibling may be added
@@ -18,14 +19,20 @@ def wanted(planner, name: str, n: int) -> bool:
     return planner is not None and planner.widen(name, n, [1.0]) > 0
 
 
-def runner_up(row: np.ndarray, tok: int) -> tuple[int, float, float]:
-    """Of a drafter's logits ``row`` (n_vocab,) whose top token is ``tok``:
-    the second token, and the drafter's probabilities of both."""
+def runner_up(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> tuple[int, float, float]:
+    """Of a drafter's logits row at address ``logits`` (n_vocab floats, read
+    in place) whose chosen token is ``tok``: the second token, and the
+    drafter's probabilities of both. ``rows``: the ids a drafter computes
+    alone (the others -inf), searched instead of the whole row."""
+    row = np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * n_vocab), dtype=np.float32)  # (n_vocab,)
+    if rows is not None:
+        row = row[rows]                 # (len(rows),)
+        tok = int(np.argmax(row))       # tok's place among them
     top2 = np.argpartition(row, -2)[-2:]
     second = int(top2[0] if top2[1] == tok else top2[1])
     z = np.exp(row[[tok, second]] - row[tok])
     total = float(np.exp(row - row[tok]).sum())
-    return second, float(z[0] / total), float(z[1] / total)
+    return (second if rows is None else int(rows[second])), float(z[0] / total), float(z[1] / total)
 
 
 def widen(planner, name: str, tokens: list[int], runners: list[tuple[int, float, float]]) -> tuple[Draft, bool]:
