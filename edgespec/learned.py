@@ -5,7 +5,9 @@ acceptance counts of each kind of draft on each route of text (the drafter's
 statistics key and the request's language or domain, e.g.
 ``specialized:python@latin:prose``), by depth, and each costly drafter's
 time per drafted and per caught-up token as it measured them (in one-token
-target steps). A new process's planner starts from them instead of the
+target steps), and the cost of each batch size it timed against one token
+(the corrected cost curve; the measurement at load may be from another
+hour of a machine whose bandwidth moves). A new process's planner starts from them instead of the
 drafters' guesses, so a drafter that missed on this kind of text last time
 is not tried at length again; a fresh machine starts from the guesses.
 
@@ -15,7 +17,8 @@ $EDGESPEC_ACCEPTANCE says)::
     {"format": FORMAT, "version": VERSION,
      "targets": {cost key: {"used": unix time,
                             "acceptance": {key: {"hits": [..], "trials": [..], "used": unix time}},
-                            "costs": {drafter: [per_token, catch_up]}}}}
+                            "costs": {drafter: [per_token, catch_up]},
+                            "curve": {batch size: cost in one-token steps}}}}
 
 It is small and bounded (MAX_TARGETS targets, MAX_KEYS keys each, DEPTHS
 depths: the least recently used go first). Writers merge under a lock file
@@ -35,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .costs import MAX_BATCH
 from .files import write_atomic
 from .models import registry
 
@@ -54,6 +58,20 @@ def _counts(value, n: int = DEPTHS) -> list[float] | None:
     if not isinstance(value, list) or not all(isinstance(x, (int, float)) and 0 <= x < 1e9 for x in value):
         return None
     return [float(x) for x in value[:n]]
+
+
+def _curve(value) -> dict[int, float] | None:
+    """``value`` as {batch size: cost}, each size in [2, MAX_BATCH] and each
+    cost in [1, size] (None: it is not one)."""
+    if not isinstance(value, dict):
+        return None
+    curve = {}
+    for k, v in value.items():
+        n = int(k) if isinstance(k, str) and k.isdigit() else 0
+        if not (2 <= n <= MAX_BATCH and isinstance(v, (int, float)) and 1.0 <= v <= n):
+            return None
+        curve[n] = float(v)
+    return curve
 
 
 def _problem(table) -> str | None:
@@ -77,6 +95,8 @@ def _problem(table) -> str | None:
             if not (isinstance(cost, list) and len(cost) == 2
                     and all(isinstance(x, (int, float)) and x > 0 for x in cost)):
                 return "a drafter cost of the wrong shape"
+        if _curve(target.get("curve", {})) is None:
+            return "a cost curve of the wrong shape"
     return None
 
 
@@ -98,8 +118,10 @@ class AcceptanceMemory:
         target = self._read(notice=True).get("targets", {}).get(target_key, {})
         self.acceptance: dict[str, dict] = dict(target.get("acceptance", {}))
         self.costs: dict[str, list[float]] = dict(target.get("costs", {}))
+        self._curve: dict[int, float] = _curve(target.get("curve", {})) or {}
         self._changed: set[str] = set()       # acceptance keys learned by this process
         self._changed_costs: set[str] = set()  # drafters timed by this process
+        self._changed_curve = False
         self._unwritable = False
 
     def _read(self, notice: bool = False) -> dict:
@@ -140,6 +162,15 @@ class AcceptanceMemory:
         self.costs[drafter] = [round(per_token, 5), round(catch_up, 5)]
         self._changed_costs.add(drafter)
 
+    def curve(self) -> dict[int, float]:
+        """Batch size -> cost in one-token steps, as an earlier process timed them."""
+        return dict(self._curve)
+
+    def learn_curve(self, ratios: dict[int, float]) -> None:
+        """Costs of the batch sizes this process timed (others keep what was learned)."""
+        self._curve.update({n: round(r, 4) for n, r in ratios.items()})
+        self._changed_curve = True
+
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Writers one at a time: an exclusive lock on a file beside the cache."""
@@ -154,7 +185,7 @@ class AcceptanceMemory:
         """Merge what this process learned into the file (other targets and
         keys as the file has them now), bounded; an unwritable cache keeps
         it for this process only (said once)."""
-        if not self._changed and not self._changed_costs:
+        if not self._changed and not self._changed_costs and not self._changed_curve:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,11 +197,15 @@ class AcceptanceMemory:
                 targets[self.key] = {"used": int(time.time()),
                                      "acceptance": _newest(acceptance, MAX_KEYS),
                                      "costs": {**old.get("costs", {}),
-                                               **{k: self.costs[k] for k in self._changed_costs}}}
+                                               **{k: self.costs[k] for k in self._changed_costs}},
+                                     "curve": {**old.get("curve", {}),
+                                               **({str(n): r for n, r in self._curve.items()}
+                                                  if self._changed_curve else {})}}
                 table = {"format": FORMAT, "version": VERSION, "targets": _newest(targets, MAX_TARGETS)}
                 write_atomic(self.path, json.dumps(table, separators=(",", ":")).encode())
             self._changed.clear()
             self._changed_costs.clear()
+            self._changed_curve = False
         except OSError as e:
             if self._unwritable:
                 return

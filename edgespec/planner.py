@@ -41,8 +41,10 @@ add more than the time its tokens add to the batch takes from the others.
 Acceptance is kept per route of text (``begin``: the request's script and
 whether it is code or prose, ``drafters.router.text_route``), and with an
 ``AcceptanceMemory`` (edgespec.learned) what one process learned per route,
-and each costly drafter's measured cost, are the next process's priors
-(``end`` saves them).
+each costly drafter's measured cost and the batch costs timed, are the
+next process's priors (``end`` saves them). A planner that may choose takes
+a plain step now and then (``CostCurve.wants_plain``): drafting at every
+step would leave the one-token time, the unit of the whole curve, unmeasured.
 """
 from __future__ import annotations
 
@@ -66,6 +68,14 @@ WINDOW = 9                # recent timings kept per quantity: decisions read the
 MIN_SAMPLES = 3           # timings before a measured value moves away from its prior
 PRIOR_WEIGHT = 0.5        # timings' worth of evidence a cached measurement counts as
 REBUILD_EVERY = 8         # plain steps between rebuilds of the corrected cost curve
+# A planner that drafts at every step never times a one-token step, the unit
+# its curve is corrected against, and keeps a curve measured at another time
+# (qwen2.5-coder-1.5b: 1.12 cached for 2 and 3 tokens, 1.26-1.35 timed in the
+# same hour on a VM whose bandwidth moves). It takes a plain step every
+# CALIBRATE_EVERY steps while fewer than MIN_SAMPLES are timed, and one every
+# RECALIBRATE_EVERY steps after, so that the unit follows the machine.
+CALIBRATE_EVERY = 4
+RECALIBRATE_EVERY = 64
 EXPLORE_SHARE = 0.03      # most of a generation's plain decoding time trying an unproven costly drafter may cost
 # A draft is verified only if it is expected to beat plain decoding by this
 # much: acceptance and costs are estimates, and a draft expected to gain
@@ -104,11 +114,17 @@ class CostCurve:
     """The time of a target batch of n tokens in one-token steps: the prior
     curve measured at load, corrected by the timed steps of this planner."""
 
-    def __init__(self, prior: list[float]):
-        self.prior = plausible(prior)
+    def __init__(self, prior: list[float], learned: dict[int, float] | None = None):
+        """``prior``: the curve measured at load; ``learned``: batch size ->
+        cost an earlier process timed (``ratios``), which replace the prior
+        at those sizes (and scale it between and beyond them)."""
+        prior = plausible(prior)
+        factors = {n: r / prior[n] for n, r in (learned or {}).items() if 1 < n <= MAX_BATCH}
+        self.prior = _scaled(prior, factors) if factors else prior
         self.steps: dict[int, Timings] = {}   # batch size -> seconds of recent steps
         self._table: list[float] | None = None  # the corrected curve, rebuilt after new timings
         self._plain_since_rebuild = 0
+        self._since_plain = 0                 # steps timed since the last one-token one
         self._t_token: tuple[float | None] | None = None   # t_token until the next timing (asked often per step)
 
     def record(self, seconds: float, n_tokens: int) -> None:
@@ -116,6 +132,7 @@ class CostCurve:
         timings = self.steps.setdefault(n, Timings())
         timings.add(seconds)
         self._t_token = None
+        self._since_plain = 0 if n == 1 else self._since_plain + 1
         # A plain step moves the unit (the median one-token time) only a
         # little: the curve is rebuilt after a batch's timing, or every
         # REBUILD_EVERY plain steps, so that declining to draft stays cheap.
@@ -145,33 +162,51 @@ class CostCurve:
     def _corrected(self) -> list[float]:
         """The prior scaled at each size by what timings of that size (or the
         nearest timed sizes, interpolated) say; one-token steps are the unit."""
+        ratios = self.ratios()
+        factors = {n: self.steps[n].blend(self.prior[n], r) / self.prior[n] for n, r in ratios.items()}
+        return _scaled(self.prior, factors) if factors else self.prior
+
+    def ratios(self) -> dict[int, float]:
+        """Batch size -> its timed cost in one-token steps (the median of its
+        recent steps over that of recent one-token steps, within what physics
+        allows), for each size timed enough; {} before one-token steps are."""
         one = self.steps.get(1)
         t1 = one.median if one is not None else None
-        factors: dict[int, float] = {1: 1.0}   # one-token steps are the unit
-        if t1:
-            for n, t in self.steps.items():
-                if n > 1 and t.median is not None:
-                    measured = min(max(t.median / t1, 1.0), float(n))
-                    factors[n] = t.blend(self.prior[n], measured) / self.prior[n]
-        if len(factors) == 1:
-            return self.prior
-        sizes = sorted(factors)   # 1 first
-        table = [0.0, 1.0]
-        for n in range(2, MAX_BATCH + 1):
-            i = bisect.bisect_left(sizes, n)
-            if i == len(sizes):       # past the largest size timed: its factor
-                f = factors[sizes[-1]]
-            elif sizes[i] == n:
-                f = factors[n]
-            else:                     # between two timed sizes: geometric interpolation
-                lo, hi = sizes[i - 1], sizes[i]
-                w = (n - lo) / (hi - lo)
-                f = factors[lo] ** (1 - w) * factors[hi] ** w
-            table.append(self.prior[n] * f)
-        return plausible(table)
+        if not t1:
+            return {}
+        return {n: min(max(t.median / t1, 1.0), float(n))
+                for n, t in self.steps.items() if n > 1 and t.median is not None}
+
+    def wants_plain(self) -> bool:
+        """Whether the next step should be plain, to time the unit the curve is corrected against."""
+        one = self.steps.get(1)
+        if one is None or one.median is None:
+            return self._since_plain >= CALIBRATE_EVERY - 1
+        return self._since_plain >= RECALIBRATE_EVERY - 1
 
     def __call__(self, n_tokens: int) -> float:
         return self.table()[min(n_tokens, MAX_BATCH)] * max(1.0, n_tokens / MAX_BATCH)
+
+
+def _scaled(prior: list[float], factors: dict[int, float]) -> list[float]:
+    """``prior`` scaled at each size by ``factors`` (batch size -> factor; 1
+    at one token, the unit), geometrically between the sizes given and by the
+    largest one's factor beyond it."""
+    factors = {1: 1.0, **factors}
+    sizes = sorted(factors)   # 1 first
+    table = [0.0, 1.0]
+    for n in range(2, MAX_BATCH + 1):
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):       # past the largest size given: its factor
+            f = factors[sizes[-1]]
+        elif sizes[i] == n:
+            f = factors[n]
+        else:                     # between two given sizes: geometric interpolation
+            lo, hi = sizes[i - 1], sizes[i]
+            w = (n - lo) / (hi - lo)
+            f = factors[lo] ** (1 - w) * factors[hi] ** w
+        table.append(prior[n] * f)
+    return plausible(table)
 
 
 class ExpertMisses:
@@ -304,7 +339,7 @@ class Planner:
 
     def __init__(self, costs: list[float], experts: ExpertMisses | None = None,
                  memory: AcceptanceMemory | None = None):
-        self.costs = CostCurve(costs)
+        self.costs = CostCurve(costs, memory.curve() if memory is not None else None)
         self.experts = experts
         self.memory = memory
         self.acceptance: dict[str, Acceptance] = {}   # by key@route (key alone before any route)
@@ -335,6 +370,9 @@ class Planner:
         for name, d in self.drafters.items():
             if d.per_token.median is not None:
                 self.memory.learn_cost(name, *self.drafter_cost(name).to_list())
+        ratios = self.costs.ratios()
+        if ratios:
+            self.memory.learn_curve(ratios)
         self.memory.save()
 
     # -- what things cost ------------------------------------------------------------
@@ -489,6 +527,10 @@ class Planner:
         ``room``: tokens still to generate; ``trees``: False where the backend
         verifies a tree's first path only."""
         best, best_value = Draft(), 0.0
+        # Where the planner may choose (auto) and a lone step is timed, some
+        # steps are plain so that what one token costs now is known.
+        if may_skip and not self.shared and self.costs.wants_plain():
+            return best
         for d in drafters:
             behind = 0
             if d.costly:

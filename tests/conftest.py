@@ -37,6 +37,16 @@ def _learned_apart(monkeypatch, tmp_path_factory):
     monkeypatch.setenv(learned.ENV, str(tmp_path_factory.mktemp("learned") / learned.FILE))
 
 
+@pytest.fixture
+def stated_costs(monkeypatch):
+    """Planners keep the cost curve a test gives them: no step is timed to
+    correct it (a tiny model's batches cost like compute, not like a 1.5B's
+    memory reads), and so none is taken plain to time one token."""
+    from edgespec.planner import Planner
+
+    monkeypatch.setattr(Planner, "record_step_time", lambda self, seconds, n_tokens, **io: None)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     return registry.resolve("smollm2-135m")

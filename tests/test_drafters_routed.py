@@ -163,7 +163,7 @@ def _generate(engine, request, **kw):
 
 
 def test_auto_routes_each_request_to_one_drafter_and_keeps_greedy_output(tiny_llama_path, drafter_set,
-                                                                          monkeypatch):
+                                                                          monkeypatch, stated_costs):
     # The drafters here are as large as the target; the planner is told they
     # cost what a real specialized drafter does (a few percent of it), and
     # batches nearly nothing (as on a bandwidth-bound model).
@@ -276,7 +276,7 @@ def test_the_routers_confidence_sets_the_prior_and_prose_does_not_run_a_code_dra
 
 
 def test_a_code_drafter_routed_prose_is_given_a_prior_too_low_to_draft_and_opens_lazily(
-        tiny_llama_path, drafter_set, monkeypatch, tmp_path):
+        tiny_llama_path, drafter_set, monkeypatch, tmp_path, stated_costs):
     """A router sure of the Python drafter for a German request: its
     confidence in that is 0, so the drafter's prior is MIN_PRIOR and the
     planner never asks it (it stays unopened); on Python code it drafts."""

@@ -456,6 +456,77 @@ def test_a_drafter_wrong_on_one_language_stops_within_a_few_tokens_and_the_next_
     assert generate(Planner(AVX2, memory=AcceptanceMemory("other", path)), Bilingual(), GERMAN, right=False)[0] > 0
 
 
+def timed_generation(planner: Planner, truth: list[float], n: int = 64, t1: float = 0.03) -> list[int]:
+    """``generate`` with every step timed as ``truth`` says a batch costs
+    (one token: ``t1`` seconds) and every draft accepted to its first token."""
+    planner.begin(ENGLISH)
+    drafted, produced = [], 0
+    while produced < n:
+        draft = planner.choose([Bilingual()], list(range(100 + produced)), limit=8, room=n - produced,
+                               may_skip=True, trees=True)
+        planner.record_step_time(t1 * truth[1 + len(draft)], 1 + len(draft))
+        accepted = min(1, len(draft))
+        planner.record(draft.key or draft.source or "none", draft.depth, accepted)
+        drafted.append(len(draft))
+        produced += 1 + accepted
+    planner.end()
+    return drafted
+
+
+def test_a_planner_drafting_at_every_step_times_plain_steps_and_corrects_its_curve():
+    """The cached curve says 2 and 3 tokens cost 1.05 of one (measured in a
+    quieter hour); this machine's steps say 1.3 and 1.4. A drafter that pays
+    at either would draft at every step and never time the one-token step
+    the curve is corrected against: the planner takes a plain step every
+    CALIBRATE_EVERY steps until MIN_SAMPLES are timed, corrects the curve,
+    and then takes one every RECALIBRATE_EVERY steps only."""
+    from edgespec.planner import CALIBRATE_EVERY, RECALIBRATE_EVERY
+
+    truth = [0.0, 1.0, 1.3, 1.4] + [1.4 + 0.3 * k for k in range(1, MAX_BATCH - 2)]
+    lie = [0.0, 1.0, 1.05, 1.05] + [1.05 + 0.3 * k for k in range(1, MAX_BATCH - 2)]
+    p = Planner(lie)
+    drafted = timed_generation(p, truth, n=400)
+    plain = [i for i, k in enumerate(drafted) if k == 0]
+    calibrating = CALIBRATE_EVERY * MIN_SAMPLES
+    assert plain[:MIN_SAMPLES] == list(range(CALIBRATE_EVERY - 1, calibrating, CALIBRATE_EVERY))
+    assert abs(p.cost(2) - truth[2]) < 0.05 and abs(p.cost(3) - truth[3]) < 0.05
+    later = [i for i in plain if i >= calibrating]
+    assert later and len(later) <= (len(drafted) - calibrating) // RECALIBRATE_EVERY + 1
+    # A drafter chosen explicitly (may_skip False) is never held back.
+    assert all(len(p.choose([Bilingual()], [1, 2, 3], 8, 100, may_skip=False, trees=True))
+               for _ in range(RECALIBRATE_EVERY))
+
+
+def test_the_curve_a_process_timed_is_the_next_process_prior(tmp_path):
+    """What one process timed (2 tokens 1.3, 3 tokens 1.4) is the curve the
+    next starts from, before it times anything; sizes it never timed are
+    scaled like the largest timed one, within what physics allows; a third
+    process timing other sizes keeps the first's."""
+    import json
+
+    from edgespec.learned import AcceptanceMemory
+
+    truth = [0.0, 1.0, 1.3, 1.4] + [1.4 + 0.3 * k for k in range(1, MAX_BATCH - 2)]
+    lie = [0.0, 1.0, 1.05, 1.05] + [1.05 + 0.3 * k for k in range(1, MAX_BATCH - 2)]
+    path = tmp_path / "acceptance.json"
+    timed_generation(Planner(lie, memory=AcceptanceMemory("t", path)), truth)
+    curve = json.loads(path.read_text())["targets"]["t"]["curve"]
+    assert set(curve) == {"2", "3"} and all(abs(c - truth[int(n)]) < 0.01 for n, c in curve.items())
+    later = Planner(lie, memory=AcceptanceMemory("t", path))
+    assert abs(later.cost(2) - truth[2]) < 0.01 and abs(later.cost(3) - truth[3]) < 0.01
+    assert later.cost(3) <= later.cost(9) <= 9
+    assert abs(later.cost(9) / lie[9] - truth[3] / lie[3]) < 0.01
+    later.record_step_time(0.03, 1)
+    for _ in range(MIN_SAMPLES):
+        later.record_step_time(0.03, 1)
+        later.record_step_time(0.03 * 2.0, 5)
+    later.end()
+    curve = json.loads(path.read_text())["targets"]["t"]["curve"]
+    assert set(curve) == {"2", "3", "5"} and abs(curve["5"] - 2.0) < 0.01 and abs(curve["2"] - truth[2]) < 0.01
+    # Another target learned nothing: its curve is the one measured at load.
+    assert Planner(lie, memory=AcceptanceMemory("other", path)).cost(2) == lie[2]
+
+
 def test_routes_keep_acceptance_apart_within_a_process():
     p = Planner(AVX2)
     generate(p, Bilingual(), GERMAN, right=False)
@@ -498,7 +569,9 @@ def test_a_corrupt_or_foreign_acceptance_cache_is_ignored_with_a_notice_and_rewr
                 json.dumps({"format": FORMAT, "version": 99, "targets": {}}),
                 json.dumps({"format": FORMAT, "version": VERSION - 1, "targets": {}}),   # an older release's
                 json.dumps({"format": FORMAT, "version": VERSION,
-                            "targets": {"t": {"acceptance": {"k": {"hits": "x"}}}}})):
+                            "targets": {"t": {"acceptance": {"k": {"hits": "x"}}}}}),
+                json.dumps({"format": FORMAT, "version": VERSION,   # a batch costing less than one token
+                            "targets": {"t": {"acceptance": {}, "curve": {"4": 0.5}}}})):
         path.write_text(bad)
         caplog.clear()
         with caplog.at_level("WARNING", logger="edgespec"):
