@@ -96,6 +96,12 @@ def _infos(profiles):
     ("Schreibe eine Funktion in Python, die aus einer Liste von Wörtern die häufigsten zehn zurückgibt, "
      "und erkläre kurz, wie sie funktioniert.", "deu"),
     ("PythonでWebサーバーを作る方法を教えてください。Flaskを使った簡単な例もお願いします。", "jpn"),
+    # a Python function whose docstring is English prose: its answer is code
+    ('def count_vowels(sentence: str) -> dict:\n    """Given a sentence of words separated by spaces, return '
+     'a dictionary that\n    maps each word to the number of vowels it contains. The words keep the order in '
+     'which\n    they appear in the sentence, and a word that appears more than once is counted once.\n'
+     '    >>> count_vowels("the quick brown fox")\n    {\'the\': 1, \'quick\': 2, \'brown\': 1, \'fox\': 1}\n'
+     '    """\n', "python"),
     # no drafter of this script
     (RUSSIAN, None),
     ("", None),

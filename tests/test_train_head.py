@@ -342,6 +342,10 @@ SHIPPED_HEAD_PROMPTS = {
     "deu": [{"role": "user", "content": "Translate the following text into English:\n\nDer Zug hatte zwanzig "
                                         "Minuten Verspätung, weil ein Baum auf die Gleise gefallen war. Die "
                                         "Reisenden warteten geduldig und tranken Kaffee am Bahnsteig."}],
+    "python": [{"role": "user", "content": "Finish this function:\n\ndef moving_average(values, window):\n"
+                                           "    \"\"\"The mean of each run of `window` values, in order.\"\"\"\n"
+                                           "    if window <= 0:\n        raise ValueError('window must be "
+                                           "positive')\n    sums = [0]\n    for v in values:\n"}],
 }
 
 

@@ -114,6 +114,11 @@ def text_route(text: str) -> str:
     return f"{main}{f'-{language}' if language else ''}:{'code' if code else 'prose'}"
 
 
+def _kind(text: str) -> str:
+    """"code" or "prose", as ``text_route`` reads ``text``."""
+    return text_route(text).rpartition(":")[2]
+
+
 def _overlap(scripts: dict[str, float], profile_scripts: dict[str, float]) -> float:
     """The share of a text's letters in a profile's scripts (1 for a text without letters)."""
     return sum(min(s, profile_scripts.get(k, 0.0)) for k, s in scripts.items()) if scripts else 1.0
@@ -171,17 +176,22 @@ class ProfileRouter(Router):
         does), and a Han or kana text fits its own language's top-400
         trigrams barely more than another's; another language of the same
         script keeps its prior, and its misses teach the planner."""
-        if text_route(text).split(":")[1] != text_route("".join(drafter.profile)).split(":")[1]:
+        if _kind(text) != _kind("".join(drafter.profile)):
             return 0.0
         return _overlap(script_shares(specialized.normalise(text[-ROUTING_CHARS:])), self._model(drafter)[1])
 
     def choose(self, text, drafters):
+        kind = _kind(text)
         text = specialized.normalise(text[-ROUTING_CHARS:])
         n = specialized.PROFILE_N
         counts = Counter(text[i:i + n] for i in range(len(text) - n + 1))
         scripts = script_shares(text)
         scores = {d.name: round(self.score(counts, scripts, d), 4) for d in drafters}
-        best = max(drafters, key=lambda d: scores[d.name], default=None)
+        # A drafter made for the text's kind (code or prose) first: a Python
+        # function whose docstring is English prose fits the English
+        # profile's n-grams a little better than Python's (56 of HumanEval's
+        # 164 prompts), yet its answer is code.
+        best = max(drafters, key=lambda d: (_kind("".join(d.profile)) == kind, scores[d.name]), default=None)
         if best is None or scores[best.name] < self.min_score:
             return None, scores
         return best, scores
