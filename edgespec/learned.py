@@ -7,9 +7,10 @@ statistics key and the request's language or domain, e.g.
 time per drafted and per caught-up token as it measured them (in one-token
 target steps), and the cost of each batch size it timed against one token
 (the corrected cost curve; the measurement at load may be from another
-hour of a machine whose bandwidth moves). A new process's planner starts from them instead of the
-drafters' guesses, so a drafter that missed on this kind of text last time
-is not tried at length again; a fresh machine starts from the guesses.
+hour of a machine whose bandwidth moves). A new process's planner starts
+from them instead of the drafters' guesses and the curve measured at load,
+so a drafter that missed on this kind of text last time is not tried at
+length again; a fresh machine starts from the guesses.
 
 One JSON file in ``registry.home()`` beside the cost caches (or where
 $EDGESPEC_ACCEPTANCE says)::

@@ -342,6 +342,8 @@ SHIPPED_HEAD_PROMPTS = {
     "deu": [{"role": "user", "content": "Translate the following text into English:\n\nDer Zug hatte zwanzig "
                                         "Minuten Verspätung, weil ein Baum auf die Gleise gefallen war. Die "
                                         "Reisenden warteten geduldig und tranken Kaffee am Bahnsteig."}],
+    "zho": [{"role": "user", "content": "Translate the following text into English:\n\n昨天下午突然下起了大雨，街上的"
+                                        "行人纷纷躲进商店。雨停以后，孩子们跑到公园里踩水坑，笑声传得很远。"}],
     "python": [{"role": "user", "content": "Finish this function:\n\ndef moving_average(values, window):\n"
                                            "    \"\"\"The mean of each run of `window` values, in order.\"\"\"\n"
                                            "    if window <= 0:\n        raise ValueError('window must be "

@@ -143,20 +143,21 @@ class ProfileRouter(Router):
 
     def __init__(self, min_score: float = MIN_SCORE):
         self.min_score = min_score
-        self._models: dict[tuple, tuple[dict[str, float], dict[str, float]]] = {}
+        self._models: dict[tuple, tuple[dict[str, float], dict[str, float], str]] = {}
 
-    def _model(self, d) -> tuple[dict[str, float], dict[str, float]]:
-        """log-probability of each n-gram of a drafter's profile, and its script shares."""
+    def _model(self, d) -> tuple[dict[str, float], dict[str, float], str]:
+        """log-probability of each n-gram of a drafter's profile, its script
+        shares, and the kind of text it was made for (code or prose)."""
         key = tuple(d.profile)
         if key not in self._models:
             weights = [1.0 / (r + ZIPF_OFFSET) for r in range(len(d.profile))]
             total = sum(weights) or 1.0
             self._models[key] = ({g: math.log(w / total) for g, w in zip(d.profile, weights)},
-                                 script_shares("".join(d.profile)))
+                                 script_shares("".join(d.profile)), _kind("".join(d.profile)))
         return self._models[key]
 
     def score(self, counts: Counter, scripts: dict[str, float], d) -> float:
-        logp, profile_scripts = self._model(d)
+        logp, profile_scripts, _ = self._model(d)
         n = sum(counts.values())
         if not logp or not n:
             return 0.0
@@ -176,7 +177,7 @@ class ProfileRouter(Router):
         does), and a Han or kana text fits its own language's top-400
         trigrams barely more than another's; another language of the same
         script keeps its prior, and its misses teach the planner."""
-        if _kind(text) != _kind("".join(drafter.profile)):
+        if _kind(text) != self._model(drafter)[2]:
             return 0.0
         return _overlap(script_shares(specialized.normalise(text[-ROUTING_CHARS:])), self._model(drafter)[1])
 
@@ -191,7 +192,7 @@ class ProfileRouter(Router):
         # function whose docstring is English prose fits the English
         # profile's n-grams a little better than Python's (56 of HumanEval's
         # 164 prompts), yet its answer is code.
-        best = max(drafters, key=lambda d: (_kind("".join(d.profile)) == kind, scores[d.name]), default=None)
+        best = max(drafters, key=lambda d: (self._model(d)[2] == kind, scores[d.name]), default=None)
         if best is None or scores[best.name] < self.min_score:
             return None, scores
         return best, scores
