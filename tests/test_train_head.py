@@ -255,6 +255,9 @@ def test_train_head_bad_input(monkeypatch, capsys, tmp_path, tiny_llama_path, ti
             (["--lang", "python", "--source", TEXT, "--ctx", "64", "--prompt-tokens", "60", "--mode", "chat", *out],
              "--prompt-tokens must be"),
             (["--lang", "python", "--source", TEXT, "--data", str(tmp_path), *out], "without features.json"),
+            (["--lang", "python", "--source", TEXT, "--init", str(tmp_path / "none.ckpt"), *out], "no such file"),
+            (["--lang", "python", "--source", TEXT, "--data", str(trained.with_suffix(".data")), "--init",
+              str(trained), *out], "not an edgespec drafter checkpoint"),
     ):
         code, _, err = run_cli(monkeypatch, capsys, *base, *args)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
@@ -333,6 +336,36 @@ def test_a_head_trains_on_several_feature_sets(tmp_path, tiny_llama_path, traine
     with pytest.raises(InvalidArgumentError, match=f"{foreign} holds features of other, not of"):
         head.train_head_model(str(tiny_llama_path), tmp_path / "f.gguf", p, data=[tmp_path / "gen", foreign],
                               progress=False)
+
+
+def test_a_head_starts_from_another_runs_checkpoint(tmp_path, tiny_llama_path, trained):
+    """--init: a new run (other data: the target's continuations) starts
+    from the trained head's weights, not from scratch: with the same few
+    steps it agrees with the target more than a run from scratch; the recipe
+    names where it started; a killed --init run goes on from its own
+    checkpoint; a checkpoint of another shape, or no checkpoint, is refused."""
+    gen = [tmp_path / "gen", trained.with_suffix(".data")]
+    p = head.HeadParams(**{**SMALL, "ctx": 48}, mode="generate", prompt_tokens=16, tokens=300, minutes=0.005)
+    fresh = head.train_head_model(str(tiny_llama_path), tmp_path / "fresh.gguf", p, data=gen, progress=False)
+    started = head.train_head_model(str(tiny_llama_path), tmp_path / "init.gguf", p, data=gen,
+                                    init=trained.with_suffix(".ckpt"), progress=False)
+    before = load_checkpoint(trained.with_suffix(".ckpt"))["progress"]
+    assert started.held_out_agreement > fresh.held_out_agreement + 0.1, (started, fresh)
+    made = recipe(tmp_path / "init.gguf")
+    assert made["init"] == {"file": "py.ckpt", "lang": "python", "data_digest": load_checkpoint(
+        trained.with_suffix(".ckpt"))["data"], "rows_seen": before["rows"],
+        "held_out_agreement": round(before["best"], 4)}
+    assert "init" not in recipe(tmp_path / "fresh.gguf")
+    # Its own checkpoint now exists: a later run goes on from it, --init or not.
+    again = head.train_head_model(str(tiny_llama_path), tmp_path / "init.gguf", replace(p, minutes=0.01),
+                                  data=gen, init=trained.with_suffix(".ckpt"), progress=False)
+    assert again.steps > started.steps and recipe(tmp_path / "init.gguf")["init"] == made["init"]
+    with pytest.raises(InvalidArgumentError, match="a head of another shape"):
+        head.train_head_model(str(tiny_llama_path), tmp_path / "wide.gguf", replace(p, n_ff=96), data=gen,
+                              init=trained.with_suffix(".ckpt"), progress=False)
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        head.train_head_model(str(tiny_llama_path), tmp_path / "x.gguf", p, data=gen,
+                              init=tmp_path / "missing.ckpt", progress=False)
 
 
 # -- the shipped heads (models tier) -----------------------------------------------------------

@@ -197,6 +197,9 @@ def train_head_cmd(
                                "head's own guesses, as drafting does (1: EAGLE-1's single step)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for the target and PyTorch."),
+    init: Path = typer.Option(None, "--init", help="Start from the weights of another run's checkpoint "
+                              "(its OUT.ckpt: a head of this target and --n-ff, e.g. an English head's for a "
+                              "translation head); a run with a checkpoint of its own goes on from that."),
     restart: bool = typer.Option(False, "--restart", help="Train from the start, ignoring OUT.ckpt."),
 ) -> None:
     """Train a draft head (EAGLE-1) on TARGET's own features for `--drafter head --head OUT`: the target's
@@ -212,7 +215,7 @@ def train_head_cmd(
                              n_ff=n_ff, draft_vocab=draft_vocab, quant=quant, window=window,
                              batch_rows=batch_rows, lr=lr, unroll=unroll, seed=seed, threads=threads)
     command = "edgespec drafter " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    r = head.train_head_model(model, out, params, data=data, restart=restart, command=command)
+    r = head.train_head_model(model, out, params, data=data, init=init, restart=restart, command=command)
     typer.echo(f"wrote {r.out}: {r.bytes / 1e6:.1f} MB; {r.steps} steps, {r.rows_seen / 1e6:.2f}M rows in "
                f"{r.seconds / 60:.1f} min; held-out agreement {r.held_out_agreement:.1%} (the chain's first token)")
 

@@ -451,9 +451,14 @@ class HeadResult:
 
 
 def train_head(target_path: Path, target_name: str, data: Sequence[FeatureSet], out: Path, p: HeadParams, *,
-               restart: bool = False, progress: bool = True, command: str = "") -> HeadResult:
+               init: Path | None = None, restart: bool = False, progress: bool = True,
+               command: str = "") -> HeadResult:
     """Stage 2: train (or go on training) the head on the feature sets
-    ``data`` together; export the best state to ``out``."""
+    ``data`` together; export the best state to ``out``. A run that starts
+    (no checkpoint of its own to go on from) starts from the weights of the
+    checkpoint ``init`` when given: another run's head of this target, such
+    as an English head's for a translation head, or one trained before its
+    data grew."""
     from ..backends.vocab import Vocab
 
     torch = import_torch()
@@ -488,6 +493,8 @@ def train_head(target_path: Path, target_name: str, data: Sequence[FeatureSet], 
         opt.load_state_dict(saved["optimizer"])
         state = saved["progress"]
         torch.set_rng_state(saved["rng"])
+    elif init is not None:
+        state["init"] = _start_from(model, init)
     budget = p.minutes * 60
     rng = np.random.default_rng(p.seed + state["step"])
     bar = Clock("train-head", int(budget), enabled=progress, lines=True)
@@ -553,7 +560,8 @@ def train_head(target_path: Path, target_name: str, data: Sequence[FeatureSet], 
                                                                "seconds")} for x in data],
                       "data_digest": digest, "params": p.shape(), "steps": state["step"],
                       "minutes": round(state["seconds"] / 60, 1), "rows_seen": state["rows"],
-                      "held_out_agreement": round(state["best"], 4), "curve": state["curve"]}
+                      "held_out_agreement": round(state["best"], 4), "curve": state["curve"],
+                      **({"init": state["init"]} if state.get("init") else {})}
             export(out, target_path, model, p, recipe)
         bar.done()
     return HeadResult(out, state["step"], state["seconds"], state["best"], state["rows"], out.stat().st_size)
@@ -577,6 +585,23 @@ class _StopOnTerm:
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
             self._old = None
+
+
+def _start_from(model, init: Path) -> dict:
+    """Load the head weights of checkpoint ``init`` into ``model`` (not its
+    optimizer nor its progress: this run's learning rate starts again);
+    what the recipe says of it."""
+    saved = load_checkpoint(init)
+    if saved.get("kind") != "head":
+        raise InvalidArgumentError(f"--init {init}: not a draft head's checkpoint (OUT.ckpt of train-head)")
+    try:
+        model.load_state_dict(saved["model"])
+    except RuntimeError:
+        raise InvalidArgumentError(f"--init {init}: a head of another shape (width or --n-ff) than this "
+                                   f"target's with --n-ff {model.shape.n_ff}") from None
+    done = saved.get("progress", {})
+    return {"file": init.name, "lang": saved.get("shape", {}).get("lang"), "data_digest": saved.get("data"),
+            "rows_seen": done.get("rows"), "held_out_agreement": round(done.get("best", 0.0), 4)}
 
 
 def _data_digest(data: Sequence[FeatureSet]) -> str:
@@ -613,7 +638,8 @@ def export(out: Path, target_path: Path, model, p: HeadParams, recipe: dict) -> 
 
 def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *,
                      data: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                     restart: bool = False, progress: bool = True, command: str = "") -> HeadResult:
+                     init: str | os.PathLike | None = None, restart: bool = False, progress: bool = True,
+                     command: str = "") -> HeadResult:
     """Both stages for a model reference (a built-in name, a GGUF path;
     default: the built-in default): features into the first folder of
     ``data`` (default OUT.data/) unless enough are there, then the head into
@@ -628,6 +654,8 @@ def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *
         raise InvalidArgumentError(f"--out must name a .gguf file, got {out}")
     if not out.parent.is_dir():
         raise InvalidArgumentError(f"--out: {out.parent}: no such folder")
+    if init is not None and not Path(init).is_file():
+        raise InvalidArgumentError(f"--init {init}: no such file")
     ref = model or registry.default_model()
     path = registry.model_path_checked(ref)
     with GGUFFile(path) as f:   # an architecture the head's layer cannot be trained in: refused before any work
@@ -646,5 +674,6 @@ def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *
             first = collect(engine, registry.model_name(ref), folders[0], p, progress=progress)
     else:
         first = FeatureSet(folders[0])
-    return train_head(path, registry.model_name(ref), [first, *others], out, p, restart=restart,
-                      progress=progress, command=command)
+    return train_head(path, registry.model_name(ref), [first, *others], out, p,
+                      init=Path(init) if init is not None else None, restart=restart, progress=progress,
+                      command=command)
