@@ -450,19 +450,3 @@ def test_interrupted_training_keeps_a_checkpoint_and_a_drafter(tmp_path, distill
     monkeypatch.setattr(train, "_text_loss", real)
     result = train.train(tiny_llama_path, "tiny", distilled, out, params, progress=False)
     assert result.steps > 5
-
-
-@pytest.mark.models
-def test_shipped_python_drafter_serves_qwen_coder(qwen_coder_15b_path, monkeypatch, capsys):
-    """The shipped drafter is listed for its target, auto routes Python to it
-    (a prompt of our own, not a suite's), and the output is plain decoding's."""
-    code, out, err = run_cli(monkeypatch, capsys, "drafter", "list", "--model", "qwen2.5-coder-1.5b", "--json")
-    assert code == 0, err
-    [info] = [json.loads(line) for line in out.splitlines() if "python.gguf" in line]
-    assert info["problem"] is None and info["langs"] == ["python"] and info["size"] <= train.MAX_DRAFTER_BYTES
-    prompt = "def merge_intervals(intervals):\n    \"\"\"Merge overlapping [start, end] intervals.\"\"\"\n"
-    with Engine("qwen2.5-coder-1.5b", threads=2) as engine:
-        plain = engine.generate(prompt, max_tokens=32, temperature=0, drafter="none")
-        routed = engine.generate(prompt, max_tokens=32, temperature=0, drafter="auto")
-    assert routed.tokens == plain.tokens
-    assert routed.stats.spec.specialized == "python"

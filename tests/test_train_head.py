@@ -400,6 +400,11 @@ def test_shipped_heads_serve_qwen_coder(qwen_coder_15b_path, monkeypatch, capsys
             routed = engine.generate(messages=SHIPPED_HEAD_PROMPTS[lang], max_tokens=48, drafter="auto")
             assert routed.tokens == plain.tokens
             assert routed.stats.spec.specialized == Path(info["file"]).stem, routed.stats.spec.drafters
+        # A raw completion of Python (no chat template) goes to the Python head too.
+        prompt = "def merge_intervals(intervals):\n    \"\"\"Merge overlapping [start, end] intervals.\"\"\"\n"
+        plain = engine.generate(prompt, max_tokens=32, drafter="none")
+        routed = engine.generate(prompt, max_tokens=32, drafter="auto")
+        assert routed.tokens == plain.tokens and routed.stats.spec.specialized == "python-head"
 
 
 def test_a_head_in_the_set_stays_out_of_auto_on_the_llama_backend(trained, tiny_llama_path, tmp_path):
