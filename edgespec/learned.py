@@ -122,7 +122,7 @@ class AcceptanceMemory:
         self._curve: dict[int, float] = _curve(target.get("curve", {})) or {}
         self._changed: set[str] = set()       # acceptance keys learned by this process
         self._changed_costs: set[str] = set()  # drafters timed by this process
-        self._changed_curve = False
+        self._changed_curve: set[int] = set()  # batch sizes timed by this process
         self._unwritable = False
 
     def _read(self, notice: bool = False) -> dict:
@@ -170,7 +170,7 @@ class AcceptanceMemory:
     def learn_curve(self, ratios: dict[int, float]) -> None:
         """Costs of the batch sizes this process timed (others keep what was learned)."""
         self._curve.update({n: round(r, 4) for n, r in ratios.items()})
-        self._changed_curve = True
+        self._changed_curve.update(ratios)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -200,13 +200,12 @@ class AcceptanceMemory:
                                      "costs": {**old.get("costs", {}),
                                                **{k: self.costs[k] for k in self._changed_costs}},
                                      "curve": {**old.get("curve", {}),
-                                               **({str(n): r for n, r in self._curve.items()}
-                                                  if self._changed_curve else {})}}
+                                               **{str(n): self._curve[n] for n in self._changed_curve}}}
                 table = {"format": FORMAT, "version": VERSION, "targets": _newest(targets, MAX_TARGETS)}
                 write_atomic(self.path, json.dumps(table, separators=(",", ":")).encode())
             self._changed.clear()
             self._changed_costs.clear()
-            self._changed_curve = False
+            self._changed_curve.clear()
         except OSError as e:
             if self._unwritable:
                 return
