@@ -176,9 +176,14 @@ class Constraint:
         if self._m.is_error():
             raise GrammarError(f"{grammar.source} cannot be compiled: {self._m.get_error()}"[:500])
         self._words = mask_words(n_vocab)
-        # llguidance does not count an end-of-generation token among those a
-        # rollback undoes: every rollback below counts the others only
+        # A drafted end-of-generation token is checked against its row but
+        # never consumed: llguidance versions disagree on whether a rollback
+        # counts it, and nothing follows it in the text anyway. The row after
+        # it allows the end tokens only, as the stopped matcher's would.
         self._eos = frozenset(tokenizer.eos_tokens)
+        self._eos_row = np.zeros(self._words, dtype=np.uint32)
+        for t in self._eos:
+            self._eos_row[t >> 5] |= np.uint32(1 << (t & 31))
         self._rows = np.zeros((17, self._words), dtype=np.uint32)   # (n_rows, words), grown on demand
 
     def _fill(self, row: int) -> None:
@@ -196,7 +201,8 @@ class Constraint:
         A drafter chain with distributions (``probs``) keeps its first rejected
         node as its last (verification must see it to stay exact: it is then
         rejected for sure and its row never read); everything else drops it,
-        which verification would have rejected without consulting the RNG."""
+        which verification would have rejected without consulting the RNG.
+        Nothing after an end-of-generation node is kept: the text ends there."""
         n = len(draft)
         if self._rows.shape[0] < n + 1:
             self._rows = np.zeros((2 * (n + 1), self._words), dtype=np.uint32)
@@ -207,19 +213,24 @@ class Constraint:
             kept = self._tree(draft)
         return kept, self._rows.ctypes.data
 
-    def _rollback(self, tokens) -> None:
-        n = sum(t not in self._eos for t in tokens)
+    def _rollback(self, n: int) -> None:
         if n:
             self._m.rollback(n)
 
     def _chain(self, draft: Draft) -> Draft:
         m, tokens = self._m, draft.tokens
-        n_ok = 0
-        while n_ok < len(tokens) and self._allowed(n_ok, tokens[n_ok]) and m.consume_token(tokens[n_ok]):
+        n_ok, ended = 0, False
+        while n_ok < len(tokens) and self._allowed(n_ok, tokens[n_ok]):
+            ended = tokens[n_ok] in self._eos
+            if not ended and not m.consume_token(tokens[n_ok]):
+                break
             n_ok += 1
+            if ended:          # the text would end here: what follows is not drafted
+                self._rows[n_ok] = self._eos_row
+                break
             self._fill(n_ok)
-        self._rollback(tokens[:n_ok])
-        keep = min(n_ok + 1, len(tokens)) if draft.probs else n_ok
+        self._rollback(n_ok - ended)
+        keep = min(n_ok + 1, len(tokens)) if draft.probs and not ended else n_ok
         if keep == len(tokens):
             return draft
         return Draft(tokens[:keep], None, draft.probs, draft.source, draft.key, draft.prior)
@@ -227,31 +238,39 @@ class Constraint:
     def _tree(self, draft: Draft) -> Draft:
         m = self._m
         new_index: dict[int, int] = {}      # old node -> index in the pruned tree
+        ends: set[int] = set()              # kept end-of-generation nodes: leaves, never consumed
         tokens: list[int] = []
         parents: list[int] = []
         stack: list[int] = []               # old nodes on the matcher's current path
         for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)):
-            if p >= 0 and p not in new_index:
-                continue                    # below a rejected node
+            if p >= 0 and (p not in new_index or p in ends):
+                continue                    # below a rejected node, or past the end of the text
             path = self._path(draft.parents, p)
             common = 0
             while common < min(len(stack), len(path)) and stack[common] == path[common]:
                 common += 1
-            if len(stack) > common:
-                self._rollback(draft.tokens[j] for j in stack[common:])
-                del stack[common:]
+            self._rollback(len(stack) - common)
+            del stack[common:]
             for node in path[common:]:
                 m.consume_token(draft.tokens[node])
                 stack.append(node)
             row = new_index[p] + 1 if p >= 0 else 0
-            if not self._allowed(row, t) or not m.consume_token(t):
+            if not self._allowed(row, t):
                 continue
-            stack.append(i)
+            if t in self._eos:
+                ends.add(i)
+            elif m.consume_token(t):
+                stack.append(i)
+            else:
+                continue
             new_index[i] = len(tokens)
             tokens.append(t)
             parents.append(new_index[p] if p >= 0 else -1)
-            self._fill(len(tokens))
-        self._rollback(draft.tokens[j] for j in stack)
+            if i in ends:
+                self._rows[len(tokens)] = self._eos_row
+            else:
+                self._fill(len(tokens))
+        self._rollback(len(stack))
         return Draft(tokens, parents, None, draft.source, draft.key, draft.prior)
 
     @staticmethod
@@ -266,17 +285,21 @@ class Constraint:
     def lookahead(self):
         """For a drafter that samples: a ``Lookahead`` walking one chain ahead of
         the text; every token it took is rolled back on exit."""
-        look = Lookahead(self._m, self._words)
+        look = Lookahead(self._m, self._words, self._eos)
         try:
             yield look
         finally:
-            self._rollback(look.tokens)
+            self._rollback(len(look.tokens))
 
     def advance(self, tokens: list[int]) -> None:
-        """The text gained ``tokens`` (each allowed by its row's mask)."""
+        """The text gained ``tokens`` (each allowed by its row's mask); it ends
+        at an end-of-generation token, so what a step verified past one is
+        not text."""
         for t in tokens:
             if not self._m.consume_token(t):
                 raise GrammarError(f"token {t} is outside the grammar: {self._m.get_error()}"[:300])
+            if t in self._eos:
+                break
 
     @property
     def done(self) -> bool:
@@ -287,10 +310,12 @@ class Constraint:
 class Lookahead:
     """The grammar along a chain being drafted: ``mask()`` for the next token,
     ``push(token)`` once it is chosen (False: the grammar admits nothing after
-    it, the chain ends)."""
+    it, the chain ends; an end-of-generation token ends it unconsumed, as
+    Constraint's drafts do)."""
 
-    def __init__(self, matcher, words: int):
+    def __init__(self, matcher, words: int, eos: frozenset[int]):
         self._m = matcher
+        self._eos = eos
         self._row = np.zeros(words, dtype=np.uint32)
         self.tokens: list[int] = []   # consumed, to roll back
 
@@ -299,7 +324,7 @@ class Lookahead:
         return self._row.ctypes.data
 
     def push(self, token: int) -> bool:
-        if not self._m.consume_token(token):
+        if token in self._eos or not self._m.consume_token(token):
             return False
         self.tokens.append(token)
         return not self._m.is_stopped()

@@ -354,3 +354,35 @@ def test_required_calls_follow_parallel_tool_calls(tiny_llama_path, parallel):
             assert 1 <= len(r.tool_calls) <= (chat_tools.MAX_CALLS if parallel else 1), r.text
             for call in r.tool_calls:
                 _check_call(call)
+
+
+# -- a drafted end of generation --------------------------------------------------------
+
+@pytest.mark.parametrize("shape", ["chain", "tree", "lookahead"])
+def test_a_drafted_end_of_generation_leaves_the_grammar_where_the_text_is(tiny, shape):
+    """Where the grammar may end or go on, a draft holding the end-of-generation
+    token is checked but leaves the matcher at the text, however llguidance
+    counts that token in a rollback (versions differ): the text then goes on
+    past it. The chain drops what follows the end; the tree keeps it as a
+    leaf and drops its children."""
+    from edgespec.drafters import Draft
+    from edgespec.grammar import Constraint, tokenizer_for
+
+    backend = tiny.backend
+    eos = backend.eos_token
+    ab, nl = tiny.tokenize("ab", add_special=False), tiny.tokenize("\n", add_special=False)
+    constraint = Constraint(Grammar.from_text('root ::= "ab" | "ab\\nab"'), tokenizer_for(backend), backend.n_vocab)
+    constraint.advance(ab)
+    if shape == "chain":
+        kept, _ = constraint.masks(Draft(nl + [eos] + nl))          # "\n" then an end the grammar rejects
+        assert kept.tokens == nl
+        kept, _ = constraint.masks(Draft([eos] + nl))
+        assert kept.tokens == [eos]                                   # nothing after the end
+    elif shape == "tree":
+        kept, _ = constraint.masks(Draft([eos, nl[0], eos], [-1, -1, 0]))
+        assert (kept.tokens, kept.parents) == ([eos, nl[0]], [-1, -1])
+    else:
+        with constraint.lookahead() as look:
+            assert not look.push(eos)                                 # the chain ends at the end
+    constraint.advance(nl + ab)                                       # the text goes on from "ab"
+    assert constraint.done
