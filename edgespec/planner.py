@@ -76,6 +76,15 @@ REBUILD_EVERY = 8         # plain steps between rebuilds of the corrected cost c
 # RECALIBRATE_EVERY steps after, so that the unit follows the machine.
 CALIBRATE_EVERY = 4
 RECALIBRATE_EVERY = 64
+# Timings' worth of evidence the memory's curve (what earlier processes
+# timed) counts as against this process's: one process moves it at most
+# half of the way (geometrically), a short answer timing one token
+# MIN_SAMPLES times a quarter. One process alone replaced it before, and
+# on a VM whose speed drifts within a minute a 96-token answer timed 2
+# tokens at 1.64x one where batches timed alone cost 1.15x: the next
+# processes then declined 2-token drafts, so that size was never timed
+# again to correct it.
+CURVE_MEMORY = WINDOW
 EXPLORE_SHARE = 0.03      # most of a generation's plain decoding time trying an unproven costly drafter may cost
 # A draft is verified only if it is expected to beat plain decoding by this
 # much: acceptance and costs are estimates, and a draft expected to gain
@@ -176,6 +185,19 @@ class CostCurve:
             return {}
         return {n: min(max(t.median / t1, 1.0), float(n))
                 for n, t in self.steps.items() if n > 1 and t.median is not None}
+
+    def learned(self) -> dict[int, float]:
+        """What this process adds to the memory's curve: at each size timed
+        enough, the curve it started from (``prior``: the memory's, or the
+        one measured at load) moved towards the timed ratio by the share its
+        timings hold against CURVE_MEMORY earlier ones, geometrically."""
+        one = self.steps.get(1)
+        moved = {}
+        for n, r in self.ratios().items():
+            k = min(len(self.steps[n]), len(one))
+            w = k / (k + CURVE_MEMORY)
+            moved[n] = self.prior[n] ** (1 - w) * r ** w
+        return moved
 
     def wants_plain(self) -> bool:
         """Whether the next step should be plain, to time the unit the curve is corrected against."""
@@ -370,9 +392,9 @@ class Planner:
         for name, d in self.drafters.items():
             if d.per_token.median is not None:
                 self.memory.learn_cost(name, *self.drafter_cost(name).to_list())
-        ratios = self.costs.ratios()
-        if ratios:
-            self.memory.learn_curve(ratios)
+        moved = self.costs.learned()
+        if moved:
+            self.memory.learn_curve(moved)
         self.memory.save()
 
     # -- what things cost ------------------------------------------------------------

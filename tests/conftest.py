@@ -27,6 +27,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.models)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _learned_apart_from_the_user(tmp_path_factory):
+    """Engines a module or the session opens, before any test's own file is
+    set (_learned_apart), learn in the session's file, never in the user's
+    (what a test suite's tiny models and odd timings taught would decide the
+    user's next generations)."""
+    from edgespec import learned
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(learned.ENV, str(tmp_path_factory.mktemp("learned-session") / learned.FILE))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _learned_apart(monkeypatch, tmp_path_factory):
     """Each test's planners, its CLI and server processes too, learn in an
