@@ -209,7 +209,14 @@ def _cached(path: Path, key: str, field: str, valid: Callable[[Any], bool]) -> t
         table = {}
     if not isinstance(table, dict):
         table = {}
-    entry, load = _unsaved.get((path, key), table.get(key)), _other_load()
+    load = _other_load()
+    kept = _unsaved.get((path, key))
+    if kept is not None and valid(kept.get(field)):
+        # What this process measured where the file could not keep it: once
+        # per process, however busy it looked (measuring it again at every
+        # load of the process would cost a measurement per load).
+        return table, kept[field], load
+    entry = table.get(key)
     # (an entry without a recorded load was written before loads were: measured again once)
     # (a curve that looked disturbed is measured again at the next loads, SUSPECT_TRIES in all)
     if (isinstance(entry, dict) and valid(entry.get(field))
