@@ -219,7 +219,9 @@ def test_footer_speedup_against_plain_answers():
 
 # -- bounded rendering: a chat template is code from the model file -------------------
 
-LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+# 4 KiB a turn, so that the text budget stops it long before the time budget
+# would (a character a turn takes about the 5 s budget on a slow machine)
+LOOPS = '{% for i in range(100000) %}{% for j in range(100000) %}{{ "x" * 4096 }}{% endfor %}{% endfor %}'
 SILENT_LOOPS = ("{% set r = range(100000)|list %}{% for i in r %}{% for j in r %}{% endfor %}"
                 "{% endfor %}{{ messages[0].content }}")
 DOUBLING = ('{% set s = namespace(v="ab") %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}'
