@@ -121,8 +121,9 @@ def test_gguf_reader_survives_fuzzing(tmp_path):
     build = tmp_path / "build"
     subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_C_COMPILER=clang",
                     "-DEDGESPEC_FUZZ=ON", "-DCMAKE_BUILD_TYPE=Debug"], check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "fuzz_gguf"], check=True,
-                   capture_output=True)
+    # The whole library under ASan and UBSan: minutes on one core, so on all of them.
+    subprocess.run(["cmake", "--build", str(build), "--target", "fuzz_gguf", "--parallel", str(os.cpu_count() or 1)],
+                   check=True, capture_output=True)
     fuzzer = build / "fuzz_gguf"
 
     seeds = write_seeds(tmp_path / "seeds")
