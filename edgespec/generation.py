@@ -417,7 +417,8 @@ def _step(lane: Lane, planner: Planner | None, drafters: list[Drafter], sampler:
         if evaluated.batch_tokens == own:
             io = planner.experts.waited(reads, backend.expert_stats()) if reads is not None else {}
             planner.record_step_time(evaluated.seconds if lane.batched else step.seconds, own, **io)
-        planner.record(draft.key or draft.source or "none", draft.depth, n_acc)
+        planner.record(draft.key or draft.source or "none", draft.depth, n_acc,
+                       new if sampler.params.greedy else None)
         verified = Verified(draft, n_acc, new, evaluated.address, [context[-1]] + draft.tokens, lane.slot)
         for d in drafters:
             d.accept(verified)

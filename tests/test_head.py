@@ -154,13 +154,17 @@ def test_drafted_chain_is_the_references_greedy_chain(target, head, tiny_llama_p
         draft = drafter.draft(context, 6)
     ref = NumpyHead(tensors, tiny_llama_path)
     feats, toks = [feature[0].astype(np.float64)], [context[-1]]
-    chain = []
+    chain, confidence = [], []
     for _ in range(6):
         hidden, logits = ref.forward(np.array(feats), toks)
         chain.append(int(logits[-1].argmax()))
+        z = np.exp(logits[-1] - logits[-1].max())
+        confidence.append(float(z.max() / z.sum()))
         feats.append(hidden[-1])
         toks.append(chain[-1])
     assert draft.tokens == chain
+    # what the planner cuts the chain by: the head's probability of each token
+    assert np.allclose(draft.confidence, confidence, atol=0.02)   # the kernels quantize activations
 
 
 # -- through the engine --------------------------------------------------------------

@@ -6,7 +6,8 @@ import time
 
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import Draft, Drafter
-from edgespec.planner import EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, CostCurve, ExpertMisses, Planner
+from edgespec.planner import (CONFIDENCE_STRENGTH, EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, CostCurve, ExpertMisses,
+                              Planner)
 
 LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
 FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
@@ -14,6 +15,10 @@ FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batche
 
 def chain(n, key="k"):
     return Draft(tokens=list(range(n)), source="x", key=key)
+
+
+# A 4-token batch at 1.3x one token, as on qwen2.5-coder-1.5b (AVX2 Zen 3).
+MEMORY_BOUND = [0.0, 1.0, 1.12, 1.2, 1.3] + [1.3 + 0.25 * (k - 4) for k in range(5, MAX_BATCH + 1)]
 
 
 def test_no_speculation_when_batches_cost_as_much_as_tokens():
@@ -727,3 +732,110 @@ def test_in_a_shared_batch_a_curve_flat_there_does_not_make_drafts_free():
     assert len(p.cut(chain(4), may_skip=True)[0]) == 0
     p.shared, p.costs = 3, CostCurve(flat_middle[:5] + [1.8 + 0.27 * k for k in range(1, MAX_BATCH - 3)])
     assert len(p.cut(chain(4), may_skip=True)[0]) == 0   # the same as the curve beyond 4 were true
+
+
+def confident(tokens, confidence, key="head"):
+    return Draft(tokens=list(tokens), source=key, confidence=list(confidence))
+
+
+def test_a_greedy_chain_is_cut_where_its_drafter_is_unsure():
+    # The same drafter and the same average acceptance: a chain whose first
+    # token it is sure of is verified that far, one it is unsure of is not
+    # verified at all; a sure run is verified whole.
+    p = Planner(MEMORY_BOUND)
+    cut, value = p.cut(confident([5, 6, 7], [0.97, 0.15, 0.9]), may_skip=True)
+    assert cut.tokens == [5] and value > 1.0
+    assert len(p.cut(confident([5, 6], [0.15, 0.97]), may_skip=True)[0]) == 0
+    assert p.cut(confident([5, 6, 7], [0.99, 0.99, 0.99]), may_skip=True)[0].tokens == [5, 6, 7]
+    # an explicitly chosen drafter still verifies its first token
+    assert p.cut(confident([5, 6], [0.15, 0.97]), may_skip=False)[0].tokens == [5]
+
+
+class _Confident(Drafter):
+    """A costly drafter (its cost known, small) that drafts ``chain`` with ``confidence``."""
+    name = "head"
+    costly = True
+    cost = DraftCost(per_token=0.03, catch_up=0.01)
+
+    def __init__(self, chain, confidence):
+        self.chain, self.confidence = chain, confidence
+
+    def draft(self, context, max_tokens):
+        return confident(self.chain[:max_tokens], self.confidence[:max_tokens])
+
+
+def test_what_the_target_chose_teaches_a_drafter_s_confidence_even_where_its_chain_was_cut():
+    # Tokens the drafter is unsure of (0.05) are right every time here: the
+    # planner cuts them at first, yet learns from the target's own choice at
+    # each plain step that they are taken, and starts verifying them.
+    p = Planner(MEMORY_BOUND)
+    d = _Confident([7, 8], [0.05, 0.05])
+    steps = 0
+    while not len(p.choose([d], [1, 2, 3], 2, 100, may_skip=True, trees=False)):
+        p.record("none", 0, 0, [7])   # a plain step: the target chose 7
+        steps += 1
+        cal = p.calibration["head"]
+        assert cal.hits[0] == cal.trials[0] > steps - 1   # decayed counts
+    assert 1 <= steps <= CONFIDENCE_STRENGTH
+    # and the drafter's acceptance, for deciding whether to ask it, is of every chain drafted
+    assert steps - 1 < p._acc("head").trials[0] <= steps   # decayed counts
+    # wrong where it was sure: after a few misses its sure tokens are cut too
+    p2 = Planner(MEMORY_BOUND)
+    sure = _Confident([7, 8], [0.95, 0.95])
+    assert len(p2.choose([sure], [1, 2, 3], 2, 100, may_skip=True, trees=False)) == 2
+    for _ in range(6):
+        p2.choose([sure], [1, 2, 3], 2, 100, may_skip=True, trees=False)
+        p2.record("head", 2, 0, [9])
+    assert len(p2.choose([sure], [1, 2, 3], 2, 100, may_skip=True, trees=False)) == 0
+
+
+def test_sampled_steps_teach_no_confidence():
+    p = Planner(MEMORY_BOUND)
+    d = _Confident([7, 8], [0.95, 0.95])
+    p.choose([d], [1, 2, 3], 2, 100, may_skip=True, trees=False)
+    p.record("head", 2, 1, None)
+    assert "head" not in p.calibration or sum(p.calibration["head"].trials) == 0
+    assert p._acc("head").trials[0] == 1.0   # the verified draft, as any drafter's
+
+
+def test_a_sure_head_drafts_past_what_it_was_asked_for_and_an_unsure_one_stops():
+    # Where batches are nearly free, a head whose sure tokens (0.99) are
+    # accepted goes on past what it was asked for, to the step's limit;
+    # it stops after a token it is unsure of (0.1), and where a batch's
+    # next token costs a quarter of a step.
+    def planner(curve):
+        p = Planner(curve)
+        p.drafter_costs("head", DraftCost(per_token=0.03, catch_up=0.01))
+        for _ in range(20):   # every token verified is accepted
+            d = p.choose([_Confident([7] * 8, [0.99] * 8)], [1, 2, 3], 6, 100, may_skip=True, trees=False)
+            p.record(d.source or "none", d.depth, d.depth, [7] * (d.depth + 1))
+        return p
+
+    p = planner(FLAT)
+    assert p.calibration["head"].acceptance(0.99) > 0.85
+    assert p.draft_further("head", [0.99])
+    assert p.draft_further("head", [0.99] * 5)
+    assert not p.draft_further("head", [0.99] * 6)    # the step's limit
+    assert not p.draft_further("head", [0.99, 0.1])
+    p = planner(MEMORY_BOUND)
+    assert p.draft_further("head", [0.99] * 2) and not p.draft_further("head", [0.99] * 5)
+
+
+def test_a_drafter_whose_chains_are_all_cut_is_no_longer_asked():
+    # Its tokens are taken one time in four (enough, by acceptance alone,
+    # for a one-token draft to pay on this curve), but it is never sure of
+    # them (0.1): every chain is cut whole, so asking it costs its drafting
+    # for nothing, and after a few asks it is not asked.
+    p = Planner(MEMORY_BOUND)
+    p.drafter_costs("head", DraftCost(per_token=0.05, catch_up=0.01))
+    unsure = _Confident([7, 8], [0.1, 0.1])
+    assert p.budget("head", 2, may_skip=True) > 0
+    asks = 0
+    for i in range(12):
+        if p.budget("head", 2, may_skip=True) == 0:
+            break
+        asks += 1
+        assert len(p.choose([unsure], [1, 2, 3], 2, 100, may_skip=True, trees=False)) == 0
+        p.record("none", 0, 0, [7 if i % 4 == 3 else 9])
+    assert asks == MIN_SAMPLES
+    assert p.worth("head", 2) < 1.0

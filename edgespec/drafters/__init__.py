@@ -29,6 +29,10 @@ class Draft:
     source: str = ""  # the drafter that made it
     key: str = ""     # acceptance statistics bucket (default: source), e.g. "ngram:3"
     prior: float | None = None  # the drafter's guess of per-token acceptance for a new key
+    # (chain) the drafter's own probability of each token of its chain (the
+    # first nodes of a widened tree), under greedy decoding: what the planner
+    # cuts a draft by (EAGLE-2: a head's confidence predicts acceptance)
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -359,22 +359,33 @@ class HeadDrafter(Drafter):
         want_runners = greedy and siblings.wanted(self.planner, self.name, max_tokens)
         tokens: list[int] = []
         runners: list[tuple] = []
-        for i in range(max_tokens):
+        confidence: list[float] = []   # greedy: the head's probability of each token
+        i = 0
+        while True:
             if not greedy:
                 self._probs[i] = self._sampler.probs(logits)
             tok = self._sampler.sample(logits)
             if want_runners:
                 runners.append(siblings.runner_up(logits, self.n_vocab, tok, self._rows))
+                confidence.append(runners[-1][1])
+            elif greedy:
+                confidence.append(siblings.probability(logits, self.n_vocab, tok, self._rows))
             self._sampler.accept(tok)
             tokens.append(tok)
-            if i + 1 < max_tokens:
-                logits = self.head.decode(self.head.hidden(), [tok], 0)
-                self.n_rows += 1
+            i += 1
+            # Past what it was asked for, a greedy chain goes on while the
+            # head is sure enough of it that one token more pays.
+            further = (i >= max_tokens and greedy and self.planner is not None
+                       and self.head.n_past < self.head.n_ctx and self.planner.draft_further(self.name, confidence))
+            if i >= max_tokens and not further:
+                break
+            logits = self.head.decode(self.head.hidden(), [tok], 0)
+            self.n_rows += 1
         self.head.truncate(real)
         if greedy:
             draft, widened = siblings.widen(self.planner, self.name, tokens, runners)
             self.n_trees += widened
-            return draft
+            return replace(draft, confidence=confidence)
         return Draft(tokens=tokens, probs=self._probs.ctypes.data, source=self.name)
 
     def accept(self, step: Verified) -> None:

@@ -537,10 +537,11 @@ class ModelDrafter(Drafter):
         return logits
 
     def _chain_from(self, logits: int, n: int, stop_at_control: bool,
-                    look=None) -> tuple[list[int], list[tuple]]:
+                    look=None) -> tuple[list[int], list[tuple], list[float]]:
         """Sample up to ``n`` tokens after the row at ``logits``, evaluating all
         but the last. Returns them and, under greedy decoding, for each the
-        runner-up token with the draft's probabilities of both. With a
+        runner-up token with the draft's probabilities of both (where the
+        planner may widen the chain) and the draft's probability of it. With a
         grammar's lookahead ``look``, q is drawn inside the grammar as p is,
         and the chain ends after the first token the grammar rejects (kept:
         verification needs its q row to stay exact)."""
@@ -548,12 +549,16 @@ class ModelDrafter(Drafter):
         want_runners = greedy and self._bridge is None and siblings.wanted(self.planner, self.name, n)
         tokens: list[int] = []
         runners: list[tuple] = []
+        confidence: list[float] = []
         for i in range(n):
             mask = look.mask() if look else None
             if greedy:
                 tok = self._sampler.sample(logits, mask)
                 if want_runners:
                     runners.append(siblings.runner_up(logits, self.n_vocab, tok))
+                    confidence.append(runners[-1][1])
+                else:
+                    confidence.append(siblings.probability(logits, self.n_vocab, tok))
             else:
                 if self._bridge is None:
                     self._probs[i] = self._sampler.probs(logits, mask)
@@ -567,7 +572,7 @@ class ModelDrafter(Drafter):
             if i + 1 < n:
                 logits = self.backend.decode([tok])
                 self.n_evaluated += 1
-        return tokens, runners
+        return tokens, runners, confidence[:len(tokens)]
 
     def _refill_penalty(self, context: Sequence[int]) -> None:
         params = self._sampler.params
@@ -598,13 +603,13 @@ class ModelDrafter(Drafter):
         # drafts go unconstrained (the engine prunes them to the grammar).
         inside = self._constraint is not None and self._map is None
         with self._constraint.lookahead() if inside else nullcontext() as look:
-            tokens, runners = self._chain_from(logits, max_tokens, stop_at_control=False, look=look)
+            tokens, runners, confidence = self._chain_from(logits, max_tokens, stop_at_control=False, look=look)
         if self._map is not None:
             tokens = self._map.target_ids(tokens)
             runners = [(int(self._map.to_target[second]), p1, p2) for second, p1, p2 in runners]
         self._chain = tokens
         if greedy:
-            return self._widen(tokens, runners)
+            return self._widen(tokens, runners, confidence)
         return Draft(tokens=tokens, probs=self._target_q(len(tokens)), source=self.name)
 
     def _target_q(self, n: int) -> int:
@@ -619,11 +624,11 @@ class ModelDrafter(Drafter):
         q[:, self._map.to_target] = self._probs[:n]
         return self._q.ctypes.data
 
-    def _widen(self, tokens: list[int], runners: list[tuple]) -> Draft:
+    def _widen(self, tokens: list[int], runners: list[tuple], confidence: list[float]) -> Draft:
         """A greedy chain, with runner-up leaves where the planner says they pay."""
         draft, widened = siblings.widen(self.planner, self.name, tokens, runners)
         self.n_trees += widened
-        return draft
+        return replace(draft, confidence=confidence)
 
     def _draft_text(self, context: Sequence[int], max_tokens: int) -> Draft:
         """Cross-tokenizer mode: draft text, re-tokenized into target tokens."""
@@ -636,7 +641,7 @@ class ModelDrafter(Drafter):
         n = min(math.ceil((max_tokens + 1) * ratio), 4 * (max_tokens + 1),
                 self.backend.n_ctx - len(bridge.d_tokens) - 1)
         logits = self._sync(bridge.d_tokens, n + 1)
-        tokens, _ = self._chain_from(logits, n, stop_at_control=True)
+        tokens, _, _ = self._chain_from(logits, n, stop_at_control=True)
         text = b"".join(self.backend.piece(t) for t in tokens)
         proposal = bridge.target_tokens(text)
         if text and not proposal:

@@ -19,14 +19,26 @@ def wanted(planner, name: str, n: int) -> bool:
     return planner is not None and planner.widen(name, n, [1.0]) > 0
 
 
+def _row(logits: int, n_vocab: int, rows: np.ndarray | None) -> np.ndarray:
+    """A drafter's logits row at address ``logits``, read in place: (n_vocab,),
+    or (len(rows),) of the ids ``rows`` it computes alone (the others -inf)."""
+    row = np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * n_vocab), dtype=np.float32)
+    return row if rows is None else row[rows]
+
+
+def probability(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> float:
+    """The drafter's probability of its greedy token ``tok`` (its logits' largest)."""
+    row = _row(logits, n_vocab, rows)
+    return float(1.0 / np.exp(row - row.max()).sum())
+
+
 def runner_up(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> tuple[int, float, float]:
     """Of a drafter's logits row at address ``logits`` (n_vocab floats, read
     in place) whose chosen token is ``tok``: the second token, and the
     drafter's probabilities of both. ``rows``: the ids a drafter computes
     alone (the others -inf), searched instead of the whole row."""
-    row = np.frombuffer(ffi.buffer(ffi.cast("float *", logits), 4 * n_vocab), dtype=np.float32)  # (n_vocab,)
+    row = _row(logits, n_vocab, rows)
     if rows is not None:
-        row = row[rows]                 # (len(rows),)
         tok = int(np.argmax(row))       # tok's place among them
     top2 = np.argpartition(row, -2)[-2:]
     second = int(top2[0] if top2[1] == tok else top2[1])
