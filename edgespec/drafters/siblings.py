@@ -27,9 +27,12 @@ def _row(logits: int, n_vocab: int, rows: np.ndarray | None) -> np.ndarray:
 
 
 def probability(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> float:
-    """The drafter's probability of its greedy token ``tok`` (its logits' largest)."""
+    """The drafter's probability of its token ``tok`` (its largest logit, but
+    where a penalty, a bias or a grammar chose another)."""
     row = _row(logits, n_vocab, rows)
-    return float(1.0 / np.exp(row - row.max()).sum())
+    top = row.max()
+    chosen = np.frombuffer(ffi.buffer(ffi.cast("float *", logits) + tok, 4), dtype=np.float32)[0]
+    return float(np.exp(chosen - top) / np.exp(row - top).sum())
 
 
 def runner_up(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> tuple[int, float, float]:
