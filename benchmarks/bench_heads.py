@@ -31,6 +31,7 @@ from bench_auto import held_out  # noqa: E402  (the held-out prompt choice, shar
 
 from edgespec import Engine  # noqa: E402
 from edgespec.drafters.head import measure_head_cost  # noqa: E402
+from edgespec.planner import CONFIDENCE_BINS  # noqa: E402
 
 
 def cpu_flags() -> str:
@@ -100,6 +101,15 @@ def main() -> int:
                 print(f"| median (lowest) | {statistics.median(cols[0]):.1%} ({min(cols[0]):.1%}) | "
                       f"{statistics.median(cols[1]):.2f} | {statistics.median(cols[2]):.2f} ({min(cols[2]):.2f}) | "
                       f"{statistics.median(cols[3]):.2f} ({min(cols[3]):.2f}) | |")
+            # What the head's own probability of a token said of its acceptance, over
+            # every chain it drafted (cut or not): what the planner cuts drafts by.
+            planner = engine.lanes[0].planner
+            cal = planner.calibration.get("head") if planner is not None else None
+            for depth, what in enumerate(("a chain's first", "later") if cal is not None else ()):
+                bins = [f"{b / CONFIDENCE_BINS:.1f}-{(b + 1) / CONFIDENCE_BINS:.1f}: {h / t:.0%} of {t:.0f}"
+                        for b, (h, t) in enumerate(zip(cal.hits[depth], cal.trials[depth])) if t >= 1]
+                print(f"\n{what} drafted tokens accepted, by the head's probability of them (decayed counts): "
+                      f"{'; '.join(bins)}")
             # the head the drafter opened (its output trimmed as it drafts), timed beside the target
             cost = measure_head_cost(engine.backend, engine.lanes[0].drafters["head"].head)
             print(f"\ncost of a drafted token: {cost.per_token:.3f} of a target token "

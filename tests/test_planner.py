@@ -775,7 +775,7 @@ def test_what_the_target_chose_teaches_a_drafter_s_confidence_even_where_its_cha
         p.record("none", 0, 0, [7])   # a plain step: the target chose 7
         steps += 1
         cal = p.calibration["head"]
-        assert cal.hits[0] == cal.trials[0] > steps - 1   # decayed counts
+        assert cal.hits[0][0] == cal.trials[0][0] > steps - 1   # a chain's first tokens, decayed counts
     assert 1 <= steps <= CONFIDENCE_STRENGTH
     # and the drafter's acceptance, for deciding whether to ask it, is of every chain drafted
     assert steps - 1 < p._acc("head").trials[0] <= steps   # decayed counts
@@ -794,7 +794,7 @@ def test_sampled_steps_teach_no_confidence():
     d = _Confident([7, 8], [0.95, 0.95])
     p.choose([d], [1, 2, 3], 2, 100, may_skip=True, trees=False)
     p.record("head", 2, 1, None)
-    assert "head" not in p.calibration or sum(p.calibration["head"].trials) == 0
+    assert "head" not in p.calibration or sum(map(sum, p.calibration["head"].trials)) == 0
     assert p._acc("head").trials[0] == 1.0   # the verified draft, as any drafter's
 
 
@@ -812,7 +812,7 @@ def test_a_sure_head_drafts_past_what_it_was_asked_for_and_an_unsure_one_stops()
         return p
 
     p = planner(FLAT)
-    assert p.calibration["head"].acceptance(0.99) > 0.85
+    assert p.calibration["head"].acceptance(0.99, 0) > 0.85 and p.calibration["head"].acceptance(0.99, 3) > 0.85
     assert p.draft_further("head", [0.99])
     assert p.draft_further("head", [0.99] * 5)
     assert not p.draft_further("head", [0.99] * 6)    # the step's limit
@@ -839,3 +839,17 @@ def test_a_drafter_whose_chains_are_all_cut_is_no_longer_asked():
         p.record("none", 0, 0, [7 if i % 4 == 3 else 9])
     assert asks == MIN_SAMPLES
     assert p.worth("head", 2) < 1.0
+
+
+def test_a_chain_s_later_tokens_are_calibrated_apart_from_its_first():
+    # A drafter right when sure of a chain's first token (0.95) but as sure
+    # and wrong of the next: it keeps having its first tokens verified, not
+    # the later ones.
+    p = Planner(FLAT)
+    d = _Confident([7, 8, 9], [0.95, 0.95, 0.95])
+    for _ in range(12):
+        draft = p.choose([d], [1, 2, 3], 3, 100, may_skip=True, trees=False)
+        p.record("head", draft.depth, min(draft.depth, 1), [7, 5])
+    cal = p.calibration["head"]
+    assert cal.acceptance(0.95, 0) > 0.8 and cal.acceptance(0.95, 1) < 0.4
+    assert p.choose([d], [1, 2, 3], 3, 100, may_skip=True, trees=False).tokens == [7]
