@@ -24,7 +24,7 @@ from .drafters import Draft, Drafter, Verified
 from .errors import ContextOverflowError, EdgespecError, InvalidArgumentError, check_whole
 from .grammar import Constraint, Grammar
 from .lanes import Lane, Lanes
-from .planner import Planner
+from .planner import Planner, expected_room
 from .prompting import Prompter
 from .results import GenerationStats, Result, SpecStats, Step
 from .sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
@@ -354,7 +354,7 @@ def steps(lane: Lane, request: Request, sampler: Sampler, drafters: list[Drafter
             pending = context[n_past:]
             room = min(request.max_tokens - produced - 1, size - len(context) - 1,
                        n_batch - len(pending))
-            draft = (planner.choose(drafters, context, min(draft_max, room), room, may_skip,
+            draft = (planner.choose(drafters, context, min(draft_max, room), expected_room(room, produced), may_skip,
                                     lane.backend.exact_trees) if drafters and room > 0 else Draft())
             step = _step(lane, planner, drafters, sampler, constraint, context, pending, draft, request.logprobs)
             step.shifted = shifted
