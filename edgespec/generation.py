@@ -354,8 +354,8 @@ def steps(lane: Lane, request: Request, sampler: Sampler, drafters: list[Drafter
             pending = context[n_past:]
             room = min(request.max_tokens - produced - 1, size - len(context) - 1,
                        n_batch - len(pending))
-            draft = (planner.choose(drafters, context, min(draft_max, room), expected_room(room, produced), may_skip,
-                                    lane.backend.exact_trees) if drafters and room > 0 else Draft())
+            draft = (planner.choose(drafters, context, min(draft_max, room), room, may_skip, lane.backend.exact_trees,
+                                    expected_room(room, produced)) if drafters and room > 0 else Draft())
             step = _step(lane, planner, drafters, sampler, constraint, context, pending, draft, request.logprobs)
             step.shifted = shifted
             context.extend(step.tokens)

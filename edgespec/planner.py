@@ -357,28 +357,6 @@ class Calibration:
         self.hits[d][b] = CONFIDENCE_DECAY * self.hits[d][b] + (1.0 if accepted else 0.0)
 
 
-@dataclass
-class Asked:
-    """What asking a drafter whose chains are cut by its confidence gave,
-    per ask: means (decayed by DECAY) of the tokens the verified part was
-    expected to add, of its batch's cost and of the tokens drafted. A
-    drafter asked at every step whose chains are then cut whole costs its
-    drafting for nothing; its acceptance alone does not say so."""
-
-    n: int = 0
-    weight: float = 0.0
-    gain: float = 0.0
-    batch: float = 0.0
-    drafted: float = 0.0
-
-    def add(self, gain: float, batch: float, drafted: int) -> None:
-        self.n += 1
-        self.weight = DECAY * self.weight + 1.0
-        self.gain += (gain - self.gain) / self.weight
-        self.batch += (batch - self.batch) / self.weight
-        self.drafted += (drafted - self.drafted) / self.weight
-
-
 class DrafterCosts:
     """A costly drafter's time per drafted token and per caught-up context
     token, in one-token target steps: its measured DraftCost, corrected by
@@ -433,7 +411,6 @@ class Planner:
         # would have been accepted, even where the planner cut it.
         self._chains: list[tuple[str, list[int], list[float]]] = []
         self._limit = 0   # the draft size choose() allows this step (draft_further's bound)
-        self.asked: dict[str, Asked] = {}   # by costly drafter name@route, of its confident chains
         self.drafters: dict[str, DrafterCosts] = {}   # costly drafters by name
         self.plain_steps = 0                          # plain steps since the last draft
         self.route = ""                               # the current request's route of text ("": unknown)
@@ -559,10 +536,6 @@ class Planner:
         expected to be worth (speed relative to plain decoding, drafting time
         included): a cheaper draft already worth as much makes asking it moot."""
         per_token = self.drafter_cost(key).per_token
-        asked = self.asked.get(self._on_route(key))
-        if asked is not None and asked.n >= MIN_SAMPLES:   # what its cut chains gave
-            s = self.shared
-            return (1.0 + asked.gain + s) / ((1.0 + s) * (asked.batch + per_token * asked.drafted))
         e = self._acc(key, prior).expected(limit)
         return max((self.speed(e[k], k + 1, per_token * k) for k in range(1, len(e))), default=0.0)
 
@@ -578,35 +551,38 @@ class Planner:
             value = self.speed(e[k], k + 1, per_token * k)
             if value > best:
                 best_k, best = k, value
-        asked = self.asked.get(self._on_route(key))
-        if asked is not None and asked.n >= MIN_SAMPLES and self.worth(key, limit) <= 1.0 + DRAFT_MARGIN:
-            best_k = 0
         if best_k == 0 and limit > 0 and (not may_skip or self.probing()):
             best_k = 1 if may_skip else min(limit, 2)
         return best_k
 
     def catch_up_pays(self, key: str, backlog: int, room: int, alternative: float, limit: int,
-                      prior: float | None = None, opening_s: float = 0.0) -> bool:
+                      prior: float | None = None, opening_s: float = 0.0, expected: int | None = None) -> bool:
         """Whether a costly drafter that must first evaluate ``backlog`` context
         tokens it has not seen, and first be opened (``opening_s`` seconds),
         is worth asking: the time its expected speed saves over
         ``alternative`` (the best draft in hand, or 1 for plain decoding) for
         the ``room`` tokens left must exceed that time, and a drafter with no
         evidence yet may spend at most EXPLORE_SHARE of the plain time left
-        finding out. Opening waits for a timed step to price it in tokens."""
+        finding out. Opening waits for a timed step to price it in tokens,
+        and must pay within the tokens the answer is ``expected`` still to
+        make (``expected_room``; default ``room``): an answer that may end
+        soon does not open a drafter it would not use."""
         if backlog <= 0 and opening_s <= 0:
             return True
         value = self.worth(key, limit, prior)
         if value <= alternative:
             return False
         catch_up = backlog * self.drafter_cost(key).catch_up
+        opening = 0.0
         if opening_s > 0:
             if not self.t_token:
                 return False
-            catch_up += opening_s / self.t_token
-        if not self._acc(key, prior).seen and catch_up > EXPLORE_SHARE * room:
+            opening = opening_s / self.t_token
+        if not self._acc(key, prior).seen and catch_up + opening > EXPLORE_SHARE * room:
             return False
-        return room / alternative - room / value > catch_up
+        saved = 1.0 / alternative - 1.0 / value   # per token left
+        expected = room if expected is None else min(expected, room)
+        return room * saved > catch_up + opening and expected * saved > opening
 
     def record_draft_time(self, key: str, seconds: float, n_tokens: int) -> None:
         if n_tokens > 0:
@@ -619,10 +595,11 @@ class Planner:
     # -- choosing a draft ----------------------------------------------------------------
 
     def choose(self, drafters: Sequence[Drafter], context: list[int], limit: int, room: int,
-               may_skip: bool, trees: bool) -> Draft:
+               may_skip: bool, trees: bool, expected: int | None = None) -> Draft:
         """Ask each drafter for a draft of up to ``limit`` tokens and keep the
         part of one that pays most on this machine (or nothing: a plain step).
-        ``room``: tokens expected still to generate (``expected_room``); ``trees``: False where the backend
+        ``room``: tokens still to generate at most, ``expected`` of them
+        expected (``expected_room``); ``trees``: False where the backend
         verifies a tree's first path only."""
         best, best_value = Draft(), 0.0
         self._chains, self._limit = [], limit
@@ -641,7 +618,7 @@ class Planner:
                 # may choose (auto), only if that pays.
                 behind = d.backlog(context)
                 if may_skip and not self.catch_up_pays(d.name, behind, room, max(best_value, 1.0), limit, d.prior,
-                                                       d.opening()):
+                                                       d.opening(), expected):
                     continue
                 ask = self.budget(d.name, limit, may_skip, d.prior)
             else:
@@ -663,12 +640,7 @@ class Planner:
                                      draft.confidence))
             if not trees:  # verified as a chain: exact where a tree is not
                 draft = draft.first_path()
-            drafted = draft
             draft, value = self.cut(draft, may_skip)
-            if d.costly and drafted.confidence:
-                e = self._calibrated(drafted.key or drafted.source, drafted.confidence)
-                self.asked.setdefault(self._on_route(d.name), Asked()).add(e[min(draft.depth, len(e) - 1)] - 1.0,
-                                                           self.cost(1 + len(draft)), len(drafted.confidence))
             if len(draft) and value > best_value:
                 best, best_value = draft, value
         return best
@@ -799,8 +771,8 @@ class Planner:
 
 def expected_room(room: int, produced: int) -> int:
     """The tokens a generation that has produced ``produced`` and may make
-    ``room`` more is expected still to make, as opening and catching up a
-    costly drafter are priced: ``max_tokens`` bounds an answer, but chat
+    ``room`` more is expected still to make, as opening a costly drafter
+    is priced (catch_up_pays): ``max_tokens`` bounds an answer, but chat
     answers mostly end well before it (qwen2.5-coder-1.5b's held-out short
     chat: 19-24 tokens of 96, where opening the English head and three
     drafts it cut took 65 ms, 8% of the answer), and one that has gone on

@@ -162,10 +162,10 @@ def test_the_set_is_the_shipped_folder_and_the_users(tmp_path, monkeypatch):
         routed.set_files("some-model", tmp_path / "missing")
 
 
-def _generate(engine, request, max_tokens=24, **kw):
+def _generate(engine, request, **kw):
     chat = isinstance(request, list) and isinstance(request[0], dict)
     prompt, messages = (None, request) if chat else (request, None)
-    return engine.generate(prompt, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
+    return engine.generate(prompt, messages=messages, max_tokens=24, temperature=0, **kw)
 
 
 def test_auto_routes_each_request_to_one_drafter_and_keeps_greedy_output(tiny_llama_path, drafter_set,
@@ -185,9 +185,8 @@ def test_auto_routes_each_request_to_one_drafter_and_keeps_greedy_output(tiny_ll
         e.lanes[0].planner = Planner([0.0] + [1.0 + 0.02 * (k - 1) for k in range(1, MAX_BATCH + 1)])
         for request, lang in ((PYTHON, "python"), (GERMAN, "deu"), (JAPANESE, "jpn"), (german_chat, "deu"),
                               (e.prompt_tokens(PYTHON), "python"), (RUSSIAN, None)):
-            # long enough that opening a drafter pays once the answer has gone on (planner.expected_room)
-            spec = _generate(e, request, max_tokens=96)
-            plain = _generate(e, request, max_tokens=96, drafter="none")
+            spec = _generate(e, request)
+            plain = _generate(e, request, drafter="none")
             assert spec.tokens == plain.tokens
             stats = spec.stats.spec
             assert stats.specialized == lang
@@ -297,7 +296,7 @@ def test_a_code_drafter_routed_prose_is_given_a_prior_too_low_to_draft_and_opens
         assert member["confidence"] == 0.0 and member["drafts"] == 0 and not member["opened"]
         alpha = e.lanes[0].planner.summary()["alpha"]
         assert [a[0] for k, a in alpha.items() if k.startswith(routed.PREFIX)] == [routed.MIN_PRIOR]
-        python = _generate(e, PYTHON, max_tokens=96)
+        python = _generate(e, PYTHON)
         member = python.stats.spec.drafters[routed.PREFIX + "python"]
         assert member["confidence"] == 1.0 and member["drafts"] > 0 and member["opened"]
 

@@ -821,26 +821,6 @@ def test_a_sure_head_drafts_past_what_it_was_asked_for_and_an_unsure_one_stops()
     assert p.draft_further("head", [0.99] * 2) and not p.draft_further("head", [0.99] * 5)
 
 
-def test_a_drafter_whose_chains_are_all_cut_is_no_longer_asked():
-    # Its tokens are taken one time in four (enough, by acceptance alone,
-    # for a one-token draft to pay on this curve), but it is never sure of
-    # them (0.1): every chain is cut whole, so asking it costs its drafting
-    # for nothing, and after a few asks it is not asked.
-    p = Planner(MEMORY_BOUND)
-    p.drafter_costs("head", DraftCost(per_token=0.05, catch_up=0.01))
-    unsure = _Confident([7, 8], [0.1, 0.1])
-    assert p.budget("head", 2, may_skip=True) > 0
-    asks = 0
-    for i in range(12):
-        if p.budget("head", 2, may_skip=True) == 0:
-            break
-        asks += 1
-        assert len(p.choose([unsure], [1, 2, 3], 2, 100, may_skip=True, trees=False)) == 0
-        p.record("none", 0, 0, [7 if i % 4 == 3 else 9])
-    assert asks == MIN_SAMPLES
-    assert p.worth("head", 2) < 1.0
-
-
 def test_a_chain_s_later_tokens_are_calibrated_apart_from_its_first():
     # A drafter right when sure of a chain's first token (0.95) but as sure
     # and wrong of the next: it keeps having its first tokens verified, not
@@ -853,3 +833,23 @@ def test_a_chain_s_later_tokens_are_calibrated_apart_from_its_first():
     cal = p.calibration["head"]
     assert cal.acceptance(0.95, 0) > 0.8 and cal.acceptance(0.95, 1) < 0.4
     assert p.choose([d], [1, 2, 3], 3, 100, may_skip=True, trees=False).tokens == [7]
+
+
+def test_opening_a_drafter_is_priced_on_the_answer_s_expected_rest():
+    # A drafter that pays (cheap, accepted half the time) but takes five
+    # tokens' time to open: worth opening with 96 tokens left, not where
+    # the answer is expected to end within 16 (planner.expected_room); a
+    # backlog of an open drafter is still priced on what is left at most.
+    from edgespec.planner import EXPECTED_ROOM_MIN, expected_room
+
+    p = Planner(MEMORY_BOUND)
+    for _ in range(MIN_SAMPLES):
+        p.record_step_time(0.02, 1)
+    p.drafter_costs("head", DraftCost(per_token=0.03, catch_up=0.01))
+    for i in range(10):
+        p.record("head", 1, i % 2)
+    assert expected_room(96, 0) == EXPECTED_ROOM_MIN and expected_room(96, 40) == 40 and expected_room(8, 40) == 8
+    assert p.catch_up_pays("head", 1, 96, 1.0, 2, opening_s=0.1)
+    assert not p.catch_up_pays("head", 1, 96, 1.0, 2, opening_s=0.1, expected=expected_room(96, 0))
+    assert p.catch_up_pays("head", 1, 96, 1.0, 2, opening_s=0.1, expected=expected_room(96, 60))
+    assert p.catch_up_pays("head", 40, 96, 1.0, 2, expected=expected_room(96, 0))
