@@ -535,8 +535,8 @@ class Planner:
         """The most a costly drafter's chain of up to ``limit`` tokens is
         expected to be worth (speed relative to plain decoding, drafting time
         included): a cheaper draft already worth as much makes asking it moot."""
-        per_token = self.drafter_cost(key).per_token
         e = self._acc(key, prior).expected(limit)
+        per_token = self.drafter_cost(key).per_token
         return max((self.speed(e[k], k + 1, per_token * k) for k in range(1, len(e))), default=0.0)
 
     def budget(self, key: str, limit: int, may_skip: bool, prior: float | None = None) -> int:

@@ -29,10 +29,10 @@ def _row(logits: int, n_vocab: int, rows: np.ndarray | None) -> np.ndarray:
 def probability(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> float:
     """The drafter's probability of its token ``tok`` (its largest logit, but
     where a penalty, a bias or a grammar chose another)."""
-    row = _row(logits, n_vocab, rows)
+    full = _row(logits, n_vocab, None)
+    row = full if rows is None else full[rows]
     top = row.max()
-    chosen = np.frombuffer(ffi.buffer(ffi.cast("float *", logits) + tok, 4), dtype=np.float32)[0]
-    return float(np.exp(chosen - top) / np.exp(row - top).sum())
+    return float(np.exp(full[tok] - top) / np.exp(row - top).sum())
 
 
 def runner_up(logits: int, n_vocab: int, tok: int, rows: np.ndarray | None = None) -> tuple[int, float, float]:
