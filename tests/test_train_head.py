@@ -24,7 +24,7 @@ from edgespec.backends import native, open_backend
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import head as head_drafter
 from edgespec.drafters.head import DRAFT_VOCAB_KEY, random_head, recipe
-from edgespec.errors import DrafterError, InvalidArgumentError
+from edgespec.errors import DrafterError, IncompatibleDraftModelError, InvalidArgumentError
 from edgespec.models.gguf import GGUFFile
 from edgespec.planner import Planner
 from edgespec.training import head, network
@@ -147,6 +147,40 @@ def test_generate_mode_learns_the_targets_own_continuations(tmp_path, tiny_llama
                                                                       temperature=0).tokens
 
 
+def test_questions_mode_answers_the_targets_own_questions_batched(tmp_path, tiny_llama_path):
+    """questions: each sequence is the target's answer, through its chat
+    template, to a question it wrote itself about the text (or, when no
+    question came, to a request about the text); collected
+    COLLECT_PARALLEL at a time, exactly what one at a time collects."""
+    p = head.HeadParams(**{**SMALL, "ctx": 64}, mode="questions", prompt_tokens=16, tokens=500, minutes=0.01)
+    sets = {}
+    for parallel in (head.COLLECT_PARALLEL, 1):
+        with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=128, drafter="none",
+                    parallel=parallel) as engine:
+            sets[parallel] = head.collect(engine, "tiny", tmp_path / f"p{parallel}", p, progress=False).sequences()
+    together, alone = sets[head.COLLECT_PARALLEL], sets[1]
+    assert len(together) == len(alone) >= head.COLLECT_PARALLEL + 1
+    for a, b in zip(together, alone):
+        assert a.start == b.start and a.tokens.tolist() == b.tokens.tolist()
+        assert np.array_equal(a.features, b.features)
+    with Engine(str(tiny_llama_path), backend="native", threads=1, n_ctx=128, drafter="none") as engine:
+        for i, s in enumerate(alone[:3]):
+            prompt = s.tokens[:s.start + 1].tolist()
+            # one user message through the template (the text without its special tokens: user\n...\nassistant\n)
+            shown = engine.detokenize(prompt)
+            assert shown.startswith("user\n") and shown.endswith("\nassistant\n"), shown
+            assert prompt == head._chat(engine, shown[len("user\n"):-len("\nassistant\n")])
+            assert s.tokens[s.start + 1:].tolist() == engine.generate(prompt, max_tokens=64 - len(prompt),
+                                                                      temperature=0).tokens
+
+
+def test_the_question_is_the_first_line_of_the_targets_answer():
+    assert head.first_question('  "What makes bread rise?"\nIt is the yeast.') == "What makes bread rise?"
+    assert head.first_question("**Why is the sea salty?**") == "Why is the sea salty?"
+    assert head.first_question("Why?\nBecause the question above is too short.") is None
+    assert head.first_question("") is None
+
+
 def test_a_collection_killed_with_9_resumes_from_its_last_shard(tmp_path, tiny_llama_path):
     script = """if True:
         import sys, time
@@ -257,7 +291,11 @@ def test_train_head_bad_input(monkeypatch, capsys, tmp_path, tiny_llama_path, ti
             (["--lang", "python", "--source", TEXT, "--data", str(tmp_path), *out], "without features.json"),
             (["--lang", "python", "--source", TEXT, "--init", str(tmp_path / "none.ckpt"), *out], "no such file"),
             (["--lang", "python", "--source", TEXT, "--data", str(trained.with_suffix(".data")), "--init",
-              str(trained), *out], "not an edgespec drafter checkpoint"),
+              TEXT, *out], "not an edgespec drafter checkpoint"),
+            (["--lang", "python", "--source", TEXT, "--data", str(trained.with_suffix(".data")), "--init",
+              str(tiny_llama_path), *out], "neither a draft head's checkpoint nor a head file"),
+            (["--lang", "python", "--source", TEXT, "--data", str(trained.with_suffix(".data")), "--init",
+              str(trained), *out], "a head of another shape"),
     ):
         code, _, err = run_cli(monkeypatch, capsys, *base, *args)
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
@@ -366,6 +404,26 @@ def test_a_head_starts_from_another_runs_checkpoint(tmp_path, tiny_llama_path, t
     with pytest.raises(InvalidArgumentError, match="no such file"):
         head.train_head_model(str(tiny_llama_path), tmp_path / "x.gguf", p, data=gen,
                               init=tmp_path / "missing.ckpt", progress=False)
+
+
+def test_a_head_starts_from_a_head_file(tmp_path, tiny_llama_path, tiny_qwen2_path, trained):
+    """--init HEAD.gguf (a shipped head, trained further): its weights,
+    dequantized, are where the run starts; the recipe names the file and
+    what its own recipe says; a head of another target is refused naming it."""
+    gen = [tmp_path / "gen", trained.with_suffix(".data")]
+    p = head.HeadParams(**{**SMALL, "ctx": 48}, mode="generate", prompt_tokens=16, tokens=300, minutes=0.005)
+    fresh = head.train_head_model(str(tiny_llama_path), tmp_path / "fresh.gguf", p, data=gen, progress=False)
+    started = head.train_head_model(str(tiny_llama_path), tmp_path / "more.gguf", p, data=gen, init=trained,
+                                    progress=False)
+    assert started.held_out_agreement > fresh.held_out_agreement + 0.1, (started, fresh)
+    was = recipe(trained)
+    assert recipe(tmp_path / "more.gguf")["init"] == {
+        "file": trained.name, "lang": "python", "data_digest": was["data_digest"], "rows_seen": was["rows_seen"],
+        "held_out_agreement": was["held_out_agreement"]}
+    other = tmp_path / "other.gguf"
+    random_head(tiny_qwen2_path, other, n_ff=SMALL["n_ff"])
+    with pytest.raises(IncompatibleDraftModelError, match="made for .*, not tiny-llama.gguf"):
+        head.train_head_model(str(tiny_llama_path), tmp_path / "o.gguf", p, data=gen, init=other, progress=False)
 
 
 # -- the shipped heads (models tier) -----------------------------------------------------------

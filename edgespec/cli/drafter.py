@@ -175,7 +175,8 @@ def train_head_cmd(
                                       "and python-stdlib for python."),
     mode: str = typer.Option("text", "--mode", help="What the head learns from: text (the text itself), "
                              "generate (the target's continuations of it), chat (its answers to requests about "
-                             "it), translate (its translations of it into English)."),
+                             "it), translate (its translations of it into English), questions (its answers to questions it "
+                             "writes itself about the text: users' short requests)."),
     minutes: float = typer.Option(30.0, "--minutes", help="Training time of all runs together."),
     data_minutes: float = typer.Option(None, "--data-minutes", help="Collect the target's features for this "
                                        "long, all runs together (default: all the text, or --tokens)."),
@@ -199,7 +200,8 @@ def train_head_cmd(
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads for the target and PyTorch."),
     init: Path = typer.Option(None, "--init", help="Start from the weights of another run's checkpoint "
                               "(its OUT.ckpt: a head of this target and --n-ff, e.g. an English head's for a "
-                              "translation head); a run with a checkpoint of its own goes on from that."),
+                              "translation head) or of a head file (a shipped head, to train further); a run "
+                              "with a checkpoint of its own goes on from that."),
     restart: bool = typer.Option(False, "--restart", help="Train from the start, ignoring OUT.ckpt."),
 ) -> None:
     """Train a draft head (EAGLE-1) on TARGET's own features for `--drafter head --head OUT`: the target's

@@ -14,7 +14,14 @@ on this machine in two resumable stages.
      about each sequence's first ``prompt_tokens`` tokens (explain,
      summarise, continue, answer questions on it);
    * ``translate``: the target's translation into English of them, through
-     its chat template (the seed paper's own task).
+     its chat template (the seed paper's own task);
+   * ``questions``: the target's answer to a question it first wrote itself
+     about each sequence's subject (self-instruct): short requests and long
+     answers, as users chat.
+
+   The generative modes run ``COLLECT_PARALLEL`` generations at once
+   (continuous batching: about twice the tokens a second on 2 cores); greedy
+   answers are batch invariant, so the features are the same either way.
 
    Each sequence's hidden states after the final norm (the features the
    native engine keeps for a head, ``Backend.hidden_states``: no output
@@ -50,13 +57,14 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from ..errors import DrafterError, InvalidArgumentError
+from ..errors import DrafterError, IncompatibleDraftModelError, InvalidArgumentError
 from ..files import sha256_file
 from ..models import registry
 from ..models.gguf import GGUFFile, arch_traits, architectures
@@ -69,7 +77,7 @@ from .train import CHECKPOINT_SECONDS, Clock, Every, load_checkpoint, qtype_of, 
 
 MANIFEST = "features.json"
 FORMAT = 1
-MODES = ("text", "generate", "chat", "translate")
+MODES = ("text", "generate", "chat", "translate", "questions")
 QUANTS = ("f16", "q8_0", "q4_0")
 SEQUENCES_PER_SHARD = 16
 EVAL_SECONDS = 30
@@ -84,6 +92,11 @@ CHAT_REQUESTS = ("Explain what the following text says, in plain words:\n\n{}",
                  "Write three questions about the following text and answer them:\n\n{}",
                  "Rewrite the following text more clearly:\n\n{}")
 TRANSLATE_REQUEST = "Translate the following text into English:\n\n{}"
+# questions mode: the request the target writes its question by, and the question's length at most
+QUESTION_REQUEST = ("Read the following text, then write one question that a curious person might ask an AI "
+                    "assistant about its subject. Write the question alone, nothing else.\n\n{}")
+QUESTION_TOKENS = 48
+COLLECT_PARALLEL = 4   # generations at once in the generative modes
 
 
 @dataclass
@@ -196,13 +209,48 @@ class FeatureSet:
         return [s for shard in self.manifest["shards"] for s in read_shard(self.folder / shard["file"])]
 
 
+def _chat(engine, content: str) -> list[int]:
+    """The prompt tokens of one user message through the target's chat template."""
+    return engine.request(messages=[{"role": "user", "content": content}], max_tokens=1).prompt_tokens
+
+
+def _question(engine, text: str) -> str | None:
+    """The target's question about ``text`` (questions mode)."""
+    return first_question(engine.generate(_chat(engine, QUESTION_REQUEST.format(text)),
+                                          max_tokens=QUESTION_TOKENS, temperature=0.0).text)
+
+
+def first_question(answer: str) -> str | None:
+    """The question in an answer to QUESTION_REQUEST: its first line without
+    quotes or emphasis; None when that holds fewer than 8 letters."""
+    line = answer.strip().split("\n")[0].strip().strip('"*').strip()
+    return line if sum(c.isalpha() for c in line) >= 8 else None
+
+
 def _prompt(engine, p: HeadParams, piece: list[int], i: int) -> list[int]:
     """The prompt made of a sequence's first tokens, as the mode says."""
     if p.mode == "generate":
         return piece
     text = engine.detokenize(piece).strip()
+    if p.mode == "questions":
+        question = _question(engine, text)
+        if question is not None:
+            return _chat(engine, question)
+        # no question came: a request about the text, as chat mode makes
     request = TRANSLATE_REQUEST if p.mode == "translate" else CHAT_REQUESTS[i % len(CHAT_REQUESTS)]
-    return engine.request(messages=[{"role": "user", "content": request.format(text)}], max_tokens=1).prompt_tokens
+    return _chat(engine, request.format(text))
+
+
+def _sequence(engine, p: HeadParams, piece: list[int], i: int) -> tuple[list[int], int]:
+    """Sequence ``i``'s tokens and the first row the head sees of them."""
+    if p.mode == "text":
+        return piece, 0
+    prompt = _prompt(engine, p, piece, i)
+    room = p.ctx - len(prompt)
+    if room < 8:
+        prompt, room = prompt[-(p.ctx - 8):], 8
+    answer = engine.generate(prompt, max_tokens=room, temperature=0.0).tokens
+    return prompt + answer, len(prompt) - 1
 
 
 def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: bool = True) -> FeatureSet:
@@ -228,27 +276,28 @@ def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: boo
     bar.update(manifest["tokens"] if p.tokens else manifest["sequences"])
     pending: list[Collected] = []
     t0 = time.monotonic()
+    group = 1 if p.mode == "text" else max(1, engine.parallel)   # sequences made at once
+    pool = ThreadPoolExecutor(group) if group > 1 else None
     try:
-        for i in range(manifest["sequences"], len(pieces)):
+        i = manifest["sequences"]
+        while i < len(pieces):
             if manifest["tokens"] + sum(len(s.tokens) for s in pending) >= goal or \
                     (deadline is not None and time.monotonic() > deadline):
                 break
-            if p.mode == "text":
-                tokens, start = pieces[i], 0
-            else:
-                prompt = _prompt(engine, p, pieces[i], i)
-                room = p.ctx - len(prompt)
-                if room < 8:
-                    prompt, room = prompt[-(p.ctx - 8):], 8
-                answer = engine.generate(prompt, max_tokens=room, temperature=0.0).tokens
-                tokens, start = prompt + answer, len(prompt) - 1
-            features = backend.hidden_states([tokens])[0].astype(np.float16)
-            pending.append(Collected(np.asarray(tokens, np.int32), start, features))
-            bar.update(len(tokens) if p.tokens else 1, f"{len(tokens) - start} rows from sequence {i}")
-            if len(pending) == SEQUENCES_PER_SHARD or time.monotonic() - t0 >= CHECKPOINT_SECONDS:
+            batch = range(i, min(i + group, len(pieces)))
+            made = (list(pool.map(lambda j: _sequence(engine, p, pieces[j], j), batch)) if pool
+                    else [_sequence(engine, p, pieces[j], j) for j in batch])
+            for j, (tokens, start) in zip(batch, made):
+                features = backend.hidden_states([tokens])[0].astype(np.float16)
+                pending.append(Collected(np.asarray(tokens, np.int32), start, features))
+                bar.update(len(tokens) if p.tokens else 1, f"{len(tokens) - start} rows from sequence {j}")
+            i = batch.stop
+            if len(pending) >= SEQUENCES_PER_SHARD or time.monotonic() - t0 >= CHECKPOINT_SECONDS:
                 _flush(out, manifest, pending, time.monotonic() - t0)
                 pending, t0 = [], time.monotonic()
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         # An interruption keeps what was collected: the sequences so far become a shard.
         _flush(out, manifest, pending, time.monotonic() - t0)
         bar.done()
@@ -494,7 +543,7 @@ def train_head(target_path: Path, target_name: str, data: Sequence[FeatureSet], 
         state = saved["progress"]
         torch.set_rng_state(saved["rng"])
     elif init is not None:
-        state["init"] = _start_from(model, init)
+        state["init"] = _start_from(model, init, target_path)
     budget = p.minutes * 60
     rng = np.random.default_rng(p.seed + state["step"])
     bar = Clock("train-head", int(budget), enabled=progress, lines=True)
@@ -587,10 +636,13 @@ class _StopOnTerm:
             self._old = None
 
 
-def _start_from(model, init: Path) -> dict:
-    """Load the head weights of checkpoint ``init`` into ``model`` (not its
-    optimizer nor its progress: this run's learning rate starts again);
-    what the recipe says of it."""
+def _start_from(model, init: Path, target_path: Path) -> dict:
+    """Load the head weights of ``init`` into ``model``: a checkpoint (not
+    its optimizer nor its progress: this run's learning rate starts again)
+    or a head file of this target (``_start_from_head``); what the recipe
+    says of it."""
+    if init.suffix == ".gguf":
+        return _start_from_head(model, init, target_path)
     saved = load_checkpoint(init)
     if saved.get("kind") != "head":
         raise InvalidArgumentError(f"--init {init}: not a draft head's checkpoint (OUT.ckpt of train-head)")
@@ -602,6 +654,30 @@ def _start_from(model, init: Path) -> dict:
     done = saved.get("progress", {})
     return {"file": init.name, "lang": saved.get("shape", {}).get("lang"), "data_digest": saved.get("data"),
             "rows_seen": done.get("rows"), "held_out_agreement": round(done.get("best", 0.0), 4)}
+
+
+def _start_from_head(model, init: Path, target_path: Path) -> dict:
+    """A head file's weights, dequantized (a shipped head's q8_0 is within
+    its rounding of what was trained), into ``model``: a head made for
+    another target is refused naming both."""
+    torch = import_torch()
+    with GGUFFile(init) as f:
+        if f.get("general.architecture") != head_file.ARCH:
+            raise InvalidArgumentError(f"--init {init}: neither a draft head's checkpoint nor a head file")
+        if f.get(head_file.TARGET_DIGEST_KEY) != head_file.target_digest(target_path):
+            raise IncompatibleDraftModelError(f"--init {init.name}: a head made for "
+                                              f"{f.get(f'{head_file.ARCH}.target.name')}, not {target_path.name}")
+        weights = {}
+        for name, like in model.state_dict().items():
+            t = f.tensor(name)
+            if t is None or t.shape[::-1] != tuple(like.shape):
+                raise InvalidArgumentError(f"--init {init}: a head of another shape (width or --n-ff) than this "
+                                           f"target's with --n-ff {model.shape.n_ff} ({name})")
+            weights[name] = torch.from_numpy(t.dequantize())
+        made = json.loads(f.get(specialized.KEY_RECIPE) or "{}")
+    model.load_state_dict(weights)
+    return {"file": init.name, "lang": made.get("lang"), "data_digest": made.get("data_digest"),
+            "rows_seen": made.get("rows_seen"), "held_out_agreement": made.get("held_out_agreement")}
 
 
 def _data_digest(data: Sequence[FeatureSet]) -> str:
@@ -669,8 +745,12 @@ def train_head_model(model: str | None, out: str | os.PathLike, p: HeadParams, *
         [out.with_suffix(".data")]
     others = [FeatureSet(x) for x in folders[1:]]   # made before: refused now when they are not
     if not collected(folders[0], p):
+        # The generative modes batch COLLECT_PARALLEL answers (no drafts: they
+        # would take the batch's slots); text mode is prefills alone.
+        generative = p.mode != "text"
         with Engine(ref, backend="native", threads=p.threads, n_ctx=p.ctx + 64, n_batch=max(p.ctx, 64),
-                    drafter="ngram") as engine:
+                    drafter="none" if generative else "ngram",
+                    parallel=COLLECT_PARALLEL if generative else 1) as engine:
             first = collect(engine, registry.model_name(ref), folders[0], p, progress=progress)
     else:
         first = FeatureSet(folders[0])
