@@ -109,6 +109,34 @@ def test_chain_steps_are_trained_as_the_head_drafts_them(tiny_llama_path):
             torch.testing.assert_close(seen[2][:, root], g3, atol=1e-5, rtol=1e-4)
 
 
+def test_bfloat16_products_give_float32_s_losses(trained, tiny_llama_path):
+    """Where the CPU multiplies bfloat16 (network.bf16_matmuls) the head
+    trains under autocast: on the same rows its losses and gradient are
+    float32's within bfloat16's rounding; the recipe says which it was."""
+    torch = pytest.importorskip("torch")
+    seq = head.FeatureSet(trained.with_suffix(".data")).sequences()[5]
+    with GGUFFile(tiny_llama_path) as f:
+        shape = replace(network.read_shape(f), n_layer=1, n_ff=64)
+        embd = f.tensor("token_embd.weight").dequantize()
+    model = head.build_head(shape)
+    model.load_state_dict(load_checkpoint(trained.with_suffix(".ckpt"))["progress"]["best_state"])
+    tokens, n = seq.tokens.astype(np.int64), 40
+    f = torch.from_numpy(seq.features[:n + 1].astype(np.float32))[None]
+    e = torch.from_numpy(embd[tokens[1:n + 1]])[None]
+    W = torch.from_numpy(embd[:200])
+    runs = []
+    for bf16 in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            reg, tok, _, _ = head._losses(model, W, f[:, :-1], e, f[:, 1:], torch.ones(1, n, dtype=torch.bool), 0.0, 2)
+        (reg + head.TOKEN_LOSS_WEIGHT * tok).backward()
+        runs.append((reg.item(), tok.item(), model.blk[0].ffn_down.weight.grad.clone()))
+    (reg32, tok32, g32), (reg16, tok16, g16) = runs
+    assert reg16 == pytest.approx(reg32, rel=0.03) and tok16 == pytest.approx(tok32, rel=0.03)
+    assert float(torch.nn.functional.cosine_similarity(g16.flatten(), g32.flatten(), dim=0)) > 0.98
+    assert recipe(trained)["precision"] == ("bf16" if network.bf16_matmuls() else "f32")
+
+
 def test_the_file_says_how_it_was_made(trained):
     r = recipe(trained)
     assert r["lang"] == "python" and r["mode"] == "text" and r["steps"] > 0 and r["rows_seen"] > 0
