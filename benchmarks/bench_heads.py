@@ -50,6 +50,14 @@ def cpu_flags() -> str:
     return f"{name} [{' '.join(shown)}]"
 
 
+def head_pairs(ap: argparse.ArgumentParser, heads: list[str]) -> list[tuple[str, str]]:
+    """--head's SUITE=FILE pairs (an argparse error when one is not, or its FILE is missing)."""
+    pairs = [h.split("=", 1) for h in heads]
+    if any(len(p) != 2 or not Path(p[1]).is_file() for p in pairs):
+        ap.error("--head takes SUITE=FILE with an existing FILE")
+    return [(suite, path) for suite, path in pairs]
+
+
 def run(engine: Engine, prompt, drafter: str, tokens: int):
     kw = dict(max_tokens=tokens, temperature=0.0, drafter=drafter)
     if prompt.chat:
@@ -67,9 +75,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-max", type=int, default=4)
     args = ap.parse_args()
-    pairs = [h.split("=", 1) for h in args.head]
-    if any(len(p) != 2 or not Path(p[1]).is_file() for p in pairs):
-        ap.error("--head takes SUITE=FILE with an existing FILE")
+    pairs = head_pairs(ap, args.head)
     print(f"# {args.model}, {args.threads} threads, greedy, {args.tokens} tokens, draft-max {args.draft_max}; "
           f"{cpu_flags()}")
     failed = False

@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_auto import held_out  # noqa: E402  (the held-out prompt choice, shared)
+from bench_heads import cpu_flags, head_pairs, run  # noqa: E402
 
 from edgespec import Engine  # noqa: E402
 from edgespec.capi import ffi  # noqa: E402
@@ -34,10 +35,9 @@ from edgespec.drafters.model import target_fingerprint  # noqa: E402
 def accuracy(engine, path: Path, prompt, tokens: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
     """(hits, trials) by depth of the head at ``path`` on the target's answer to ``prompt``."""
     backend = engine.backend
-    messages = [{"role": "user", "content": prompt.prompt}] if prompt.chat else None
-    text = None if prompt.chat else prompt.prompt
-    answer = engine.generate(text, messages=messages, max_tokens=tokens, temperature=0.0, drafter="none").tokens
-    context = list(engine.prompt_tokens(text, messages=messages))
+    answer = run(engine, prompt, "none", tokens).tokens
+    context = list(engine.prompt_tokens(messages=[{"role": "user", "content": prompt.prompt}]) if prompt.chat
+                   else engine.prompt_tokens(prompt.prompt))
     full, n_prompt = context + list(answer), len(context)
     backend.clear()
     backend.keep_features(True)
@@ -81,7 +81,8 @@ def main() -> int:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    pairs = [(s, Path(f)) for s, _, f in (h.partition("=") for h in args.head)]
+    pairs = [(suite, Path(path)) for suite, path in head_pairs(ap, args.head)]
+    print(f"# {args.model}, {args.threads} threads, greedy answers of {args.tokens} tokens; {cpu_flags()}")
     with Engine(args.model, backend="native", threads=args.threads) as engine:
         for suite, path in pairs:
             print(f"\n## {suite}: {path.name} (depth 1..{args.depth}: given the ones before right)")

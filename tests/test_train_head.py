@@ -59,16 +59,23 @@ def test_features_are_the_targets_hidden_states(trained, tiny_llama_path):
     np.testing.assert_allclose(seqs[3].features.astype(np.float32), want, rtol=2e-3, atol=2e-3)
 
 
-def test_the_c_head_computes_what_was_trained(trained, tiny_llama_path):
-    """The exported file, run by the C core row by row (as it drafts), against
-    the PyTorch head of the checkpoint's best state (f16 weights: close)."""
-    torch = pytest.importorskip("torch")
+def best_trained_head(trained: Path, tiny_llama_path: Path):
+    """The PyTorch head of ``trained``'s checkpoint's best state, a sequence
+    of its features and the target's token embeddings (n_vocab, n_embd)."""
     seq = head.FeatureSet(trained.with_suffix(".data")).sequences()[5]
     with GGUFFile(tiny_llama_path) as f:
         shape = replace(network.read_shape(f), n_layer=1, n_ff=64)
         embd = f.tensor("token_embd.weight").dequantize()
     model = head.build_head(shape)
     model.load_state_dict(load_checkpoint(trained.with_suffix(".ckpt"))["progress"]["best_state"])
+    return model, seq, embd
+
+
+def test_the_c_head_computes_what_was_trained(trained, tiny_llama_path):
+    """The exported file, run by the C core row by row (as it drafts), against
+    the PyTorch head of the checkpoint's best state (f16 weights: close)."""
+    torch = pytest.importorskip("torch")
+    model, seq, embd = best_trained_head(trained, tiny_llama_path)
     tokens, features, n = seq.tokens.astype(np.int64), seq.features.astype(np.float32), 40
     with torch.no_grad():
         want = model(torch.from_numpy(features[:n])[None], torch.from_numpy(embd[tokens[1:n + 1]])[None])[0].numpy()
@@ -114,12 +121,7 @@ def test_bfloat16_products_give_float32_s_losses(trained, tiny_llama_path):
     trains under autocast: on the same rows its losses and gradient are
     float32's within bfloat16's rounding; the recipe says which it was."""
     torch = pytest.importorskip("torch")
-    seq = head.FeatureSet(trained.with_suffix(".data")).sequences()[5]
-    with GGUFFile(tiny_llama_path) as f:
-        shape = replace(network.read_shape(f), n_layer=1, n_ff=64)
-        embd = f.tensor("token_embd.weight").dequantize()
-    model = head.build_head(shape)
-    model.load_state_dict(load_checkpoint(trained.with_suffix(".ckpt"))["progress"]["best_state"])
+    model, seq, embd = best_trained_head(trained, tiny_llama_path)
     tokens, n = seq.tokens.astype(np.int64), 40
     f = torch.from_numpy(seq.features[:n + 1].astype(np.float32))[None]
     e = torch.from_numpy(embd[tokens[1:n + 1]])[None]
