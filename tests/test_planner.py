@@ -6,8 +6,8 @@ import time
 
 from edgespec.costs import MAX_BATCH, DraftCost
 from edgespec.drafters import Draft, Drafter
-from edgespec.planner import (CONFIDENCE_STRENGTH, EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES, CostCurve, ExpertMisses,
-                              Planner)
+from edgespec.planner import (CONFIDENCE_STRENGTH, EXPECTED_ROOM_MIN, EXPLORE_EVERY, EXPLORE_SHARE, MIN_SAMPLES,
+                              CostCurve, ExpertMisses, Planner, expected_room)
 
 LINEAR = [0.0] + [float(k) for k in range(1, MAX_BATCH + 1)]        # no batching gain
 FLAT = [0.0] + [1.0 + 0.05 * (k - 1) for k in range(1, MAX_BATCH + 1)]  # batches nearly free
@@ -840,8 +840,6 @@ def test_opening_a_drafter_is_priced_on_the_answer_s_expected_rest():
     # tokens' time to open: worth opening with 96 tokens left, not where
     # the answer is expected to end within 16 (planner.expected_room); a
     # backlog of an open drafter is still priced on what is left at most.
-    from edgespec.planner import EXPECTED_ROOM_MIN, expected_room
-
     p = Planner(MEMORY_BOUND)
     for _ in range(MIN_SAMPLES):
         p.record_step_time(0.02, 1)

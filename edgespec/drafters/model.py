@@ -541,12 +541,16 @@ class ModelDrafter(Drafter):
         """Sample up to ``n`` tokens after the row at ``logits``, evaluating all
         but the last. Returns them and, under greedy decoding, for each the
         runner-up token with the draft's probabilities of both (where the
-        planner may widen the chain) and the draft's probability of it. With a
+        planner may widen the chain) and the draft's probability of it (same
+        vocabulary only: only a cross-tokenizer chain stops at a control
+        token, so each token has its probability). With a
         grammar's lookahead ``look``, q is drawn inside the grammar as p is,
         and the chain ends after the first token the grammar rejects (kept:
         verification needs its q row to stay exact)."""
         greedy = self._sampler.params.greedy
-        want_runners = greedy and self._bridge is None and siblings.wanted(self.planner, self.name, n)
+        # A cross-tokenizer chain is re-tokenized: its probabilities say nothing of the target's tokens.
+        confident = greedy and self._bridge is None
+        want_runners = confident and siblings.wanted(self.planner, self.name, n)
         tokens: list[int] = []
         runners: list[tuple] = []
         confidence: list[float] = []
@@ -557,7 +561,7 @@ class ModelDrafter(Drafter):
                 if want_runners:
                     runners.append(siblings.runner_up(logits, self.n_vocab, tok))
                     confidence.append(runners[-1][1])
-                else:
+                elif confident:
                     confidence.append(siblings.probability(logits, self.n_vocab, tok))
             else:
                 if self._bridge is None:
@@ -572,7 +576,7 @@ class ModelDrafter(Drafter):
             if i + 1 < n:
                 logits = self.backend.decode([tok])
                 self.n_evaluated += 1
-        return tokens, runners, confidence[:len(tokens)]
+        return tokens, runners, confidence
 
     def _refill_penalty(self, context: Sequence[int]) -> None:
         params = self._sampler.params

@@ -287,9 +287,9 @@ def collect(engine, target_name: str, out: Path, p: HeadParams, *, progress: boo
             batch = range(i, min(i + group, len(pieces)))
             made = (list(pool.map(lambda j: _sequence(engine, p, pieces[j], j), batch)) if pool
                     else [_sequence(engine, p, pieces[j], j) for j in batch])
-            for j, (tokens, start) in zip(batch, made):
-                features = backend.hidden_states([tokens])[0].astype(np.float16)
-                pending.append(Collected(np.asarray(tokens, np.int32), start, features))
+            features = backend.hidden_states([tokens for tokens, _ in made])
+            for j, (tokens, start), f in zip(batch, made, features):
+                pending.append(Collected(np.asarray(tokens, np.int32), start, f.astype(np.float16)))
                 bar.update(len(tokens) if p.tokens else 1, f"{len(tokens) - start} rows from sequence {j}")
             i = batch.stop
             if len(pending) >= SEQUENCES_PER_SHARD or time.monotonic() - t0 >= CHECKPOINT_SECONDS:
